@@ -1,0 +1,13 @@
+"""Benchmark suites behind ``kvbank bench SUITE --json``.
+
+Each suite module exposes ``run(quick: bool) -> Iterator[BenchRow]``; every row carries its
+baseline measured in the same run (see :mod:`kvbank.bench.common`). Suites are registered
+in :data:`SUITES` by module name and imported only when asked for, so a suite's heavy
+dependencies never load for another.
+"""
+
+from __future__ import annotations
+
+SUITES: dict[str, str] = {
+    "keys": "kvbank.bench.keys",
+}

@@ -1,0 +1,182 @@
+"""Frozen, validated settings for a bank (the embedded core and, later, ``kvbank serve``).
+
+Every field has a ``DEFAULT_*`` constant and an environment override under the ``KVBANK_``
+prefix; :meth:`BankConfig.from_env` reads them and CLI flags map onto the same names.
+
+==========================  =========================  =====================================
+field                       environment                meaning
+==========================  =========================  =====================================
+data_dir                    KVBANK_DATA_DIR            disk tier folder; unset = no disk tier
+host_bytes                  KVBANK_HOST_BYTES          host (shared-memory) tier budget
+disk_bytes                  KVBANK_DISK_BYTES          disk (LMDB) tier budget
+device_bytes                KVBANK_DEVICE_BYTES        device tier budget; unset = a fraction
+                                                       of free GPU memory read through NVML;
+                                                       0 = off
+device_fraction             KVBANK_DEVICE_FRACTION     that fraction
+device                      KVBANK_DEVICE              torch device of the device tier
+high_watermark              KVBANK_HIGH_WATERMARK      fill ratio that starts demotion
+low_watermark               KVBANK_LOW_WATERMARK       fill ratio demotion stops at
+write_policy                KVBANK_WRITE_POLICY        write-back (demote on eviction) or
+                                                       write-through (every put also to disk)
+disk_sync                   KVBANK_DISK_SYNC           fsync every disk commit (true) or
+                                                       leave it to the OS (false)
+lease_ttl_s                 KVBANK_LEASE_TTL_S         default lease time to live
+max_lease_ttl_s             KVBANK_MAX_LEASE_TTL_S     the longest TTL a lease may ask for
+fetch_ttl_s                 KVBANK_FETCH_TTL_S         how long a fetch-ledger entry lives
+reaper_interval_s           KVBANK_REAPER_INTERVAL_S   how often expired leases are reaped
+movement_queue_bytes        KVBANK_MOVEMENT_QUEUE_BYTES  bytes waiting for the background
+                                                       mover before puts feel backpressure
+==========================  =========================  =====================================
+
+Byte sizes accept a plain integer or a suffix: ``512M``, ``4G``, ``1.5GiB`` (powers of 1024).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvbank.errors import ConfigError
+
+ENV_PREFIX = "KVBANK_"
+
+DEFAULT_HOST_BYTES = 1 << 30
+DEFAULT_DISK_BYTES = 8 << 30
+DEFAULT_DEVICE_FRACTION = 0.10
+DEFAULT_DEVICE = "cuda"
+DEFAULT_HIGH_WATERMARK = 0.95
+DEFAULT_LOW_WATERMARK = 0.80
+DEFAULT_LEASE_TTL_S = 30.0
+DEFAULT_MAX_LEASE_TTL_S = 600.0
+DEFAULT_FETCH_TTL_S = 120.0
+DEFAULT_REAPER_INTERVAL_S = 0.25
+DEFAULT_MOVEMENT_QUEUE_BYTES = 256 << 20
+
+
+class WritePolicy(enum.Enum):
+    WRITE_BACK = "write-back"  # rows reach disk when demoted
+    WRITE_THROUGH = "write-through"  # every committed row is also written to disk at once
+
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_bytes(value: str | int, name: str = "size") -> int:
+    """``"4G"`` → 4294967296. Refuses negatives and junk with a message naming ``name``."""
+    if isinstance(value, bool):
+        raise ConfigError(f"{name}: expected a byte size, got {value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise ConfigError(f"{name}: must be >= 0, got {value}")
+        return value
+    m = _SIZE.match(value)
+    if not m:
+        raise ConfigError(f"{name}: not a byte size: {value!r} (try 512M, 4G)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def _parse_bool(value: str, name: str) -> bool:
+    v = value.strip().lower()
+    if v in ("1", "true", "yes", "on"):
+        return True
+    if v in ("0", "false", "no", "off"):
+        return False
+    raise ConfigError(f"{name}: expected true/false, got {value!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class BankConfig:
+    """Settings of one bank. Validated on construction; use ``replace`` to change."""
+
+    data_dir: Path | None = None
+    host_bytes: int = DEFAULT_HOST_BYTES
+    disk_bytes: int = DEFAULT_DISK_BYTES
+    device_bytes: int | None = None
+    device_fraction: float = DEFAULT_DEVICE_FRACTION
+    device: str = DEFAULT_DEVICE
+    high_watermark: float = DEFAULT_HIGH_WATERMARK
+    low_watermark: float = DEFAULT_LOW_WATERMARK
+    write_policy: WritePolicy = WritePolicy.WRITE_BACK
+    disk_sync: bool = True
+    lease_ttl_s: float = DEFAULT_LEASE_TTL_S
+    max_lease_ttl_s: float = DEFAULT_MAX_LEASE_TTL_S
+    fetch_ttl_s: float = DEFAULT_FETCH_TTL_S
+    reaper_interval_s: float = DEFAULT_REAPER_INTERVAL_S
+    movement_queue_bytes: int = DEFAULT_MOVEMENT_QUEUE_BYTES
+
+    def __post_init__(self) -> None:
+        if self.data_dir is not None and not isinstance(self.data_dir, Path):
+            object.__setattr__(self, "data_dir", Path(self.data_dir))
+        if isinstance(self.write_policy, str):
+            try:
+                object.__setattr__(self, "write_policy", WritePolicy(self.write_policy))
+            except ValueError:
+                raise ConfigError(
+                    f"write_policy: expected one of {[p.value for p in WritePolicy]}, "
+                    f"got {self.write_policy!r}"
+                ) from None
+        for name in ("host_bytes", "disk_bytes", "movement_queue_bytes"):
+            object.__setattr__(self, name, parse_bytes(getattr(self, name), name))
+        if self.device_bytes is not None:
+            object.__setattr__(self, "device_bytes", parse_bytes(self.device_bytes, "device_bytes"))
+        if not 0.0 < self.device_fraction <= 0.95:
+            raise ConfigError(f"device_fraction: must be in (0, 0.95], got {self.device_fraction}")
+        if not 0.0 < self.low_watermark < self.high_watermark <= 1.0:
+            raise ConfigError(
+                "watermarks: need 0 < low_watermark < high_watermark <= 1, got "
+                f"low={self.low_watermark}, high={self.high_watermark}"
+            )
+        for name in ("lease_ttl_s", "max_lease_ttl_s", "fetch_ttl_s", "reaper_interval_s"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+                raise ConfigError(f"{name}: must be a positive number of seconds, got {v!r}")
+        if self.lease_ttl_s > self.max_lease_ttl_s:
+            raise ConfigError(
+                f"lease_ttl_s: {self.lease_ttl_s} exceeds max_lease_ttl_s {self.max_lease_ttl_s}"
+            )
+        if not isinstance(self.disk_sync, bool):
+            raise ConfigError(f"disk_sync: must be a bool, got {self.disk_sync!r}")
+
+    def replace(self, **changes: Any) -> BankConfig:
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> BankConfig:
+        """Defaults, then ``KVBANK_*`` variables, then ``overrides`` (CLI flags)."""
+        env = os.environ if env is None else env
+        values: dict[str, Any] = {}
+        for f in dataclasses.fields(cls):
+            raw = env.get(ENV_PREFIX + f.name.upper())
+            if raw is None or raw == "":
+                continue
+            values[f.name] = _from_text(f.name, raw)
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        try:
+            return cls(**values)
+        except TypeError as exc:
+            raise ConfigError(str(exc)) from exc
+
+
+def _from_text(name: str, raw: str) -> Any:
+    if name == "data_dir":
+        return Path(raw)
+    if name in ("host_bytes", "disk_bytes", "device_bytes", "movement_queue_bytes"):
+        return parse_bytes(raw, ENV_PREFIX + name.upper())
+    if name == "disk_sync":
+        return _parse_bool(raw, ENV_PREFIX + name.upper())
+    if name == "device":
+        return raw
+    if name == "write_policy":
+        return raw
+    try:
+        return float(raw)
+    except ValueError:
+        raise ConfigError(f"{ENV_PREFIX}{name.upper()}: expected a number, got {raw!r}") from None

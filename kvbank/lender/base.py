@@ -1,0 +1,271 @@
+"""The lender's contract: the value objects a lease is made of, and what it needs of a store.
+
+Primitives:
+
+- :class:`Lease` — a time-limited right to read (``READ``) or fill (``WRITE``) rows in
+  place, in ``HOST`` (POSIX shared memory) or ``DEVICE`` (a torch pool) memory. A
+  ``NAMED`` lease lists its rows; an ``ALL`` lease describes a tier's pools without
+  naming rows, for registering them once with a transfer engine.
+- :class:`LeaseRow` — one row of a lease: its name, whether it is stored, where its bytes
+  lie (:class:`HostLocation` or :class:`DeviceLocation`), the buffer regions inside the
+  page (:class:`Region`) and its :class:`Delivery` state.
+- :class:`CommitResult` — what a ``WRITE`` lease's commit made visible.
+- :class:`LendingStore` — the part of the tiered store the lender uses (page locks, host
+  and device slots). :class:`kvbank.tiers.store.TieredStore` satisfies it.
+
+Lifecycle of a lease: ``lend`` → read or fill the bytes in place → ``release`` (READ) or
+``commit`` (WRITE, only rows that arrived whole become visible); ``renew`` extends it.
+A lease that is neither renewed nor finished expires at its deadline; a reaper drops its
+page locks and returns its reserved slots. See :mod:`kvbank.lender.lender`.
+
+Every value object here is a frozen dataclass of plain fields, so :meth:`Lease.to_json`
+can hand a lease to another process (which maps the segments by name) without pickle.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+from kvbank.layout import PageLayout
+from kvbank.tiers.base import DeviceSlot, HostSlot, TierKind
+
+if TYPE_CHECKING:
+    import torch
+
+
+class MemoryKind(enum.Enum):
+    """Where a lease's bytes lie."""
+
+    HOST = "HOST"  # POSIX shared-memory segments of the host tier
+    DEVICE = "DEVICE"  # torch pools of the device tier
+
+
+class LeaseMode(enum.Enum):
+    READ = "READ"  # read committed rows in place
+    WRITE = "WRITE"  # fill reserved slots in place; commit publishes them
+
+
+class Selection(enum.Enum):
+    NAMED = "NAMED"  # the rows listed by name
+    ALL = "ALL"  # every pool of the tier, no rows named (transfer-engine registration)
+
+
+class Delivery(enum.Enum):
+    """A lease row's state when the lease snapshot was taken."""
+
+    READY = "READY"  # READ: the bytes are in place and locked
+    MISSING = "MISSING"  # READ: not stored; nothing to read (a miss, never an error)
+    PRESENT = "PRESENT"  # WRITE: already stored; no slot was reserved, nothing to fill
+    RESERVED = "RESERVED"  # WRITE: an invisible slot waits to be filled
+
+
+@dataclass(frozen=True, slots=True)
+class HostLocation:
+    """Bytes in a host shared-memory segment: map ``segment`` by name, read at ``offset``."""
+
+    segment: str
+    offset: int
+    size: int
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceLocation:
+    """Bytes in a device-tier pool. ``ipc_handle`` is set when the pool lives on CUDA."""
+
+    pool: str
+    device: str
+    offset: int
+    size: int
+    ipc_handle: bytes | None = None
+
+
+Location = HostLocation | DeviceLocation  # where one row's (or one pool's) bytes lie
+
+
+@dataclass(frozen=True, slots=True)
+class Region:
+    """One buffer's bytes inside a page (from the layout's ``regions``)."""
+
+    layer: int
+    role: str
+    offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class PageShape:
+    """What a row name's page looks like: its size and its buffer regions."""
+
+    size: int
+    regions: tuple[Region, ...]
+
+    @classmethod
+    def of(cls, layout: PageLayout, group: int) -> PageShape:
+        return cls(
+            layout.group_page_bytes[group],
+            tuple(
+                Region(r.buffer.layer, r.buffer.role.name, r.offset, r.nbytes)
+                for r in layout.regions[group]
+            ),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseRow:
+    """One row of a lease."""
+
+    name: bytes
+    present: bool  # stored (READ: readable now; WRITE: already stored, nothing to fill)
+    location: Location | None  # None when there is nothing to read or fill
+    regions: tuple[Region, ...]  # empty when no registered layout describes the name
+    delivery: Delivery
+
+
+@dataclass(frozen=True, slots=True)
+class Lease:
+    """A snapshot of a lease when it was lent or renewed. Plain fields only."""
+
+    id: str
+    kind: MemoryKind
+    mode: LeaseMode
+    selection: Selection
+    expires_at: float  # deadline on the lender's monotonic clock (CLOCK_MONOTONIC by default)
+    expires_wall: float  # the same deadline as a wall-clock time.time(), for display
+    rows: tuple[LeaseRow, ...]
+    pools: tuple[Location, ...] = ()  # ALL leases: every pool of the tier, offset 0
+
+    def row(self, name: bytes) -> LeaseRow:
+        for r in self.rows:
+            if r.name == name:
+                return r
+        raise KeyError(name)
+
+    @property
+    def names(self) -> tuple[bytes, ...]:
+        return tuple(r.name for r in self.rows)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready fields (bytes as hex, enums by name)."""
+        return {
+            "id": self.id,
+            "kind": self.kind.name,
+            "mode": self.mode.name,
+            "selection": self.selection.name,
+            "expires_at": self.expires_at,
+            "expires_wall": self.expires_wall,
+            "rows": [
+                {
+                    "name": r.name.hex(),
+                    "present": r.present,
+                    "location": _location_to_dict(r.location),
+                    "regions": [[g.layer, g.role, g.offset, g.nbytes] for g in r.regions],
+                    "delivery": r.delivery.name,
+                }
+                for r in self.rows
+            ],
+            "pools": [_location_to_dict(p) for p in self.pools],
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), separators=(",", ":"))
+
+    @classmethod
+    def from_dict(cls, doc: Mapping[str, Any]) -> Lease:
+        rows = tuple(
+            LeaseRow(
+                bytes.fromhex(r["name"]),
+                bool(r["present"]),
+                _location_from_dict(r["location"]),
+                tuple(Region(int(a), str(b), int(c), int(d)) for a, b, c, d in r["regions"]),
+                Delivery[r["delivery"]],
+            )
+            for r in doc["rows"]
+        )
+        pools = tuple(
+            p for p in (_location_from_dict(d) for d in doc.get("pools", ())) if p is not None
+        )
+        return cls(
+            str(doc["id"]),
+            MemoryKind[doc["kind"]],
+            LeaseMode[doc["mode"]],
+            Selection[doc["selection"]],
+            float(doc["expires_at"]),
+            float(doc["expires_wall"]),
+            rows,
+            pools,
+        )
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> Lease:
+        return cls.from_dict(json.loads(text))
+
+
+def _location_to_dict(loc: Location | None) -> dict[str, Any] | None:
+    if loc is None:
+        return None
+    if isinstance(loc, HostLocation):
+        return {"segment": loc.segment, "offset": loc.offset, "size": loc.size}
+    return {
+        "pool": loc.pool,
+        "device": loc.device,
+        "offset": loc.offset,
+        "size": loc.size,
+        "ipc_handle": None if loc.ipc_handle is None else loc.ipc_handle.hex(),
+    }
+
+
+def _location_from_dict(doc: Mapping[str, Any] | None) -> Location | None:
+    if doc is None:
+        return None
+    if "segment" in doc:
+        return HostLocation(str(doc["segment"]), int(doc["offset"]), int(doc["size"]))
+    ipc = doc.get("ipc_handle")
+    return DeviceLocation(
+        str(doc["pool"]),
+        str(doc["device"]),
+        int(doc["offset"]),
+        int(doc["size"]),
+        None if ipc is None else bytes.fromhex(ipc),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class CommitResult:
+    """What a WRITE lease's commit did, row by row."""
+
+    lease_id: str
+    committed: tuple[bytes, ...]  # arrived whole and now visible
+    discarded: tuple[bytes, ...]  # did not arrive: their reserved slots went back
+    already_present: tuple[bytes, ...]  # stored by someone else meanwhile: slot returned
+
+
+class LendingStore(Protocol):
+    """What the lender needs of the tiered store: presence, page locks, host/device slots.
+
+    :class:`kvbank.tiers.store.TieredStore` satisfies it; the lender is typed against this
+    protocol so that its dependency on the store is exactly this list.
+    """
+
+    def locate(self, names: Sequence[bytes]) -> list[TierKind | None]: ...
+    def lock(self, names: Iterable[bytes], holder: str) -> None: ...
+    def unlock(self, names: Iterable[bytes], holder: str) -> None: ...
+    def unlock_all(self, holder: str) -> None: ...
+    def is_locked(self, name: bytes) -> bool: ...
+    def stage_host(self, name: bytes) -> HostSlot | None: ...
+    def reserve_host(self, size: int, holder: str) -> HostSlot: ...
+    def commit_host(
+        self, name: bytes, slot: HostSlot, *, dtype: str = "uint8", parent: bytes | None = None
+    ) -> None: ...
+    def abort_host(self, slot: HostSlot) -> None: ...
+    def host_view(self, slot: HostSlot) -> memoryview: ...
+    def stage_device(self, name: bytes) -> DeviceSlot | None: ...
+    def reserve_device(self, size: int, holder: str) -> DeviceSlot: ...
+    def commit_device(
+        self, name: bytes, slot: DeviceSlot, *, dtype: str = "uint8", parent: bytes | None = None
+    ) -> None: ...
+    def abort_device(self, slot: DeviceSlot) -> None: ...
+    def device_view(self, slot: DeviceSlot) -> torch.Tensor: ...

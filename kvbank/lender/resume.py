@@ -1,0 +1,187 @@
+"""Resume bounds: the largest token position a worker can resume from with the rows it has.
+
+A pure function of the layout, the prompt length ``T`` and a presence predicate
+(:func:`resume_bound`). Pages have ``P = tokens_per_page`` tokens; the key chain has one
+key per *full* page of the prompt (``T // P`` keys, index ``j`` = the page covering
+``[j·P, (j+1)·P)``); a partial last page is never keyed, so never stored or required.
+
+The bound ``r`` is the largest page boundary with ``r <= T - 1`` (at least one token is
+recomputed to produce logits) such that, for every group whose page carries bytes:
+
+- a full-attention group has every page covering ``[0, r)``;
+- a sliding-window group has the pages covering ``[max(0, r - window), r)`` plus its sink
+  pages (pages overlapping ``[0, sink_tokens)``, those below ``r``); pages outside the
+  window are neither required nor fetched;
+- a ``STATE`` group has a snapshot at exactly ``r``. The snapshot at boundary ``i·P`` is
+  keyed by the key of the page that ends there, key index ``i - 1``.
+
+Groups whose page is 0 bytes (every buffer ``transferred=False``) never block ``r`` and
+need no rows. ``r = 0`` means recompute everything; the first token recomputed is ``r``.
+
+The set of valid ``r`` is not monotone (an evicted window can block a high boundary while
+a lower one is whole; a snapshot exists only at some boundaries), so every candidate is
+checked from the top down — no binary search. Presence is read once per keyed page and
+turned into prefix sums, so each candidate costs O(groups).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from itertools import accumulate
+
+from kvbank.errors import InvalidInput
+from kvbank.layout import GroupKind, PageLayout
+
+Presence = Callable[[int, int], bool]  # (group index, key index) -> the row is available
+
+
+class Obstacle(enum.Enum):
+    """Why the next boundary above ``r`` is not usable."""
+
+    MISSING_PAGE = "missing page"  # a full-attention page below it is not available
+    WINDOW_EVICTED = "window evicted"  # a sliding-window page inside its window is gone
+    SINK_EVICTED = "sink evicted"  # a sliding-window group's sink page is gone
+    NO_SNAPSHOT = "no snapshot"  # a STATE group has no snapshot at exactly that boundary
+    LAST_TOKEN = "last token"  # it would leave no prompt token to compute logits from
+
+
+@dataclass(frozen=True, slots=True)
+class ResumeBound:
+    """Where a worker resumes and exactly which rows it needs for that."""
+
+    tokens: int  # r: resume at this position; 0 = recompute everything
+    prompt_tokens: int  # T
+    tokens_per_page: int  # P
+    keyed_pages: int  # T // P: pages at index >= this are partial and never keyed
+    matched_tokens: int  # contiguous prefix every full-attention group holds (keyed pages)
+    pages: tuple[tuple[int, ...], ...]  # per group: key indices needed for r, ascending
+    rows: tuple[tuple[bytes, ...], ...]  # per group: their row names (empty without names)
+    reason: Obstacle | None  # why r + P is not usable; None when r is the prompt's best
+    blocking_group: int | None  # the group that blocks r + P (None for LAST_TOKEN / None)
+
+    @property
+    def recompute_from(self) -> int:
+        """The first token the worker must compute itself (equal to ``tokens``)."""
+        return self.tokens
+
+    @property
+    def row_count(self) -> int:
+        return sum(len(p) for p in self.pages)
+
+    def needed(self) -> list[bytes]:
+        """Every needed row name, group by group (requires names)."""
+        return [n for g in self.rows for n in g]
+
+
+def required_pages(layout: PageLayout, group: int, r: int) -> tuple[int, ...]:
+    """Key indices group ``group`` needs to resume at boundary ``r`` (a multiple of P)."""
+    p = layout.tokens_per_page
+    if r <= 0 or layout.group_page_bytes[group] == 0:
+        return ()
+    g = layout.groups[group]
+    top = r // p  # pages [0, top) cover [0, r)
+    if g.kind is GroupKind.STATE:
+        return (top - 1,)
+    if g.window is None:
+        return tuple(range(top))
+    lo = max(0, r - g.window) // p
+    sink = min(-(-g.sink_tokens // p), top)
+    return tuple(sorted(set(range(sink)) | set(range(lo, top))))
+
+
+def resume_bound(
+    layout: PageLayout,
+    prompt_tokens: int,
+    present: Presence,
+    names: Sequence[Sequence[bytes]] | None = None,
+) -> ResumeBound:
+    """The bound for a prompt of ``prompt_tokens`` tokens given which rows are available.
+
+    ``present(g, j)`` is asked once for every group ``g`` whose page carries bytes and
+    every key index ``j < T // P``. ``names[g][j]``, when given, is the row name of key
+    index ``j`` of group ``g`` and fills :attr:`ResumeBound.rows`.
+    """
+    if isinstance(prompt_tokens, bool) or not isinstance(prompt_tokens, int) or prompt_tokens < 0:
+        raise InvalidInput(f"prompt_tokens: must be a non-negative integer, got {prompt_tokens!r}")
+    p = layout.tokens_per_page
+    t = prompt_tokens
+    keyed = t // p
+    n_groups = len(layout.groups)
+    if names is not None:
+        if len(names) != n_groups:
+            raise InvalidInput(f"names: {len(names)} groups given, the layout has {n_groups}")
+        for gi, gn in enumerate(names):
+            if layout.group_page_bytes[gi] and len(gn) < keyed:
+                raise InvalidInput(f"names[{gi}]: {len(gn)} names for {keyed} keyed pages")
+
+    active = [gi for gi in range(n_groups) if layout.group_page_bytes[gi] > 0]
+    # have[g][j] for keyed pages; prefix[g][k] = number available among j < k
+    have: dict[int, list[bool]] = {gi: [bool(present(gi, j)) for j in range(keyed)] for gi in active}
+    prefix = {gi: [0, *accumulate(int(x) for x in have[gi])] for gi in active}
+
+    def count(gi: int, lo: int, hi: int) -> int:
+        return prefix[gi][hi] - prefix[gi][lo]
+
+    full = [gi for gi in active if layout.groups[gi].kind is GroupKind.ATTENTION
+            and layout.groups[gi].window is None]
+    runs: dict[int, int] = {}  # full-attention group -> pages held contiguously from 0
+    for gi in full:
+        run = 0
+        while run < keyed and have[gi][run]:
+            run += 1
+        runs[gi] = run
+    matched_pages = min(runs.values(), default=keyed)
+
+    def obstacle(r: int) -> tuple[Obstacle, int] | None:
+        top = r // p
+        for gi in active:
+            g = layout.groups[gi]
+            if g.kind is GroupKind.STATE:
+                if not have[gi][top - 1]:
+                    return Obstacle.NO_SNAPSHOT, gi
+            elif g.window is None:
+                if top > runs[gi]:
+                    return Obstacle.MISSING_PAGE, gi
+            else:
+                sink = min(-(-g.sink_tokens // p), top)
+                if count(gi, 0, sink) != sink:
+                    return Obstacle.SINK_EVICTED, gi
+                lo = max(0, r - g.window) // p
+                if count(gi, lo, top) != top - lo:
+                    return Obstacle.WINDOW_EVICTED, gi
+        return None
+
+    best_candidate = ((t - 1) // p) * p if t > 0 else 0
+    r = 0
+    reason: Obstacle | None = None
+    blocking: int | None = None
+    # The boundary just above the best candidate is blocked by the last-token rule when
+    # its page is keyed (T a multiple of P); a partial last page is not a loss.
+    if t > 0 and best_candidate + p <= keyed * p:
+        reason = Obstacle.LAST_TOKEN
+    for cand in range(best_candidate, 0, -p):
+        hit = obstacle(cand)
+        if hit is None:
+            r = cand
+            break
+        reason, blocking = hit
+
+    pages = tuple(required_pages(layout, gi, r) for gi in range(n_groups))
+    rows: tuple[tuple[bytes, ...], ...]
+    if names is None:
+        rows = tuple(() for _ in range(n_groups))
+    else:
+        rows = tuple(tuple(names[gi][j] for j in pages[gi]) for gi in range(n_groups))
+    return ResumeBound(
+        tokens=r,
+        prompt_tokens=t,
+        tokens_per_page=p,
+        keyed_pages=keyed,
+        matched_tokens=matched_pages * p,
+        pages=pages,
+        rows=rows,
+        reason=reason,
+        blocking_group=blocking,
+    )

@@ -1,0 +1,83 @@
+"""The fetch ledger: delivered rows, recomputed bounds, resume order, expiry."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvbank.errors import FetchNotFound, InvalidInput
+from kvbank.layout import hybrid_mamba
+from kvbank.lender.ledger import FetchLedger
+from kvbank.lender.resume import Obstacle, resume_bound
+
+P = 4
+MAMBA = hybrid_mamba("m@1", [0], [1], 4, 8, conv_shape=(4, 3), ssm_shape=(2, 8), tokens_per_page=P)
+T = 33  # 8 keyed pages; best boundary 32
+NAMES = [[bytes([g, j]) * 27 for j in range(8)] for g in range(2)]
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def plan_all():
+    # the store holds every attention page and snapshots at 16 and 32
+    return resume_bound(MAMBA, T, lambda g, j: g == 0 or j in (3, 7), NAMES)
+
+
+def test_ledger_bound_counts_only_rows_delivered_whole() -> None:
+    ledger = FetchLedger(10.0, FakeClock())
+    plan = plan_all()
+    assert plan.tokens == 32 and plan.pages == (tuple(range(8)), (7,))
+    fid = ledger.open(MAMBA, T, NAMES, plan)
+    assert ledger.bound(fid).tokens == 0  # nothing arrived yet: recompute
+    ledger.record(fid, NAMES[0][:8])
+    b = ledger.bound(fid)
+    assert b.tokens == 0 and b.reason is Obstacle.NO_SNAPSHOT  # KV without its state is useless
+    ledger.record(fid, [NAMES[1][7]])
+    assert ledger.bound(fid).tokens == 32
+    assert ledger.pending(fid) == ()
+    ledger.check_invariants()
+
+
+def test_ledger_broken_fetch_resumes_from_first_undelivered_row() -> None:
+    ledger = FetchLedger(10.0, FakeClock())
+    fid = ledger.open(MAMBA, T, NAMES, plan_all(), fetch_id="f-1")
+    assert fid == "f-1"
+    ledger.record(fid, [NAMES[0][0], NAMES[0][1], NAMES[0][3]])  # page 2 broke mid-transfer
+    pending = ledger.pending(fid)
+    assert [(r.group, r.index) for r in pending][:3] == [(0, 2), (0, 4), (0, 5)]
+    assert pending[-1].group == 1 and pending[-1].slot == 0
+    assert [r.slot for r in pending if r.group == 0] == [2, 4, 5, 6, 7]
+
+
+def test_ledger_refuses_rows_outside_the_plan_and_duplicate_ids() -> None:
+    ledger = FetchLedger(10.0, FakeClock())
+    fid = ledger.open(MAMBA, T, NAMES, plan_all())
+    with pytest.raises(InvalidInput, match=r"names\[0\]"):
+        ledger.record(fid, [NAMES[1][0]])  # a snapshot the plan does not use
+    with pytest.raises(InvalidInput, match="fetch_id"):
+        ledger.open(MAMBA, T, NAMES, plan_all(), fetch_id=fid)
+    with pytest.raises(InvalidInput, match="plan"):
+        ledger.open(MAMBA, T, NAMES, resume_bound(MAMBA, T, lambda g, j: True))  # no names
+
+
+def test_ledger_entries_expire_after_ttl_unless_touched() -> None:
+    clock = FakeClock()
+    ledger = FetchLedger(10.0, clock)
+    a = ledger.open(MAMBA, T, NAMES, plan_all())
+    b = ledger.open(MAMBA, T, NAMES, plan_all())
+    clock.now += 8
+    ledger.record(b, [NAMES[0][0]])  # activity keeps b alive
+    clock.now += 3
+    with pytest.raises(FetchNotFound):
+        ledger.bound(a)
+    assert a not in ledger and b in ledger
+    clock.now += 10
+    assert ledger.expire() == 1
+    assert len(ledger) == 0
+    with pytest.raises(FetchNotFound, match="fetch_id"):
+        ledger.close(b)

@@ -46,6 +46,7 @@ from __future__ import annotations
 import heapq
 import logging
 import math
+import os
 import threading
 import time
 import uuid
@@ -77,6 +78,7 @@ from kvbank.lender.base import (
     Selection,
 )
 from kvbank.tiers.base import DeviceSlot, HostSlot
+from kvbank.tiers.host import SHM_DIR
 
 if TYPE_CHECKING:
     import torch
@@ -115,13 +117,12 @@ class Lender:
         clock: Clock = time.monotonic,
         describe: Describe | None = None,
         reaper: bool = True,
-        pools: Callable[[MemoryKind], tuple[Location, ...]] | None = None,
     ) -> None:
         self._store = store
         self._config = config
         self._clock = clock
         self._describe: Describe = describe or (lambda name: None)
-        self._pools = pools
+        self._host_segment: str | None = None
         self._lock = threading.RLock()
         self._held: dict[str, _Held] = {}
         self._deadlines: list[tuple[float, str]] = []  # heap; stale entries skipped lazily
@@ -318,10 +319,8 @@ class Lender:
         self._enum(kind, MemoryKind, "kind")
         self._enum(mode, LeaseMode, "mode")
         ttl = self._ttl(ttl_s)
-        if self._pools is None:
-            raise InvalidInput("selection: this lender was given no pool description (pools=)")
-        pools = self._pools(kind)
         with self._lock:
+            pools = self._pool_locations(kind)
             self._check_open()
             now = self._clock()
             self._reap_locked(now)
@@ -331,6 +330,26 @@ class Lender:
             self._held[lease_id] = _Held(lease, deadline, ())
             heapq.heappush(self._deadlines, (deadline, lease_id))
         return lease
+
+    def _pool_locations(self, kind: MemoryKind) -> tuple[Location, ...]:
+        """The tier's pools as whole-segment locations.
+
+        The store names its host segment only inside the slots it hands out, so the lender
+        learns it from one smallest reservation, given back at once, and reads the segment's
+        size from ``/dev/shm``. The store does not enumerate its device pools (chunk tensors
+        come and go), so an ALL lease of DEVICE memory is refused.
+        """
+        if kind is MemoryKind.DEVICE:
+            raise InvalidInput(
+                "kind: an ALL lease of DEVICE memory needs the store to enumerate its device "
+                "pools, which it does not; lend DEVICE rows by name"
+            )
+        if self._host_segment is None:
+            probe = self._store.reserve_host(1, "kvbank-lender-probe")
+            self._store.abort_host(probe)
+            self._host_segment = probe.segment
+        size = os.stat(SHM_DIR / self._host_segment).st_size
+        return (HostLocation(self._host_segment, 0, size),)
 
     def _snapshot(
         self,
@@ -531,12 +550,13 @@ class Lender:
         if len(dst) < slot.size:
             raise InvalidInput(f"out: {len(dst)} bytes, the row holds {slot.size}")
         if isinstance(slot, HostSlot):
-            dst[: slot.size] = self._store.host_view(slot)[: slot.size]
+            with self._store.host_view(slot) as src:  # released at once: the slab may close
+                dst[: slot.size] = src
         else:
             import torch
 
-            src = self._store.device_view(slot)[: slot.size]
-            torch.frombuffer(dst, dtype=torch.uint8, count=slot.size).copy_(src)
+            dev = self._store.device_view(slot)[: slot.size]
+            torch.frombuffer(dst, dtype=torch.uint8, count=slot.size).copy_(dev)
         self.finish_read(lease_id)
         return slot.size
 
@@ -558,7 +578,8 @@ class Lender:
 
             raise PageSizeMismatch(f"data: {len(src)} bytes, the row's page is {slot.size}")
         if isinstance(slot, HostSlot):
-            self._store.host_view(slot)[: slot.size] = src
+            with self._store.host_view(slot) as dst:
+                dst[:] = src
         else:
             import torch
 

@@ -1,0 +1,192 @@
+"""The tier contract: what every storage tier of a node offers, and the values it hands out.
+
+Primitives:
+
+- :class:`TierKind` — ``DEVICE`` (a torch tensor pool), ``HOST`` (a POSIX shared-memory
+  slab), ``DISK`` (one LMDB environment). Declared fastest first; the tiered store places a
+  row in the fastest tier with room and moves it down under pressure.
+- :class:`Tier` — five methods (:meth:`~Tier.get_into`, :meth:`~Tier.put`,
+  :meth:`~Tier.delete`, :meth:`~Tier.contains`, :meth:`~Tier.close`), capability
+  properties (``persistent``, ``in_place``, ``compressed``), the byte budget and the bytes
+  in use, and batch helpers with default implementations a tier may override.
+- :class:`HostSlot` / :class:`DeviceSlot` — where a row's bytes lie in memory, so that the
+  lender can hand a worker the location to read or fill in place.
+
+Rules every tier keeps (the conformance suite :mod:`kvbank.testing.tiers` checks them):
+
+- Rows are keyed by the raw 54-byte row name; values are page bytes. A tier refuses a
+  row whose size differs from what the same name already holds
+  (:class:`~kvbank.errors.PageSizeMismatch`) and leaves the old row in place.
+- A miss is ``None`` (``get_into``) or ``False`` (``delete``, ``contains``), never an
+  exception. Failures are typed: :class:`~kvbank.errors.TierFull` when the budget has no
+  room (a tier never evicts on its own; eviction is the store's policy),
+  :class:`~kvbank.errors.TierUnavailable` after close or when the lower library fails,
+  with the library's error chained (``raise TierUnavailable(...) from exc``).
+- ``contains`` is a lookup: it never touches recency, locks or leases.
+
+Lifecycle: construct → put/get/delete from any thread → ``close()`` (idempotent); every
+call after close raises :class:`~kvbank.errors.TierUnavailable`.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from kvbank.errors import InvalidInput, InvalidRowName
+from kvbank.keys import ROW_NAME_BYTES
+
+Buffer = bytes | bytearray | memoryview  # page bytes accepted by put
+
+
+class TierKind(enum.Enum):
+    """A tier's kind, fastest first (the store's demotion order follows this order)."""
+
+    DEVICE = "device"
+    HOST = "host"
+    DISK = "disk"
+
+    @property
+    def rank(self) -> int:
+        """0 for the fastest tier; a row moves to higher ranks under pressure."""
+        return _RANK[self]
+
+
+_RANK = {TierKind.DEVICE: 0, TierKind.HOST: 1, TierKind.DISK: 2}
+
+
+@dataclass(frozen=True, slots=True)
+class HostSlot:
+    """A row's bytes in a host shared-memory segment.
+
+    Another process maps ``/dev/shm/<segment>`` (see :func:`kvbank.tiers.host.attach`)
+    and reads or writes ``size`` bytes at ``offset``. The slot's capacity may be larger
+    than ``size``; ``size`` is what the row holds.
+    """
+
+    segment: str  # POSIX shared-memory name, without the leading "/"
+    offset: int
+    size: int
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceSlot:
+    """A row's bytes in a device pool tensor: ``size`` bytes at byte ``offset``."""
+
+    pool: str  # pool id, unique per store instance and chunk
+    device: str  # torch device string, e.g. "cuda:0" or "cpu"
+    offset: int  # byte offset in the pool tensor
+    size: int
+
+
+def check_name(name: object) -> bytes:
+    """Return ``name`` if it is a raw row name (54 bytes), else raise InvalidRowName."""
+    if type(name) is not bytes or len(name) != ROW_NAME_BYTES:
+        got = len(name) if isinstance(name, (bytes, bytearray, memoryview)) else type(name).__name__
+        raise InvalidRowName(f"row name: expected {ROW_NAME_BYTES} raw bytes, got {got}")
+    return name
+
+
+def as_bytes_view(data: object, field: str = "data") -> memoryview:
+    """A flat unsigned-byte view of ``data`` (bytes, bytearray or a contiguous memoryview)."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise InvalidInput(f"{field}: expected bytes, bytearray or memoryview, got {type(data).__name__}")
+    mv = memoryview(data)
+    if not mv.c_contiguous:
+        raise InvalidInput(f"{field}: the buffer must be C-contiguous")
+    if mv.format != "B" or mv.ndim != 1:
+        mv = mv.cast("B")
+    return mv
+
+
+def as_out_view(out: object) -> memoryview:
+    """A flat writable byte view of a destination buffer."""
+    mv = as_bytes_view(out, "out")
+    if mv.readonly:
+        raise InvalidInput("out: the buffer is read-only")
+    return mv
+
+
+class Tier(abc.ABC):
+    """One storage tier: rows keyed by raw 54-byte names, values are page bytes."""
+
+    kind: TierKind
+
+    # -- capabilities ------------------------------------------------------------------
+
+    @property
+    @abc.abstractmethod
+    def persistent(self) -> bool:
+        """True when committed rows survive a process restart (disk)."""
+
+    @property
+    @abc.abstractmethod
+    def in_place(self) -> bool:
+        """True when the tier can hand out its memory for in-place reads and fills."""
+
+    @property
+    @abc.abstractmethod
+    def compressed(self) -> bool:
+        """True when rows are stored as codec frames (sizes in ``used_bytes`` are frames)."""
+
+    @property
+    @abc.abstractmethod
+    def used_bytes(self) -> int:
+        """Bytes of the budget that rows (and reservations) occupy now."""
+
+    @property
+    @abc.abstractmethod
+    def budget_bytes(self) -> int:
+        """The tier's byte budget."""
+
+    # -- the five methods --------------------------------------------------------------
+
+    @abc.abstractmethod
+    def get_into(self, name: bytes, out: memoryview | bytearray) -> int | None:
+        """Copy the row into ``out``; the byte count, or ``None`` on a miss.
+
+        Raises :class:`~kvbank.errors.InvalidInput` when ``out`` is too small.
+        """
+
+    @abc.abstractmethod
+    def put(self, name: bytes, data: Buffer, *, dtype: str = "uint8") -> None:
+        """Store (or replace, same size only) a row. ``TierFull`` when there is no room."""
+
+    @abc.abstractmethod
+    def delete(self, name: bytes) -> bool:
+        """Remove a row; ``False`` if it was not there."""
+
+    @abc.abstractmethod
+    def contains(self, names: Sequence[bytes]) -> list[bool]:
+        """Presence of many rows at once; touches nothing."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release the tier's resources. Idempotent."""
+
+    # -- batch helpers -----------------------------------------------------------------
+
+    def get_many_into(
+        self, names: Sequence[bytes], outs: Sequence[memoryview | bytearray]
+    ) -> list[int | None]:
+        """``get_into`` for each pair; a tier may override it with one round trip."""
+        if len(names) != len(outs):
+            raise InvalidInput(f"outs: {len(outs)} buffers for {len(names)} names")
+        return [self.get_into(n, o) for n, o in zip(names, outs, strict=True)]
+
+    def put_many(self, items: Iterable[tuple[bytes, Buffer]], *, dtype: str = "uint8") -> None:
+        """``put`` for each ``(name, data)``; a tier may override it with one transaction."""
+        for name, data in items:
+            self.put(name, data, dtype=dtype)
+
+    def delete_many(self, names: Sequence[bytes]) -> list[bool]:
+        """``delete`` for each name."""
+        return [self.delete(n) for n in names]
+
+    def __enter__(self) -> Tier:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

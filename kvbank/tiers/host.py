@@ -1,0 +1,447 @@
+"""The host tier: fixed-size slots in one POSIX shared-memory segment per store instance.
+
+Primitives:
+
+- :class:`HostSlab` — one ``/dev/shm/<prefix>-<pid>-<random>`` file mapped once, as a
+  sparse address space of ``host_bytes``; :class:`~kvbank.tiers.slots.SlotAllocator`
+  carves it into chunks of equal slots per size class. A chunk's memory becomes real when
+  the chunk is claimed (``posix_fallocate``: a full ``/dev/shm`` is a clean ``TierFull``
+  instead of a SIGBUS later, then pre-faulted so the first copy into it runs at memcpy
+  speed) and is given back with ``MADV_REMOVE`` when the chunk is released. Claimed
+  chunks count fully against the budget. With CUDA present each chunk is registered as
+  pinned host memory (``cudaHostRegister``) so device copies from it are DMA.
+- :class:`HostTier` — the :class:`~kvbank.tiers.base.Tier` over a slab (a dict from row
+  name to slot; the tiered store keeps its own compact index and uses the slab directly).
+- :func:`attach` / :class:`SlotMapping` — how *another process* reads or fills a slot in
+  place, given a :class:`~kvbank.tiers.base.HostSlot` (segment name, offset, size).
+- :func:`cleanup_stale` — unlinks segments left by dead processes (``kill -9``).
+
+Why not :class:`multiprocessing.shared_memory.SharedMemory`: on Python < 3.13 every
+process that *attaches* registers the segment with its resource tracker, which unlinks
+it (and warns) when that process exits, destroying the owner's memory. Plain ``os.open``
+on ``/dev/shm`` plus :mod:`mmap` has no tracker, and the owner alone unlinks on close.
+
+Lifecycle: ``HostSlab(budget)`` creates the segment (sparse: no memory yet) → ``alloc``
+claims chunks as rows arrive → ``close()`` unmaps and unlinks it. A process that mapped
+the segment keeps its mapping valid after the unlink (POSIX semantics); it reads zeros
+from a released chunk, never another process's memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import mmap
+import os
+import secrets
+import threading
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from types import TracebackType
+
+import numpy as np
+
+from kvbank.errors import InvalidInput, PageSizeMismatch, TierFull, TierUnavailable
+from kvbank.tiers.base import (
+    Buffer,
+    HostSlot,
+    Tier,
+    TierKind,
+    as_bytes_view,
+    as_out_view,
+    check_name,
+)
+from kvbank.tiers.slots import SlotAllocator
+
+logger = logging.getLogger(__name__)
+
+SHM_DIR = Path("/dev/shm")
+DEFAULT_PREFIX = "kvbank"
+_MADV_POPULATE_WRITE = 23  # Linux >= 5.14; not exported by the mmap module on 3.11
+
+
+def _segment_path(name: str) -> Path:
+    if not name or "/" in name or name.startswith("."):
+        raise InvalidInput(f"segment: not a shared-memory name: {name!r}")
+    return SHM_DIR / name
+
+
+def _cuda_pinning() -> Callable[[int, int, bool], None] | None:
+    """A function pinning (True) / unpinning (False) a host range, or None without CUDA."""
+    try:
+        import torch
+    except ImportError:  # pragma: no cover - torch is a dependency
+        return None
+    if not torch.cuda.is_available():
+        return None
+    cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
+
+    def pin(ptr: int, nbytes: int, on: bool) -> None:
+        rc = cudart.cudaHostRegister(ptr, nbytes, 0) if on else cudart.cudaHostUnregister(ptr)
+        if int(rc) != 0:
+            raise OSError(f"cudaHost{'Register' if on else 'Unregister'} returned {int(rc)}")
+
+    return pin
+
+
+class HostSlab:
+    """Slots in one shared-memory segment; offsets name slots. Not thread-safe: the owner
+    (the store or :class:`HostTier`) serialises alloc/free; copies may run concurrently
+    on slots the owner keeps from being freed."""
+
+    def __init__(self, budget: int, *, prefix: str = DEFAULT_PREFIX, pin: bool = True) -> None:
+        if "/" in prefix or not prefix:
+            raise InvalidInput(f"prefix: not usable in a shared-memory name: {prefix!r}")
+        self.segment = f"{prefix}-{os.getpid()}-{secrets.token_hex(6)}"
+        self._alloc = SlotAllocator(budget, on_grow=self._grow, on_release=self._release)
+        self._pin = _cuda_pinning() if pin else None
+        self._pinned: dict[int, int] = {}  # chunk start -> bytes registered with CUDA
+        self._closed = False
+        self._fd = -1
+        self._mm: mmap.mmap | None = None
+        self._mv = memoryview(b"")
+        self._arr: np.ndarray[tuple[int], np.dtype[np.uint8]] = np.empty(0, np.uint8)
+        size = self._alloc.space_bytes
+        if size == 0:
+            return
+        path = _segment_path(self.segment)
+        try:
+            self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            os.ftruncate(self._fd, size)  # sparse: tmpfs allocates on claim, not here
+            self._mm = mmap.mmap(self._fd, size)
+        except OSError as exc:
+            self._close_files()
+            raise TierUnavailable(f"host tier: cannot create /dev/shm/{self.segment} "
+                                  f"({size} bytes): {exc}") from exc
+        self._mv = memoryview(self._mm)
+        self._arr = np.frombuffer(self._mm, dtype=np.uint8)
+        logger.debug("host slab %s: %d bytes in %d units of %d", self.segment, size,
+                     self._alloc.n_units, self._alloc.unit)
+
+    # -- chunk memory ------------------------------------------------------------------
+
+    def _grow(self, start: int, nbytes: int) -> None:
+        try:
+            os.posix_fallocate(self._fd, start, nbytes)
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.ENOMEM):
+                raise TierFull(f"host tier: /dev/shm has no room for a {nbytes}-byte chunk "
+                               f"(host_bytes budget {self._alloc.budget}): {exc}") from exc
+            raise TierUnavailable(f"host tier: fallocate on {self.segment}: {exc}") from exc
+        assert self._mm is not None  # space_bytes > 0 here
+        try:
+            # Pre-fault so that the first put into the chunk runs at memcpy speed, not
+            # at page-fault speed (10x slower, machine-limits.md section 1).
+            self._mm.madvise(_MADV_POPULATE_WRITE, start, nbytes)
+        except OSError:
+            self._arr[start : start + nbytes] = 0
+        if self._pin is not None:
+            try:
+                self._pin(int(self._arr.ctypes.data) + start, nbytes, True)
+                self._pinned[start] = nbytes
+            except OSError as exc:
+                logger.warning("host tier: chunk at %d stays unpinned: %s", start, exc)
+        logger.debug("host slab %s: claimed %d bytes at %d", self.segment, nbytes, start)
+
+    def _release(self, start: int, nbytes: int) -> None:
+        if self._pinned.pop(start, None) is not None and self._pin is not None:
+            self._pin(int(self._arr.ctypes.data) + start, nbytes, False)
+        assert self._mm is not None
+        self._mm.madvise(mmap.MADV_REMOVE, start, nbytes)  # give the memory back to tmpfs
+        logger.debug("host slab %s: released %d bytes at %d", self.segment, nbytes, start)
+
+    # -- slots -------------------------------------------------------------------------
+
+    @property
+    def budget(self) -> int:
+        return self._alloc.budget
+
+    @property
+    def used_bytes(self) -> int:
+        """Capacity of slots in use (rows and reservations)."""
+        return self._alloc.used_bytes
+
+    @property
+    def allocated_bytes(self) -> int:
+        """Bytes of claimed chunks: the memory the slab holds (<= budget)."""
+        return self._alloc.allocated_bytes
+
+    @property
+    def allocator(self) -> SlotAllocator:
+        return self._alloc
+
+    def fits(self, size: int) -> bool:
+        return self._alloc.fits(size)
+
+    def alloc(self, size: int) -> int | None:
+        """A free slot's offset, or None when the budget has no room without eviction."""
+        self._check_open()
+        return self._alloc.alloc(size)
+
+    def free(self, offset: int) -> None:
+        self._alloc.free(offset)
+
+    def capacity(self, offset: int) -> int:
+        return self._alloc.capacity(offset)
+
+    def write(self, offset: int, data: memoryview) -> None:
+        self._check_open()
+        self._mv[offset : offset + data.nbytes] = data
+
+    def read_into(self, offset: int, size: int, out: memoryview) -> None:
+        self._check_open()
+        out[:size] = self._mv[offset : offset + size]
+
+    def view(self, offset: int, size: int) -> memoryview:
+        """The slot's bytes in place (the owner's mapping). Release it before close."""
+        self._check_open()
+        return self._mv[offset : offset + size]
+
+    def numpy(self) -> np.ndarray[tuple[int], np.dtype[np.uint8]]:
+        """The whole segment as a uint8 array (device copies read from it)."""
+        self._check_open()
+        return self._arr
+
+    def slot(self, offset: int, size: int) -> HostSlot:
+        return HostSlot(self.segment, offset, size)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise TierUnavailable(f"host tier: segment {self.segment} is closed")
+
+    def close(self) -> None:
+        """Unpin, unmap and unlink the segment. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._pin is not None:
+            for start in list(self._pinned):
+                try:
+                    self._pin(int(self._arr.ctypes.data) + start, self._pinned.pop(start), False)
+                except OSError as exc:
+                    logger.warning("host tier: unpinning chunk at %d: %s", start, exc)
+        self._mv.release()
+        self._arr = np.empty(0, np.uint8)
+        self._close_files()
+        logger.debug("host slab %s: closed and unlinked", self.segment)
+
+    def _close_files(self) -> None:
+        if self._mm is not None:
+            try:
+                self._mm.close()
+            except BufferError:
+                # A caller still holds a view from view()/host_view(); the mapping lives
+                # until that view is released. The file is unlinked below regardless.
+                logger.debug("host slab %s: mapping still exported, left to GC", self.segment)
+            self._mm = None
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+        with contextlib.suppress(FileNotFoundError):
+            _segment_path(self.segment).unlink()
+
+
+class HostTier(Tier):
+    """The host tier on its own: a slab plus a name -> (offset, size) dict."""
+
+    kind = TierKind.HOST
+
+    def __init__(self, budget: int, *, prefix: str = DEFAULT_PREFIX, pin: bool = True) -> None:
+        self._slab = HostSlab(budget, prefix=prefix, pin=pin)
+        self._rows: dict[bytes, tuple[int, int]] = {}
+        self._lock = threading.Lock()
+        self._closed = False
+
+    @property
+    def persistent(self) -> bool:
+        return False
+
+    @property
+    def in_place(self) -> bool:
+        return True
+
+    @property
+    def compressed(self) -> bool:
+        return False
+
+    @property
+    def used_bytes(self) -> int:
+        return self._slab.used_bytes
+
+    @property
+    def budget_bytes(self) -> int:
+        return self._slab.budget
+
+    @property
+    def slab(self) -> HostSlab:
+        return self._slab
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise TierUnavailable("host tier: closed")
+
+    def get_into(self, name: bytes, out: memoryview | bytearray) -> int | None:
+        check_name(name)
+        dst = as_out_view(out)
+        with self._lock:
+            self._check_open()
+            hit = self._rows.get(name)
+            if hit is None:
+                return None
+            offset, size = hit
+            if dst.nbytes < size:
+                raise InvalidInput(f"out: {dst.nbytes} bytes, the row holds {size}")
+            # Copied under the lock: a concurrent delete must not free the slot mid-copy.
+            self._slab.read_into(offset, size, dst)
+            return size
+
+    def put(self, name: bytes, data: Buffer, *, dtype: str = "uint8") -> None:
+        check_name(name)
+        src = as_bytes_view(data)
+        size = src.nbytes
+        if size == 0:
+            raise InvalidInput("data: a page cannot be empty")
+        with self._lock:
+            self._check_open()
+            old = self._rows.get(name)
+            if old is not None:
+                if old[1] != size:
+                    raise PageSizeMismatch(
+                        f"data: {size} bytes, but row already holds {old[1]} bytes")
+                self._slab.write(old[0], src)
+                return
+            if not self._slab.fits(size):
+                raise TierFull(f"host tier: a {size}-byte row exceeds the budget "
+                               f"{self._slab.budget}")
+            offset = self._slab.alloc(size)
+            if offset is None:
+                raise TierFull(f"host tier: no room for {size} bytes "
+                               f"(used {self._slab.used_bytes} of {self._slab.budget})")
+            self._slab.write(offset, src)
+            self._rows[name] = (offset, size)
+
+    def delete(self, name: bytes) -> bool:
+        check_name(name)
+        with self._lock:
+            self._check_open()
+            hit = self._rows.pop(name, None)
+            if hit is None:
+                return False
+            self._slab.free(hit[0])
+            return True
+
+    def contains(self, names: Sequence[bytes]) -> list[bool]:
+        with self._lock:
+            self._check_open()
+            rows = self._rows
+            return [check_name(n) in rows for n in names]
+
+    def locate(self, name: bytes) -> HostSlot | None:
+        """Where the row lies (for in-place access), or None."""
+        with self._lock:
+            self._check_open()
+            hit = self._rows.get(check_name(name))
+            return None if hit is None else self._slab.slot(*hit)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._rows.clear()
+            self._slab.close()
+
+
+# -- other processes ---------------------------------------------------------------------
+
+
+class SlotMapping:
+    """A slot of another process's host segment, mapped here for in-place access.
+
+    ``with SlotMapping(slot) as mv: ...`` — ``mv`` is a writable memoryview of exactly
+    ``slot.size`` bytes. Only the pages around the slot are mapped.
+    """
+
+    def __init__(self, slot: HostSlot, *, writable: bool = True) -> None:
+        if slot.offset < 0 or slot.size <= 0:
+            raise InvalidInput(f"slot: offset {slot.offset} / size {slot.size} out of range")
+        path = _segment_path(slot.segment)
+        gran = mmap.ALLOCATIONGRANULARITY
+        base = slot.offset // gran * gran
+        length = slot.offset + slot.size - base
+        try:
+            fd = os.open(path, os.O_RDWR if writable else os.O_RDONLY)
+        except FileNotFoundError:
+            raise TierUnavailable(f"segment {slot.segment}: not found (owner closed?)") from None
+        except OSError as exc:
+            raise TierUnavailable(f"segment {slot.segment}: {exc}") from exc
+        try:
+            if os.fstat(fd).st_size < slot.offset + slot.size:
+                raise InvalidInput(f"slot: {slot.offset}+{slot.size} beyond segment {slot.segment}")
+            access = mmap.ACCESS_WRITE if writable else mmap.ACCESS_READ
+            self._mm: mmap.mmap | None = mmap.mmap(fd, length, access=access, offset=base)
+        except OSError as exc:
+            raise TierUnavailable(f"segment {slot.segment}: mmap failed: {exc}") from exc
+        finally:
+            os.close(fd)
+        self._view: memoryview | None = memoryview(self._mm)[slot.offset - base :]
+        self.slot = slot
+
+    @property
+    def view(self) -> memoryview:
+        if self._view is None:
+            raise TierUnavailable("slot mapping: closed")
+        return self._view
+
+    def close(self) -> None:
+        """Unmap. Idempotent; views taken from :attr:`view` must be released first."""
+        if self._view is not None:
+            self._view.release()
+            self._view = None
+        if self._mm is not None:
+            self._mm.close()
+            self._mm = None
+
+    def __enter__(self) -> memoryview:
+        return self.view
+
+    def __exit__(
+        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+
+def attach(slot: HostSlot, *, writable: bool = True) -> tuple[memoryview, Callable[[], None]]:
+    """Map ``slot`` in this process: ``(view, close)``; call ``close()`` when done."""
+    m = SlotMapping(slot, writable=writable)
+    return m.view, m.close
+
+
+def cleanup_stale(prefix: str = DEFAULT_PREFIX) -> list[str]:
+    """Unlink ``/dev/shm/<prefix>-<pid>-*`` segments whose process is gone; their names."""
+    removed: list[str] = []
+    if not SHM_DIR.is_dir():
+        return removed
+    lead = prefix + "-"
+    for entry in SHM_DIR.iterdir():
+        rest = entry.name[len(lead):] if entry.name.startswith(lead) else ""
+        pid_text, sep, tail = rest.partition("-")
+        if not sep or not pid_text.isdigit() or "-" in tail:
+            continue
+        pid = int(pid_text)
+        try:
+            os.kill(pid, 0)
+            continue  # alive (or another user's process): not ours to remove
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue
+        try:
+            entry.unlink()
+            removed.append(entry.name)
+            logger.warning("host tier: removed stale segment /dev/shm/%s of dead pid %d",
+                           entry.name, pid)
+        except FileNotFoundError:
+            pass
+    return removed

@@ -1,0 +1,154 @@
+"""The store's row index: one dict entry plus ~24 bytes of parallel arrays per row.
+
+A Python object per row (a dataclass, even a tuple) costs 60-100 bytes on top of the dict
+entry, which would put a million-row index well past 200 bytes a row. Instead each row
+gets an integer id, and its fields live in numpy arrays indexed by that id:
+
+=========  =======  ================================================================
+array      dtype    meaning
+=========  =======  ================================================================
+size       uint32   page bytes
+where      uint8    tier bits: DEVICE=1, HOST=2, DISK=4 (HOST|DISK = a clean host copy)
+off        uint32   memory slot offset >> 6 (slots are 64-byte aligned); int64 when the
+                    tiers' address space does not fit that
+dtype      uint8    code into :attr:`RowIndex.dtypes` (the codec needs it on demotion)
+parent     int32    id of the previous page of the chain, -1 for none
+atime      int64    logical clock of the last put/get; also the row's version stamp
+flags      uint8    MOVING: a demotion job holds the row
+=========  =======  ================================================================
+
+Removed ids are not reused at once: a child may still name one as its parent. They wait
+in a pending list; one vectorised pass every ``n/8`` removals clears the parent links
+that point at them, and only then are they reused. Not thread-safe (the store locks).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from kvbank.errors import InvalidInput
+
+DEV, HOST, DISK = 1, 2, 4  # tier bits in `where`
+MOVING = 1  # bit in `flags`
+OFF_SHIFT = 6  # memory slot offsets are multiples of 64 (slots.SMALL_ALIGN)
+_MIN_CAP = 1024
+
+I64 = npt.NDArray[np.int64]
+
+
+class RowIndex:
+    """Rows by name -> id, fields in parallel arrays."""
+
+    def __init__(self, max_offset: int) -> None:
+        self.ids: dict[bytes, int] = {}
+        self.names: list[bytes | None] = []
+        self.dtypes: list[str] = []
+        self._dtype_codes: dict[str, int] = {}
+        self.wide = (max_offset >> OFF_SHIFT) >= 2**32
+        cap = _MIN_CAP
+        self.size = np.zeros(cap, np.uint32)
+        self.where = np.zeros(cap, np.uint8)
+        self.off: npt.NDArray[Any] = np.zeros(cap, np.int64 if self.wide else np.uint32)
+        self.dtype = np.zeros(cap, np.uint8)
+        self.parent = np.full(cap, -1, np.int32)
+        self.atime = np.zeros(cap, np.int64)
+        self.flags = np.zeros(cap, np.uint8)
+        self._free: list[int] = []
+        self._pending: list[int] = []
+        self.clock = 0
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    @property
+    def high(self) -> int:
+        """One past the highest id ever used (array prefix worth scanning)."""
+        return len(self.names)
+
+    def dtype_code(self, dtype: str) -> int:
+        code = self._dtype_codes.get(dtype)
+        if code is None:
+            if not isinstance(dtype, str) or not dtype:
+                raise InvalidInput(f"dtype: expected a dtype name, got {dtype!r}")
+            if len(self.dtypes) >= 255:
+                raise InvalidInput(f"dtype: more than 255 distinct dtypes (got {dtype!r})")
+            code = len(self.dtypes)
+            self.dtypes.append(dtype)
+            self._dtype_codes[dtype] = code
+        return code
+
+    def _grow(self) -> None:
+        cap = self.size.shape[0] * 2
+        for attr in ("size", "where", "off", "dtype", "parent", "atime", "flags"):
+            old = getattr(self, attr)
+            new = np.full(cap, -1, old.dtype) if attr == "parent" else np.zeros(cap, old.dtype)
+            new[: old.shape[0]] = old
+            setattr(self, attr, new)
+
+    def add(self, name: bytes, size: int, dtype: int, parent: int) -> int:
+        if self._free:
+            rid = self._free.pop()
+            self.names[rid] = name
+        else:
+            rid = len(self.names)
+            if rid >= self.size.shape[0]:
+                self._grow()
+            self.names.append(name)
+        self.ids[name] = rid
+        self.size[rid] = size
+        self.where[rid] = 0
+        self.dtype[rid] = dtype
+        self.parent[rid] = parent
+        self.flags[rid] = 0
+        self.clock += 1
+        self.atime[rid] = self.clock
+        return rid
+
+    def remove(self, rid: int) -> None:
+        name = self.names[rid]
+        if name is not None:
+            del self.ids[name]
+        self.names[rid] = None
+        self.where[rid] = 0
+        self.flags[rid] = 0
+        self.parent[rid] = -1
+        self._pending.append(rid)
+        if len(self._pending) >= max(64, len(self.names) // 8):
+            self._compact()
+
+    def _compact(self) -> None:
+        gone = np.asarray(self._pending, dtype=np.int32)
+        n = len(self.names)
+        stale = np.isin(self.parent[:n], gone)
+        self.parent[:n][stale] = -1
+        self._free.extend(self._pending)
+        self._pending.clear()
+
+    def touch(self, rid: int) -> int:
+        """Stamp the row as just used; the stamp doubles as a version for races."""
+        self.clock += 1
+        self.atime[rid] = self.clock
+        return self.clock
+
+    def get_off(self, rid: int) -> int:
+        v = int(self.off[rid])
+        return v if self.wide else v << OFF_SHIFT
+
+    def set_off(self, rid: int, offset: int) -> None:
+        self.off[rid] = offset if self.wide else offset >> OFF_SHIFT
+
+    def parent_name(self, rid: int) -> bytes | None:
+        p = int(self.parent[rid])
+        return self.names[p] if p >= 0 else None
+
+    def live_ids(self) -> I64:
+        n = len(self.names)
+        return np.flatnonzero(self.where[:n] != 0).astype(np.int64)
+
+    def nbytes(self) -> int:
+        """Bytes of the arrays (the dict and names list are measured by the caller)."""
+        return sum(int(getattr(self, a).nbytes) for a in
+                   ("size", "where", "off", "dtype", "parent", "atime", "flags"))

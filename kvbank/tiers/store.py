@@ -1,0 +1,1455 @@
+"""The tiered store: one node's rows across the device pool, the host slab and the disk.
+
+Primitives: :class:`TieredStore` over up to three tiers (:mod:`.device`, :mod:`.host`,
+:mod:`.disk`), a compact :class:`~kvbank.tiers.index.RowIndex`, page locks, host/device
+slot reservations for in-place leases, and one background *mover* thread.
+
+Placement. ``put`` writes a row into the fastest tier with a free slot: device, then host.
+When both are full it makes room in the host tier (below) and, if nothing there can be
+evicted (everything locked), writes straight to the disk. A row is visible when ``put``
+returns, never before; the bytes are copied into a private slot outside the store lock and
+published under it.
+
+Eviction. Per tier, LRU by a logical clock stamped on every put and get, with prefix
+awareness: a row is never chosen as a victim while one of its children (rows put with
+``parent=`` this row) is in the same tier and evictable, so a chain is evicted from its
+tail and the longest usable prefixes stay. Locked rows, reserved slots and slots being
+copied are never chosen. Rows leave the last tier (disk, or host when there is no disk)
+for good; that is an *eviction*. Leaving an upper tier is a *demotion*.
+
+Movement. Each tier has a byte budget with high/low watermarks: when a tier's use passes
+``high_watermark`` the mover demotes victims until it is back at ``low_watermark``:
+device → host (a copy), host → disk (a codec frame written by the disk tier), disk →
+dropped. A host row that already has a disk copy (write-through, or promoted from disk)
+is *clean* and is dropped from host without any I/O. Demotions to disk run on the mover
+thread, at most ``movement_queue_bytes`` queued at a time, so a put never waits for the
+disk unless the host is full and the queue has to drain (backpressure). Reads promote:
+a row served from disk is copied into a host slot (keeping its disk copy: clean).
+
+Locks. ``lock(names, holder)`` counts per holder; a locked row is never evicted, demoted,
+overwritten or deleted (``RowLocked``). Names may be locked before they exist (a write
+lease). ``stage_host``/``stage_device`` bring a row into memory and return its slot for
+in-place reads; ``reserve_*``/``commit_*``/``abort_*`` give a writer a private slot that
+it fills in place and then publishes.
+
+Write policy. Write-back (default): rows reach the disk when demoted. Write-through: every
+put and commit is also written to the disk, durably (``disk_sync``), before it returns.
+
+Durability. Only the disk tier persists. Reopening the same ``data_dir`` recovers every
+row committed to disk, with its size, parent and an LRU order from its last write.
+Disk mutations (the mover's writes and purges, write-through puts) are serialised by one
+disk lock and checked against the index under the store lock, so a stale frame never
+outlives an overwrite in the index.
+
+Failures. A full disk or LMDB map is ``TierFull`` to the put that needed it; upper tiers
+keep serving and ``health()`` reports the degraded state. When the last tier is full and
+nothing is evictable, ``put`` raises ``TierFull``.
+
+Lifecycle: ``TieredStore(config)`` (opens the tiers, recovers the disk index, starts the
+mover) → any thread calls the methods → ``close()`` (idempotent: stops the mover after
+its current job, unlinks the shared memory, closes LMDB).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from kvbank.config import BankConfig, WritePolicy
+from kvbank.errors import (
+    CorruptPage,
+    InvalidInput,
+    PageSizeMismatch,
+    RowLocked,
+    TierError,
+    TierFull,
+    TierUnavailable,
+)
+from kvbank.tiers.base import (
+    Buffer,
+    DeviceSlot,
+    HostSlot,
+    TierKind,
+    as_bytes_view,
+    as_out_view,
+    check_name,
+)
+from kvbank.tiers.device import DevicePool, device_budget
+from kvbank.tiers.host import HostSlab
+from kvbank.tiers.index import DEV, DISK, HOST, MOVING, OFF_SHIFT, RowIndex
+
+if TYPE_CHECKING:
+    from kvbank.tiers.disk import DiskTier
+
+logger = logging.getLogger(__name__)
+
+_KINDS = {DEV: TierKind.DEVICE, HOST: TierKind.HOST, DISK: TierKind.DISK}
+_BITS = {v: k for k, v in _KINDS.items()}
+_RANK = {DEV: 0, HOST: 1, DISK: 2}
+_MAX_PAGE = 2**32 - 1  # sizes are uint32 in the index
+_WAIT_S = 0.05  # re-check period of a put waiting for the mover
+
+Pool = HostSlab | DevicePool
+SlotKey = tuple[int, int]  # (tier bit, slot offset)
+
+
+@dataclass(frozen=True, slots=True)
+class TierStats:
+    """Counters of one tier since the store opened (rows/bytes are current)."""
+
+    kind: TierKind
+    enabled: bool
+    rows: int
+    used_bytes: int  # slot capacity in use (memory tiers) or frame bytes (disk)
+    allocated_bytes: int  # memory held: claimed chunks, or the frame bytes on disk
+    budget_bytes: int
+    hits: int
+    misses: int
+    evictions: int  # rows dropped out of the store from this tier
+    demotions: int  # rows moved (or copied, then dropped) to a lower tier
+    promotions: int  # rows copied into this tier from a lower one on read
+    corrupt_rows: int
+
+
+@dataclass(frozen=True, slots=True)
+class StoreStats:
+    """A snapshot of the store's counters."""
+
+    tiers: tuple[TierStats, ...]  # fastest first, enabled or not
+    rows: int
+    locked_names: int
+    reserved_slots: int
+    queued_jobs: int
+    queued_bytes: int
+    puts: int
+    gets: int
+    hits: int
+    misses: int
+
+    def tier(self, kind: TierKind) -> TierStats:
+        return next(t for t in self.tiers if t.kind is kind)
+
+
+@dataclass(frozen=True, slots=True)
+class TierHealth:
+    kind: TierKind
+    enabled: bool
+    state: str  # "ok", "off", "degraded"
+    detail: str
+
+
+@dataclass(frozen=True, slots=True)
+class StoreHealth:
+    ok: bool  # every enabled tier ok and the mover running
+    tiers: tuple[TierHealth, ...]
+    mover_running: bool
+    notes: tuple[str, ...]
+
+
+@dataclass(slots=True)
+class _Job:
+    """A demotion of one memory row to disk, or a purge of stale disk names."""
+
+    kind: str  # "demote" | "purge"
+    bit: int = 0
+    rid: int = -1
+    name: bytes = b""
+    off: int = -1
+    size: int = 0
+    names: tuple[bytes, ...] = ()
+    evict: bool = False  # a disk eviction batch (the planner waits for it)
+
+
+class _Counters:
+    __slots__ = ("demotions", "evictions", "hits", "misses", "promotions")
+
+    def __init__(self) -> None:
+        self.hits = self.misses = self.evictions = self.demotions = self.promotions = 0
+
+
+class TieredStore:
+    """Rows of one node across device, host and disk tiers. Thread-safe."""
+
+    def __init__(self, config: BankConfig) -> None:
+        self.config = config
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        self._disk_lock = threading.Lock()  # serialises every disk mutation (see docstring)
+        self._closed = False
+        self._notes: list[str] = []
+        self._disk_error: str | None = None
+        self._counters = {DEV: _Counters(), HOST: _Counters(), DISK: _Counters()}
+        self._puts = self._gets = self._hits = self._misses = 0
+
+        self._pools: dict[int, Pool] = {}
+        dev_budget, why_off = device_budget(config)
+        if dev_budget > 0:
+            self._pools[DEV] = DevicePool(dev_budget, config.device)
+        else:
+            self._notes.append(why_off)
+            logger.warning("%s", why_off)
+        if config.host_bytes > 0:
+            self._pools[HOST] = HostSlab(config.host_bytes)
+        self._disk: DiskTier | None = None
+        try:
+            if config.data_dir is not None and config.disk_bytes > 0:
+                from kvbank.tiers.disk import DiskTier
+
+                self._disk = DiskTier(config.data_dir, config.disk_bytes, sync=config.disk_sync)
+            max_off = max((p.allocator.space_bytes for p in self._pools.values()), default=0)
+            self._ix = RowIndex(max_off)
+            self._recover()
+        except BaseException:
+            self._close_tiers()
+            raise
+
+        self._pins: dict[SlotKey, int] = {}  # slots being copied outside the lock
+        self._zombies: set[SlotKey] = set()  # slots removed from the index while pinned
+        self._reserved: dict[SlotKey, tuple[str, int]] = {}  # write-lease slots: holder, size
+        self._dual: dict[int, int] = {}  # row id -> host offset, for rows in DEVICE and HOST
+        self._locks: dict[bytes, dict[str, int]] = {}
+        self._held: dict[str, dict[bytes, int]] = {}
+        self._jobs: collections.deque[_Job] = collections.deque()
+        self._queued = {DEV: 0, HOST: 0}  # bytes queued for demotion per tier
+        self._busy = False  # the mover is executing a job
+        self._purge_pending = False
+        self._mover = threading.Thread(target=self._run_mover, name="kvbank-mover", daemon=True)
+        self._mover.start()
+
+    # ==================================================================================
+    # recovery
+
+    def _recover(self) -> None:
+        if self._disk is None:
+            return
+        ix = self._ix
+        pending: list[tuple[int, bytes]] = []
+        top = 0
+        for row in self._disk.scan():
+            rid = ix.add(row.name, row.raw_len, ix.dtype_code(row.dtype), -1)
+            ix.where[rid] = DISK
+            ix.atime[rid] = row.seq
+            top = max(top, row.seq)
+            if row.parent is not None:
+                pending.append((rid, row.parent))
+        for rid, parent in pending:
+            pid = ix.ids.get(parent)
+            if pid is not None and pid != rid:
+                ix.parent[rid] = pid
+        ix.clock = max(ix.clock, top)
+        if len(ix):
+            logger.debug("store: recovered %d rows from %s", len(ix), self.config.data_dir)
+
+    # ==================================================================================
+    # small helpers (callers hold self._lock unless said otherwise)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise TierUnavailable("store: closed")
+
+    def _mem_off(self, rid: int, bit: int) -> int:
+        if bit == HOST and rid in self._dual:
+            return self._dual[rid]
+        return self._ix.get_off(rid)
+
+    def _free_slot(self, bit: int, off: int) -> None:
+        key = (bit, off)
+        if key in self._pins:
+            self._zombies.add(key)  # freed by the last unpin
+        else:
+            self._pools[bit].free(off)
+
+    def _pin(self, bit: int, off: int) -> None:
+        key = (bit, off)
+        self._pins[key] = self._pins.get(key, 0) + 1
+
+    def _unpin(self, bit: int, off: int) -> None:
+        key = (bit, off)
+        left = self._pins[key] - 1
+        if left:
+            self._pins[key] = left
+            return
+        del self._pins[key]
+        if key in self._zombies:
+            self._zombies.discard(key)
+            self._pools[bit].free(off)
+
+    def _fail_slot(self, bit: int, off: int, reserve: tuple[str, int] | None) -> None:
+        """A private slot whose publish failed: back to its reservation, or freed."""
+        if reserve is not None and not self._closed:
+            self._reserved[(bit, off)] = reserve
+        else:
+            self._free_slot(bit, off)
+
+    def _owned(self, bit: int, off: int) -> bool:
+        """Whether a slot is already a row's, reserved, or waiting to be freed."""
+        key = (bit, off)
+        if key in self._reserved or key in self._zombies:
+            return True
+        ix = self._ix
+        n = ix.high
+        enc = off if ix.wide else off >> OFF_SHIFT
+        hits = np.flatnonzero((ix.off[:n] == enc) & ((ix.where[:n] & bit) != 0))
+        return any(self._mem_off(int(r), bit) == off for r in hits.tolist())
+
+    def _drop_copy(self, rid: int, bit: int) -> None:
+        """Forget the row's copy in one memory tier (the row may live on elsewhere)."""
+        ix = self._ix
+        off = self._mem_off(rid, bit)
+        self._free_slot(bit, off)
+        where = int(ix.where[rid]) & ~bit
+        ix.where[rid] = where
+        if rid in self._dual:
+            host_off = self._dual.pop(rid)
+            if bit == DEV:
+                ix.set_off(rid, host_off)  # the host copy becomes the primary offset
+
+    def _remove_row(self, rid: int) -> None:
+        """Drop a row from every tier (the disk copy via a purge job)."""
+        ix = self._ix
+        where = int(ix.where[rid])
+        name = ix.names[rid]
+        for bit in (DEV, HOST):
+            if where & bit:
+                self._drop_copy(rid, bit)
+        if where & DISK and name is not None:
+            self._queue_purge([name])
+        ix.remove(rid)
+
+    def _queue_purge(self, names: list[bytes]) -> None:
+        self._jobs.append(_Job("purge", names=tuple(names)))
+        self._cond.notify_all()
+
+    def _locked_by_other(self, name: bytes, holder: str | None) -> bool:
+        held = self._locks.get(name)
+        if not held:
+            return False
+        return holder is None or any(h != holder for h in held)
+
+    def _pool(self, bit: int, what: str) -> Pool:
+        pool = self._pools.get(bit)
+        if pool is None:
+            raise TierUnavailable(f"{what}: the {_KINDS[bit].value} tier is off")
+        return pool
+
+    # ==================================================================================
+    # victim selection and room making
+
+    def _victims(self, bit: int, need: int) -> list[int]:
+        """Row ids to take out of tier ``bit`` to free ``need`` bytes: LRU order, tails of
+        chains before their prefixes, never locked, pinned or moving rows."""
+        ix = self._ix
+        n = ix.high
+        if n == 0 or need <= 0:
+            return []
+        where = ix.where[:n]
+        cand = ((where & bit) != 0) & ((ix.flags[:n] & MOVING) == 0)
+        # Rows that must stay: locked names, slots being copied, and (in DEVICE) rows
+        # whose host copy is the DEVICE row itself -- handled by _mem_off.
+        keep: list[int] = []
+        for name in self._locks:
+            rid = ix.ids.get(name)
+            if rid is not None:
+                keep.append(rid)
+        pinned_offs = {off for (b, off) in self._pins if b == bit}
+        if pinned_offs:
+            # Compare the encoded offsets in one pass. A staged row in both memory tiers
+            # keeps its device offset in `off`; a numeric clash only keeps a row longer.
+            enc = [o if ix.wide else o >> OFF_SHIFT for o in pinned_offs]
+            cand &= ~np.isin(ix.off[:n], np.asarray(enc, dtype=ix.off.dtype))
+            if bit == HOST:
+                keep.extend(rid for rid, hoff in self._dual.items() if hoff in pinned_offs)
+        if keep:
+            cand[np.asarray(keep, dtype=np.int64)] = False
+        idx = np.flatnonzero(cand)
+        if idx.size == 0:
+            return []
+        parents = ix.parent[idx]
+        has_parent = parents >= 0
+        blockers = np.bincount(parents[has_parent], minlength=n)
+        blockers[~cand] = 0  # only evictable rows are blocked
+        order = idx[np.argsort(ix.atime[idx], kind="stable")].tolist()
+        parent_of = ix.parent
+        out: list[int] = []
+        taken: set[int] = set()
+        deferred: set[int] = set()
+        freed = 0
+        pools = self._pools
+        for rid in order:
+            if freed >= need:
+                break
+            if rid in taken:
+                continue
+            if blockers[rid] > 0:
+                deferred.add(rid)
+                continue
+            cur = rid
+            while True:  # take cur, then walk up while its parent became a free tail
+                taken.add(cur)
+                out.append(cur)
+                freed += self._charge(bit, cur, pools)
+                p = int(parent_of[cur])
+                if p < 0 or not cand[p]:
+                    break
+                blockers[p] -= 1
+                if blockers[p] > 0 or p not in deferred or freed >= need:
+                    break
+                deferred.discard(p)
+                cur = p
+        return out
+
+    def _charge(self, bit: int, rid: int, pools: dict[int, Pool]) -> int:
+        size = int(self._ix.size[rid])
+        if bit == DISK:
+            return size  # frames are roughly raw size; the disk budget check re-reads usage
+        return pools[bit].capacity(self._mem_off(rid, bit))
+
+    def _take_out(self, bit: int, rid: int) -> bool:
+        """Move a victim out of memory tier ``bit`` now if that needs no I/O; else queue
+        a demotion job. True when the slot was freed at once."""
+        ix = self._ix
+        where = int(ix.where[rid])
+        if bit == DEV and where & HOST:  # a host copy exists (staged): drop the device one
+            self._drop_copy(rid, DEV)
+            self._counters[DEV].demotions += 1
+            return True
+        if bit == DEV and HOST in self._pools:
+            host = self._pools[HOST]
+            size = int(ix.size[rid])
+            host_off = host.alloc(size)
+            if host_off is not None:
+                dev_off = ix.get_off(rid)
+                dev = self._pools[DEV]
+                assert isinstance(dev, DevicePool) and isinstance(host, HostSlab)
+                dst = torch.from_numpy(host.numpy()[host_off : host_off + size])
+                dst.copy_(dev.tensor(dev_off, size))  # device -> host, a fast memory copy
+                self._free_slot(DEV, dev_off)
+                ix.set_off(rid, host_off)
+                ix.where[rid] = (where & ~DEV) | HOST
+                self._counters[DEV].demotions += 1
+                return True
+        if where & DISK:  # clean: the disk holds the same bytes
+            self._drop_copy(rid, bit)
+            self._counters[bit].demotions += 1
+            return True
+        if self._disk is None:  # nothing below: the row leaves the store
+            self._counters[bit].evictions += 1
+            self._remove_row(rid)
+            return True
+        name = ix.names[rid]
+        assert name is not None
+        off = self._mem_off(rid, bit)
+        size = int(ix.size[rid])
+        ix.flags[rid] |= MOVING
+        self._pin(bit, off)
+        self._queued[bit] += size
+        self._jobs.append(_Job("demote", bit=bit, rid=rid, name=name, off=off, size=size))
+        self._cond.notify_all()
+        return False
+
+    def _reclaim(self, bit: int, need: int, *, queue: bool = True) -> int:
+        """Free ``need`` bytes of tier ``bit`` (minus bytes already queued); the bytes
+        freed at once. With ``queue=False`` only victims that need no I/O are taken."""
+        need -= self._queued.get(bit, 0)
+        if need <= 0:
+            return 0
+        freed = 0
+        room = self.config.movement_queue_bytes - sum(self._queued.values())
+        pool = self._pools[bit]
+        for rid in self._victims(bit, need):
+            cap = pool.capacity(self._mem_off(rid, bit))
+            clean = bool(int(self._ix.where[rid]) & DISK) or self._disk is None or (
+                bit == DEV and HOST in self._pools)
+            if not clean and (not queue or room <= 0):
+                continue
+            if self._take_out(bit, rid):
+                freed += cap
+            else:
+                room -= int(self._ix.size[rid])
+        return freed
+
+    def _alloc_memory(self, size: int, *, wait: bool) -> tuple[int, int | None]:
+        """A private slot for a new row: (tier bit, offset), or (DISK, None) when the row
+        must go straight to disk. Makes room in host when every memory tier is full."""
+        for bit in (DEV, HOST):
+            pool = self._pools.get(bit)
+            if pool is not None and pool.fits(size):
+                off = pool.alloc(size)
+                if off is not None:
+                    return bit, off
+        host = self._pools.get(HOST)
+        if host is not None and host.fits(size):
+            while True:
+                self._check_open()
+                self._reclaim(HOST, max(size, self._band(HOST)))
+                off = host.alloc(size)
+                if off is not None:
+                    return HOST, off
+                # Dirty victims are queued for the disk; wait for the mover (backpressure),
+                # unless it has nothing to do for us or the disk is failing.
+                if not wait or not self._queued[HOST] or self._disk_error is not None:
+                    break
+                self._cond.wait(_WAIT_S)
+        if self._disk is not None:
+            return DISK, None
+        raise TierFull(
+            f"store: no room for a {size}-byte row: "
+            + ", ".join(f"{_KINDS[b].value} {p.used_bytes}/{p.budget} bytes"
+                        for b, p in self._pools.items())
+            + "; nothing evictable (locked, reserved or being read)")
+
+    def _band(self, bit: int) -> int:
+        """Bytes between the high and the low watermark of a memory tier."""
+        budget = self._pools[bit].budget
+        return int(budget * (self.config.high_watermark - self.config.low_watermark))
+
+    # ==================================================================================
+    # put / get / delete
+
+    def put(
+        self,
+        name: bytes,
+        data: Buffer,
+        *,
+        dtype: str = "uint8",
+        parent: bytes | None = None,
+    ) -> None:
+        """Store a row (visible when this returns). ``RowLocked`` if the name is locked,
+        ``PageSizeMismatch`` if it holds a row of another size, ``TierFull`` if no tier
+        has room."""
+        check_name(name)
+        if parent is not None:
+            check_name(parent)
+        src = as_bytes_view(data)
+        size = src.nbytes
+        if size == 0 or size > _MAX_PAGE:
+            raise InvalidInput(f"data: page size must be in [1, {_MAX_PAGE}], got {size}")
+        with self._lock:
+            self._check_open()
+            code = self._ix.dtype_code(dtype)
+            self._check_writable(name, size, None)
+            bit, off = self._alloc_memory(size, wait=True)
+            if off is not None:
+                self._pin(bit, off)  # private until published; pinning keeps it off lists
+        try:
+            if off is not None:
+                self._pools[bit].write(off, src)
+            self._publish(name, size, code, parent, bit, off, src, holder=None)
+        finally:
+            if off is not None:
+                with self._lock:
+                    self._unpin(bit, off)
+
+    def _check_writable(self, name: bytes, size: int, holder: str | None) -> None:
+        if self._locked_by_other(name, holder):
+            raise RowLocked(f"row {name.hex()[:16]}…: locked by {sorted(self._locks[name])}")
+        rid = self._ix.ids.get(name)
+        if rid is not None and int(self._ix.size[rid]) != size:
+            raise PageSizeMismatch(
+                f"data: {size} bytes, but row {name.hex()[:16]}… holds {int(self._ix.size[rid])}")
+
+    def _publish(
+        self,
+        name: bytes,
+        size: int,
+        code: int,
+        parent: bytes | None,
+        bit: int,
+        off: int | None,
+        src: memoryview,
+        *,
+        holder: str | None,
+        reserve: tuple[str, int] | None = None,
+    ) -> None:
+        """Make a filled private slot (or a disk-only write) the row's current copy.
+        On failure nothing changed, and the slot is given back (or, for a commit, stays
+        reserved: ``reserve`` = (holder, size))."""
+        to_disk = off is None or (
+            self.config.write_policy is WritePolicy.WRITE_THROUGH and self._disk is not None)
+        if not to_disk:
+            with self._lock:
+                self._commit_locked(name, size, code, parent, bit, off, holder, on_disk=False,
+                                    reserve=reserve)
+            return
+        disk = self._disk
+        assert disk is not None  # off is None only when there is a disk tier
+        try:
+            frame = disk.frame(src, self._ix.dtypes[code])
+            with self._disk_lock:
+                with self._lock:
+                    self._check_open()
+                    self._check_writable(name, size, holder)
+                    seq = self._ix.clock + 1
+                    parent_name = parent if parent is not None and parent in self._ix.ids else None
+                disk.write_frame(name, frame, raw_len=size, dtype=self._ix.dtypes[code],
+                                 parent=parent_name, seq=seq)
+                with self._lock:
+                    if self._disk_error is not None:
+                        logger.warning("store: disk tier writes again")
+                    self._disk_error = None
+                    self._commit_locked(name, size, code, parent, bit, off, holder,
+                                        on_disk=True, reserve=reserve)
+        except BaseException as exc:
+            with self._lock:
+                if isinstance(exc, TierFull | TierUnavailable) and not self._closed:
+                    self._note_disk_error(str(exc))
+                if off is not None and not self._owned(bit, off):
+                    self._fail_slot(bit, off, reserve)
+            raise
+
+    def _commit_locked(
+        self,
+        name: bytes,
+        size: int,
+        code: int,
+        parent: bytes | None,
+        bit: int,
+        off: int | None,
+        holder: str | None,
+        *,
+        on_disk: bool,
+        reserve: tuple[str, int] | None,
+    ) -> None:
+        ix = self._ix
+        try:
+            self._check_open()
+            self._check_writable(name, size, holder)  # again: a lock may have come meanwhile
+        except BaseException:
+            if off is not None:
+                self._fail_slot(bit, off, reserve)
+            raise
+        rid = ix.ids.get(name)
+        if rid is None:
+            pid = ix.ids.get(parent, -1) if parent is not None and parent != name else -1
+            rid = ix.add(name, size, code, pid)
+        else:
+            where = int(ix.where[rid])
+            for b in (DEV, HOST):
+                if where & b:
+                    self._drop_copy(rid, b)
+            if where & DISK and not on_disk:
+                self._queue_purge([name])  # the disk copy is stale now
+            ix.where[rid] = 0
+            ix.flags[rid] = 0  # a demotion in flight sees the new offset and backs off
+            ix.dtype[rid] = code
+            ix.touch(rid)
+        where = DISK if on_disk else 0
+        if off is not None:
+            ix.set_off(rid, off)
+            where |= bit
+        ix.where[rid] = where
+        self._puts += 1
+        self._cond.notify_all()
+
+    def get_into(self, name: bytes, out: memoryview | bytearray) -> int | None:
+        """Copy a row into ``out``; its size, or ``None`` on a miss. Touches LRU and
+        promotes a disk row to host."""
+        check_name(name)
+        dst = as_out_view(out)
+        with self._lock:
+            self._check_open()
+            self._gets += 1
+            rid = self._ix.ids.get(name)
+            if rid is None:
+                self._misses += 1
+                for c in self._counters.values():
+                    c.misses += 1
+                return None
+            size = int(self._ix.size[rid])
+            if dst.nbytes < size:
+                raise InvalidInput(f"out: {dst.nbytes} bytes, the row holds {size}")
+            stamp = self._ix.touch(rid)
+            where = int(self._ix.where[rid])
+            bit = DEV if where & DEV else HOST if where & HOST else DISK
+            for b in (DEV, HOST):
+                if b == bit:
+                    break
+                self._counters[b].misses += 1
+            self._counters[bit].hits += 1
+            self._hits += 1
+            if bit != DISK:
+                off = self._mem_off(rid, bit)
+                self._pin(bit, off)
+        if bit != DISK:
+            try:
+                self._pools[bit].read_into(off, size, dst)
+            finally:
+                with self._lock:
+                    self._unpin(bit, off)
+            return size
+        return self._read_disk(name, rid, stamp, size, dst)
+
+    def _read_disk(self, name: bytes, rid: int, stamp: int, size: int, dst: memoryview) -> int | None:
+        disk = self._disk
+        assert disk is not None
+        try:
+            n = disk.read_into(name, dst)
+        except CorruptPage as exc:
+            logger.warning("store: row %s… failed its checks on disk, dropped: %s",
+                           name.hex()[:16], exc)
+            self._drop_corrupt(name, rid)
+            with self._lock:
+                self._hits -= 1
+                self._misses += 1
+            return None
+        if n is None or n != size:
+            with self._lock:  # purged between the index lookup and the read: a miss
+                self._hits -= 1
+                self._misses += 1
+            return None
+        self._promote(name, rid, stamp, size, dst)
+        return n
+
+    def _drop_corrupt(self, name: bytes, rid: int) -> None:
+        """Delete a row whose frame failed its checks (counted by the disk tier); its
+        memory copies, if any, stay. A lock does not protect corrupt bytes."""
+        disk = self._disk
+        assert disk is not None
+        with self._disk_lock:
+            with self._lock:
+                ix = self._ix
+                current = ix.ids.get(name) == rid and bool(int(ix.where[rid]) & DISK)
+                if current:
+                    ix.where[rid] = int(ix.where[rid]) & ~DISK
+                    if not int(ix.where[rid]):
+                        ix.remove(rid)
+            if current:
+                disk.drop_corrupt(name)
+
+    def _promote(self, name: bytes, rid: int, stamp: int, size: int, src: memoryview) -> None:
+        """Copy a row just read from disk into a host slot (a clean copy), if there is
+        room without waiting for the disk."""
+        with self._lock:
+            host = self._pools.get(HOST)
+            if host is None or self._closed or not host.fits(size):
+                return
+            off = host.alloc(size)
+            if off is None:
+                self._reclaim(HOST, max(size, self._band(HOST)), queue=False)
+                off = host.alloc(size)
+                if off is None:
+                    return
+            self._pin(HOST, off)
+        try:
+            host.write(off, src[:size])
+        finally:
+            with self._lock:
+                self._unpin(HOST, off)
+                ix = self._ix
+                if (ix.ids.get(name) == rid and int(ix.atime[rid]) == stamp
+                        and int(ix.where[rid]) == DISK and not self._closed):
+                    ix.set_off(rid, off)
+                    ix.where[rid] = DISK | HOST
+                    self._counters[HOST].promotions += 1
+                elif not self._closed:
+                    host.free(off)
+
+    def delete(self, name: bytes) -> bool:
+        """Remove a row from every tier; ``False`` if absent, ``RowLocked`` if locked."""
+        check_name(name)
+        with self._lock:
+            self._check_open()
+            if self._locks.get(name):
+                raise RowLocked(f"row {name.hex()[:16]}…: locked by {sorted(self._locks[name])}")
+            rid = self._ix.ids.get(name)
+            if rid is None:
+                return False
+            self._remove_row(rid)
+            return True
+
+    def locate(self, names: Sequence[bytes]) -> list[TierKind | None]:
+        """The fastest tier holding each row (``None`` = absent). Touches nothing."""
+        with self._lock:
+            self._check_open()
+            ids, where = self._ix.ids, self._ix.where
+            out: list[TierKind | None] = []
+            for name in names:
+                rid = ids.get(check_name(name))
+                if rid is None:
+                    out.append(None)
+                    continue
+                w = int(where[rid])
+                out.append(TierKind.DEVICE if w & DEV else TierKind.HOST if w & HOST
+                           else TierKind.DISK)
+            return out
+
+    def contains(self, names: Sequence[bytes]) -> list[bool]:
+        """Presence of each row. Touches nothing."""
+        return [t is not None for t in self.locate(names)]
+
+    def size_of(self, name: bytes) -> int | None:
+        with self._lock:
+            self._check_open()
+            rid = self._ix.ids.get(check_name(name))
+            return None if rid is None else int(self._ix.size[rid])
+
+    # ==================================================================================
+    # locks
+
+    def lock(self, names: Sequence[bytes], holder: str) -> None:
+        """Lock rows for ``holder`` (counted: n locks need n unlocks)."""
+        names = [check_name(n) for n in names]
+        if not isinstance(holder, str) or not holder:
+            raise InvalidInput(f"holder: expected a non-empty string, got {holder!r}")
+        with self._lock:
+            self._check_open()
+            mine = self._held.setdefault(holder, {})
+            for name in names:
+                per = self._locks.setdefault(name, {})
+                per[holder] = per.get(holder, 0) + 1
+                mine[name] = mine.get(name, 0) + 1
+
+    def unlock(self, names: Sequence[bytes], holder: str) -> None:
+        """Give back locks; ``InvalidInput`` (and nothing changed) if ``holder`` does not
+        hold one of them."""
+        names = [check_name(n) for n in names]
+        with self._lock:
+            mine = self._held.get(holder, {})
+            need = collections.Counter(names)
+            for name, k in need.items():
+                if mine.get(name, 0) < k:
+                    raise InvalidInput(
+                        f"unlock: holder {holder!r} holds {mine.get(name, 0)} lock(s) on row "
+                        f"{name.hex()[:16]}…, asked to release {k}")
+            for name, k in need.items():
+                self._release_lock(name, holder, k)
+            self._cond.notify_all()
+
+    def unlock_all(self, holder: str) -> None:
+        """Give back every lock of ``holder``."""
+        with self._lock:
+            for name, k in list(self._held.get(holder, {}).items()):
+                self._release_lock(name, holder, k)
+            self._cond.notify_all()
+
+    def _release_lock(self, name: bytes, holder: str, k: int) -> None:
+        mine = self._held[holder]
+        per = self._locks[name]
+        left = per[holder] - k
+        if left:
+            per[holder] = left
+            mine[name] = left
+            return
+        del per[holder]
+        del mine[name]
+        if not per:
+            del self._locks[name]
+        if not mine:
+            del self._held[holder]
+
+    def is_locked(self, name: bytes) -> bool:
+        with self._lock:
+            return check_name(name) in self._locks
+
+    # ==================================================================================
+    # in-place access: host
+
+    def stage_host(self, name: bytes) -> HostSlot | None:
+        """Bring a row into the host tier (from device or disk) and return its slot;
+        ``None`` on a miss. The caller locks the row first so that it stays there."""
+        return self._stage(name, HOST)  # type: ignore[return-value]
+
+    def stage_device(self, name: bytes) -> DeviceSlot | None:
+        """Bring a row into the device tier (from host or disk) and return its slot."""
+        return self._stage(name, DEV)  # type: ignore[return-value]
+
+    def _stage(self, name: bytes, bit: int) -> HostSlot | DeviceSlot | None:
+        check_name(name)
+        pool = self._pool(bit, "stage")
+        with self._lock:
+            self._check_open()
+            rid = self._ix.ids.get(name)
+            if rid is None:
+                return None
+            self._ix.touch(rid)
+            where = int(self._ix.where[rid])
+            size = int(self._ix.size[rid])
+            if where & bit:
+                return self._slot_of(bit, self._mem_off(rid, bit), size)
+            if where & (DEV | HOST):  # the other memory tier: copy across, keep both
+                other = HOST if bit == DEV else DEV
+                off = self._alloc_for_stage(bit, size)
+                src_off = self._mem_off(rid, other)
+                self._copy_between(other, src_off, bit, off, size)
+                if bit == DEV:
+                    self._dual[rid] = src_off
+                    self._ix.set_off(rid, off)
+                else:
+                    self._dual[rid] = off
+                self._ix.where[rid] = where | bit
+                self._counters[bit].promotions += 1
+                return self._slot_of(bit, off, size)
+            stamp = int(self._ix.atime[rid])
+        # on disk only: read it into a private slot, then publish the clean copy
+        disk = self._disk
+        assert disk is not None
+        with self._lock:
+            off = self._alloc_for_stage(bit, size)
+            self._pin(bit, off)
+        try:
+            buf = pool.view(off, size) if isinstance(pool, HostSlab) else memoryview(bytearray(size))
+            try:
+                n = disk.read_into(name, buf)
+            except CorruptPage as exc:
+                logger.warning("store: row %s… failed its checks on disk, dropped: %s",
+                               name.hex()[:16], exc)
+                self._drop_corrupt(name, rid)
+                n = None
+            if n is not None and isinstance(pool, DevicePool):
+                pool.write(off, buf)
+            if isinstance(pool, HostSlab):
+                buf.release()
+        except BaseException:
+            with self._lock:
+                self._unpin(bit, off)
+                self._free_slot(bit, off)
+            raise
+        with self._lock:
+            self._unpin(bit, off)
+            ix = self._ix
+            if n == size and ix.ids.get(name) == rid and int(ix.atime[rid]) == stamp \
+                    and int(ix.where[rid]) == DISK:
+                ix.set_off(rid, off)
+                ix.where[rid] = DISK | bit
+                self._counters[bit].promotions += 1
+                return self._slot_of(bit, off, size)
+            self._free_slot(bit, off)
+            if n is None:
+                return None
+        return self._stage(name, bit)  # the row changed meanwhile: look again
+
+    def _alloc_for_stage(self, bit: int, size: int) -> int:
+        pool = self._pools[bit]
+        if not pool.fits(size):
+            raise TierFull(f"stage: a {size}-byte row exceeds the {_KINDS[bit].value} budget")
+        off = pool.alloc(size)
+        if off is None:
+            self._reclaim(bit, max(size, self._band(bit)), queue=False)
+            off = pool.alloc(size)
+        if off is None:
+            raise TierFull(f"stage: no room for {size} bytes in the {_KINDS[bit].value} tier "
+                           f"(used {pool.used_bytes} of {pool.budget}, rest locked or dirty)")
+        return off
+
+    def _copy_between(self, src_bit: int, src_off: int, dst_bit: int, dst_off: int,
+                      size: int) -> None:
+        host = self._pools[HOST]
+        dev = self._pools[DEV]
+        assert isinstance(host, HostSlab) and isinstance(dev, DevicePool)
+        host_t = torch.from_numpy(host.numpy()[: host.allocator.space_bytes])
+        h = host_t[dst_off if dst_bit == HOST else src_off:][:size]
+        d = dev.tensor(dst_off if dst_bit == DEV else src_off, size)
+        if dst_bit == HOST:
+            h.copy_(d)
+        else:
+            d.copy_(h)
+
+    def _slot_of(self, bit: int, off: int, size: int) -> HostSlot | DeviceSlot:
+        pool = self._pools[bit]
+        return pool.slot(off, size)
+
+    def reserve_host(self, size: int, holder: str) -> HostSlot:
+        """A private host slot for a write lease: counts against the budget, invisible
+        to readers, never evicted. ``TierFull`` if there is no room after eviction."""
+        return self._reserve(HOST, size, holder)  # type: ignore[return-value]
+
+    def reserve_device(self, size: int, holder: str) -> DeviceSlot:
+        return self._reserve(DEV, size, holder)  # type: ignore[return-value]
+
+    def _reserve(self, bit: int, size: int, holder: str) -> HostSlot | DeviceSlot:
+        if isinstance(size, bool) or not isinstance(size, int) or not 0 < size <= _MAX_PAGE:
+            raise InvalidInput(f"size: must be an integer in [1, {_MAX_PAGE}], got {size!r}")
+        if not isinstance(holder, str) or not holder:
+            raise InvalidInput(f"holder: expected a non-empty string, got {holder!r}")
+        pool = self._pool(bit, "reserve")
+        with self._lock:
+            self._check_open()
+            if not pool.fits(size):
+                raise TierFull(f"reserve: {size} bytes exceed the {_KINDS[bit].value} budget "
+                               f"{pool.budget}")
+            off = pool.alloc(size)
+            while off is None:
+                if bit == DEV:
+                    self._reclaim(DEV, max(size, self._band(DEV)))
+                    off = pool.alloc(size)
+                    if off is None:
+                        break
+                    continue
+                self._reclaim(HOST, max(size, self._band(HOST)))
+                off = pool.alloc(size)
+                if off is not None or not self._queued[HOST] or self._disk_error is not None:
+                    break
+                self._cond.wait(_WAIT_S)
+                self._check_open()
+                off = pool.alloc(size)
+            if off is None:
+                raise TierFull(f"reserve: no room for {size} bytes in the {_KINDS[bit].value} "
+                               f"tier (used {pool.used_bytes} of {pool.budget}); the rest is "
+                               "locked, reserved or being read")
+            self._reserved[(bit, off)] = (holder, size)
+            return self._slot_of(bit, off, size)
+
+    def _reserved_off(self, bit: int, slot: HostSlot | DeviceSlot) -> tuple[int, str]:
+        if bit == HOST:
+            if not isinstance(slot, HostSlot):
+                raise InvalidInput(f"slot: expected a HostSlot, got {type(slot).__name__}")
+            pool = self._pool(HOST, "slot")
+            assert isinstance(pool, HostSlab)
+            if slot.segment != pool.segment:
+                raise InvalidInput(f"slot.segment: {slot.segment!r} is not this store's")
+            off = slot.offset
+        else:
+            if not isinstance(slot, DeviceSlot):
+                raise InvalidInput(f"slot: expected a DeviceSlot, got {type(slot).__name__}")
+            dev = self._pool(DEV, "slot")
+            assert isinstance(dev, DevicePool)
+            off = dev.offset_of(slot)
+        hit = self._reserved.get((bit, off))
+        if hit is None:
+            raise InvalidInput(f"slot: offset {off} is not a reserved slot (committed, "
+                               "aborted or never reserved)")
+        if hit[1] != slot.size:
+            raise InvalidInput(f"slot.size: {slot.size}, reserved {hit[1]}")
+        return off, hit[0]
+
+    def commit_host(self, name: bytes, slot: HostSlot, *, dtype: str = "uint8",
+                    parent: bytes | None = None) -> None:
+        """Publish a reserved slot's bytes as row ``name`` (an unlocked older copy, or one
+        locked only by the reserving holder, is replaced)."""
+        self._commit(HOST, name, slot, dtype, parent)
+
+    def commit_device(self, name: bytes, slot: DeviceSlot, *, dtype: str = "uint8",
+                      parent: bytes | None = None) -> None:
+        self._commit(DEV, name, slot, dtype, parent)
+
+    def _commit(self, bit: int, name: bytes, slot: HostSlot | DeviceSlot, dtype: str,
+                parent: bytes | None) -> None:
+        check_name(name)
+        if parent is not None:
+            check_name(parent)
+        with self._lock:
+            self._check_open()
+            off, holder = self._reserved_off(bit, slot)
+            size = slot.size
+            code = self._ix.dtype_code(dtype)
+            self._check_writable(name, size, holder)  # failing here keeps the reservation
+            del self._reserved[(bit, off)]
+            self._pin(bit, off)
+        src: memoryview
+        pool = self._pools[bit]
+        if isinstance(pool, HostSlab):
+            src = pool.view(off, size)
+        else:
+            needs_bytes = self.config.write_policy is WritePolicy.WRITE_THROUGH and self._disk
+            src = (pool.tensor(off, size).cpu().numpy().data if needs_bytes
+                   else memoryview(b""))
+        try:
+            self._publish(name, size, code, parent, bit, off, src, holder=holder,
+                          reserve=(holder, size))
+        finally:
+            if isinstance(pool, HostSlab):
+                src.release()
+            with self._lock:
+                self._unpin(bit, off)
+
+    def abort_host(self, slot: HostSlot) -> None:
+        """Give a reserved host slot back."""
+        self._abort(HOST, slot)
+
+    def abort_device(self, slot: DeviceSlot) -> None:
+        self._abort(DEV, slot)
+
+    def _abort(self, bit: int, slot: HostSlot | DeviceSlot) -> None:
+        with self._lock:
+            self._check_open()
+            off, _ = self._reserved_off(bit, slot)
+            del self._reserved[(bit, off)]
+            self._free_slot(bit, off)
+            self._cond.notify_all()
+
+    def host_view(self, slot: HostSlot) -> memoryview:
+        """The owner-side view of a host slot's bytes (release it when done)."""
+        pool = self._pool(HOST, "host_view")
+        assert isinstance(pool, HostSlab)
+        if not isinstance(slot, HostSlot) or slot.segment != pool.segment:
+            raise InvalidInput(f"slot: not a slot of segment {pool.segment}")
+        with self._lock:
+            self._check_open()
+            if not pool.allocator.is_slot(slot.offset) or slot.size > pool.capacity(slot.offset):
+                raise InvalidInput(f"slot: offset {slot.offset} size {slot.size} is not a slot")
+            return pool.view(slot.offset, slot.size)
+
+    def device_view(self, slot: DeviceSlot) -> torch.Tensor:
+        """A uint8 tensor view of a device slot."""
+        pool = self._pool(DEV, "device_view")
+        assert isinstance(pool, DevicePool)
+        with self._lock:
+            self._check_open()
+            off = pool.offset_of(slot)
+            if not pool.allocator.is_slot(off) or slot.size > pool.capacity(off):
+                raise InvalidInput(f"slot: offset {slot.offset} size {slot.size} is not a slot")
+            return pool.tensor(off, slot.size)
+
+    # ==================================================================================
+    # the mover
+
+    def _pressure(self) -> bool:
+        high = self.config.high_watermark
+        for bit in (DEV, HOST):
+            pool = self._pools.get(bit)
+            if (pool is not None and pool.used_bytes - self._queued[bit] > high * pool.budget
+                    and self._victims(bit, 1)):
+                return True
+        disk = self._disk
+        return bool(disk is not None and not self._purge_pending
+                    and disk.used_bytes > high * disk.budget_bytes and self._disk_rows_evictable())
+
+    def _disk_rows_evictable(self) -> bool:
+        return bool(self._victims(DISK, 1))
+
+    def _plan(self) -> None:
+        low = self.config.low_watermark
+        high = self.config.high_watermark
+        for bit in (DEV, HOST):
+            pool = self._pools.get(bit)
+            if pool is not None and pool.used_bytes - self._queued[bit] > high * pool.budget:
+                self._reclaim(bit, int(pool.used_bytes - low * pool.budget))
+        disk = self._disk
+        if disk is not None and not self._purge_pending and disk.used_bytes > high * disk.budget_bytes:
+            ix = self._ix
+            # Frames are smaller than pages; scale the byte target by the current ratio.
+            n = ix.high
+            raw_on_disk = int(ix.size[:n][(ix.where[:n] & DISK) != 0].sum(dtype=np.int64))
+            ratio = raw_on_disk / max(1, disk.used_bytes)
+            need = int((disk.used_bytes - low * disk.budget_bytes) * ratio)
+            names: list[bytes] = []
+            for rid in self._victims(DISK, need):
+                name = ix.names[rid]
+                assert name is not None
+                names.append(name)
+                where = int(ix.where[rid])
+                self._counters[DISK].evictions += 1
+                if where & (DEV | HOST):  # a memory copy stays; only the disk copy goes
+                    ix.where[rid] = where & ~DISK
+                else:
+                    ix.remove(rid)
+            if names:
+                self._purge_pending = True
+                self._jobs.append(_Job("purge", names=tuple(names), evict=True))
+
+    def _run_mover(self) -> None:
+        while True:
+            with self._lock:
+                while not self._jobs and not self._closed and not self._pressure():
+                    self._cond.wait()
+                if self._closed:
+                    self._cancel_jobs()
+                    self._cond.notify_all()
+                    return
+                if not self._jobs:
+                    self._plan()
+                if not self._jobs:
+                    self._cond.wait(_WAIT_S)  # pressure without a plan: victims pinned
+                    continue
+                job = self._jobs.popleft()
+                self._busy = True
+            try:
+                if job.kind == "demote":
+                    self._demote(job)
+                else:
+                    self._purge(job)
+            except TierError as exc:
+                logger.warning("store: mover job %s failed: %s", job.kind, exc)
+                with self._lock:
+                    self._note_disk_error(str(exc))
+            except BaseException:
+                logger.exception("store: mover crashed")  # never silent: health reports it
+                with self._lock:
+                    self._notes.append("mover crashed; see the log")
+                    self._busy = False
+                    self._cond.notify_all()
+                raise
+            finally:
+                with self._lock:
+                    self._busy = False
+                    self._cond.notify_all()
+
+    def _cancel_jobs(self) -> None:
+        for job in self._jobs:
+            if job.kind == "demote":
+                self._end_demote(job, written=False)
+        self._jobs.clear()
+
+    def _note_disk_error(self, msg: str) -> None:
+        if self._disk_error is None:
+            logger.warning("store: disk tier degraded: %s", msg)
+        self._disk_error = msg
+
+    def _end_demote(self, job: _Job, *, written: bool) -> bool:
+        """Settle a demotion under the lock; True when the row's copy moved to disk."""
+        ix = self._ix
+        self._queued[job.bit] -= job.size
+        self._unpin(job.bit, job.off)
+        rid = job.rid
+        same = (ix.ids.get(job.name) == rid and int(ix.where[rid]) & job.bit
+                and self._mem_off(rid, job.bit) == job.off and int(ix.flags[rid]) & MOVING)
+        if same:
+            ix.flags[rid] &= ~MOVING
+            if written:
+                ix.where[rid] = int(ix.where[rid]) | DISK
+                if job.name not in self._locks:  # a lock taken meanwhile keeps the copy
+                    self._drop_copy(rid, job.bit)
+                    self._counters[job.bit].demotions += 1
+        return bool(same)
+
+    def _demote(self, job: _Job) -> None:
+        disk = self._disk
+        assert disk is not None
+        pool = self._pools[job.bit]
+        with self._lock:
+            dtype = self._ix.dtypes[int(self._ix.dtype[job.rid])]
+            parent = self._ix.parent_name(job.rid)
+            seq = int(self._ix.atime[job.rid])
+        if isinstance(pool, HostSlab):
+            view = pool.view(job.off, job.size)
+            try:
+                frame = disk.frame(view, dtype)
+            finally:
+                view.release()
+        else:
+            frame = disk.frame(pool.tensor(job.off, job.size).cpu().numpy().data, dtype)
+        with self._disk_lock:
+            with self._lock:
+                ix = self._ix
+                valid = (ix.ids.get(job.name) == job.rid and int(ix.flags[job.rid]) & MOVING
+                         and self._mem_off(job.rid, job.bit) == job.off)
+            if not valid:
+                with self._lock:
+                    self._end_demote(job, written=False)
+                return
+            try:
+                disk.write_frame(job.name, frame, raw_len=job.size, dtype=dtype, parent=parent,
+                                 seq=seq)
+            except BaseException:
+                with self._lock:
+                    self._end_demote(job, written=False)
+                raise
+            with self._lock:
+                if self._disk_error is not None:
+                    logger.warning("store: disk tier writes again")
+                self._disk_error = None
+                moved = self._end_demote(job, written=True)
+                rid = self._ix.ids.get(job.name)
+                stale = not moved and (rid is None or not int(self._ix.where[rid]) & DISK)
+            if stale:  # overwritten or deleted while we wrote: the frame is stale
+                disk.delete_many([job.name])
+
+    def _purge(self, job: _Job) -> None:
+        disk = self._disk
+        if disk is None:
+            return
+        with self._disk_lock:
+            with self._lock:
+                ids, where = self._ix.ids, self._ix.where
+                names = [n for n in job.names
+                         if (rid := ids.get(n)) is None or not int(where[rid]) & DISK]
+            try:
+                if names:
+                    disk.delete_many(names)
+            finally:
+                if job.evict:
+                    with self._lock:
+                        self._purge_pending = False
+
+    def flush(self) -> None:
+        """Wait until the mover is idle: no queued job and no tier above its watermark
+        with something it can move."""
+        with self._lock:
+            while (self._jobs or self._busy or (self._disk_error is None and self._pressure())) \
+                    and not self._closed:
+                self._cond.notify_all()
+                self._cond.wait(_WAIT_S)
+
+    # ==================================================================================
+    # introspection
+
+    def stats(self) -> StoreStats:
+        with self._lock:
+            ix = self._ix
+            n = ix.high
+            where = ix.where[:n]
+            tiers: list[TierStats] = []
+            for bit in (DEV, HOST, DISK):
+                c = self._counters[bit]
+                rows = int(np.count_nonzero(where & bit))
+                if bit == DISK:
+                    disk = self._disk
+                    enabled = disk is not None
+                    used = disk.used_bytes if disk else 0
+                    alloc = used
+                    budget = disk.budget_bytes if disk else 0
+                    corrupt = disk.corrupt_rows if disk else 0
+                else:
+                    pool = self._pools.get(bit)
+                    enabled = pool is not None
+                    used = pool.used_bytes if pool else 0
+                    alloc = pool.allocated_bytes if pool else 0
+                    budget = pool.budget if pool else 0
+                    corrupt = 0
+                tiers.append(TierStats(_KINDS[bit], enabled, rows, used, alloc, budget, c.hits,
+                                       c.misses, c.evictions, c.demotions, c.promotions, corrupt))
+            return StoreStats(tuple(tiers), len(ix), len(self._locks), len(self._reserved),
+                              len(self._jobs), sum(self._queued.values()), self._puts,
+                              self._gets, self._hits, self._misses)
+
+    def health(self) -> StoreHealth:
+        with self._lock:
+            mover = self._mover.is_alive() and not self._closed
+            tiers: list[TierHealth] = []
+            for bit in (DEV, HOST, DISK):
+                kind = _KINDS[bit]
+                enabled = (self._disk is not None) if bit == DISK else bit in self._pools
+                if not enabled:
+                    why = next((n for n in self._notes if n.startswith(kind.value)), "not configured")
+                    tiers.append(TierHealth(kind, False, "off", why))
+                elif bit == DISK and self._disk_error is not None:
+                    tiers.append(TierHealth(kind, True, "degraded", self._disk_error))
+                else:
+                    tiers.append(TierHealth(kind, True, "ok", ""))
+            ok = mover and all(t.state != "degraded" for t in tiers)
+            return StoreHealth(ok, tuple(tiers), mover, tuple(self._notes))
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError naming the first broken invariant: index vs tiers, budgets,
+        slot accounting, locks, tier overlap, sizes."""
+        with self._lock:
+            self._check_invariants_locked()
+
+    def _check_invariants_locked(self) -> None:
+        ix = self._ix
+        n = ix.high
+        seen: dict[SlotKey, bytes] = {}
+        charged = {DEV: 0, HOST: 0}
+        disk_names: set[bytes] = set()
+        for name, rid in ix.ids.items():
+            tag = f"row {name.hex()[:16]}… (id {rid})"
+            if ix.names[rid] != name:
+                raise AssertionError(f"{tag}: names[{rid}] is {ix.names[rid]!r}")
+            where = int(ix.where[rid])
+            size = int(ix.size[rid])
+            if where == 0 or where & ~(DEV | HOST | DISK):
+                raise AssertionError(f"{tag}: tier bits {where:#x}")
+            if size <= 0:
+                raise AssertionError(f"{tag}: size {size}")
+            if where & DEV and where & HOST and rid not in self._dual:
+                raise AssertionError(f"{tag}: in device and host without a staged copy")
+            if rid in self._dual and not (where & DEV and where & HOST):
+                raise AssertionError(f"{tag}: a staged second copy but bits {where:#x}")
+            for bit in (DEV, HOST):
+                if not where & bit:
+                    continue
+                pool = self._pools.get(bit)
+                if pool is None:
+                    raise AssertionError(f"{tag}: in the {_KINDS[bit].value} tier, which is off")
+                off = self._mem_off(rid, bit)
+                if not pool.allocator.is_slot(off):
+                    raise AssertionError(f"{tag}: {_KINDS[bit].value} offset {off} is not a slot")
+                if pool.capacity(off) < size:
+                    raise AssertionError(f"{tag}: slot capacity {pool.capacity(off)} < {size}")
+                if (bit, off) in seen:
+                    raise AssertionError(f"{tag}: shares {_KINDS[bit].value} slot {off} "
+                                         f"with {seen[(bit, off)].hex()[:16]}…")
+                if (bit, off) in self._zombies:
+                    raise AssertionError(f"{tag}: its slot {off} is waiting to be freed")
+                seen[(bit, off)] = name
+                charged[bit] += pool.capacity(off)
+            if where & DISK:
+                if self._disk is None:
+                    raise AssertionError(f"{tag}: on disk, but there is no disk tier")
+                disk_names.add(name)
+            moving = bool(int(ix.flags[rid]) & MOVING)
+            queued = any(j.kind == "demote" and j.rid == rid for j in self._jobs)
+            if moving and not queued and not self._busy:
+                raise AssertionError(f"{tag}: marked moving with no demotion job")
+            p = int(ix.parent[rid])
+            if p >= 0 and p >= n:
+                raise AssertionError(f"{tag}: parent id {p} out of range")
+        for rid in range(n):
+            if ix.names[rid] is None and int(ix.where[rid]):
+                raise AssertionError(f"id {rid}: removed but has tier bits {int(ix.where[rid])}")
+        for key, (holder, _size) in self._reserved.items():
+            if key in seen:
+                raise AssertionError(f"reserved slot {key} of {holder!r} also holds a row")
+            charged[key[0]] += self._pools[key[0]].capacity(key[1])
+        for key in self._zombies:
+            if key not in self._pins:
+                raise AssertionError(f"slot {key}: waits to be freed but nothing copies it")
+            charged[key[0]] += self._pools[key[0]].capacity(key[1])
+        for key in self._pins:  # private slots of puts/stages in flight
+            if key not in seen and key not in self._zombies and key not in self._reserved:
+                charged[key[0]] += self._pools[key[0]].capacity(key[1])
+        for bit, pool in self._pools.items():
+            pool.allocator.check()
+            if pool.used_bytes != charged[bit]:
+                raise AssertionError(f"{_KINDS[bit].value} tier: {pool.used_bytes} bytes in use, "
+                                     f"rows/reservations account for {charged[bit]}")
+            if pool.allocated_bytes > pool.budget:
+                raise AssertionError(f"{_KINDS[bit].value} tier: holds {pool.allocated_bytes} "
+                                     f"bytes, budget {pool.budget}")
+        for name, per in self._locks.items():
+            for holder, k in per.items():
+                if k <= 0 or self._held.get(holder, {}).get(name) != k:
+                    raise AssertionError(f"lock on {name.hex()[:16]}… by {holder!r}: count {k} "
+                                         "does not match the holder's table")
+        for holder, mine in self._held.items():
+            for name, k in mine.items():
+                if self._locks.get(name, {}).get(holder) != k:
+                    raise AssertionError(f"holder {holder!r}: lock table and row locks differ")
+        if self._disk is not None and not self._jobs and not self._busy:
+            self._disk.check()
+            on_disk = set(self._disk.names())
+            missing = disk_names - on_disk
+            if missing:
+                raise AssertionError(f"{len(missing)} rows marked on disk are not in LMDB, "
+                                     f"e.g. {next(iter(missing)).hex()[:16]}…")
+            extra = on_disk - set(ix.ids)
+            if extra:
+                raise AssertionError(f"{len(extra)} rows in LMDB are not in the index, "
+                                     f"e.g. {next(iter(extra)).hex()[:16]}…")
+            for name in on_disk - disk_names:
+                rid = ix.ids[name]
+                raise AssertionError(f"row {name.hex()[:16]}…: in LMDB but its index bits are "
+                                     f"{int(ix.where[rid]):#x} (a stale frame)")
+
+    # ==================================================================================
+    # close
+
+    def close(self) -> None:
+        """Stop the mover (after its current job), unlink shared memory, close LMDB."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._cond.notify_all()
+        self._mover.join()
+        self._close_tiers()
+
+    def _close_tiers(self) -> None:
+        for pool in getattr(self, "_pools", {}).values():
+            pool.close()
+        if getattr(self, "_disk", None) is not None:
+            assert self._disk is not None
+            self._disk.close()
+
+    def __enter__(self) -> TieredStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -62,6 +62,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from kvbank.codec import DTYPE_CODES
 from kvbank.config import BankConfig, WritePolicy
 from kvbank.errors import (
     CorruptPage,
@@ -333,6 +334,12 @@ class TieredStore:
             return False
         return holder is None or any(h != holder for h in held)
 
+    def _dtype_code(self, dtype: str) -> int:
+        # Checked up front even without a disk tier: a row must always be demotable.
+        if not isinstance(dtype, str) or dtype not in DTYPE_CODES:
+            raise InvalidInput(f"dtype: unknown dtype {dtype!r}; known: {sorted(DTYPE_CODES)}")
+        return self._ix.dtype_code(dtype)
+
     def _pool(self, bit: int, what: str) -> Pool:
         pool = self._pools.get(bit)
         if pool is None:
@@ -533,7 +540,7 @@ class TieredStore:
             raise InvalidInput(f"data: page size must be in [1, {_MAX_PAGE}], got {size}")
         with self._lock:
             self._check_open()
-            code = self._ix.dtype_code(dtype)
+            code = self._dtype_code(dtype)
             self._check_writable(name, size, None)
             bit, off = self._alloc_memory(size, wait=True)
             if off is not None:
@@ -588,6 +595,7 @@ class TieredStore:
                     self._check_writable(name, size, holder)
                     seq = self._ix.clock + 1
                     parent_name = parent if parent is not None and parent in self._ix.ids else None
+                self._make_disk_room(len(frame))
                 disk.write_frame(name, frame, raw_len=size, dtype=self._ix.dtypes[code],
                                  parent=parent_name, seq=seq)
                 with self._lock:
@@ -1038,7 +1046,7 @@ class TieredStore:
             self._check_open()
             off, holder = self._reserved_off(bit, slot)
             size = slot.size
-            code = self._ix.dtype_code(dtype)
+            code = self._dtype_code(dtype)
             self._check_writable(name, size, holder)  # failing here keeps the reservation
             del self._reserved[(bit, off)]
             self._pin(bit, off)
@@ -1123,26 +1131,50 @@ class TieredStore:
                 self._reclaim(bit, int(pool.used_bytes - low * pool.budget))
         disk = self._disk
         if disk is not None and not self._purge_pending and disk.used_bytes > high * disk.budget_bytes:
-            ix = self._ix
-            # Frames are smaller than pages; scale the byte target by the current ratio.
-            n = ix.high
-            raw_on_disk = int(ix.size[:n][(ix.where[:n] & DISK) != 0].sum(dtype=np.int64))
-            ratio = raw_on_disk / max(1, disk.used_bytes)
-            need = int((disk.used_bytes - low * disk.budget_bytes) * ratio)
-            names: list[bytes] = []
-            for rid in self._victims(DISK, need):
-                name = ix.names[rid]
-                assert name is not None
-                names.append(name)
-                where = int(ix.where[rid])
-                self._counters[DISK].evictions += 1
-                if where & (DEV | HOST):  # a memory copy stays; only the disk copy goes
-                    ix.where[rid] = where & ~DISK
-                else:
-                    ix.remove(rid)
+            names = self._evict_disk(disk.used_bytes - int(low * disk.budget_bytes))
             if names:
                 self._purge_pending = True
                 self._jobs.append(_Job("purge", names=tuple(names), evict=True))
+
+    def _evict_disk(self, frame_bytes: int) -> list[bytes]:
+        """Take LRU rows off the disk in the index (the caller deletes their frames);
+        ``frame_bytes`` is scaled to raw bytes by the current compression ratio."""
+        disk = self._disk
+        assert disk is not None
+        ix = self._ix
+        n = ix.high
+        raw_on_disk = int(ix.size[:n][(ix.where[:n] & DISK) != 0].sum(dtype=np.int64))
+        ratio = raw_on_disk / max(1, disk.used_bytes)
+        names: list[bytes] = []
+        for rid in self._victims(DISK, int(frame_bytes * ratio) + 1):
+            name = ix.names[rid]
+            assert name is not None
+            names.append(name)
+            where = int(ix.where[rid])
+            self._counters[DISK].evictions += 1
+            if where & (DEV | HOST):  # a memory copy stays; only the disk copy goes
+                ix.where[rid] = where & ~DISK
+            else:
+                ix.remove(rid)
+        return names
+
+    def _make_disk_room(self, frame_len: int) -> None:
+        """Evict from disk now so that a ``frame_len`` write fits the budget (the caller
+        holds the disk lock). Goes down to the low watermark to amortise the scan."""
+        disk = self._disk
+        assert disk is not None
+        over = disk.used_bytes + frame_len - disk.budget_bytes
+        if over <= 0:
+            return
+        with self._lock:
+            names = self._evict_disk(over + self._disk_band())
+        if names:
+            disk.delete_many(names)
+
+    def _disk_band(self) -> int:
+        disk = self._disk
+        assert disk is not None
+        return int(disk.budget_bytes * (self.config.high_watermark - self.config.low_watermark))
 
     def _run_mover(self) -> None:
         while True:
@@ -1235,6 +1267,7 @@ class TieredStore:
                     self._end_demote(job, written=False)
                 return
             try:
+                self._make_disk_room(len(frame))
                 disk.write_frame(job.name, frame, raw_len=job.size, dtype=dtype, parent=parent,
                                  seq=seq)
             except BaseException:

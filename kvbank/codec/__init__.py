@@ -1,0 +1,59 @@
+"""The cold-page codec: self-describing, checksummed frames for pages leaving host memory.
+
+Pages that go to the disk tier, the remote tier or the wire are encoded as one frame
+each: a 40-byte header (magic, format version, method, dtype, raw length, payload
+length, xxh3-64 of the raw bytes, a header check) and a payload. ``docs/codec.md``
+specifies the format byte by byte.
+
+Primitives (the public API other modules code against):
+
+- ``encode(data, dtype="uint8", *, level=1) -> bytes`` and ``encode_into(data, out,
+  dtype, *, level=1) -> int`` (into pooled memory of ``max_frame_size(len(data))``).
+- ``decode_into(frame, out) -> int`` (into the caller's buffer; the data path) and
+  ``decode(frame) -> bytes``. Only ``CorruptPage`` (the frame is bad) or
+  ``InvalidInput`` (``out`` too small) come out; wrong bytes never do.
+- ``frame_info(frame) -> FrameHeader``: the validated header alone.
+- ``HEADER_SIZE``, ``MAGIC``, ``FORMAT_VERSION``, ``Method``.
+
+Lifecycle: stateless calls; per-thread zstd contexts and scratch are reused.
+"""
+
+from __future__ import annotations
+
+from kvbank.codec.core import (
+    DEFAULT_LEVEL,
+    decode,
+    decode_into,
+    encode,
+    encode_into,
+    entropy_bits,
+    frame_info,
+    max_frame_size,
+)
+from kvbank.codec.frame import (
+    DTYPE_CODES,
+    FORMAT_VERSION,
+    HEADER_SIZE,
+    MAGIC,
+    MAX_RAW_LEN,
+    FrameHeader,
+    Method,
+)
+
+__all__ = [
+    "DEFAULT_LEVEL",
+    "DTYPE_CODES",
+    "FORMAT_VERSION",
+    "HEADER_SIZE",
+    "MAGIC",
+    "MAX_RAW_LEN",
+    "FrameHeader",
+    "Method",
+    "decode",
+    "decode_into",
+    "encode",
+    "encode_into",
+    "entropy_bits",
+    "frame_info",
+    "max_frame_size",
+]

@@ -1,0 +1,150 @@
+"""The codec frame header: constants, the method and dtype code tables, pack and parse.
+
+A frame is ``HEADER_SIZE`` bytes of header followed by ``payload_len`` bytes of payload.
+All integers are little-endian. See ``docs/codec.md`` for the byte-exact layout and each
+method's payload; this module is the single place the header is read or written.
+
+Parsing validates everything the header alone can tell (magic, version, header check,
+reserved bits, method, dtype, item size, the lengths against the frame's size and
+against each other) and raises :class:`~kvbank.errors.CorruptPage` naming the field.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import xxhash
+
+from kvbank.errors import CorruptPage, InvalidInput
+from kvbank.layout import DTYPE_ITEMSIZE
+
+MAGIC = b"KVBC"
+FORMAT_VERSION = 1
+HEADER_SIZE = 40
+MAX_RAW_LEN = 1 << 32  # 4 GiB; pages are MiBs. Bounds what a crafted header can make us allocate.
+
+# magic, version, method, dtype code, itemsize, raw_len, payload_len, checksum
+_HEAD = struct.Struct("<4sBBBBQQQ")
+_CHECKED = _HEAD.size  # 32: the bytes the header check covers
+_TAIL = struct.Struct("<II")  # header check, reserved (zero)
+
+
+class Method(enum.IntEnum):
+    """How the payload encodes the raw bytes (the header's method byte)."""
+
+    RAW = 0  # payload is the raw bytes
+    ZSTD = 1  # payload is one zstd frame of the raw bytes
+    PLANES_ZSTD = 2  # payload is one zstd frame of the concatenated byte planes
+    PLANES = 3  # per-plane sub-headers; each plane stored verbatim or as its own zstd frame
+
+
+# dtype name -> code in the header's dtype byte. Fixed numbers, never reused: a code
+# names a dtype forever, whatever order kvbank.layout lists them in.
+DTYPE_CODES: Mapping[str, int] = {
+    "uint8": 0,
+    "int8": 1,
+    "float8_e4m3fn": 2,
+    "float8_e5m2": 3,
+    "float8_e8m0fnu": 4,
+    "float4_e2m1fn_x2": 5,
+    "float16": 6,
+    "bfloat16": 7,
+    "float32": 8,
+    "int32": 9,
+}
+DTYPE_NAMES: Mapping[int, str] = {code: name for name, code in DTYPE_CODES.items()}
+
+
+def dtype_code(dtype: str) -> int:
+    """The header code of a kvbank dtype name; unknown names raise InvalidInput."""
+    if not isinstance(dtype, str) or dtype not in DTYPE_ITEMSIZE or dtype not in DTYPE_CODES:
+        raise InvalidInput(f"dtype: unknown dtype {dtype!r}; known: {sorted(DTYPE_ITEMSIZE)}")
+    return DTYPE_CODES[dtype]
+
+
+@dataclass(frozen=True, slots=True)
+class FrameHeader:
+    """The parsed, validated header of one frame."""
+
+    version: int
+    method: Method
+    dtype: str
+    itemsize: int
+    raw_len: int
+    payload_len: int
+    checksum: int  # xxh3-64 (seed 0) of the raw bytes
+
+    @property
+    def frame_len(self) -> int:
+        return HEADER_SIZE + self.payload_len
+
+
+def header_check(head: bytes | bytearray | memoryview) -> int:
+    """The 32-bit check over the first 32 header bytes: low half of their xxh3-64."""
+    return xxhash.xxh3_64_intdigest(head) & 0xFFFFFFFF
+
+
+def pack_header(
+    out: bytearray | memoryview,
+    method: Method,
+    dtype: str,
+    raw_len: int,
+    payload_len: int,
+    checksum: int,
+) -> None:
+    """Write a header into ``out[:HEADER_SIZE]``."""
+    code = dtype_code(dtype)
+    _HEAD.pack_into(
+        out, 0, MAGIC, FORMAT_VERSION, int(method), code, DTYPE_ITEMSIZE[dtype],
+        raw_len, payload_len, checksum,
+    )
+    _TAIL.pack_into(out, _CHECKED, header_check(memoryview(out)[:_CHECKED]), 0)
+
+
+def parse_header(frame: bytes | bytearray | memoryview) -> FrameHeader:
+    """Parse and validate the header of ``frame`` (the whole frame, to check its length)."""
+    size = len(frame)
+    if size < HEADER_SIZE:
+        raise CorruptPage(f"frame: {size} bytes is shorter than the {HEADER_SIZE}-byte header")
+    magic, version, method, code, itemsize, raw_len, payload_len, checksum = _HEAD.unpack_from(
+        frame, 0
+    )
+    if magic != MAGIC:
+        raise CorruptPage(f"magic: expected {MAGIC!r}, got {bytes(magic)!r}")
+    if version != FORMAT_VERSION:
+        raise CorruptPage(f"version: this build reads format {FORMAT_VERSION}, got {version}")
+    check, reserved = _TAIL.unpack_from(frame, _CHECKED)
+    if check != header_check(memoryview(frame)[:_CHECKED]):
+        raise CorruptPage(f"header check: stored {check:#010x} does not match the header bytes")
+    if reserved != 0:
+        raise CorruptPage(f"reserved: header bytes 36..39 must be zero, got {reserved:#x}")
+    try:
+        method_e = Method(method)
+    except ValueError:
+        raise CorruptPage(f"method: unknown method {method}") from None
+    dtype = DTYPE_NAMES.get(code)
+    if dtype is None:
+        raise CorruptPage(f"dtype: unknown dtype code {code}")
+    if itemsize != DTYPE_ITEMSIZE[dtype]:
+        raise CorruptPage(
+            f"itemsize: {dtype} has {DTYPE_ITEMSIZE[dtype]}-byte items, header says {itemsize}"
+        )
+    if raw_len > MAX_RAW_LEN:
+        raise CorruptPage(f"raw length: {raw_len} exceeds the limit {MAX_RAW_LEN}")
+    if payload_len != size - HEADER_SIZE:
+        what = "truncated" if payload_len > size - HEADER_SIZE else "has trailing bytes"
+        raise CorruptPage(
+            f"payload length: header says {payload_len} bytes, frame holds "
+            f"{size - HEADER_SIZE} ({what})"
+        )
+    if method_e is Method.RAW and payload_len != raw_len:
+        raise CorruptPage(f"raw length: a RAW payload of {payload_len} bytes, header says {raw_len}")
+    if method_e in (Method.PLANES, Method.PLANES_ZSTD) and raw_len % itemsize:
+        raise CorruptPage(
+            f"raw length: {raw_len} is not a whole number of {itemsize}-byte items "
+            f"({method_e.name} needs whole items)"
+        )
+    return FrameHeader(version, method_e, dtype, itemsize, raw_len, payload_len, checksum)

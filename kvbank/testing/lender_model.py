@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from kvbank.config import BankConfig
-from kvbank.errors import InvalidInput, LeaseConflict, LeaseExpired, LeaseNotFound, RowLocked
+from kvbank.errors import LeaseConflict, LeaseExpired, LeaseNotFound, RowLocked
 from kvbank.lender.base import Delivery, LeaseMode, PageShape, Region
 from kvbank.lender.lender import Lender
 from kvbank.tiers.store import TieredStore

@@ -53,15 +53,16 @@ _local = _Contexts()
 
 
 def compressor(level: int, *, tuned: bool) -> zstandard.ZstdCompressor:
-    """This thread's compressor: FAST_PARAMS when ``tuned``, else zstd's own ``level``."""
-    key = (0 if tuned else level)
+    """This thread's compressor: FAST_PARAMS when ``tuned``, else zstd's own ``level``
+    (whose parameters zstd adapts to each input's size, as ``zstd -1`` does)."""
+    key = 0 if tuned else level
     c = _local.compressors.get(key)
     if c is None:
         if tuned:
-            params = FAST_PARAMS
+            c = zstandard.ZstdCompressor(compression_params=FAST_PARAMS)
         else:
-            params = zstandard.ZstdCompressionParameters.from_level(level, **_FRAME_FLAGS)
-        c = zstandard.ZstdCompressor(compression_params=params)
+            c = zstandard.ZstdCompressor(level=level, write_checksum=False,
+                                         write_content_size=True, write_dict_id=False)
         _local.compressors[key] = c
     return c
 

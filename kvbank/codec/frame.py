@@ -41,6 +41,8 @@ class Method(enum.IntEnum):
     PLANES = 3  # per-plane sub-headers; each plane stored verbatim or as its own zstd frame
 
 
+_METHODS: Mapping[int, Method] = {int(m): m for m in Method}
+
 # dtype name -> code in the header's dtype byte. Fixed numbers, never reused: a code
 # names a dtype forever, whatever order kvbank.layout lists them in.
 DTYPE_CODES: Mapping[str, int] = {
@@ -121,10 +123,9 @@ def parse_header(frame: bytes | bytearray | memoryview) -> FrameHeader:
         raise CorruptPage(f"header check: stored {check:#010x} does not match the header bytes")
     if reserved != 0:
         raise CorruptPage(f"reserved: header bytes 36..39 must be zero, got {reserved:#x}")
-    try:
-        method_e = Method(method)
-    except ValueError:
-        raise CorruptPage(f"method: unknown method {method}") from None
+    method_e = _METHODS.get(method)
+    if method_e is None:
+        raise CorruptPage(f"method: unknown method {method}")
     dtype = DTYPE_NAMES.get(code)
     if dtype is None:
         raise CorruptPage(f"dtype: unknown dtype code {code}")

@@ -139,6 +139,17 @@ def merge_planes(
         if dst.size < n * itemsize:
             raise InvalidInput(f"out: needs {n * itemsize} bytes, has {dst.size}")
         dst = dst[: n * itemsize]
+    return merge_unchecked(planes, dst, scratch)
+
+
+def merge_unchecked(
+    planes: Planes, dst: U8Array, scratch: npt.NDArray[np.uint16] | None = None
+) -> U8Array:
+    """:func:`merge_planes` without argument checks, for callers that built ``planes``
+    and ``dst`` themselves (the codec's per-page hot path): 1-D uint8 planes of equal
+    length ``n``, ``dst`` exactly ``n * len(planes)`` writable bytes."""
+    itemsize = len(planes)
+    n = planes[0].shape[0]
     if itemsize == 1:
         np.copyto(dst, planes[0])
         return dst

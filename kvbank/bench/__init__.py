@@ -9,5 +9,6 @@ dependencies never load for another.
 from __future__ import annotations
 
 SUITES: dict[str, str] = {
+    "codec": "kvbank.bench.codec",
     "keys": "kvbank.bench.keys",
 }

@@ -19,6 +19,7 @@ Use: ``TestLender = LenderMachine.TestCase`` in a test module (settings on the c
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
@@ -34,6 +35,15 @@ NAMES = [bytes([i + 1]) * 54 for i in range(10)]  # the rows leases are taken on
 SHAPE = PageShape(PAGE, (Region(0, "KEY", 0, PAGE),))
 TTL = 5.0
 MAX_TTL = 20.0
+
+
+PICK = st.integers(0, 63)  # an index drawn independently of state, mapped with pick()
+
+
+def pick(items: list[Any], k: int) -> Any:
+    """``items[k % len]``: draws keep one shape whatever the store evicted meanwhile, so
+    Hypothesis replays stay consistent (the mover thread makes eviction timing vary)."""
+    return items[k % len(items)]
 
 
 class FakeClock:
@@ -98,12 +108,12 @@ class LenderModel:
 
     def readable(self) -> list[str]:
         """Live READ leases with rows to read (deadline not passed)."""
-        return sorted(lid for lid, m in self.live.items()
-                      if m.mode is LeaseMode.READ and m.ready and m.deadline > self.now)
+        return [lid for lid, m in self.live.items()
+                if m.mode is LeaseMode.READ and m.ready and m.deadline > self.now]
 
     def writable(self) -> list[str]:
-        return sorted(lid for lid, m in self.live.items()
-                      if m.mode is LeaseMode.WRITE and m.deadline > self.now)
+        return [lid for lid, m in self.live.items()
+                if m.mode is LeaseMode.WRITE and m.deadline > self.now]
 
     def failure(self, lid: str) -> type[Exception] | None:
         """The error an operation on ``lid`` must raise now, or None if it is live."""
@@ -201,24 +211,28 @@ class LenderMachine(RuleBasedStateMachine):
         self.model.live[lease.id] = m
         self.ids.append(lease.id)
 
-    @precondition(lambda self: bool(self.model.readable()))
-    @rule(data=st.data())
-    def read(self, data: st.DataObject) -> None:
-        lid = data.draw(st.sampled_from(self.model.readable()))
+    @precondition(lambda self: bool(self.ids))
+    @rule(k=PICK)
+    def read(self, k: int) -> None:
         self.model.expire()
+        if not self.model.readable():
+            return
+        lid = pick(self.model.readable(), k)
         m = self.model.live.get(lid)
         if m is None or m.mode is not LeaseMode.READ or not m.ready:
             return
-        name = data.draw(st.sampled_from(sorted(m.ready)))
+        name = pick(sorted(m.ready), k // 7)
         if self.lender.read(lid, name) != m.ready[name]:
             raise AssertionError("read through a lease returned other bytes")
 
-    @precondition(lambda self: bool(self.model.readable()))
-    @rule(data=st.data())
-    def read_after_expiry(self, data: st.DataObject) -> None:
+    @precondition(lambda self: bool(self.ids))
+    @rule(k=PICK)
+    def read_after_expiry(self, k: int) -> None:
         """A read that completes after the deadline is refused (its bytes are not used)."""
-        lid = data.draw(st.sampled_from(self.model.readable()))
         self.model.expire()
+        if not self.model.readable():
+            return
+        lid = pick(self.model.readable(), k)
         m = self.model.live.get(lid)
         if m is None or m.mode is not LeaseMode.READ or not m.ready:
             return
@@ -236,12 +250,14 @@ class LenderMachine(RuleBasedStateMachine):
             return
         raise AssertionError("finish_read accepted a read completed after expiry")
 
-    @precondition(lambda self: bool(self.model.readable()))
-    @rule(data=st.data())
-    def read_racing_expiry(self, data: st.DataObject) -> None:
+    @precondition(lambda self: bool(self.ids))
+    @rule(k=PICK)
+    def read_racing_expiry(self, k: int) -> None:
         """The deadline passes while read_into copies: the copy must not count."""
-        lid = data.draw(st.sampled_from(self.model.readable()))
         self.model.expire()
+        if not self.model.readable():
+            return
+        lid = pick(self.model.readable(), k)
         m = self.model.live.get(lid)
         if m is None or m.mode is not LeaseMode.READ or not m.ready:
             return
@@ -254,26 +270,33 @@ class LenderMachine(RuleBasedStateMachine):
             return
         raise AssertionError("read_into returned bytes from a lease that expired mid-copy")
 
-    @precondition(lambda self: bool(self.model.writable()))
-    @rule(data=st.data(), fill=st.integers(0, 255))
-    def write(self, data: st.DataObject, fill: int) -> None:
-        lid = data.draw(st.sampled_from(self.model.writable()))
+    @precondition(lambda self: bool(self.ids))
+    @rule(k=PICK, fill=st.integers(0, 255))
+    def write(self, k: int, fill: int) -> None:
         self.model.expire()
+        if not self.model.writable():
+            return
+        lid = pick(self.model.writable(), k)
         m = self.model.live.get(lid)
         if m is None or m.mode is not LeaseMode.WRITE or not m.reserved:
             return
-        name = data.draw(st.sampled_from(sorted(m.reserved)))
+        name = pick(sorted(m.reserved), k // 7)
         payload = bytes([fill]) * PAGE
         self.lender.write(lid, name, payload)
         m.written[name] = payload
 
     @precondition(lambda self: bool(self.ids))
-    @rule(data=st.data(), live=st.booleans())
-    def commit(self, data: st.DataObject, live: bool) -> None:
+    @rule(
+        k=PICK,
+        live=st.booleans(),
+        fills=st.lists(st.integers(0, 255), min_size=1, max_size=4),
+        arrived_k=st.lists(st.integers(0, 255), max_size=4),
+    )
+    def commit(self, k: int, live: bool, fills: list[int], arrived_k: list[int]) -> None:
         """Commit a live WRITE lease (partially), or an ended lease (refused)."""
-        pool = self.model.writable() if live and self.model.writable() else self.ids
-        lid = data.draw(st.sampled_from(pool))
         self.model.expire()
+        pool = self.model.writable() if live and self.model.writable() else self.ids
+        lid = pick(pool, k)
         fail = self.model.failure(lid)
         m = self.model.live.get(lid)
         if m is not None and m.mode is not LeaseMode.WRITE:
@@ -287,12 +310,13 @@ class LenderMachine(RuleBasedStateMachine):
         if m is None:  # unreachable: failure() is None only for live leases
             return
         # fill some reserved rows first; only filled rows can arrive whole
-        fills = st.lists(st.sampled_from(sorted(m.reserved)), min_size=1, unique=True)
-        for name in data.draw(fills) if m.reserved else []:
-            payload = bytes([data.draw(st.integers(0, 255))]) * PAGE
+        for f in fills if m.reserved else []:
+            name = pick(sorted(m.reserved), f)
+            payload = bytes([f]) * PAGE
             self.lender.write(lid, name, payload)
             m.written[name] = payload
-        arrived = data.draw(st.lists(st.sampled_from(sorted(m.written)), unique=True)) if m.written else []
+        written = sorted(m.written)
+        arrived = sorted({pick(written, a) for a in arrived_k}) if written else []
         res = self.lender.commit(lid, arrived)
         self.model.end(lid, "committed")
         if set(res.committed) | set(res.already_present) != set(arrived):
@@ -309,9 +333,9 @@ class LenderMachine(RuleBasedStateMachine):
                 raise AssertionError("a discarded row became visible")
 
     @precondition(lambda self: bool(self.ids))
-    @rule(data=st.data(), ttl=st.sampled_from([None, 2.0, 12.0]))
-    def renew(self, data: st.DataObject, ttl: float | None) -> None:
-        lid = data.draw(st.sampled_from(self.ids))
+    @rule(k=PICK, ttl=st.sampled_from([None, 2.0, 12.0]))
+    def renew(self, k: int, ttl: float | None) -> None:
+        lid = pick(self.ids, k)
         self.model.expire()
         fail = self.model.failure(lid)
         if fail is not None:
@@ -326,9 +350,9 @@ class LenderMachine(RuleBasedStateMachine):
             raise AssertionError("renewed deadline is not now + ttl")
 
     @precondition(lambda self: bool(self.ids))
-    @rule(data=st.data())
-    def release(self, data: st.DataObject) -> None:
-        lid = data.draw(st.sampled_from(self.ids))
+    @rule(k=PICK)
+    def release(self, k: int) -> None:
+        lid = pick(self.ids, k)
         self.model.expire()
         why = self.model.ended.get(lid)
         if lid in self.model.live:

@@ -31,6 +31,7 @@ import inspect
 import logging
 import os
 import re
+import warnings
 from typing import Any
 
 import torch
@@ -67,20 +68,25 @@ def _docstrings() -> str:
     import importlib
 
     parts: list[str] = []
-    for name in _TEXT_MODULES:
-        module = importlib.import_module(name)
-        doc = inspect.getdoc(module)
-        if doc:
-            parts.append(doc)
-        for attr in sorted(vars(module)):
-            if attr.startswith("_"):
-                continue
-            obj = getattr(module, attr)
-            if not (inspect.isfunction(obj) or inspect.isclass(obj)):
-                continue
-            doc = inspect.getdoc(obj)
-            if doc and len(doc) > 80:
+    # Reading docstrings touches deprecated aliases (typing.io, ...); their warnings are
+    # about imports we never make.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        for name in _TEXT_MODULES:
+            module = importlib.import_module(name)
+            doc = inspect.getdoc(module)
+            if doc:
                 parts.append(doc)
+            for attr, obj in sorted(vars(module).items()):
+                if attr.startswith("_"):
+                    continue
+                if not (inspect.isfunction(obj) or inspect.isclass(obj)):
+                    continue
+                if getattr(obj, "__module__", None) != name:
+                    continue  # re-exported from elsewhere: counted there, if at all
+                doc = inspect.getdoc(obj)
+                if doc and len(doc) > 80:
+                    parts.append(doc)
     text = "\n\n".join(parts)
     # Drop doctest prompts and long runs of punctuation that are code, not prose.
     return re.sub(r"^\s*(>>>|\.\.\.).*$", "", text, flags=re.MULTILINE)

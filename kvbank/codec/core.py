@@ -162,9 +162,10 @@ def encode_into(
     method = _choose(dtype, raw.size, level)
     size: int | None = None
     if method is Method.ZSTD:
-        code, tuned = _policy(_sample_entropy(raw, 0, 1), level)
-        if code:
-            size = _put_compressed(payload, raw, _zstd_level(level), raw.size, tuned=tuned)
+        # Always try: a flat byte histogram can still hide LZ repeats (a copied block),
+        # and zstd gives up on incompressible input quickly.
+        _, tuned = _policy(_sample_entropy(raw, 0, 1), level)
+        size = _put_compressed(payload, raw, _zstd_level(level), raw.size, tuned=tuned)
     elif method is Method.PLANES_ZSTD:
         planes = _scratch.get("planes", raw.size)
         split_planes(raw, DTYPE_ITEMSIZE[dtype], planes.reshape(DTYPE_ITEMSIZE[dtype], -1))

@@ -129,6 +129,15 @@ def test_encode_random_bytes_fall_back_to_raw() -> None:
         assert len(frame) == HEADER_SIZE + len(data)
 
 
+def test_encode_repeated_random_block_still_compresses() -> None:
+    """Regression: a flat byte histogram (order-0 entropy ~8 bits) must not make the
+    encoder skip zstd when the page repeats itself (LZ matches)."""
+    block = np.random.default_rng(6).integers(0, 256, 4096, dtype=np.uint8).tobytes()
+    frame = _roundtrip(block * 8, "uint8", 1)
+    assert frame_info(frame).method is Method.ZSTD
+    assert len(frame) < 2 * len(block)
+
+
 def test_encode_constant_page_compresses_to_almost_nothing() -> None:
     frame = _roundtrip(bytes(1 << 20), "bfloat16", 1)
     assert len(frame) < 200

@@ -482,6 +482,11 @@ class Bank:
         return self._lender.read(lease_id, name)
 
     @property
+    def store(self) -> TieredStore:
+        """The tiered store underneath (for the node service and tests)."""
+        return self._store
+
+    @property
     def lender(self) -> Lender:
         """The lender, for in-place views (``view``, ``finish_read``, ``write``)."""
         return self._lender

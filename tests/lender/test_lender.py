@@ -1,0 +1,280 @@
+"""Lender behaviour case by case: TTLs, conflicts, staging from disk, partial commits,
+the reaper thread, existence checks, device leases, ALL leases, lease JSON."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from kvbank import Bank, BankConfig, LeaseMode, MemoryKind, full_attention
+from kvbank.errors import (
+    InvalidInput,
+    LeaseConflict,
+    LeaseExpired,
+    LeaseNotFound,
+    PageSizeMismatch,
+    RowLocked,
+)
+from kvbank.lender.base import Delivery, HostLocation, Lease, Selection
+from kvbank.testing.lender_model import FakeClock
+from kvbank.tiers.base import TierKind
+
+LAYOUT = full_attention("lender@1", 1, 2, 32, tokens_per_page=8)  # 2 KiB pages
+PAGE = LAYOUT.group_page_bytes[0]
+
+
+def pages(n: int, seed: int = 0) -> torch.Tensor:
+    return torch.from_numpy(np.random.default_rng(seed).integers(0, 256, (n, PAGE), dtype=np.uint8))
+
+
+def toks(n_pages: int, base: int = 0) -> list[int]:
+    return list(range(base, base + n_pages * 8))
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+@pytest.fixture
+def bank(clock: FakeClock):
+    b = Bank(BankConfig(host_bytes="4M", device_bytes=0, lease_ttl_s=5, max_lease_ttl_s=60),
+             clock=clock, reaper=False)
+    try:
+        yield b
+    finally:
+        b.close()
+
+
+def stored(bank: Bank, n: int = 4, base: int = 0) -> tuple[bytes, list[bytes]]:
+    lid = bank.register(LAYOUT)
+    return lid, bank.put(lid, toks(n, base), group=0, pages=pages(n, base))
+
+
+def test_ttl_defaults_caps_and_bad_values_name_the_field(bank: Bank, clock: FakeClock) -> None:
+    _, names = stored(bank)
+    lease = bank.lend(names)
+    assert lease.expires_at == clock.now + 5
+    assert abs(lease.expires_wall - time.time() - 5) < 1
+    assert bank.lend(names, ttl_s=60).expires_at == clock.now + 60
+    for bad in (0, -1.0, float("inf"), float("nan"), 60.5, "5", True):
+        with pytest.raises(InvalidInput, match="ttl_s"):
+            bank.lend(names, ttl_s=bad)  # type: ignore[arg-type]
+    with pytest.raises(InvalidInput, match="names"):
+        bank.lend([b"short"])
+    with pytest.raises(InvalidInput, match="names"):
+        bank.lend([names[0], names[0]])
+    with pytest.raises(InvalidInput, match="kind"):
+        bank.lend(names, kind="HOST")  # type: ignore[arg-type]
+
+
+def test_conflicts_many_readers_one_writer(bank: Bank) -> None:
+    lid, names = stored(bank, 2)
+    fresh = bank.row_names(lid, toks(4), group=0)[2:]
+    r1 = bank.lend(names)
+    r2 = bank.lend(names[:1])  # many READ leases share rows
+    with pytest.raises(LeaseConflict, match="READ lease"):
+        bank.lend(names[1:], mode=LeaseMode.WRITE)
+    w = bank.lend(fresh, mode=LeaseMode.WRITE)
+    with pytest.raises(LeaseConflict, match="WRITE lease"):
+        bank.lend(fresh[:1], mode=LeaseMode.WRITE)
+    with pytest.raises(LeaseConflict, match="WRITE lease"):
+        bank.lend(fresh[1:])
+    for lease in (r1, r2, w):
+        assert bank.release(lease.id) is True
+    bank.lend(names, mode=LeaseMode.WRITE)  # free again
+    bank.check_invariants()
+
+
+def test_read_lease_locks_rows_and_missing_rows_are_listed_not_raised(bank: Bank) -> None:
+    lid, names = stored(bank, 2)
+    absent = bank.row_names(lid, toks(3), group=0)[2]
+    lease = bank.lend([*names, absent])
+    assert [r.delivery for r in lease.rows] == [Delivery.READY, Delivery.READY, Delivery.MISSING]
+    assert lease.rows[2].location is None and not lease.rows[2].present
+    loc = lease.rows[0].location
+    assert isinstance(loc, HostLocation) and loc.size == PAGE
+    assert [(g.layer, g.role) for g in lease.rows[0].regions] == [(0, "KEY"), (0, "VALUE")]
+    with pytest.raises(RowLocked):
+        bank.store.delete(names[0])
+    with pytest.raises(RowLocked):
+        bank.put(lid, toks(1), group=0, pages=pages(1, 9))
+    assert bank.read(lease.id, names[1]) == pages(2)[1].numpy().tobytes()
+    bank.release(lease.id)
+    assert bank.stats().store.locked_names == 0
+
+
+@pytest.mark.timeout(30)  # a crashed store mover would make flush() wait forever
+def test_disk_only_row_is_staged_into_host_when_lent(tmp_path: Path, clock: FakeClock) -> None:
+    cfg = BankConfig(host_bytes=64 * 4096, device_bytes=0, data_dir=tmp_path, disk_sync=False)
+    with Bank(cfg, clock=clock, reaper=False) as bank:
+        lid, names = stored(bank, 4)
+        for k in range(60):  # push the first rows down to disk
+            bank.put(lid, toks(4, 1000 * (k + 1)), group=0, pages=pages(4, k + 1))
+        bank.store.flush()
+        where = bank.store.locate(names)
+        assert TierKind.DISK in where, where
+        lease = bank.lend(names)
+        assert all(r.delivery is Delivery.READY for r in lease.rows)
+        assert bank.store.locate(names) == [TierKind.HOST] * 4
+        assert bank.read(lease.id, names[0]) == pages(4)[0].numpy().tobytes()
+        bank.check_invariants()
+
+
+def test_write_lease_commit_publishes_only_arrived_rows(bank: Bank) -> None:
+    lid, _names = stored(bank, 1)
+    chain = bank.row_names(lid, toks(4), group=0)
+    lease = bank.lend(chain, mode=LeaseMode.WRITE)
+    assert [r.delivery for r in lease.rows] == [Delivery.PRESENT] + [Delivery.RESERVED] * 3
+    for i, name in enumerate(chain[1:]):
+        view = bank.lender.view(lease.id, name)
+        view[:] = bytes([i + 1]) * PAGE
+        view.release()
+    with pytest.raises(PageSizeMismatch):
+        bank.lender.write(lease.id, chain[1], b"x")
+    with pytest.raises(InvalidInput, match="arrived"):
+        bank.commit(lease.id, [b"x" * 54])
+    with pytest.raises(InvalidInput, match="mask"):
+        bank.commit(lease.id, [True])
+    res = bank.commit(lease.id, [False, True, False, True])  # a mask in row order
+    assert res.committed == (chain[1], chain[3]) and res.discarded == (chain[2],)
+    assert bank.store.locate(chain) == [TierKind.HOST, TierKind.HOST, None, TierKind.HOST]
+    assert bank.match(lid, [*toks(4), 0]).resume.tokens == 16  # page 2 never arrived
+    assert bank.stats().store.reserved_slots == 0
+    with pytest.raises(LeaseNotFound):
+        bank.commit(lease.id, [])
+    bank.check_invariants()
+
+
+def test_row_stored_meanwhile_keeps_its_bytes_at_commit(bank: Bank) -> None:
+    lid = bank.register(LAYOUT)
+    chain = bank.row_names(lid, toks(1), group=0)
+    lease = bank.lend(chain, mode=LeaseMode.WRITE)
+    bank.lender.write(lease.id, chain[0], bytes(PAGE))
+    bank.put(lid, toks(1), group=0, pages=pages(1, 3))  # another writer got there first
+    res = bank.commit(lease.id, chain)
+    assert res.already_present == (chain[0],) and not res.committed
+    out = bytearray(PAGE)
+    bank.store.get_into(chain[0], out)
+    assert bytes(out) == pages(1, 3)[0].numpy().tobytes()
+
+
+def test_expired_lease_is_refused_everywhere_and_its_slots_return(bank: Bank, clock: FakeClock) -> None:
+    lid, names = stored(bank, 2)
+    fresh = bank.row_names(lid, toks(3), group=0)[2:]
+    r = bank.lend(names, ttl_s=1)
+    w = bank.lend(fresh, mode=LeaseMode.WRITE, ttl_s=1)
+    bank.lender.write(w.id, fresh[0], bytes(PAGE))
+    clock.now += 1
+    with pytest.raises(LeaseExpired):
+        bank.read(r.id, names[0])
+    with pytest.raises(LeaseExpired):
+        bank.commit(w.id, fresh)
+    with pytest.raises(LeaseExpired):
+        bank.renew(r.id)
+    assert bank.release(r.id) is False  # release after expiry is always safe
+    assert bank.store.locate(fresh) == [None]
+    stats = bank.stats()
+    assert stats.store.reserved_slots == 0 and stats.store.locked_names == 0
+    assert stats.leases_expired == 2
+    with pytest.raises(LeaseNotFound):
+        bank.release("never-lent")
+
+
+def test_renew_extends_and_release_is_final(bank: Bank, clock: FakeClock) -> None:
+    _, names = stored(bank, 1)
+    lease = bank.lend(names, ttl_s=2)
+    clock.now += 1.5
+    assert bank.renew(lease.id, 2).expires_at == clock.now + 2
+    clock.now += 1.5
+    assert bank.read(lease.id, names[0])  # alive thanks to the renewal
+    assert bank.release(lease.id) is True
+    with pytest.raises(LeaseNotFound, match="released"):
+        bank.read(lease.id, names[0])
+    with pytest.raises(LeaseNotFound):
+        bank.lender.finish_read(lease.id)
+
+
+def test_reaper_thread_drops_locks_without_any_lender_call() -> None:
+    with Bank.open(host_bytes="4M", device_bytes=0, reaper_interval_s=0.02) as bank:
+        _, names = stored(bank, 2)
+        t0 = time.monotonic()
+        bank.lend(names, ttl_s=0.2)
+        while bank.stats().store.locked_names:
+            assert time.monotonic() - t0 < 2.0
+            time.sleep(0.01)
+        assert time.monotonic() - t0 >= 0.2
+        assert bank.stats().leases_expired == 1
+
+
+def test_match_and_contains_never_hold_off_eviction(clock: FakeClock) -> None:
+    """A loop of existence checks must not keep rows alive (Mooncake#2187); a lease must."""
+    cfg = BankConfig(host_bytes=64 * 4096, device_bytes=0)
+    with Bank(cfg, clock=clock, reaper=False) as bank:
+        lid, probed = stored(bank, 4)
+        _, leased = stored(bank, 4, base=500)
+        lease = bank.lend(leased)
+        for k in range(40):
+            for _ in range(5):
+                bank.match(lid, [*toks(4), 0])
+                bank.store.contains(probed)
+            bank.put(lid, toks(4, 1000 * (k + 1)), group=0, pages=pages(4, k + 1))
+        assert bank.store.locate(probed) == [None] * 4
+        assert bank.store.locate(leased) == [TierKind.HOST] * 4
+        assert bank.stats().store.locked_names == 4
+        bank.release(lease.id)
+
+
+def test_device_leases_on_a_cpu_device_tier(clock: FakeClock) -> None:
+    cfg = BankConfig(host_bytes="4M", device="cpu", device_bytes="4M")
+    with Bank(cfg, clock=clock, reaper=False) as bank:
+        lid, names = stored(bank, 2)
+        assert bank.store.locate(names) == [TierKind.DEVICE] * 2
+        lease = bank.lend(names, kind=MemoryKind.DEVICE)
+        assert lease.rows[0].location is not None and lease.rows[0].location.device == "cpu"
+        assert lease.rows[0].location.ipc_handle is None  # no CUDA here
+        t = bank.lender.device_view(lease.id, names[0])
+        assert bytes(t.numpy()) == pages(2)[0].numpy().tobytes()
+        assert bank.read(lease.id, names[1]) == pages(2)[1].numpy().tobytes()
+        with pytest.raises(InvalidInput, match="DEVICE"):
+            bank.lender.view(lease.id, names[0])
+        bank.release(lease.id)
+        fresh = bank.row_names(lid, toks(3), group=0)[2:]
+        w = bank.lend(fresh, kind=MemoryKind.DEVICE, mode=LeaseMode.WRITE)
+        bank.lender.device_view(w.id, fresh[0]).fill_(7)
+        assert bank.commit(w.id, fresh).committed == tuple(fresh)
+        assert bank.match(lid, [*toks(3), 0]).resume.tokens == 24
+        with pytest.raises(InvalidInput, match="DEVICE"):
+            bank.lend_all(kind=MemoryKind.DEVICE)
+        bank.check_invariants()
+
+
+def test_all_lease_describes_the_host_segment_and_locks_nothing(bank: Bank) -> None:
+    stored(bank, 2)
+    lease = bank.lend_all(ttl_s=10)
+    assert lease.selection is Selection.ALL and lease.rows == ()
+    (pool,) = lease.pools
+    assert isinstance(pool, HostLocation) and pool.offset == 0 and pool.size >= 4 << 20
+    assert Path("/dev/shm", pool.segment).exists()
+    assert bank.stats().store.locked_names == 0
+    with pytest.raises(InvalidInput, match="commit"):
+        bank.commit(lease.id, [])
+    assert bank.release(lease.id) is True
+
+
+def test_lease_json_round_trip_has_only_plain_fields(bank: Bank) -> None:
+    lid, names = stored(bank, 2)
+    lease = bank.lend([*names, bank.row_names(lid, toks(3), group=0)[2]])
+    text = lease.to_json()
+    assert Lease.from_json(text) == lease
+    all_lease = bank.lend_all()
+    assert Lease.from_json(all_lease.to_json()) == all_lease
+
+
+def test_write_lease_needs_rows_the_bank_can_describe(bank: Bank) -> None:
+    with pytest.raises(InvalidInput, match="layout"):
+        bank.lend([b"\x01" * 54], mode=LeaseMode.WRITE)

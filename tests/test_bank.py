@@ -1,0 +1,284 @@
+"""The embedded Bank end to end: put → match → fetch, partial fetches resumed through the
+ledger, Mamba state restored with the attention KV, scopes, and refused input."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from kvbank import (
+    Bank,
+    BankConfig,
+    LeaseMode,
+    Scope,
+    full_attention,
+    hybrid_mamba,
+    mla,
+    sliding_window,
+)
+from kvbank.errors import (
+    InvalidInput,
+    InvalidTokens,
+    PageSizeMismatch,
+    TierUnavailable,
+    UnknownLayout,
+)
+from kvbank.lender.resume import Obstacle
+
+FA = full_attention("bank@1", num_layers=2, num_kv_heads=4, head_dim=64)  # 16 tokens a page
+P = FA.tokens_per_page
+PAGE = FA.group_page_bytes[0]
+MAMBA = hybrid_mamba("bank-mamba@1", [0, 2], [1], 2, 32, conv_shape=(64, 3), ssm_shape=(4, 16))
+SWA = sliding_window("bank-swa@1", 2, 2, 32, window=32, sink_tokens=16)
+
+
+def rand(n: int, size: int, seed: int) -> torch.Tensor:
+    return torch.from_numpy(np.random.default_rng(seed).integers(0, 256, (n, size), dtype=np.uint8))
+
+
+@pytest.fixture
+def bank():
+    with Bank.open(BankConfig(), host_bytes="64M", device_bytes=0) as b:
+        yield b
+
+
+def test_put_match_fetch_round_trip(bank: Bank) -> None:
+    lid = bank.register(FA)
+    assert bank.register(FA) == lid == FA.layout_id  # idempotent
+    tokens = list(range(100))  # 6 full pages; the partial 7th is never stored
+    pages = rand(6, PAGE, 1)
+    bank.put(lid, tokens, group=0, pages=pages)
+    m = bank.match(lid, [*tokens, 7, 8, 9])
+    assert m.resume.tokens == 96 and m.resume.reason is None
+    assert m.resume.pages == (tuple(range(6)),)
+    assert m.prompt_tokens == 103 and len(m.names[0]) == 6
+    buf = torch.zeros(8, PAGE, dtype=torch.uint8)
+    got = bank.fetch(m, out={0: buf})
+    assert got.complete and got.resume.tokens == 96 and got.bytes == 6 * PAGE
+    assert torch.equal(buf[:6], pages) and not buf[6:].any()
+    assert bank.stats().open_fetches == 0
+    bank.check_invariants()
+
+
+def test_partial_fetch_resumes_from_first_undelivered_row(bank: Bank) -> None:
+    lid = bank.register(FA)
+    tokens = list(range(97))
+    pages = rand(6, PAGE, 2)
+    names = bank.put(lid, tokens, group=0, pages=pages)
+    m = bank.match(lid, tokens)
+    buf = torch.zeros(6, PAGE, dtype=torch.uint8)
+
+    first = bank.fetch(m, out={0: buf}, max_rows=3)  # the transfer breaks after 3 rows
+    assert not first.complete and first.resume.tokens == 48
+    assert first.delivered == ((0, 1, 2),) and first.missing == ((3, 4, 5),)
+
+    bank.store.delete(names[4])  # a row vanishes before the resumed call reaches it
+    second = bank.fetch(m, out={0: buf}, fetch_id=first.fetch_id)
+    assert second.fetch_id == first.fetch_id and second.bytes == 2 * PAGE
+    assert second.missing == ((4,),) and second.resume.tokens == 64  # a miss, never "loaded"
+    assert second.resume.reason is Obstacle.MISSING_PAGE
+
+    bank.put(lid, tokens, group=0, pages=pages[4:5], first_page=4)
+    third = bank.fetch(m, out={0: buf}, fetch_id=first.fetch_id)
+    assert third.complete and third.bytes == PAGE and third.resume.tokens == 96
+    assert torch.equal(buf, pages)
+    with pytest.raises(InvalidInput, match="fetch_id"):
+        other = bank.match(lid, tokens[:40])
+        opened = bank.fetch(other, out={0: buf}, max_rows=0)
+        bank.fetch(m, out={0: buf}, fetch_id=opened.fetch_id)
+
+
+def test_state_snapshots_are_restored_with_the_attention_kv(bank: Bank) -> None:
+    lid = bank.register(MAMBA)
+    kv, st = MAMBA.group_page_bytes
+    tokens = list(range(100))
+    pages = rand(6, kv, 3)
+    bank.put(lid, tokens, group=0, pages=pages)
+    snap48, snap96 = rand(2, st, 4)
+    bank.put_state(lid, tokens, group=1, state=snap48, at=48)
+    bank.put_state(lid, tokens[:96], group=1, state=snap96.numpy().tobytes())  # at = 96
+
+    m = bank.match(lid, tokens)
+    assert m.resume.tokens == 96 and m.resume.pages == (tuple(range(6)), (5,))
+    kv_out = torch.zeros(6, kv, dtype=torch.uint8)
+    st_out = torch.zeros(1, st, dtype=torch.uint8)
+    got = bank.fetch(m, out={0: kv_out, 1: st_out})
+    assert got.complete and got.resume.tokens == 96
+    assert torch.equal(kv_out, pages) and torch.equal(st_out[0], snap96)
+
+    bank.store.delete(m.names[1][5])  # the snapshot at 96 is gone: resume where one exists
+    m2 = bank.match(lid, tokens)
+    assert m2.resume.tokens == 48 and m2.resume.pages == ((0, 1, 2), (2,))
+    assert m2.resume.reason is Obstacle.NO_SNAPSHOT
+    got2 = bank.fetch(m2, out={0: kv_out, 1: st_out})
+    assert got2.resume.tokens == 48 and torch.equal(st_out[0], snap48)
+
+
+def test_state_snapshot_without_its_kv_is_useless_after_a_partial_fetch(bank: Bank) -> None:
+    lid = bank.register(MAMBA)
+    kv, st = MAMBA.group_page_bytes
+    tokens = list(range(65))
+    bank.put(lid, tokens, group=0, pages=rand(4, kv, 5))
+    bank.put_state(lid, tokens, group=1, state=rand(1, st, 6)[0])
+    m = bank.match(lid, tokens)
+    assert m.resume.tokens == 64
+    got = bank.fetch(m, out={0: torch.zeros(4, kv, dtype=torch.uint8),
+                              1: torch.zeros(1, st, dtype=torch.uint8)}, max_rows=3)
+    assert got.resume.tokens == 0 and got.resume.reason is Obstacle.NO_SNAPSHOT
+
+
+def test_sliding_window_fetches_only_sinks_and_window(bank: Bank) -> None:
+    lid = bank.register(SWA)
+    size = SWA.group_page_bytes[0]
+    tokens = list(range(129))  # 8 pages; r = 128 needs the sink page and pages 6, 7
+    pages = rand(8, size, 7)
+    bank.put(lid, tokens, group=0, pages=pages[:1])
+    bank.put(lid, tokens, group=0, pages=pages[6:], first_page=6)
+    m = bank.match(lid, tokens)
+    assert m.resume.tokens == 128 and m.resume.pages == ((0, 6, 7),)
+    outs = [bytearray(size) for _ in range(3)]
+    got = bank.fetch(m, out={0: [memoryview(o) for o in outs]})
+    assert got.complete
+    assert [bytes(o) for o in outs] == [pages[i].numpy().tobytes() for i in (0, 6, 7)]
+
+
+def test_mla_untransferred_index_key_never_blocks(bank: Bank) -> None:
+    layout = mla("bank-mla@1", 2, 64, tokens_per_page=16, index_key_dim=32)
+    lid = bank.register(layout)
+    tokens = list(range(40))
+    bank.put(lid, tokens, group=0, pages=rand(2, layout.group_page_bytes[0], 8))
+    assert bank.match(lid, tokens).resume.tokens == 32
+
+
+def test_scopes_never_share_pages(bank: Bank) -> None:
+    lid = bank.register(FA)
+    tokens = list(range(64))
+    bank.put(lid, tokens, group=0, pages=rand(4, PAGE, 9), scope=Scope(tenant="a"))
+    assert bank.match(lid, tokens, scope=Scope(tenant="a")).resume.tokens == 48
+    assert bank.match(lid, tokens, scope=Scope(tenant="b")).resume.tokens == 0
+    assert bank.match(lid, tokens).resume.tokens == 0
+    assert bank.match(lid, tokens, scope=Scope(tenant="a", lora="x")).resume.tokens == 0
+
+
+def test_wrong_page_size_is_refused_and_nothing_is_stored(bank: Bank) -> None:
+    lid = bank.register(FA)
+    tokens = list(range(64))
+    with pytest.raises(PageSizeMismatch, match="pages"):
+        bank.put(lid, tokens, group=0, pages=rand(4, PAGE + 1, 1))
+    good = [bytes(PAGE)] * 3
+    with pytest.raises(PageSizeMismatch, match=r"pages\[3\]"):
+        bank.put(lid, tokens, group=0, pages=[*good, bytes(PAGE - 1)])
+    assert bank.stats().store.rows == 0
+    lid2 = bank.register(MAMBA)
+    with pytest.raises(PageSizeMismatch, match="state"):
+        bank.put_state(lid2, tokens, group=1, state=b"\0" * 3)
+
+
+def test_unknown_layout_is_refused(bank: Bank) -> None:
+    bank.register(FA)
+    other = full_attention("never-registered@1", 1, 1, 8)
+    for call in (
+        lambda: bank.match(other.layout_id, [1, 2, 3]),
+        lambda: bank.put(other.layout_id, list(range(16)), group=0, pages=[bytes(8)]),
+        lambda: bank.row_names(other.layout_id, [1], group=0),
+        lambda: bank.layout(b"nope"),
+    ):
+        with pytest.raises(UnknownLayout, match="layout_id"):
+            call()
+
+
+def test_bad_input_names_the_field(bank: Bank) -> None:
+    lid = bank.register(FA)
+    mid = bank.register(MAMBA)
+    tokens = list(range(64))
+    cases = [
+        (lambda: bank.register("layout"), InvalidInput, "layout"),
+        (lambda: bank.put(lid, tokens, group=1, pages=[bytes(PAGE)]), InvalidInput, "group"),
+        (lambda: bank.put(mid, tokens, group=1, pages=[b""]), InvalidInput, "put_state"),
+        (lambda: bank.put_state(mid, tokens, group=0, state=b""), InvalidInput, "group"),
+        (lambda: bank.put_state(mid, tokens, group=1, state=bytes(MAMBA.group_page_bytes[1]),
+                                at=20), InvalidInput, "at"),
+        (lambda: bank.put(lid, [-1] * 16, group=0, pages=[bytes(PAGE)]), InvalidTokens, "tokens"),
+        (lambda: bank.put(lid, tokens, keys=[b"k" * 32], group=0, pages=[]), InvalidInput, "tokens"),
+        (lambda: bank.put(lid, tokens, group=0, pages=[bytes(PAGE)] * 5), InvalidInput, "pages"),
+        (lambda: bank.put(lid, tokens, group=0, pages=b"x"), InvalidInput, "pages"),
+        (lambda: bank.put(lid, tokens, group=0, pages=[bytes(PAGE)], first_page=-1),
+         InvalidInput, "first_page"),
+        (lambda: bank.match(lid, tokens, scope="a"), InvalidInput, "scope"),
+        (lambda: bank.fetch("match", out={}), InvalidInput, "match"),
+    ]
+    for call, exc, field in cases:
+        with pytest.raises(exc, match=field):
+            call()
+    bank.put(lid, tokens, group=0, pages=rand(4, PAGE, 1))
+    m = bank.match(lid, tokens)
+    for out, field in (
+        ({}, r"out\[0\]"),
+        ({0: torch.zeros(2, PAGE, dtype=torch.uint8)}, r"out\[0\]"),
+        ({0: torch.zeros(4, PAGE, dtype=torch.int8)}, r"out\[0\]"),
+        ({0: [bytes(PAGE)] * 3}, r"out\[0\]\[0\]"),
+    ):
+        with pytest.raises(InvalidInput, match=field):
+            bank.fetch(m, out=out)
+    with pytest.raises(InvalidInput, match="max_rows"):
+        bank.fetch(m, out={0: torch.zeros(4, PAGE, dtype=torch.uint8)}, max_rows=-1)
+    assert bank.stats().store.rows == 4
+
+
+def test_keys_instead_of_tokens_and_lending_a_match(bank: Bank) -> None:
+    from kvbank.keys import page_keys
+
+    lid = bank.register(FA)
+    tokens = list(range(50))
+    keys = page_keys(tokens, P)
+    pages = rand(3, PAGE, 11)
+    assert bank.put(lid, keys=keys, group=0, pages=pages) == bank.row_names(lid, tokens, group=0)
+    m = bank.match(lid, tokens)
+    lease = bank.lend(m)  # the rows the resume bound needs
+    assert lease.names == tuple(m.needed) and len(lease.rows) == 3
+    assert bank.read(lease.id, m.needed[2]) == pages[2].numpy().tobytes()
+    assert bank.release(lease.id)
+
+
+def test_concurrent_workers_keep_the_bank_consistent(bank: Bank) -> None:
+    lid = bank.register(FA)
+    errors: list[BaseException] = []
+
+    def worker(w: int) -> None:
+        try:
+            for i in range(15):
+                tokens = list(range(w * 10_000 + i * 100, w * 10_000 + i * 100 + 48))
+                bank.put(lid, tokens, group=0, pages=rand(3, PAGE, w * 100 + i))
+                m = bank.match(lid, [*tokens, 1])
+                lease = bank.lend(m)
+                bank.read(lease.id, m.needed[0])
+                bank.release(lease.id)
+                w_lease = bank.lend(bank.row_names(lid, [*tokens, *range(16)], group=0)[3:],
+                                    mode=LeaseMode.WRITE)
+                bank.commit(w_lease.id, [])
+        except BaseException as exc:  # collected and re-raised by the test thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(w,)) for w in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert bank.stats().live_leases == 0
+    bank.check_invariants()
+
+
+def test_open_applies_overrides_and_close_is_final() -> None:
+    bank = Bank.open(host_bytes="8M", device_bytes=0, lease_ttl_s=3)
+    assert bank.config.host_bytes == 8 << 20 and bank.config.lease_ttl_s == 3
+    lid = bank.register(FA)
+    bank.close()
+    bank.close()  # idempotent
+    with pytest.raises(TierUnavailable):
+        bank.match(lid, list(range(32)))
+    with pytest.raises(InvalidInput, match="config"):
+        Bank({"host_bytes": 1})  # type: ignore[arg-type]

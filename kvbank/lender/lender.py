@@ -193,7 +193,14 @@ class Lender:
         self._enum(mode, LeaseMode, "mode")
         ttl = self._ttl(ttl_s)
         rows = self._names(names)
-        shapes = [self._describe(n) for n in rows]
+        # Rows of one namespace and group share a shape: describe each pair once.
+        memo: dict[bytes, PageShape | None] = {}
+        shapes: list[PageShape | None] = []
+        for n in rows:
+            k = n[:16] + n[48:50]  # namespace(16) ‖ page key(32) ‖ group(2) ‖ shards
+            if k not in memo:
+                memo[k] = self._describe(n)
+            shapes.append(memo[k])
         if mode is LeaseMode.WRITE:
             for i, s in enumerate(shapes):
                 if s is None:

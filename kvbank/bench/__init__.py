@@ -11,4 +11,5 @@ from __future__ import annotations
 SUITES: dict[str, str] = {
     "codec": "kvbank.bench.codec",
     "keys": "kvbank.bench.keys",
+    "lender": "kvbank.bench.lender",
 }

@@ -84,20 +84,18 @@ def decompress_into(payload: memoryview, out: npt.NDArray[np.uint8], what: str) 
         raise CorruptPage(f"{what}: not a zstd frame ({exc})") from exc
     if size != expected:
         raise CorruptPage(f"{what}: zstd content size {size}, expected {expected}")
-    got = 0
     try:
-        with _local.decompressor.stream_reader(
-            payload, read_across_frames=False, closefd=False
-        ) as reader:
-            # The whole frame is in memory and out has room for all of it, so zstd takes
-            # its single-pass path and writes straight into out.
-            view = out.data
-            while got < expected:
-                n = reader.readinto(view[got:])
-                if not n:
-                    break
-                got += n
-            extra = reader.read(1)
+        # The whole frame is in memory and out has room for all of it, so zstd takes its
+        # single-pass path and writes straight into out: one readinto, normally.
+        reader = _local.decompressor.stream_reader(payload, read_across_frames=False, closefd=False)
+        view = out.data
+        got = reader.readinto(view)
+        while got < expected:
+            n = reader.readinto(view[got:])
+            if not n:
+                break
+            got += n
+        extra = reader.read(1)  # the frame must end exactly here
     except zstandard.ZstdError as exc:
         raise CorruptPage(f"{what}: zstd data is corrupt ({exc})") from exc
     if got != expected or extra:

@@ -108,6 +108,11 @@ def test_state_snapshots_are_restored_with_the_attention_kv(bank: Bank) -> None:
     got = bank.fetch(m, out={0: kv_out, 1: st_out})
     assert got.complete and got.resume.tokens == 96
     assert torch.equal(kv_out, pages) and torch.equal(st_out[0], snap96)
+    lease = bank.lend(m)  # snapshots are leased like pages
+    assert lease.names[-1] == m.names[1][5]
+    assert [r.layer for r in lease.rows[-1].regions] == [1, 1]  # conv + SSM state of layer 1
+    assert bank.read(lease.id, m.names[1][5]) == snap96.numpy().tobytes()
+    bank.release(lease.id)
 
     bank.store.delete(m.names[1][5])  # the snapshot at 96 is gone: resume where one exists
     m2 = bank.match(lid, tokens)

@@ -66,7 +66,10 @@ class Borrower:
     def _location(self, lease: Lease, name: bytes) -> HostLocation:
         if lease.kind is not MemoryKind.HOST:
             raise InvalidInput(f"lease: {lease.id} is a {lease.kind.name} lease, not HOST")
-        row = lease.row(name)
+        try:
+            row = lease.row(name)
+        except KeyError:
+            raise InvalidInput(f"name: row {name.hex()[:16]}… is not in lease {lease.id}") from None
         if not isinstance(row.location, HostLocation):
             raise InvalidInput(f"name: row {name.hex()[:16]}… has no bytes in lease {lease.id}")
         return row.location

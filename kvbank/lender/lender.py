@@ -491,6 +491,8 @@ class Lender:
 
     @staticmethod
     def _arrived(lease: Lease, arrived: Sequence[bytes] | Sequence[bool]) -> set[bytes]:
+        if hasattr(arrived, "tolist") and not isinstance(arrived, (bytes, bytearray)):
+            arrived = arrived.tolist()  # a numpy or torch bool mask
         if isinstance(arrived, (bytes, str)) or not isinstance(arrived, Sequence):
             raise InvalidInput(f"arrived: expected names or a mask, got {type(arrived).__name__}")
         items = list(arrived)

@@ -220,6 +220,7 @@ class TieredStore:
         self._jobs: collections.deque[_Job] = collections.deque()
         self._queued = {DEV: 0, HOST: 0}  # bytes queued for demotion per tier
         self._busy = False  # the mover is executing a job
+        self._mover_dead = False  # set if the mover died of a bug: waiters must not hang
         self._purge_pending = False
         self._mover = threading.Thread(target=self._run_mover, name="kvbank-mover", daemon=True)
         self._mover.start()
@@ -254,6 +255,8 @@ class TieredStore:
     def _check_open(self) -> None:
         if self._closed:
             raise TierUnavailable("store: closed")
+        if self._mover_dead:
+            raise TierUnavailable("store: the background mover died; see the log")
 
     def _mem_off(self, rid: int, bit: int) -> int:
         if bit == HOST and rid in self._dual:
@@ -984,17 +987,11 @@ class TieredStore:
                                f"{pool.budget}")
             off = pool.alloc(size)
             while off is None:
-                if bit == DEV:
-                    self._reclaim(DEV, max(size, self._band(DEV)))
-                    off = pool.alloc(size)
-                    if off is None:
-                        break
-                    continue
-                self._reclaim(HOST, max(size, self._band(HOST)))
+                self._reclaim(bit, max(size, self._band(bit)))
                 off = pool.alloc(size)
-                if off is not None or not self._queued[HOST] or self._disk_error is not None:
+                if off is not None or not self._queued[bit] or self._disk_error is not None:
                     break
-                self._cond.wait(_WAIT_S)
+                self._cond.wait(_WAIT_S)  # dirty victims are on their way down
                 self._check_open()
                 off = pool.alloc(size)
             if off is None:
@@ -1205,6 +1202,7 @@ class TieredStore:
                 logger.exception("store: mover crashed")  # never silent: health reports it
                 with self._lock:
                     self._notes.append("mover crashed; see the log")
+                    self._mover_dead = True
                     self._busy = False
                     self._cond.notify_all()
                 raise
@@ -1233,7 +1231,7 @@ class TieredStore:
         same = (ix.ids.get(job.name) == rid and int(ix.where[rid]) & job.bit
                 and self._mem_off(rid, job.bit) == job.off and int(ix.flags[rid]) & MOVING)
         if same:
-            ix.flags[rid] &= ~MOVING
+            ix.flags[rid] = int(ix.flags[rid]) & ~MOVING
             if written:
                 ix.where[rid] = int(ix.where[rid]) | DISK
                 if job.name not in self._locks:  # a lock taken meanwhile keeps the copy

@@ -1,0 +1,36 @@
+"""Fixtures for the tier tests: a store factory that always closes what it opened."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvbank.config import BankConfig
+from kvbank.tiers.store import TieredStore
+
+MakeStore = Callable[..., TieredStore]
+
+
+@pytest.fixture
+def make_store(tmp_path: Path) -> Iterator[MakeStore]:
+    """``make_store(**config)``: a TieredStore on ``tmp_path`` (device off unless asked),
+    checked and closed at the end of the test."""
+    opened: list[TieredStore] = []
+
+    def make(**overrides: Any) -> TieredStore:
+        fields: dict[str, Any] = {"data_dir": tmp_path / "data", "device_bytes": 0,
+                                  "disk_sync": False}
+        fields.update(overrides)
+        store = TieredStore(BankConfig(**fields))
+        opened.append(store)
+        return store
+
+    yield make
+    for store in opened:
+        if not store._closed:  # the test may have closed it to reopen the data dir
+            store.flush()
+            store.check_invariants()
+        store.close()

@@ -1,0 +1,447 @@
+"""The tiered store: placement, eviction, movement, locks, in-place slots, restart."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvbank.errors import (
+    InvalidInput,
+    InvalidRowName,
+    PageSizeMismatch,
+    RowLocked,
+    TierFull,
+    TierUnavailable,
+)
+from kvbank.testing.tiers import name_of, page_of
+from kvbank.tiers.base import TierKind
+from kvbank.tiers.device import gpu_memory
+from kvbank.tiers.host import attach
+
+from .conftest import MakeStore
+
+H, D, K = TierKind.HOST, TierKind.DISK, TierKind.DEVICE
+P = 4096  # page size of most tests
+
+
+def read(store, i: int, size: int = P) -> bytes | None:  # type: ignore[no-untyped-def]
+    out = bytearray(size)
+    n = store.get_into(name_of(i), out)
+    return None if n is None else bytes(out[:n])
+
+
+# -- placement, reads, bad input ---------------------------------------------------------
+
+
+def test_store_put_get_locate_size(make_store: MakeStore) -> None:
+    s = make_store(data_dir=None, host_bytes=1 << 20)
+    s.put(name_of(1), page_of(1, P))
+    assert read(s, 1) == page_of(1, P)
+    assert read(s, 2) is None
+    assert s.locate([name_of(1), name_of(2)]) == [H, None]
+    assert s.contains([name_of(1), name_of(2)]) == [True, False]
+    assert s.size_of(name_of(1)) == P and s.size_of(name_of(2)) is None
+    st = s.stats()
+    assert (st.gets, st.hits, st.misses, st.puts, st.rows) == (2, 1, 1, 1, 1)
+
+
+def test_store_bad_input_is_typed_and_stores_nothing(make_store: MakeStore) -> None:
+    s = make_store(data_dir=None, host_bytes=1 << 20)
+    s.put(name_of(1), page_of(1, P))
+    with pytest.raises(PageSizeMismatch):
+        s.put(name_of(1), page_of(1, P // 2))
+    assert read(s, 1) == page_of(1, P)
+    with pytest.raises(InvalidRowName):
+        s.put(b"short", b"x")
+    with pytest.raises(InvalidInput):
+        s.put(name_of(2), b"")
+    with pytest.raises(InvalidInput):
+        s.put(name_of(2), b"x" * 10, dtype="complex64")
+    with pytest.raises(InvalidInput):
+        s.get_into(name_of(1), bytearray(10))
+    assert s.contains([name_of(2)]) == [False]
+    assert s.stats().rows == 1
+
+
+def test_store_lookups_touch_nothing(make_store: MakeStore) -> None:
+    """locate/contains/size_of neither lock nor refresh LRU: a probed row is still the
+    first victim."""
+    s = make_store(data_dir=None, host_bytes=64 * 1024, high_watermark=0.99, low_watermark=0.9)
+    for i in range(10):
+        s.put(name_of(i), page_of(i, P))
+    for _ in range(5):
+        s.locate([name_of(0)])
+        s.contains([name_of(0)])
+        s.size_of(name_of(0))
+    assert not s.is_locked(name_of(0))
+    for i in range(10, 17):
+        s.put(name_of(i), page_of(i, P))
+    assert s.contains([name_of(0)]) == [False]
+
+
+# -- eviction ----------------------------------------------------------------------------
+
+
+def test_store_lru_evicts_least_recently_used(make_store: MakeStore) -> None:
+    s = make_store(data_dir=None, host_bytes=64 * 1024, high_watermark=0.99, low_watermark=0.9)
+    for i in range(14):
+        s.put(name_of(i), page_of(i, P))
+    assert read(s, 0) is not None  # touch 0: now 1 is the oldest
+    for i in range(14, 17):
+        s.put(name_of(i), page_of(i, P))
+    s.flush()
+    present = s.contains([name_of(i) for i in range(17)])
+    assert present[0] and not present[1]
+    assert s.stats().tier(H).evictions >= 1
+
+
+def test_store_chain_is_evicted_from_its_tail(make_store: MakeStore) -> None:
+    """Regression: a prefix page is never evicted while its child is evictable in the same
+    tier, even when the prefix is older; what survives is a prefix of the chain."""
+    s = make_store(data_dir=None, host_bytes=64 * 1024, high_watermark=0.99, low_watermark=0.6)
+    for i in range(8):  # chain 0 <- 1 <- ... <- 7, oldest first
+        s.put(name_of(i), page_of(i, P), parent=name_of(i - 1) if i else None)
+    for i in range(100, 108):  # unrelated, newer rows
+        s.put(name_of(i), page_of(i, P))
+    for i in range(200, 204):  # pressure
+        s.put(name_of(i), page_of(i, P))
+    s.flush()
+    chain = s.contains([name_of(i) for i in range(8)])
+    assert not all(chain), "the pressure should have reached the old chain"
+    kept = chain.index(False) if False in chain else 8
+    assert chain == [True] * kept + [False] * (8 - kept), f"not a prefix: {chain}"
+
+
+def test_store_locked_child_does_not_pin_its_parent(make_store: MakeStore) -> None:
+    s = make_store(data_dir=None, host_bytes=32 * 1024, high_watermark=0.99, low_watermark=0.5)
+    s.put(name_of(0), page_of(0, P))
+    s.put(name_of(1), page_of(1, P), parent=name_of(0))
+    s.lock([name_of(1)], "lease")
+    for i in range(10, 20):
+        s.put(name_of(i), page_of(i, P))
+    s.flush()
+    assert s.contains([name_of(0), name_of(1)]) == [False, True]
+    s.unlock_all("lease")
+
+
+def test_store_tier_full_when_everything_is_locked(make_store: MakeStore) -> None:
+    s = make_store(data_dir=None, host_bytes=32 * 1024)
+    names = []
+    for i in range(8):
+        s.put(name_of(i), page_of(i, P))
+        names.append(name_of(i))
+    s.lock(names, "lease")
+    with pytest.raises(TierFull):
+        s.put(name_of(99), page_of(99, P))
+    assert all(read(s, i) == page_of(i, P) for i in range(8))  # still serving
+    s.unlock(names, "lease")
+    s.put(name_of(99), page_of(99, P))
+
+
+# -- locks -------------------------------------------------------------------------------
+
+
+def test_store_locks_are_counted_per_holder(make_store: MakeStore) -> None:
+    s = make_store(data_dir=None, host_bytes=1 << 20)
+    s.put(name_of(1), page_of(1, P))
+    s.lock([name_of(1), name_of(1)], "a")
+    s.lock([name_of(1)], "b")
+    with pytest.raises(RowLocked):
+        s.put(name_of(1), page_of(2, P))
+    with pytest.raises(RowLocked):
+        s.delete(name_of(1))
+    s.unlock([name_of(1)], "a")
+    s.unlock_all("b")
+    assert s.is_locked(name_of(1))
+    with pytest.raises(InvalidInput):
+        s.unlock([name_of(1)], "b")
+    s.unlock([name_of(1)], "a")
+    assert not s.is_locked(name_of(1))
+    assert s.delete(name_of(1)) is True
+    s.lock([name_of(5)], "w")  # a name may be locked before it exists (write lease)
+    with pytest.raises(RowLocked):
+        s.put(name_of(5), page_of(5, P))
+    s.unlock_all("w")
+
+
+# -- movement between tiers --------------------------------------------------------------
+
+
+def test_store_write_back_demotes_to_disk_and_promotes_on_read(make_store: MakeStore) -> None:
+    s = make_store(host_bytes=64 * 1024, disk_bytes=1 << 20)
+    for i in range(40):
+        s.put(name_of(i), page_of(i, P))
+    s.flush()
+    st = s.stats()
+    assert st.rows == 40
+    assert st.tier(H).demotions > 0 and st.tier(D).rows > 0
+    assert st.tier(H).allocated_bytes <= 64 * 1024
+    first = s.locate([name_of(0)])[0]
+    assert first is D
+    assert read(s, 0) == page_of(0, P)
+    assert s.locate([name_of(0)]) == [H]  # promoted, disk copy kept (clean)
+    assert s.stats().tier(H).promotions == 1
+    for i in range(40):
+        assert read(s, i) == page_of(i, P), i
+    s.check_invariants()
+
+
+def test_store_disk_eviction_keeps_disk_budget(make_store: MakeStore) -> None:
+    pages = [np.random.default_rng(i).bytes(P) for i in range(80)]  # incompressible
+    s = make_store(host_bytes=32 * 1024, disk_bytes=96 * 1024)
+    for i, page in enumerate(pages):
+        s.put(name_of(i), page)
+    s.flush()
+    st = s.stats()
+    assert st.tier(D).used_bytes <= 96 * 1024
+    assert st.tier(D).evictions > 0
+    assert read(s, 79) == pages[79]
+    assert read(s, 0) is None  # the oldest left the store
+
+
+def test_store_restart_recovers_every_row_committed_to_disk(
+    make_store: MakeStore, tmp_path: Path
+) -> None:
+    s = make_store(host_bytes=32 * 1024, disk_bytes=1 << 20, write_policy="write-through")
+    for i in range(30):
+        s.put(name_of(i), page_of(i, P), parent=name_of(i - 1) if i else None)
+    s.close()
+    again = make_store(host_bytes=32 * 1024, disk_bytes=1 << 20)
+    assert again.stats().rows == 30
+    assert again.locate([name_of(0)]) == [D]
+    for i in range(30):
+        assert read(again, i) == page_of(i, P)
+        assert again.size_of(name_of(i)) == P
+
+
+def test_store_write_back_restart_keeps_demoted_rows(make_store: MakeStore) -> None:
+    s = make_store(host_bytes=32 * 1024, disk_bytes=1 << 20)
+    for i in range(20):
+        s.put(name_of(i), page_of(i, P))
+    s.flush()
+    on_disk = [i for i, t in enumerate(s.locate([name_of(i) for i in range(20)])) if t is D]
+    assert on_disk
+    s.close()
+    again = make_store(host_bytes=32 * 1024, disk_bytes=1 << 20)
+    for i in on_disk:
+        assert read(again, i) == page_of(i, P)
+
+
+def test_store_corrupt_disk_row_is_a_miss_and_counted(make_store: MakeStore, tmp_path: Path) -> None:
+    import lmdb
+
+    s = make_store(host_bytes=32 * 1024, disk_bytes=1 << 20, write_policy="write-through")
+    s.put(name_of(1), page_of(1, P))
+    s.put(name_of(2), page_of(2, P))
+    s.close()
+    env = lmdb.open(str(tmp_path / "data" / "lmdb"), max_dbs=2)
+    with env.begin(write=True, db=env.open_db(b"frames")) as txn:
+        raw = bytearray(txn.get(name_of(1)))
+        raw[-1] ^= 0xFF
+        txn.put(name_of(1), bytes(raw))
+    env.close()
+    again = make_store(host_bytes=32 * 1024, disk_bytes=1 << 20)
+    assert read(again, 1) is None
+    assert again.contains([name_of(1)]) == [False]
+    assert again.stats().tier(D).corrupt_rows == 1
+    assert read(again, 2) == page_of(2, P)
+
+
+def test_store_disk_full_is_typed_and_upper_tiers_keep_serving(make_store: MakeStore) -> None:
+    pages = [np.random.default_rng(i).bytes(P) for i in range(10)]  # incompressible
+    s = make_store(host_bytes=32 * 1024, disk_bytes=16 * 1024, write_policy="write-through")
+    for i in range(3):
+        s.put(name_of(i), pages[i])
+    s.lock([name_of(i) for i in range(3)], "lease")
+    with pytest.raises(TierFull):
+        s.put(name_of(9), pages[9])
+    assert s.contains([name_of(9)]) == [False]
+    assert all(read(s, i) == pages[i] for i in range(3))
+    health = s.health()
+    assert not health.ok
+    assert next(t for t in health.tiers if t.kind is D).state == "degraded"
+    s.unlock_all("lease")
+
+
+def test_store_bf16_pages_round_trip_through_the_codec(make_store: MakeStore) -> None:
+    rng = np.random.default_rng(3)
+    pages = [rng.standard_normal(8192, dtype=np.float32).astype(np.float16).tobytes()
+             for _ in range(12)]
+    s = make_store(host_bytes=64 * 1024, disk_bytes=1 << 20)
+    for i, p in enumerate(pages):
+        s.put(name_of(i), p, dtype="float16")
+    s.flush()
+    assert s.stats().tier(D).rows > 0
+    assert s.stats().tier(D).used_bytes < sum(len(p) for p in pages)
+    for i, p in enumerate(pages):
+        assert read(s, i, len(p)) == p
+
+
+# -- in-place slots ----------------------------------------------------------------------
+
+
+def test_store_reserve_commit_abort_host(make_store: MakeStore) -> None:
+    s = make_store(host_bytes=64 * 1024, disk_bytes=1 << 20)
+    slot = s.reserve_host(P, "w1")
+    assert s.stats().reserved_slots == 1
+    view, close = attach(slot)
+    view[:] = page_of(7, P)
+    view.release()
+    close()
+    assert read(s, 7) is None  # invisible before commit
+    s.commit_host(name_of(7), slot, parent=None)
+    assert read(s, 7) == page_of(7, P)
+    with pytest.raises(InvalidInput):
+        s.commit_host(name_of(8), slot)  # a slot commits once
+    slot2 = s.reserve_host(P, "w1")
+    s.abort_host(slot2)
+    with pytest.raises(InvalidInput):
+        s.abort_host(slot2)
+    assert s.stats().reserved_slots == 0
+    slot3 = s.reserve_host(P, "w2")
+    with pytest.raises(PageSizeMismatch):
+        s.commit_host(name_of(7), type(slot3)(slot3.segment, slot3.offset, P))  # ok size
+        s.put(name_of(7), page_of(7, P // 2))
+
+
+def test_store_commit_keeps_reservation_when_refused(make_store: MakeStore) -> None:
+    s = make_store(data_dir=None, host_bytes=64 * 1024)
+    s.put(name_of(1), page_of(1, P))
+    s.lock([name_of(1)], "reader")
+    slot = s.reserve_host(P, "writer")
+    with pytest.raises(RowLocked):
+        s.commit_host(name_of(1), slot)
+    s.abort_host(slot)  # still reserved after the refusal
+    s.unlock_all("reader")
+
+
+def test_store_reserved_slots_are_never_evicted(make_store: MakeStore) -> None:
+    s = make_store(data_dir=None, host_bytes=32 * 1024)
+    slots = [s.reserve_host(P, "w") for _ in range(8)]
+    with pytest.raises(TierFull):
+        s.reserve_host(P, "w")
+    with pytest.raises(TierFull):
+        s.put(name_of(1), page_of(1, P))
+    for slot in slots:
+        s.abort_host(slot)
+    s.put(name_of(1), page_of(1, P))
+
+
+def test_store_stage_host_brings_a_disk_row_into_shared_memory(make_store: MakeStore) -> None:
+    s = make_store(host_bytes=32 * 1024, disk_bytes=1 << 20, write_policy="write-through")
+    s.put(name_of(1), page_of(1, P))
+    s.close()
+    again = make_store(host_bytes=32 * 1024, disk_bytes=1 << 20)
+    again.lock([name_of(1)], "lease")
+    slot = again.stage_host(name_of(1))
+    assert slot is not None and slot.size == P
+    assert again.locate([name_of(1)]) == [H]
+    view = again.host_view(slot)
+    assert view.tobytes() == page_of(1, P)
+    view.release()
+    mapped, close = attach(slot, writable=False)
+    assert mapped.tobytes() == page_of(1, P)
+    mapped.release()
+    close()
+    assert again.stage_host(name_of(2)) is None
+    again.unlock_all("lease")
+
+
+# -- device tier (on the CPU device) ------------------------------------------------------
+
+
+def test_store_device_tier_on_cpu_places_demotes_and_stages(make_store: MakeStore) -> None:
+    s = make_store(device="cpu", device_bytes=32 * 1024, host_bytes=64 * 1024,
+                   disk_bytes=1 << 20)
+    for i in range(30):
+        s.put(name_of(i), page_of(i, P))
+    s.flush()
+    st = s.stats()
+    assert st.tier(K).enabled and st.tier(K).rows > 0
+    assert st.tier(K).demotions > 0
+    s.put(name_of(30), page_of(30, P))  # the mover left room below the watermark
+    assert s.locate([name_of(30)]) == [K]
+    for i in range(31):
+        assert read(s, i) == page_of(i, P), i
+    s.lock([name_of(0)], "d")
+    dslot = s.stage_device(name_of(0))
+    assert dslot is not None and dslot.device == "cpu"
+    assert bytes(s.device_view(dslot).numpy()) == page_of(0, P)
+    s.unlock_all("d")
+    w = s.reserve_device(P, "dw")
+    s.device_view(w).copy_(__import__("torch").frombuffer(bytearray(page_of(77, P)),
+                                                          dtype=__import__("torch").uint8))
+    s.commit_device(name_of(77), w)
+    assert read(s, 77) == page_of(77, P)
+    w2 = s.reserve_device(P, "dw")
+    s.abort_device(w2)
+    # a device row staged into host: both copies, then the device copy can go
+    s.lock([name_of(77)], "h")
+    hslot = s.stage_host(name_of(77))
+    assert hslot is not None
+    s.check_invariants()
+    s.unlock_all("h")
+
+
+def test_store_device_off_is_said_once_and_never_raises(
+    make_store: MakeStore, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.WARNING, logger="kvbank.tiers.store"):
+        s = make_store(data_dir=None, device="cuda", device_bytes=None)
+    assert gpu_memory() is None or s.stats().tier(K).enabled
+    if not s.stats().tier(K).enabled:
+        assert sum("device tier off" in r.getMessage() for r in caplog.records) == 1
+        dev = next(t for t in s.health().tiers if t.kind is K)
+        assert dev.state == "off" and "device tier off" in dev.detail
+        assert s.health().ok
+        with pytest.raises(TierUnavailable):
+            s.reserve_device(P, "x")
+    s2 = make_store(data_dir=None, device="cpu", device_bytes=None)
+    assert not s2.stats().tier(K).enabled  # NVML cannot size a CPU device
+
+
+# -- threads, lifecycle ------------------------------------------------------------------
+
+
+def test_store_concurrent_workers_never_read_wrong_bytes(make_store: MakeStore) -> None:
+    s = make_store(host_bytes=48 * 1024, disk_bytes=1 << 20)
+    errors: list[BaseException] = []
+
+    def work(base: int) -> None:
+        out = bytearray(P)
+        try:
+            for k in range(60):
+                i = base + k % 12
+                s.put(name_of(i), page_of(i, P), parent=name_of(i - 1) if i % 12 else None)
+                n = s.get_into(name_of(base + (k * 7) % 12), out)
+                if n is not None and bytes(out) != page_of(base + (k * 7) % 12, P):
+                    raise AssertionError("wrong bytes")
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(100 * t,)) for t in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    s.flush()
+    s.check_invariants()
+
+
+def test_store_close_is_idempotent_and_unlinks_shared_memory(make_store: MakeStore) -> None:
+    from kvbank.tiers.host import SHM_DIR
+
+    s = make_store(host_bytes=1 << 20)
+    slot = s.reserve_host(P, "w")
+    s.abort_host(slot)
+    assert (SHM_DIR / slot.segment).exists()
+    s.close()
+    s.close()
+    assert not (SHM_DIR / slot.segment).exists()
+    with pytest.raises(TierUnavailable):
+        s.put(name_of(1), page_of(1, P))

@@ -133,7 +133,7 @@ class TierTests(abc.ABC):
         with pytest.raises(InvalidInput):
             tier.get_into(name_of(1), bytearray(self.page_size - 1))
         with pytest.raises(InvalidInput):
-            tier.get_into(name_of(1), bytes(self.page_size))  # read-only destination
+            tier.get_into(name_of(1), bytes(self.page_size))  # type: ignore[arg-type]
 
     # -- budget ------------------------------------------------------------------------
 

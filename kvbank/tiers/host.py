@@ -148,7 +148,12 @@ class HostSlab:
         if self._pinned.pop(start, None) is not None and self._pin is not None:
             self._pin(int(self._arr.ctypes.data) + start, nbytes, False)
         assert self._mm is not None
-        self._mm.madvise(mmap.MADV_REMOVE, start, nbytes)  # give the memory back to tmpfs
+        # Give the memory back to tmpfs. madvise needs page-aligned ranges; a tiny budget
+        # has sub-page units, whose partial pages stay allocated (at most 2 per chunk).
+        lo = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE
+        hi = (start + nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
+        if hi > lo:
+            self._mm.madvise(mmap.MADV_REMOVE, lo, hi - lo)
         logger.debug("host slab %s: released %d bytes at %d", self.segment, nbytes, start)
 
     # -- slots -------------------------------------------------------------------------

@@ -85,6 +85,7 @@ from kvbank.tiers.base import (
 from kvbank.tiers.device import DevicePool, device_budget
 from kvbank.tiers.host import HostSlab
 from kvbank.tiers.index import DEV, DISK, HOST, MOVING, OFF_SHIFT, RowIndex
+from kvbank.tiers.slots import PAGE_ALIGN, SMALL_ALIGN, slot_class
 
 if TYPE_CHECKING:
     from kvbank.tiers.disk import DiskTier
@@ -352,15 +353,20 @@ class TieredStore:
     # ==================================================================================
     # victim selection and room making
 
-    def _victims(self, bit: int, need: int) -> list[int]:
+    def _victims(self, bit: int, need: int, cls: int | None = None) -> list[int]:
         """Row ids to take out of tier ``bit`` to free ``need`` bytes: LRU order, tails of
-        chains before their prefixes, never locked, pinned or moving rows."""
+        chains before their prefixes, never locked, pinned or moving rows. With ``cls``
+        only rows in slots of that capacity (so that each victim frees a usable slot)."""
         ix = self._ix
         n = ix.high
         if n == 0 or need <= 0:
             return []
         where = ix.where[:n]
         cand = ((where & bit) != 0) & ((ix.flags[:n] & MOVING) == 0)
+        if cls is not None:
+            size = ix.size[:n].astype(np.int64)
+            align = np.where(size >= PAGE_ALIGN, PAGE_ALIGN, SMALL_ALIGN)
+            cand &= (-(-size // align) * align) == cls
         # Rows that must stay: locked names, slots being copied, and (in DEVICE) rows
         # whose host copy is the DEVICE row itself -- handled by _mem_off.
         keep: list[int] = []
@@ -464,16 +470,19 @@ class TieredStore:
         self._cond.notify_all()
         return False
 
-    def _reclaim(self, bit: int, need: int, *, queue: bool = True) -> int:
+    def _reclaim(self, bit: int, need: int, *, queue: bool = True,
+                 cls: int | None = None) -> int:
         """Free ``need`` bytes of tier ``bit`` (minus bytes already queued); the bytes
-        freed at once. With ``queue=False`` only victims that need no I/O are taken."""
-        need -= self._queued.get(bit, 0)
+        freed at once. With ``queue=False`` only victims that need no I/O are taken;
+        with ``cls`` only rows of that slot class."""
+        if cls is None:
+            need -= self._queued.get(bit, 0)
         if need <= 0:
             return 0
         freed = 0
         room = self.config.movement_queue_bytes - sum(self._queued.values())
         pool = self._pools[bit]
-        for rid in self._victims(bit, need):
+        for rid in self._victims(bit, need, cls):
             cap = pool.capacity(self._mem_off(rid, bit))
             clean = bool(int(self._ix.where[rid]) & DISK) or self._disk is None or (
                 bit == DEV and HOST in self._pools)
@@ -500,6 +509,10 @@ class TieredStore:
                 self._check_open()
                 self._reclaim(HOST, max(size, self._band(HOST)))
                 off = host.alloc(size)
+                if off is None:
+                    # LRU victims of other size classes may not free a slot of this one.
+                    self._reclaim(HOST, size, cls=slot_class(size))
+                    off = host.alloc(size)
                 if off is not None:
                     return HOST, off
                 # Dirty victims are queued for the disk; wait for the mover (backpressure),
@@ -791,6 +804,18 @@ class TieredStore:
                            else TierKind.DISK)
             return out
 
+    def residency(self, names: Sequence[bytes]) -> list[frozenset[TierKind]]:
+        """Every tier holding a copy of each row (empty = absent). Touches nothing."""
+        with self._lock:
+            self._check_open()
+            ids, where = self._ix.ids, self._ix.where
+            out: list[frozenset[TierKind]] = []
+            for name in names:
+                rid = ids.get(check_name(name))
+                w = 0 if rid is None else int(where[rid])
+                out.append(frozenset(k for b, k in _KINDS.items() if w & b))
+            return out
+
     def contains(self, names: Sequence[bytes]) -> list[bool]:
         """Presence of each row. Touches nothing."""
         return [t is not None for t in self.locate(names)]
@@ -945,6 +970,9 @@ class TieredStore:
             self._reclaim(bit, max(size, self._band(bit)), queue=False)
             off = pool.alloc(size)
         if off is None:
+            self._reclaim(bit, size, queue=False, cls=slot_class(size))
+            off = pool.alloc(size)
+        if off is None:
             raise TierFull(f"stage: no room for {size} bytes in the {_KINDS[bit].value} tier "
                            f"(used {pool.used_bytes} of {pool.budget}, rest locked or dirty)")
         return off
@@ -989,6 +1017,9 @@ class TieredStore:
             while off is None:
                 self._reclaim(bit, max(size, self._band(bit)))
                 off = pool.alloc(size)
+                if off is None:
+                    self._reclaim(bit, size, cls=slot_class(size))
+                    off = pool.alloc(size)
                 if off is not None or not self._queued[bit] or self._disk_error is not None:
                     break
                 self._cond.wait(_WAIT_S)  # dirty victims are on their way down

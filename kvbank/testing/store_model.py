@@ -1,0 +1,201 @@
+"""A Hypothesis state machine of :class:`~kvbank.tiers.store.TieredStore` against a dict.
+
+The model holds the last bytes put under each name and the page locks. Budgets are tiny,
+so eviction and demotion happen all the time; what must hold after every step:
+
+- a read returns the last bytes put under the name, or a miss (evicted) — never other
+  bytes, never a row that was deleted;
+- a row that was present when it was locked stays present and readable until unlocked;
+- refused writes (``RowLocked``, ``PageSizeMismatch``, ``TierFull``) change nothing;
+- ``check_invariants()`` passes;
+- after a restart (close, reopen the same data dir), every row that had a disk copy is
+  back with its bytes; under write-through every row present before the restart is.
+
+Subclass :class:`StoreMachine` to change the configuration (see ``config_overrides``) and
+run it with ``TestCase = Machine.TestCase``.
+"""
+
+from __future__ import annotations
+
+import collections
+import random
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, ClassVar
+
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from kvbank.config import BankConfig
+from kvbank.errors import PageSizeMismatch, RowLocked, TierFull
+from kvbank.testing.tiers import name_of
+from kvbank.tiers.base import TierKind
+from kvbank.tiers.store import TieredStore
+
+N_NAMES = 24
+SIZES = (1000, 1500)
+HOLDERS = ("lease-a", "lease-b")
+
+
+def page_bytes(i: int, version: int, size: int) -> bytes:
+    """Distinct, incompressible bytes per (name, version): an old or foreign copy never
+    compares equal, and frames are as large as pages so the disk budget fills too."""
+    return random.Random(i * 1_000_003 + version).randbytes(size)
+
+
+class StoreMachine(RuleBasedStateMachine):
+    """Random put/get/delete/lock/unlock/flush/restart against a dict model."""
+
+    config_overrides: ClassVar[dict[str, Any]] = {}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dir = Path(tempfile.mkdtemp(prefix="kvbank-model-"))
+        self.store = self._open()
+        self.values: dict[bytes, bytes] = {}  # last bytes put per name
+        self.locks: dict[bytes, collections.Counter[str]] = {}
+        # Locked rows present at lock time -> the tiers they were in: a locked row is
+        # never evicted or moved down, so it only ever gains tiers (promotion on read).
+        self.must_stay: dict[bytes, frozenset[TierKind]] = {}
+        self.version = 0
+
+    def _config(self) -> BankConfig:
+        fields: dict[str, Any] = {
+            "data_dir": self.dir,
+            "host_bytes": 8 * 1024,
+            "disk_bytes": 24 * 1024,
+            "device_bytes": 0,
+            "disk_sync": False,
+            "high_watermark": 0.9,
+            "low_watermark": 0.6,
+        }
+        fields.update(self.config_overrides)
+        return BankConfig(**fields)
+
+    def _open(self) -> TieredStore:
+        return TieredStore(self._config())
+
+    @property
+    def write_through(self) -> bool:
+        return self.config_overrides.get("write_policy") == "write-through"
+
+    def teardown(self) -> None:
+        try:
+            self.store.close()
+        finally:
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+    def _locked(self, name: bytes) -> bool:
+        return bool(self.locks.get(name))
+
+    # -- rules -------------------------------------------------------------------------
+
+    @rule(i=st.integers(0, N_NAMES - 1), big=st.booleans(),
+          chain=st.booleans())
+    def put(self, i: int, big: bool, chain: bool) -> None:
+        name = name_of(i, b"m")
+        size = SIZES[int(big)]
+        present = self.store.contains([name])[0]
+        held = self.store.size_of(name)
+        self.version += 1
+        data = page_bytes(i, self.version, size)
+        parent = name_of(i - 1, b"m") if chain and i else None
+        try:
+            self.store.put(name, data, parent=parent)
+        except RowLocked:
+            assert self._locked(name), "RowLocked for an unlocked name"
+            return
+        except PageSizeMismatch:
+            assert present and held != size, f"PageSizeMismatch: held {held}, put {size}"
+            return
+        except TierFull:
+            assert self.locks, "TierFull with nothing locked"
+            return
+        assert not self._locked(name), "a locked row was overwritten"
+        assert not (present and held is not None and held != size), "size change accepted"
+        self.values[name] = data
+
+    @rule(i=st.integers(0, N_NAMES - 1))
+    def get(self, i: int) -> None:
+        name = name_of(i, b"m")
+        out = bytearray(max(SIZES))
+        n = self.store.get_into(name, out)
+        if n is None:
+            assert name not in self.must_stay, "a locked row was evicted"
+            return
+        assert name in self.values, "a row that was never put (or was deleted) came back"
+        assert bytes(out[:n]) == self.values[name], "wrong bytes"
+
+    @rule(i=st.integers(0, N_NAMES - 1))
+    def delete(self, i: int) -> None:
+        name = name_of(i, b"m")
+        try:
+            found = self.store.delete(name)
+        except RowLocked:
+            assert self._locked(name)
+            return
+        assert not self._locked(name), "a locked row was deleted"
+        if found:
+            assert name in self.values
+        self.values.pop(name, None)
+
+    @rule(i=st.integers(0, N_NAMES - 1), holder=st.sampled_from(HOLDERS))
+    def lock(self, i: int, holder: str) -> None:
+        name = name_of(i, b"m")
+        self.store.lock([name], holder)
+        self.locks.setdefault(name, collections.Counter())[holder] += 1
+        tiers = self.store.residency([name])[0]
+        if tiers:
+            self.must_stay[name] = self.must_stay.get(name, frozenset()) | tiers
+
+    @rule(holder=st.sampled_from(HOLDERS))
+    def unlock_all(self, holder: str) -> None:
+        self.store.unlock_all(holder)
+        for name in list(self.locks):
+            self.locks[name].pop(holder, None)
+            if not self.locks[name]:
+                del self.locks[name]
+                self.must_stay.pop(name, None)
+
+    @rule()
+    def flush(self) -> None:
+        self.store.flush()
+
+    @precondition(lambda self: not self.locks)
+    @rule()
+    def restart(self) -> None:
+        self.store.flush()
+        names = [name_of(i, b"m") for i in range(N_NAMES)]
+        before = self.store.residency(names)
+        self.store.close()
+        self.store = self._open()
+        after = self.store.contains(names)
+        for name, tiers, now in zip(names, before, after, strict=True):
+            durable = TierKind.DISK in tiers or (self.write_through and tiers)
+            if durable:
+                assert now, f"row {name[-8:].hex()} had a disk copy but is gone after restart"
+            if now:
+                assert name in self.values, "a deleted row came back after restart"
+
+    @invariant()
+    def invariants_hold(self) -> None:
+        self.store.check_invariants()
+
+    @invariant()
+    def locked_rows_stay_where_they_were(self) -> None:
+        names = list(self.must_stay)
+        for name, now in zip(names, self.store.residency(names), strict=True):
+            lost = self.must_stay[name] - now
+            assert not lost, f"locked row {name[-8:].hex()} left {sorted(t.value for t in lost)}"
+            self.must_stay[name] = now
+
+
+class WriteThroughMachine(StoreMachine):
+    config_overrides: ClassVar[dict[str, Any]] = {"write_policy": "write-through"}
+
+
+class DeviceMachine(StoreMachine):
+    """With a CPU-device pool above the host slab."""
+
+    config_overrides: ClassVar[dict[str, Any]] = {"device": "cpu", "device_bytes": 4 * 1024}

@@ -14,6 +14,7 @@ storage again); the restart test runs only when ``tier.persistent`` is true.
 from __future__ import annotations
 
 import abc
+import random
 import threading
 from collections.abc import Iterator
 
@@ -30,9 +31,9 @@ def name_of(i: int, tag: bytes = b"t") -> bytes:
 
 
 def page_of(i: int, size: int) -> bytes:
-    """Deterministic page bytes for ``i``: a 264-byte period, so a shifted copy shows."""
-    block = i.to_bytes(8, "little") + bytes(range(256))
-    return (block * (size // len(block) + 1))[:size]
+    """Deterministic, incompressible page bytes for ``i`` (a compressed tier fills its
+    budget like a plain one, and a shifted or foreign copy never compares equal)."""
+    return random.Random(i).randbytes(size)
 
 
 class TierTests(abc.ABC):

@@ -13,7 +13,8 @@ off        uint32   memory slot offset >> 6 (slots are 64-byte aligned); int64 w
                     tiers' address space does not fit that
 dtype      uint8    code into :attr:`RowIndex.dtypes` (the codec needs it on demotion)
 parent     int32    id of the previous page of the chain, -1 for none
-atime      int64    logical clock of the last put/get; also the row's version stamp
+atime      uint32   logical clock of the last put/get; also the row's version stamp.
+                    Before it wraps, stamps are renumbered by rank (order kept)
 flags      uint8    MOVING: a demotion job holds the row
 =========  =======  ================================================================
 
@@ -35,6 +36,7 @@ DEV, HOST, DISK = 1, 2, 4  # tier bits in `where`
 MOVING = 1  # bit in `flags`
 OFF_SHIFT = 6  # memory slot offsets are multiples of 64 (slots.SMALL_ALIGN)
 _MIN_CAP = 1024
+_CLOCK_MAX = 2**32 - 2
 
 I64 = npt.NDArray[np.int64]
 
@@ -54,7 +56,7 @@ class RowIndex:
         self.off: npt.NDArray[Any] = np.zeros(cap, np.int64 if self.wide else np.uint32)
         self.dtype = np.zeros(cap, np.uint8)
         self.parent = np.full(cap, -1, np.int32)
-        self.atime = np.zeros(cap, np.int64)
+        self.atime = np.zeros(cap, np.uint32)
         self.flags = np.zeros(cap, np.uint8)
         self._free: list[int] = []
         self._pending: list[int] = []
@@ -103,8 +105,7 @@ class RowIndex:
         self.dtype[rid] = dtype
         self.parent[rid] = parent
         self.flags[rid] = 0
-        self.clock += 1
-        self.atime[rid] = self.clock
+        self.touch(rid)
         return rid
 
     def remove(self, rid: int) -> None:
@@ -129,9 +130,22 @@ class RowIndex:
 
     def touch(self, rid: int) -> int:
         """Stamp the row as just used; the stamp doubles as a version for races."""
+        if self.clock >= _CLOCK_MAX:
+            self.renumber()
         self.clock += 1
         self.atime[rid] = self.clock
         return self.clock
+
+    def renumber(self) -> None:
+        """Replace stamps by their rank among live rows (1..n), keeping the LRU order,
+        so that the 32-bit clock never wraps. In-flight version checks then fail, which
+        only skips a promotion."""
+        n = len(self.names)
+        live = np.flatnonzero(self.where[:n] != 0)
+        order = live[np.argsort(self.atime[live], kind="stable")]
+        self.atime[:n] = 0
+        self.atime[order] = np.arange(1, order.size + 1, dtype=np.uint32)
+        self.clock = int(order.size)
 
     def get_off(self, rid: int) -> int:
         v = int(self.off[rid])

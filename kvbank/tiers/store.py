@@ -234,19 +234,16 @@ class TieredStore:
             return
         ix = self._ix
         pending: list[tuple[int, bytes]] = []
-        top = 0
-        for row in self._disk.scan():
+        rows = sorted(self._disk.scan(), key=lambda r: r.seq)
+        for row in rows:  # oldest write first: the rank of the write is the LRU stamp
             rid = ix.add(row.name, row.raw_len, ix.dtype_code(row.dtype), -1)
             ix.where[rid] = DISK
-            ix.atime[rid] = row.seq
-            top = max(top, row.seq)
             if row.parent is not None:
                 pending.append((rid, row.parent))
         for rid, parent in pending:
             pid = ix.ids.get(parent)
             if pid is not None and pid != rid:
                 ix.parent[rid] = pid
-        ix.clock = max(ix.clock, top)
         if len(ix):
             logger.debug("store: recovered %d rows from %s", len(ix), self.config.data_dir)
 
@@ -505,21 +502,9 @@ class TieredStore:
                     return bit, off
         host = self._pools.get(HOST)
         if host is not None and host.fits(size):
-            while True:
-                self._check_open()
-                self._reclaim(HOST, max(size, self._band(HOST)))
-                off = host.alloc(size)
-                if off is None:
-                    # LRU victims of other size classes may not free a slot of this one.
-                    self._reclaim(HOST, size, cls=slot_class(size))
-                    off = host.alloc(size)
-                if off is not None:
-                    return HOST, off
-                # Dirty victims are queued for the disk; wait for the mover (backpressure),
-                # unless it has nothing to do for us or the disk is failing.
-                if not wait or not self._queued[HOST] or self._disk_error is not None:
-                    break
-                self._cond.wait(_WAIT_S)
+            off = self._alloc_waiting(HOST, size) if wait else None
+            if off is not None:
+                return HOST, off
         if self._disk is not None:
             return DISK, None
         raise TierFull(
@@ -609,11 +594,10 @@ class TieredStore:
                 with self._lock:
                     self._check_open()
                     self._check_writable(name, size, holder)
-                    seq = self._ix.clock + 1
                     parent_name = parent if parent is not None and parent in self._ix.ids else None
                 self._make_disk_room(len(frame))
                 disk.write_frame(name, frame, raw_len=size, dtype=self._ix.dtypes[code],
-                                 parent=parent_name, seq=seq)
+                                 parent=parent_name)
                 with self._lock:
                     if self._disk_error is not None:
                         logger.warning("store: disk tier writes again")
@@ -962,19 +946,35 @@ class TieredStore:
         return self._stage(name, bit)  # the row changed meanwhile: look again
 
     def _alloc_for_stage(self, bit: int, size: int) -> int:
+        """A free slot in memory tier ``bit`` (caller holds the lock), making room and
+        waiting for queued demotions like a reservation does."""
         pool = self._pools[bit]
         if not pool.fits(size):
             raise TierFull(f"stage: a {size}-byte row exceeds the {_KINDS[bit].value} budget")
-        off = pool.alloc(size)
-        if off is None:
-            self._reclaim(bit, max(size, self._band(bit)), queue=False)
-            off = pool.alloc(size)
-        if off is None:
-            self._reclaim(bit, size, queue=False, cls=slot_class(size))
-            off = pool.alloc(size)
+        off = self._alloc_waiting(bit, size)
         if off is None:
             raise TierFull(f"stage: no room for {size} bytes in the {_KINDS[bit].value} tier "
-                           f"(used {pool.used_bytes} of {pool.budget}, rest locked or dirty)")
+                           f"(used {pool.used_bytes} of {pool.budget}); the rest is locked, "
+                           "reserved or being read")
+        return off
+
+    def _alloc_waiting(self, bit: int, size: int) -> int | None:
+        """Allocate in tier ``bit``, evicting LRU victims and waiting for the mover while
+        it demotes dirty ones; None when nothing more can be freed."""
+        pool = self._pools[bit]
+        off = pool.alloc(size)
+        while off is None:
+            self._reclaim(bit, max(size, self._band(bit)))
+            off = pool.alloc(size)
+            if off is None:
+                # LRU victims of other size classes may not free a slot of this one.
+                self._reclaim(bit, size, cls=slot_class(size))
+                off = pool.alloc(size)
+            if off is not None or not self._queued[bit] or self._disk_error is not None:
+                break
+            self._cond.wait(_WAIT_S)  # dirty victims are on their way down
+            self._check_open()
+            off = pool.alloc(size)
         return off
 
     def _copy_between(self, src_bit: int, src_off: int, dst_bit: int, dst_off: int,
@@ -1013,18 +1013,7 @@ class TieredStore:
             if not pool.fits(size):
                 raise TierFull(f"reserve: {size} bytes exceed the {_KINDS[bit].value} budget "
                                f"{pool.budget}")
-            off = pool.alloc(size)
-            while off is None:
-                self._reclaim(bit, max(size, self._band(bit)))
-                off = pool.alloc(size)
-                if off is None:
-                    self._reclaim(bit, size, cls=slot_class(size))
-                    off = pool.alloc(size)
-                if off is not None or not self._queued[bit] or self._disk_error is not None:
-                    break
-                self._cond.wait(_WAIT_S)  # dirty victims are on their way down
-                self._check_open()
-                off = pool.alloc(size)
+            off = self._alloc_waiting(bit, size)
             if off is None:
                 raise TierFull(f"reserve: no room for {size} bytes in the {_KINDS[bit].value} "
                                f"tier (used {pool.used_bytes} of {pool.budget}); the rest is "
@@ -1277,7 +1266,6 @@ class TieredStore:
         with self._lock:
             dtype = self._ix.dtypes[int(self._ix.dtype[job.rid])]
             parent = self._ix.parent_name(job.rid)
-            seq = int(self._ix.atime[job.rid])
         if isinstance(pool, HostSlab):
             view = pool.view(job.off, job.size)
             try:
@@ -1297,8 +1285,7 @@ class TieredStore:
                 return
             try:
                 self._make_disk_room(len(frame))
-                disk.write_frame(job.name, frame, raw_len=job.size, dtype=dtype, parent=parent,
-                                 seq=seq)
+                disk.write_frame(job.name, frame, raw_len=job.size, dtype=dtype, parent=parent)
             except BaseException:
                 with self._lock:
                     self._end_demote(job, written=False)

@@ -1,0 +1,214 @@
+"""``kvbank bench tiers``: the tiered store against the raw operations it is built from.
+
+Pages are 2 MiB of random-normal bfloat16 (compresses like real KV, machine-limits.md 3).
+
+========================  ==============================  ==================================
+case                      ours                            baseline (same run, same bytes)
+========================  ==============================  ==================================
+host-put                  ``store.put`` into the host     memcpy of the pages into one
+                          slab (no eviction)              preallocated buffer of that size
+host-get                  ``store.get_into`` a            memcpy from a preallocated copy of
+                          preallocated buffer             the pages into the same buffer
+disk-get-warm             ``store.get_into`` of rows on   ``codec.decode_into`` of the same
+                          disk (host tier off, warm       frames held in memory
+                          page cache)
+demote                    puts past the host budget,      LMDB puts of the same frames, one
+                          then ``flush``: GB/s moved to   transaction each, same sync setting
+                          disk (encode + durable commit)
+index-bytes-per-row       tracemalloc delta per row of    a plain ``dict[bytes, int]`` of the
+                          the store after N tiny puts     same names
+========================  ==============================  ==================================
+
+``quick=True`` (CI) uses fewer pages and 100 k rows for the index; the full run uses
+1 M rows. Ratios > 1 mean ours is faster, except for index-bytes-per-row where the value
+is bytes and the ratio is ours / baseline (lower is better).
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import shutil
+import tempfile
+import time
+import tracemalloc
+from collections.abc import Iterator
+from pathlib import Path
+
+import lmdb
+import numpy as np
+import torch
+
+from kvbank.bench.common import BenchRow, paired_rates, row
+from kvbank.codec import decode_into, encode
+from kvbank.config import BankConfig
+from kvbank.tiers.base import TierKind
+from kvbank.tiers.store import TieredStore
+
+SUITE = "tiers"
+PAGE = 2 << 20
+GB = 1e9
+
+
+def _name(i: int) -> bytes:
+    return (b"bench" + i.to_bytes(8, "big")).rjust(54, b"\x00")
+
+
+def _pages(n: int) -> list[bytes]:
+    gen = torch.Generator().manual_seed(0)
+    out = []
+    for _ in range(n):
+        t = torch.randn(PAGE // 2, generator=gen).to(torch.bfloat16)
+        out.append(t.view(torch.uint8).numpy().tobytes())
+    return out
+
+
+def _store(tmp: Path | None, **kw: object) -> TieredStore:
+    fields: dict[str, object] = {"data_dir": tmp, "device_bytes": 0}
+    fields.update(kw)
+    return TieredStore(BankConfig(**fields))  # type: ignore[arg-type]
+
+
+def _host(pages: list[bytes], repeat: int) -> Iterator[BenchRow]:
+    n = len(pages)
+    total = n * PAGE
+    store = _store(None, host_bytes=2 * total + (64 << 20))
+    try:
+        names = [_name(i) for i in range(n)]
+        dst = bytearray(total)
+        dmv = memoryview(dst)
+
+        def put() -> None:
+            for name, page in zip(names, pages, strict=True):
+                store.put(name, page, dtype="bfloat16")
+
+        def memcpy_in() -> None:
+            for i, page in enumerate(pages):
+                dmv[i * PAGE : (i + 1) * PAGE] = page
+
+        ours, base = paired_rates(total / GB, put, memcpy_in, repeat=repeat)
+        yield row(SUITE, "host-put", "GB/s", ours, "memcpy into a preallocated buffer", base)
+
+        out = memoryview(bytearray(PAGE))
+
+        def get() -> None:
+            for name in names:
+                store.get_into(name, out)
+
+        def memcpy_out() -> None:
+            for i in range(n):
+                out[:] = dmv[i * PAGE : (i + 1) * PAGE]
+
+        ours, base = paired_rates(total / GB, get, memcpy_out, repeat=repeat)
+        yield row(SUITE, "host-get", "GB/s", ours, "memcpy into a preallocated buffer", base)
+    finally:
+        store.close()
+
+
+def _disk_get(pages: list[bytes], tmp: Path, repeat: int) -> Iterator[BenchRow]:
+    n = len(pages)
+    total = n * PAGE
+    store = _store(tmp / "get", host_bytes=0, disk_bytes=4 * total, disk_sync=False)
+    try:
+        names = [_name(i) for i in range(n)]
+        for name, page in zip(names, pages, strict=True):
+            store.put(name, page, dtype="bfloat16")  # no host tier: straight to disk
+        frames = [encode(p, "bfloat16") for p in pages]
+        out = memoryview(bytearray(PAGE))
+
+        def get() -> None:
+            for name in names:
+                if store.get_into(name, out) != PAGE:
+                    raise RuntimeError("bench: a disk row went missing")
+
+        def decode() -> None:
+            for f in frames:
+                decode_into(f, out)
+
+        ours, base = paired_rates(total / GB, get, decode, repeat=repeat)
+        yield row(SUITE, "disk-get-warm", "GB/s", ours, "codec.decode_into of the same frames",
+                  base)
+    finally:
+        store.close()
+
+
+def _demote(pages: list[bytes], tmp: Path, repeat: int) -> Iterator[BenchRow]:
+    n = len(pages)
+    host_pages = 8
+    frames = [encode(p, "bfloat16") for p in pages]
+    moved: list[float] = []
+    raw: list[float] = []
+    for rep in range(repeat):
+        d = tmp / f"demote{rep}"
+        store = _store(d, host_bytes=host_pages * PAGE, disk_bytes=8 * n * PAGE,
+                       disk_sync=True, high_watermark=0.5, low_watermark=0.25)
+        try:
+            t0 = time.perf_counter()
+            for i, page in enumerate(pages):
+                store.put(_name(i), page, dtype="bfloat16")
+            store.flush()
+            dt = time.perf_counter() - t0
+            st = store.stats()
+            moved.append(st.tier(TierKind.DISK).rows * PAGE / GB / dt)
+        finally:
+            store.close()
+        env = lmdb.open(str(tmp / f"raw{rep}"), map_size=16 * n * PAGE + (1 << 30), sync=True,
+                        metasync=True, writemap=False, readahead=True)
+        try:
+            t0 = time.perf_counter()
+            for i, f in enumerate(frames):
+                with env.begin(write=True) as txn:
+                    txn.put(_name(i), f)
+            dt = time.perf_counter() - t0
+            raw.append(n * PAGE / GB / dt)
+        finally:
+            env.close()
+        shutil.rmtree(d, ignore_errors=True)
+        shutil.rmtree(tmp / f"raw{rep}", ignore_errors=True)
+    yield row(SUITE, "demote", "GB/s", float(np.median(moved)),
+              "LMDB puts of the same frames (sync, 1 txn each)", float(np.median(raw)))
+
+
+def _index(rows: int) -> Iterator[BenchRow]:
+    names = [(b"idx" + i.to_bytes(8, "big")).rjust(54, b"\x00") for i in range(rows)]
+    page = b"\x01" * 64
+    gc.collect()
+    tracemalloc.start()
+    try:
+        base0 = tracemalloc.get_traced_memory()[0]
+        plain = {name: i for i, name in enumerate(names)}
+        # The names already exist in both cases; a dict owning fresh copies pays for
+        # the bytes objects too, so both sides are charged for them below.
+        dict_bytes = tracemalloc.get_traced_memory()[0] - base0
+        del plain
+        gc.collect()
+        store = _store(None, host_bytes=rows * 64 + (16 << 20))
+        try:
+            before = tracemalloc.get_traced_memory()[0]
+            for name in names:
+                store.put(name, page)
+            ours = tracemalloc.get_traced_memory()[0] - before
+        finally:
+            store.close()
+    finally:
+        tracemalloc.stop()
+    name_obj = 54 + 33 + 1  # the bytes object of a 54-byte name, pymalloc-rounded
+    per_row = ours / rows + name_obj
+    per_dict = dict_bytes / rows + name_obj
+    yield row(SUITE, f"index-bytes-per-row-{rows // 1000}k", "bytes/row", per_row,
+              "dict[bytes, int] of the same names", per_dict)
+
+
+def run(quick: bool = False) -> Iterator[BenchRow]:
+    logging.getLogger("kvbank.tiers").setLevel(logging.ERROR)  # "device tier off" once
+    n_pages = 16 if quick else 64
+    repeat = 3 if quick else 7
+    pages = _pages(n_pages)
+    tmp = Path(tempfile.mkdtemp(prefix="kvbank-bench-tiers-"))
+    try:
+        yield from _host(pages, repeat)
+        yield from _disk_get(pages, tmp, repeat)
+        yield from _demote(pages, tmp, 1 if quick else 3)
+        yield from _index(100_000 if quick else 1_000_000)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

@@ -12,4 +12,5 @@ SUITES: dict[str, str] = {
     "codec": "kvbank.bench.codec",
     "keys": "kvbank.bench.keys",
     "lender": "kvbank.bench.lender",
+    "tiers": "kvbank.bench.tiers",
 }

@@ -23,20 +23,19 @@ WRITER = r"""
 import random, sys
 from kvbank.config import BankConfig
 from kvbank.testing.tiers import name_of
-from kvbank.tiers.base import TierKind
 from kvbank.tiers.store import TieredStore
 
-data_dir, policy = sys.argv[1], sys.argv[2]
+data_dir, policy, size = sys.argv[1], sys.argv[2], int(sys.argv[3])
 store = TieredStore(BankConfig(data_dir=data_dir, host_bytes=256 * 1024, disk_bytes=64 << 20,
                                device_bytes=0, write_policy=policy, disk_sync=True))
 print("segment", store.reserve_host(1, "probe").segment, flush=True)
 i = 0
 while True:
-    page = random.Random(i).randbytes(%(page)d)
+    page = random.Random(i).randbytes(size)
     store.put(name_of(i, b"c"), page, parent=name_of(i - 1, b"c") if i else None)
     print(i, flush=True)  # acknowledged: put returned
     i += 1
-""" % {"page": PAGE}
+"""
 
 
 def _page(i: int) -> bytes:
@@ -50,7 +49,7 @@ def _page(i: int) -> bytes:
 def test_store_kill_9_loses_no_acknowledged_row(tmp_path: Path, policy: str) -> None:
     """Every row acknowledged before SIGKILL is there after reopening (write-through), and
     whatever is there reads back whole with a valid checksum: no half-written row."""
-    proc = subprocess.Popen([sys.executable, "-c", WRITER, str(tmp_path), policy],
+    proc = subprocess.Popen([sys.executable, "-c", WRITER, str(tmp_path), policy, str(PAGE)],
                             stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None
     acked: list[int] = []

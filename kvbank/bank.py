@@ -125,6 +125,10 @@ class Bank:
         self.config = config if config is not None else BankConfig()
         self._lock = threading.Lock()
         self._layouts: dict[bytes, PageLayout] = {}
+        # Shards registered per layout id. The id leaves the shard index out (every rank of
+        # a layout shares it), so the shard a call names must come from the caller: taking
+        # the first registration's index would hand one rank another rank's rows.
+        self._shards: dict[bytes, set[int]] = {}
         self._namespaces: dict[bytes, bytes] = {}  # 16-byte namespace -> layout id
         self._shapes: dict[tuple[bytes, int], PageShape] = {}
         self._store = TieredStore(self.config)
@@ -161,6 +165,7 @@ class Bank:
             raise InvalidInput(f"layout: expected a PageLayout, got {type(layout).__name__}")
         with self._lock:
             self._layouts.setdefault(layout.layout_id, layout)
+            self._shards.setdefault(layout.layout_id, set()).add(layout.shard_index)
         return layout.layout_id
 
     def layout(self, layout_id: bytes) -> PageLayout:
@@ -171,6 +176,25 @@ class Bank:
             shown = layout_id.hex() if isinstance(layout_id, bytes) else repr(layout_id)
             raise UnknownLayout(f"layout_id: {shown} was never registered with this bank")
         return layout
+
+    def _shard(self, layout_id: bytes, shard: int | None) -> int:
+        """The shard index a call means: the one given (it must be registered), or the only
+        one registered for ``layout_id``."""
+        with self._lock:
+            shards = sorted(self._shards.get(layout_id, ()))
+        if shard is None:
+            if len(shards) == 1:
+                return shards[0]
+            raise InvalidInput(
+                f"shard: layout {layout_id.hex()[:16]}… is registered for shards {shards}; "
+                "name the shard this call is for"
+            )
+        if isinstance(shard, bool) or not isinstance(shard, int) or shard not in shards:
+            raise UnknownLayout(
+                f"shard: shard {shard!r} of layout {layout_id.hex()[:16]}… was never registered "
+                f"(registered shards: {shards})"
+            )
+        return shard
 
     def _namespace(self, layout_id: bytes, scope: Scope) -> bytes:
         if not isinstance(scope, Scope):
@@ -230,14 +254,17 @@ class Bank:
         group: int,
         scope: Scope = DEFAULT_SCOPE,
         keys: Sequence[bytes] | None = None,
+        shard: int | None = None,
     ) -> list[bytes]:
-        """The row names of every full page of ``tokens`` (or of ``keys``) for ``group``."""
+        """The row names of every full page of ``tokens`` (or of ``keys``) for ``group``.
+
+        ``shard`` is the tensor-parallel rank (default: the only registered one)."""
         layout = self.layout(layout_id)
         if isinstance(group, bool) or not isinstance(group, int) or not 0 <= group < len(layout.groups):
             raise InvalidInput(f"group: expected a group index in [0, {len(layout.groups)}), got {group!r}")
         ns = self._namespace(layout_id, scope)
         return _row_names(ns, self._keys(layout, tokens, keys, scope), group,
-                          layout.shard_count, layout.shard_index)
+                          layout.shard_count, self._shard(layout_id, shard))
 
     # ---- storing -------------------------------------------------------------------------
 
@@ -276,6 +303,7 @@ class Bank:
         scope: Scope = DEFAULT_SCOPE,
         keys: Sequence[bytes] | None = None,
         first_page: int = 0,
+        shard: int | None = None,
     ) -> list[bytes]:
         """Store pages ``first_page, first_page+1, …`` of an ATTENTION group; their names.
 
@@ -285,7 +313,7 @@ class Bank:
         layout = self.layout(layout_id)
         self._group(layout, group, GroupKind.ATTENTION, "put")
         views = self._page_views(pages, layout.group_page_bytes[group], "pages")
-        chain = self.row_names(layout_id, tokens, group=group, scope=scope, keys=keys)
+        chain = self.row_names(layout_id, tokens, group=group, scope=scope, keys=keys, shard=shard)
         if isinstance(first_page, bool) or not isinstance(first_page, int) or first_page < 0:
             raise InvalidInput(f"first_page: must be a non-negative integer, got {first_page!r}")
         if first_page + len(views) > len(chain):
@@ -308,6 +336,7 @@ class Bank:
         at: int | None = None,
         scope: Scope = DEFAULT_SCOPE,
         keys: Sequence[bytes] | None = None,
+        shard: int | None = None,
     ) -> bytes:
         """Store a STATE group's snapshot after ``at`` tokens (a page boundary; default: all
         full pages of ``tokens``). It is keyed by the key of the page ending at ``at``."""
@@ -321,7 +350,7 @@ class Bank:
                 raise InvalidInput(f"state: expected one snapshot, got shape {tuple(state.shape)}")
         else:
             (view,) = self._page_views([state], size, "state")
-        chain = self.row_names(layout_id, tokens, group=group, scope=scope, keys=keys)
+        chain = self.row_names(layout_id, tokens, group=group, scope=scope, keys=keys, shard=shard)
         p = layout.tokens_per_page
         boundary = len(chain) * p if at is None else at
         if isinstance(boundary, bool) or not isinstance(boundary, int) or boundary <= 0 or boundary % p:
@@ -335,15 +364,23 @@ class Bank:
     # ---- matching and fetching -----------------------------------------------------------
 
     def match(
-        self, layout_id: bytes, tokens: TokenIds, *, scope: Scope = DEFAULT_SCOPE
+        self,
+        layout_id: bytes,
+        tokens: TokenIds,
+        *,
+        scope: Scope = DEFAULT_SCOPE,
+        shard: int | None = None,
     ) -> Match:
-        """Where each row of ``tokens``'s prefix is, and the resume bound. Never leases."""
+        """Where each row of ``tokens``'s prefix is, and the resume bound. Never leases.
+
+        ``shard`` is the tensor-parallel rank (default: the only registered one)."""
         layout = self.layout(layout_id)
+        index = self._shard(layout_id, shard)
         ns = self._namespace(layout_id, scope)
         keys = page_keys(tokens, layout.tokens_per_page, scope)
         t = len(tokens)
         names = tuple(
-            tuple(_row_names(ns, keys, g, layout.shard_count, layout.shard_index))
+            tuple(_row_names(ns, keys, g, layout.shard_count, index))
             for g in range(len(layout.groups))
         )
         flat = [n for gi, g in enumerate(names) if layout.group_page_bytes[gi] for n in g]

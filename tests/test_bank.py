@@ -287,3 +287,31 @@ def test_open_applies_overrides_and_close_is_final() -> None:
         bank.match(lid, list(range(32)))
     with pytest.raises(InvalidInput, match="config"):
         Bank({"host_bytes": 1})  # type: ignore[arg-type]
+
+
+def test_bank_tensor_parallel_shards_never_share_rows(bank: Bank) -> None:
+    """Regression: the layout id leaves the shard index out, so a bank serving several
+    ranks must never answer one rank with another rank's rows."""
+    tp = full_attention("bank-tp@1", num_layers=2, num_kv_heads=4, head_dim=64, shard_count=2)
+    lid = bank.register(tp)
+    assert bank.register(tp.with_shard(1)) == lid
+    tokens = list(range(64))
+    size = tp.group_page_bytes[0]
+    bank.put(lid, tokens, group=0, pages=rand(4, size, 7), shard=0)
+    assert bank.match(lid, tokens, shard=0).resume.tokens == 48
+    other = bank.match(lid, tokens, shard=1)
+    assert other.resume.tokens == 0 and not any(other.tiers[0])
+    with pytest.raises(InvalidInput, match="shard"):
+        bank.match(lid, tokens)  # two shards registered: the call must say which
+    with pytest.raises(UnknownLayout, match="shard"):
+        bank.put(lid, tokens, group=0, pages=rand(4, size, 8), shard=5)
+
+
+def test_bank_single_shard_needs_no_shard_argument(bank: Bank) -> None:
+    tp = full_attention("bank-tp@2", num_layers=2, num_kv_heads=4, head_dim=64, shard_count=2,
+                        shard_index=1)
+    lid = bank.register(tp)
+    tokens = list(range(32))
+    names = bank.put(lid, tokens, group=0, pages=rand(2, tp.group_page_bytes[0], 9))
+    assert all(n[-2:] == b"\x00\x01" for n in names)  # shard index 1 in every row name
+    assert bank.match(lid, tokens).resume.tokens == 16

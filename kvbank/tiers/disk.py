@@ -199,8 +199,13 @@ class DiskTier(Tier):
         dtype: str,
         parent: bytes | None = None,
         seq: int | None = None,
+        replace: bool = False,
     ) -> None:
-        """Commit a frame and its metadata in one (durable) transaction."""
+        """Commit a frame and its metadata in one (durable) transaction.
+
+        ``replace=True`` overwrites a row of another size under the same name: the store
+        uses it because its index, not the disk, says which copy is current (a frame it
+        evicted may still wait for its purge)."""
         check_name(name)
         flen = len(frame)
         with self._lock:
@@ -214,7 +219,7 @@ class DiskTier(Tier):
                     old_len = 0
                     if old is not None:
                         prev = _unpack_meta(name, old)
-                        if prev.raw_len != raw_len:
+                        if prev.raw_len != raw_len and not replace:
                             raise PageSizeMismatch(f"data: {raw_len} bytes, but row "
                                                    f"{name.hex()[:16]}… holds {prev.raw_len}")
                         old_len = prev.frame_len

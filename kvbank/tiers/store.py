@@ -597,7 +597,7 @@ class TieredStore:
                     parent_name = parent if parent is not None and parent in self._ix.ids else None
                 self._make_disk_room(len(frame))
                 disk.write_frame(name, frame, raw_len=size, dtype=self._ix.dtypes[code],
-                                 parent=parent_name)
+                                 parent=parent_name, replace=True)
                 with self._lock:
                     if self._disk_error is not None:
                         logger.warning("store: disk tier writes again")
@@ -1099,6 +1099,15 @@ class TieredStore:
             self._free_slot(bit, off)
             self._cond.notify_all()
 
+    @property
+    def host_segment(self) -> HostSlot | None:
+        """The whole host segment as one location (name, 0, mapped size), for leases that
+        map it once; ``None`` when the host tier is off."""
+        pool = self._pools.get(HOST)
+        if not isinstance(pool, HostSlab) or pool.allocator.space_bytes == 0:
+            return None
+        return HostSlot(pool.segment, 0, pool.allocator.space_bytes)
+
     def host_view(self, slot: HostSlot) -> memoryview:
         """The owner-side view of a host slot's bytes (release it when done)."""
         pool = self._pool(HOST, "host_view")
@@ -1285,7 +1294,8 @@ class TieredStore:
                 return
             try:
                 self._make_disk_room(len(frame))
-                disk.write_frame(job.name, frame, raw_len=job.size, dtype=dtype, parent=parent)
+                disk.write_frame(job.name, frame, raw_len=job.size, dtype=dtype, parent=parent,
+                                 replace=True)
             except BaseException:
                 with self._lock:
                     self._end_demote(job, written=False)

@@ -129,7 +129,8 @@ def test_store_locked_child_does_not_pin_its_parent(make_store: MakeStore) -> No
 
 
 def test_store_tier_full_when_everything_is_locked(make_store: MakeStore) -> None:
-    s = make_store(data_dir=None, host_bytes=32 * 1024)
+    # high watermark 1.0: no background eviction between the puts and the lock
+    s = make_store(data_dir=None, host_bytes=32 * 1024, high_watermark=1.0)
     names = []
     for i in range(8):
         s.put(name_of(i), page_of(i, P))
@@ -302,6 +303,9 @@ def test_store_reserve_commit_abort_host(make_store: MakeStore) -> None:
     with pytest.raises(InvalidInput):
         s.abort_host(slot2)
     assert s.stats().reserved_slots == 0
+    whole = s.host_segment
+    assert whole is not None and whole.segment == slot.segment and whole.offset == 0
+    assert whole.size <= 64 * 1024
     slot3 = s.reserve_host(P, "w2")
     with pytest.raises(PageSizeMismatch):
         s.commit_host(name_of(7), type(slot3)(slot3.segment, slot3.offset, P))  # ok size

@@ -196,7 +196,9 @@ class TieredStore:
             self._pools[DEV] = DevicePool(dev_budget, config.device)
         else:
             self._notes.append(why_off)
-            logger.warning("%s", why_off)
+            # Switched off on purpose is a state change; off for want of a GPU is degraded.
+            log = logger.info if config.device_bytes == 0 else logger.warning
+            log("%s", why_off)
         if config.host_bytes > 0:
             self._pools[HOST] = HostSlab(config.host_bytes)
         self._disk: DiskTier | None = None

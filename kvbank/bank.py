@@ -308,7 +308,8 @@ class Bank:
         """Store pages ``first_page, first_page+1, …`` of an ATTENTION group; their names.
 
         Every page is checked before any is stored. Pages are stored in chain order with
-        their parent named, so eviction takes a chain from its tail: a page goes only after the pages that extend it.
+        their parent named, so eviction takes a chain from its tail: a page goes only after
+        the pages that extend it.
         """
         layout = self.layout(layout_id)
         self._group(layout, group, GroupKind.ATTENTION, "put")

@@ -7,6 +7,8 @@ so eviction and demotion happen all the time; what must hold after every step:
   bytes, never a row that was deleted;
 - a row that was present when it was locked stays present and readable until unlocked;
 - refused writes (``RowLocked``, ``PageSizeMismatch``, ``TierFull``) change nothing;
+- a batch stage (``stage_host_many``) puts every present row in host with its bytes, or
+  raises ``TierFull`` and leaves no row in host that was not there before;
 - ``check_invariants()`` passes;
 - after a restart (close, reopen the same data dir), every row that had a disk copy is
   back with its bytes; under write-through every row present before the restart is.
@@ -157,6 +159,35 @@ class StoreMachine(RuleBasedStateMachine):
             if not self.locks[name]:
                 del self.locks[name]
                 self.must_stay.pop(name, None)
+
+    @rule(ids=st.lists(st.integers(0, N_NAMES - 1), min_size=1, max_size=8))
+    def stage_many(self, ids: list[int]) -> None:
+        """A lease's batch staging: every present row lands in host with its bytes, or
+        ``TierFull`` and no row is in host that was not before."""
+        names = [name_of(i, b"m") for i in ids]
+        self.store.lock(names, "stager")
+        try:
+            before = self.store.residency(names)
+            try:
+                slots = self.store.stage_host_many(names)
+            except TierFull:
+                after = self.store.residency(names)
+                for name, was, now in zip(names, before, after, strict=True):
+                    assert TierKind.HOST not in now or TierKind.HOST in was, (
+                        f"row {name[-8:].hex()} left staged by a refused batch")
+                return
+            for name, was, slot in zip(names, before, slots, strict=True):
+                if not was:
+                    assert slot is None, "a slot for an absent row"
+                    continue
+                assert slot is not None, f"row {name[-8:].hex()} present but not staged"
+                view = self.store.host_view(slot)
+                try:
+                    assert view.tobytes() == self.values[name], "staged wrong bytes"
+                finally:
+                    view.release()
+        finally:
+            self.store.unlock_all("stager")
 
     @rule()
     def flush(self) -> None:

@@ -169,6 +169,22 @@ class _Job:
     evict: bool = False  # a disk eviction batch (the planner waits for it)
 
 
+@dataclass(slots=True)
+class _Staging:
+    """One row of a :meth:`TieredStore.stage_host_many` batch that needs a new host slot."""
+
+    name: bytes
+    rid: int
+    size: int
+    src: int  # DEV (copy across) or DISK (decode); 0 once the row is found changed
+    stamp: int  # the LRU stamp set when planned: a disk row is published only if unchanged
+    off: int = -1  # the private host slot
+    src_off: int = -1  # the device slot read from (src == DEV)
+    pinned: bool = False  # src_off is pinned
+    n: int | None = None  # bytes that arrived whole (None: the disk had no frame)
+    corrupt: bool = False
+
+
 class _Counters:
     __slots__ = ("demotions", "evictions", "hits", "misses", "promotions")
 
@@ -881,6 +897,181 @@ class TieredStore:
     def stage_device(self, name: bytes) -> DeviceSlot | None:
         """Bring a row into the device tier (from host or disk) and return its slot."""
         return self._stage(name, DEV)  # type: ignore[return-value]
+
+    def stage_host_many(self, names: Sequence[bytes]) -> list[HostSlot | None]:
+        """:meth:`stage_host` for many rows (a lease): the same slots and misses, in one
+        planning pass under the store lock that claims every host slot the rows need,
+        the copies (device → host, disk decode) outside the lock, and one publishing pass.
+
+        All or nothing: when the host tier cannot hold every present row, ``TierFull`` is
+        raised and no row is left staged that was not in host before (rows evicted to make
+        room stay evicted; they were unlocked). The caller locks the rows first."""
+        names = [check_name(n) for n in names]
+        pool = self._pool(HOST, "stage")
+        assert isinstance(pool, HostSlab)
+        if not names:
+            return []
+        plan: list[_Staging] = []
+        with self._lock:
+            self._check_open()
+            ix = self._ix
+            seen: set[bytes] = set()
+            for name in names:
+                rid = ix.ids.get(name)
+                if rid is None or name in seen:
+                    continue
+                seen.add(name)
+                stamp = ix.touch(rid)
+                where = int(ix.where[rid])
+                if not where & HOST:
+                    src = DEV if where & DEV else DISK
+                    plan.append(_Staging(name, rid, int(ix.size[rid]), src, stamp))
+            if not plan:
+                return self._host_slots_locked(names)
+            self._claim_stage_slots(pool, plan)
+        try:
+            self._fill_stage_slots(pool, plan)
+        except BaseException:
+            with self._lock:
+                for st in plan:
+                    self._release_staging(st)
+                    self._free_slot(HOST, st.off)
+            raise
+        retry: list[bytes] = []
+        corrupt: list[_Staging] = []
+        published: list[_Staging] = []
+        with self._lock:
+            for st in plan:
+                self._release_staging(st)
+                if self._publish_staging(st):
+                    published.append(st)
+                    continue
+                self._free_slot(HOST, st.off)
+                if st.corrupt:
+                    corrupt.append(st)
+                elif st.src == 0 or st.n is not None:
+                    retry.append(st.name)  # the row changed meanwhile: stage it again
+            if not retry and not corrupt:
+                self._check_open()
+                return self._host_slots_locked(names)
+        for st in corrupt:
+            self._drop_corrupt(st.name, st.rid)
+        try:
+            for name in retry:
+                self._stage(name, HOST)
+        except BaseException:
+            with self._lock:  # all or nothing: give back the copies this call added
+                for st in published:
+                    ix = self._ix
+                    if (ix.ids.get(st.name) == st.rid and int(ix.where[st.rid]) & HOST
+                            and self._mem_off(st.rid, HOST) == st.off):
+                        self._drop_copy(st.rid, HOST)
+            raise
+        with self._lock:
+            self._check_open()
+            return self._host_slots_locked(names)
+
+    def _claim_stage_slots(self, pool: HostSlab, plan: list[_Staging]) -> None:
+        """Claim (and pin) a private host slot for every planned row, or none of them
+        (``TierFull``); pin the device copies that will be read. Caller holds the lock;
+        waiting for the mover releases it, so device sources are looked up afterwards."""
+        claimed: list[_Staging] = []
+        try:
+            for st in plan:
+                if not pool.fits(st.size):
+                    raise TierFull(f"stage: a {st.size}-byte row exceeds the host budget")
+                off = self._alloc_waiting(HOST, st.size)
+                if off is None:
+                    need = sum(slot_class(s.size) for s in plan)
+                    raise TierFull(
+                        f"stage: no room for {len(plan)} rows ({need} bytes) in the host tier "
+                        f"(used {pool.used_bytes} of {pool.budget}); the rest is locked, "
+                        "reserved or being read")
+                st.off = off
+                self._pin(HOST, off)
+                claimed.append(st)
+        except BaseException:
+            for st in claimed:
+                self._unpin(HOST, st.off)
+                self._free_slot(HOST, st.off)
+            raise
+        ix = self._ix
+        for st in plan:
+            if st.src != DEV:
+                continue
+            if ix.ids.get(st.name) == st.rid and int(ix.where[st.rid]) & DEV \
+                    and not int(ix.where[st.rid]) & HOST:
+                st.src_off = self._mem_off(st.rid, DEV)
+                self._pin(DEV, st.src_off)
+                st.pinned = True
+            else:
+                st.src = 0  # moved while we waited for room: staged again afterwards
+
+    def _fill_stage_slots(self, pool: HostSlab, plan: list[_Staging]) -> None:
+        """Copy each planned row into its private slot (no store lock held)."""
+        for st in plan:
+            if st.src == DEV:
+                dev = self._pools[DEV]
+                assert isinstance(dev, DevicePool)
+                dst = torch.from_numpy(pool.numpy()[st.off : st.off + st.size])
+                dst.copy_(dev.tensor(st.src_off, st.size))
+                st.n = st.size
+            elif st.src == DISK:
+                self._read_into_slot(pool, st)
+
+    def _read_into_slot(self, pool: HostSlab, st: _Staging) -> None:
+        disk = self._disk
+        assert disk is not None
+        view = pool.view(st.off, st.size)
+        try:
+            st.n = disk.read_into(st.name, view)
+        except CorruptPage as exc:
+            logger.warning("store: row %s… failed its checks on disk, dropped: %s",
+                           st.name.hex()[:16], exc)
+            st.corrupt = True
+        finally:
+            view.release()
+
+    def _release_staging(self, st: _Staging) -> None:
+        self._unpin(HOST, st.off)
+        if st.pinned:
+            self._unpin(DEV, st.src_off)
+            st.pinned = False
+
+    def _publish_staging(self, st: _Staging) -> bool:
+        """Make a filled private slot the row's host copy if the row is unchanged."""
+        ix = self._ix
+        if self._closed or st.src == 0 or st.n != st.size or ix.ids.get(st.name) != st.rid:
+            return False
+        rid = st.rid
+        where = int(ix.where[rid])
+        if where & HOST:
+            return False
+        if st.src == DEV:
+            # The source slot was pinned: an overwrite or a move gives the row another one.
+            if not where & DEV or ix.get_off(rid) != st.src_off:
+                return False
+            self._dual[rid] = st.off
+        else:
+            if where != DISK or int(ix.atime[rid]) != st.stamp:
+                return False
+            ix.set_off(rid, st.off)
+        ix.where[rid] = where | HOST
+        self._counters[HOST].promotions += 1
+        return True
+
+    def _host_slots_locked(self, names: Sequence[bytes]) -> list[HostSlot | None]:
+        ix = self._ix
+        pool = self._pools[HOST]
+        assert isinstance(pool, HostSlab)
+        out: list[HostSlot | None] = []
+        for name in names:
+            rid = ix.ids.get(name)
+            if rid is None or not int(ix.where[rid]) & HOST:
+                out.append(None)
+            else:
+                out.append(pool.slot(self._mem_off(rid, HOST), int(ix.size[rid])))
+        return out
 
     def _stage(self, name: bytes, bit: int) -> HostSlot | DeviceSlot | None:
         check_name(name)

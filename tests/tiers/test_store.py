@@ -449,3 +449,111 @@ def test_store_close_is_idempotent_and_unlinks_shared_memory(make_store: MakeSto
     assert not (SHM_DIR / slot.segment).exists()
     with pytest.raises(TierUnavailable):
         s.put(name_of(1), page_of(1, P))
+
+
+# -- batch staging (a lease's rows in one call) -------------------------------------------
+
+
+def _disk_only_store(make_store: MakeStore, n: int, **kw: object):  # type: ignore[no-untyped-def]
+    """A store whose rows 0..n-1 are on disk only (written through, then reopened)."""
+    first = make_store(host_bytes=64 * 1024, disk_bytes=1 << 20, write_policy="write-through")
+    for i in range(n):
+        first.put(name_of(i), page_of(i, P))
+    first.close()
+    fields: dict[str, object] = {"host_bytes": 64 * 1024, "disk_bytes": 1 << 20}
+    fields.update(kw)
+    return make_store(**fields)
+
+
+def test_store_stage_host_many_matches_stage_host(make_store: MakeStore) -> None:
+    """Hits in host, disk-only rows, misses and a repeated name give what stage_host gives
+    row by row: the same misses, slots holding the row's bytes, rows left in host."""
+    names = [name_of(i) for i in (0, 1, 2, 50, 3, 1, 51)]
+    results = []
+    for batch in (False, True):
+        s = _disk_only_store(make_store, 4)
+        s.put(name_of(3), page_of(3, P))  # an overwrite: in host, its disk copy purged
+        s.lock(names, "lease")
+        got = s.stage_host_many(names) if batch else [s.stage_host(n) for n in names]
+        results.append([None if g is None else (g.size, s.host_view(g).tobytes()) for g in got])
+        assert s.locate(names) == [H, H, H, None, H, H, None]
+        assert s.stats().tier(H).promotions == 3
+        s.check_invariants()
+        s.unlock_all("lease")
+        s.close()
+    assert results[0] == results[1]
+    assert results[1][:3] == [(P, page_of(i, P)) for i in range(3)]
+    assert results[1][3] is None and results[1][6] is None
+
+
+def test_store_stage_host_many_copies_device_rows_and_keeps_both(make_store: MakeStore) -> None:
+    s = make_store(device="cpu", device_bytes=32 * 1024, host_bytes=64 * 1024,
+                   disk_bytes=1 << 20)
+    for i in range(4):
+        s.put(name_of(i), page_of(i, P))
+    assert s.locate([name_of(i) for i in range(4)]) == [K] * 4
+    names = [name_of(i) for i in range(4)]
+    s.lock(names, "lease")
+    slots = s.stage_host_many(names)
+    for i, slot in enumerate(slots):
+        assert slot is not None and s.host_view(slot).tobytes() == page_of(i, P)
+    assert s.residency(names) == [frozenset({K, H})] * 4
+    s.check_invariants()
+    s.unlock_all("lease")
+
+
+def test_store_stage_host_many_is_all_or_nothing_when_host_is_too_small(
+    make_store: MakeStore,
+) -> None:
+    """Regression: a lease whose rows do not all fit the host tier gets TierFull and leaves
+    no row staged (nor any slot claimed) beyond what was there before."""
+    s = _disk_only_store(make_store, 12, host_bytes=32 * 1024, high_watermark=1.0)
+    s.put(name_of(40), page_of(40, P))
+    names = [name_of(i) for i in range(12)] + [name_of(40)]
+    s.lock(names, "lease")
+    before = s.residency(names)
+    used = s.stats().tier(H).used_bytes
+    with pytest.raises(TierFull, match="12 rows"):
+        s.stage_host_many(names)
+    assert s.residency(names) == before
+    assert s.stats().tier(H).used_bytes == used
+    s.check_invariants()
+    s.unlock_all("lease")
+    s.lock(names[:6], "small")
+    assert all(x is not None for x in s.stage_host_many(names[:6]))  # a lease that fits
+    s.unlock_all("small")
+
+
+def test_store_stage_host_many_corrupt_disk_row_is_a_miss(
+    make_store: MakeStore, tmp_path: Path
+) -> None:
+    import lmdb
+
+    first = make_store(host_bytes=32 * 1024, disk_bytes=1 << 20, write_policy="write-through")
+    for i in range(3):
+        first.put(name_of(i), page_of(i, P))
+    first.close()
+    env = lmdb.open(str(tmp_path / "data" / "lmdb"), max_dbs=2)
+    with env.begin(write=True, db=env.open_db(b"frames")) as txn:
+        raw = bytearray(txn.get(name_of(1)))
+        raw[-1] ^= 0xFF
+        txn.put(name_of(1), bytes(raw))
+    env.close()
+    s = make_store(host_bytes=32 * 1024, disk_bytes=1 << 20)
+    names = [name_of(i) for i in range(3)]
+    s.lock(names, "lease")
+    slots = s.stage_host_many(names)
+    assert slots[1] is None and slots[0] is not None and slots[2] is not None
+    assert s.host_view(slots[2]).tobytes() == page_of(2, P)
+    assert s.stats().tier(D).corrupt_rows == 1
+    s.unlock_all("lease")
+
+
+def test_store_stage_host_many_empty_and_host_off(make_store: MakeStore) -> None:
+    s = make_store(host_bytes=32 * 1024)
+    assert s.stage_host_many([]) == []
+    with pytest.raises(InvalidRowName):
+        s.stage_host_many([b"short"])
+    off = make_store(data_dir=None, host_bytes=0, device="cpu", device_bytes=1 << 16)
+    with pytest.raises(TierUnavailable):
+        off.stage_host_many([name_of(1)])

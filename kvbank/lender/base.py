@@ -26,8 +26,11 @@ from __future__ import annotations
 
 import enum
 import json
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections import deque
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, fields
+from itertools import repeat
+from operator import attrgetter
 from typing import TYPE_CHECKING, Any, Protocol
 
 from kvbank.layout import PageLayout
@@ -63,13 +66,10 @@ class Delivery(enum.Enum):
     RESERVED = "RESERVED"  # WRITE: an invisible slot waits to be filled
 
 
-@dataclass(frozen=True, slots=True)
-class HostLocation:
-    """Bytes in a host shared-memory segment: map ``segment`` by name, read at ``offset``."""
-
-    segment: str
-    offset: int
-    size: int
+# Bytes in a host shared-memory segment: map ``segment`` by name, read ``size`` bytes at
+# ``offset``. It is the store's own HostSlot (the same three plain fields), so a staged slot
+# is a lease location as it stands: no per-row conversion on the lend path.
+HostLocation = HostSlot
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,6 +123,42 @@ class LeaseRow:
     location: Location | None  # None when there is nothing to read or fill
     regions: tuple[Region, ...]  # empty when no registered layout describes the name
     delivery: Delivery
+
+
+# The slot setters of LeaseRow's fields, in field order (see lease_rows).
+_ROW_SETTERS = tuple(LeaseRow.__dict__[f.name].__set__ for f in fields(LeaseRow))
+_row_fields = attrgetter(*(f.name for f in fields(LeaseRow)))  # raises if one is unset
+
+
+def lease_rows(
+    names: Iterable[bytes],
+    present: Iterable[bool],
+    locations: Iterable[Location | None],
+    regions: Iterable[tuple[Region, ...]],
+    delivery: Iterable[Delivery],
+) -> tuple[LeaseRow, ...]:
+    """``tuple(map(LeaseRow, names, present, locations, regions, delivery))``, built column
+    by column.
+
+    Equal rows, at half the cost for a 64-row lease: a frozen dataclass's ``__init__``
+    sets each field through ``object.__setattr__`` from Python, while here each column is
+    one ``map`` of the field's slot setter, run in C. ``LeaseRow`` has no ``__post_init__``
+    and no defaults, so nothing is skipped. ``names`` sets the number of rows; every other
+    column must have at least as many items (``itertools.repeat`` is fine).
+    """
+    names = tuple(names)
+    rows = list(map(object.__new__, repeat(LeaseRow, len(names))))
+    for setter, column in zip(_ROW_SETTERS, (names, present, locations, regions, delivery),
+                              strict=True):
+        deque(map(setter, rows, column), maxlen=0)
+    if rows:
+        # map() stops at its shortest input, so a short column leaves the last row unset.
+        try:
+            _row_fields(rows[-1])
+        except AttributeError:
+            raise ValueError("lease_rows: a column is shorter than names") from None
+    return tuple(rows)
+
 
 
 @dataclass(frozen=True, slots=True)
@@ -255,7 +291,9 @@ class LendingStore(Protocol):
     def unlock(self, names: Sequence[bytes], holder: str) -> None: ...
     def unlock_all(self, holder: str) -> None: ...
     def is_locked(self, name: bytes) -> bool: ...
-    def stage_host(self, name: bytes) -> HostSlot | None: ...
+    def stage_host_many(self, names: Sequence[bytes]) -> list[HostSlot | None]: ...
+    @property
+    def host_segment(self) -> HostSlot | None: ...
     def reserve_host(self, size: int, holder: str) -> HostSlot: ...
     def commit_host(
         self, name: bytes, slot: HostSlot, *, dtype: str = "uint8", parent: bytes | None = None

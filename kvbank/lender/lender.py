@@ -49,11 +49,13 @@ import math
 import os
 import threading
 import time
-import uuid
-from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from functools import partial
+from itertools import repeat
+from operator import is_, itemgetter
+from typing import TYPE_CHECKING, cast
 
 from kvbank.config import BankConfig
 from kvbank.errors import (
@@ -61,13 +63,13 @@ from kvbank.errors import (
     LeaseConflict,
     LeaseExpired,
     LeaseNotFound,
+    TierUnavailable,
 )
 from kvbank.keys import ROW_NAME_BYTES
 from kvbank.lender.base import (
     CommitResult,
     Delivery,
     DeviceLocation,
-    HostLocation,
     Lease,
     LeaseMode,
     LeaseRow,
@@ -75,10 +77,11 @@ from kvbank.lender.base import (
     Location,
     MemoryKind,
     PageShape,
+    Region,
     Selection,
+    lease_rows,
 )
 from kvbank.tiers.base import DeviceSlot, HostSlot
-from kvbank.tiers.host import SHM_DIR
 
 if TYPE_CHECKING:
     import torch
@@ -93,6 +96,9 @@ Slot = HostSlot | DeviceSlot
 _Parts = tuple[tuple[LeaseRow, ...], tuple[bytes, ...], dict[bytes, Slot], dict[bytes, bytes | None]]
 
 _TOMBSTONES = 4096  # ended lease ids remembered, so a late call says why (expired/released)
+_SHAPES = 4096  # (namespace, group) shapes remembered; a bank has a handful per layout
+_shape_key = itemgetter(slice(0, 16), slice(48, 50))  # namespace ‖ group: one page shape
+_NO_REGIONS: tuple[Region, ...] = ()
 
 
 @dataclass(slots=True)
@@ -101,6 +107,7 @@ class _Held:
 
     lease: Lease  # the snapshot last handed out
     deadline: float
+    names: tuple[bytes, ...]  # the names the lease lists (its rows', in order)
     locked: tuple[bytes, ...]  # READ: rows locked in the store under this lease's id
     slots: dict[bytes, Slot] = field(default_factory=dict)  # READ staged / WRITE reserved
     parents: dict[bytes, bytes | None] = field(default_factory=dict)  # WRITE: chain parents
@@ -122,11 +129,16 @@ class Lender:
         self._config = config
         self._clock = clock
         self._describe: Describe = describe or (lambda name: None)
-        self._host_segment: str | None = None
+        # (namespace, group) -> shape. Only shapes found are kept: a namespace the describer
+        # does not know yet may be registered later, a known one never changes.
+        self._shapes: dict[tuple[bytes, bytes], PageShape] = {}
         self._lock = threading.RLock()
         self._held: dict[str, _Held] = {}
         self._deadlines: list[tuple[float, str]] = []  # heap; stale entries skipped lazily
-        self._readers: dict[bytes, set[str]] = {}  # name -> READ lease ids listing it
+        # name -> how many live READ leases list it. A count, not a set of ids: lend and
+        # release touch each name once at C speed; the conflict message finds an id the
+        # slow way, on the error path only.
+        self._readers: Counter[bytes] = Counter()
         self._writer: dict[bytes, str] = {}  # name -> the WRITE lease id listing it
         self._ended: OrderedDict[str, str] = OrderedDict()  # id -> "expired" | "released" …
         self._closed = False
@@ -163,19 +175,47 @@ class Lender:
             raise InvalidInput(f"names: expected a sequence of row names, got {type(names).__name__}")
         if not names:
             raise InvalidInput("names: a NAMED lease needs at least one row name")
-        for i, n in enumerate(names):
-            if type(n) is not bytes or len(n) != ROW_NAME_BYTES:
-                got = len(n) if isinstance(n, (bytes, bytearray, memoryview)) else type(n).__name__
-                raise InvalidInput(f"names[{i}]: expected a {ROW_NAME_BYTES}-byte row name, got {got}")
         out = tuple(names)
+        # Whole-sequence checks at C speed; the per-name loop runs only to name the culprit.
+        if set(map(type, out)) != {bytes} or set(map(len, out)) != {ROW_NAME_BYTES}:
+            for i, n in enumerate(out):
+                if type(n) is not bytes or len(n) != ROW_NAME_BYTES:
+                    got = len(n) if isinstance(n, (bytes, bytearray, memoryview)) else type(n).__name__
+                    raise InvalidInput(f"names[{i}]: expected a {ROW_NAME_BYTES}-byte row name, got {got}")
         if len(set(out)) != len(out):
             raise InvalidInput("names: a row name is listed twice")
         return out
 
+    def _shapes_of(self, rows: tuple[bytes, ...], mode: LeaseMode) -> list[PageShape | None]:
+        """Each row's page shape (None: no registered layout describes it).
+
+        Rows of one namespace and group share a shape: a lease of one chain costs one
+        lookup, and a WRITE lease refuses a row no layout describes (its size is unknown).
+        """
+        keys = list(map(_shape_key, rows))
+        if keys.count(keys[0]) == len(keys):  # one chain, the common case
+            shapes = [self._shape(keys[0], rows[0])] * len(keys)
+        else:
+            shapes = [self._shape(k, n) for k, n in zip(keys, rows, strict=True)]
+        if mode is LeaseMode.WRITE and None in shapes:
+            raise InvalidInput(
+                f"names[{shapes.index(None)}]: no registered layout describes this row, so its "
+                "page size is unknown; name rows through the bank (row_names / match)"
+            )
+        return shapes
+
+    def _shape(self, key: tuple[bytes, bytes], name: bytes) -> PageShape | None:
+        shape = self._shapes.get(key)
+        if shape is None:
+            shape = self._describe(name)
+            if shape is not None:  # kept only once found: a namespace may be declared later
+                if len(self._shapes) >= _SHAPES:
+                    self._shapes.clear()
+                self._shapes[key] = shape
+        return shape
+
     def _check_open(self) -> None:
         if self._closed:
-            from kvbank.errors import TierUnavailable
-
             raise TierUnavailable("lender: closed")
 
     # ---- lending -----------------------------------------------------------------------
@@ -193,97 +233,96 @@ class Lender:
         self._enum(mode, LeaseMode, "mode")
         ttl = self._ttl(ttl_s)
         rows = self._names(names)
-        # Rows of one namespace and group share a shape: describe each pair once.
-        memo: dict[bytes, PageShape | None] = {}
-        shapes: list[PageShape | None] = []
-        for n in rows:
-            k = n[:16] + n[48:50]  # namespace(16) ‖ page key(32) ‖ group(2) ‖ shards
-            if k not in memo:
-                memo[k] = self._describe(n)
-            shapes.append(memo[k])
-        if mode is LeaseMode.WRITE:
-            for i, s in enumerate(shapes):
-                if s is None:
-                    raise InvalidInput(
-                        f"names[{i}]: no registered layout describes this row, so its page "
-                        "size is unknown; name rows through the bank (row_names / match)"
-                    )
+        shapes = self._shapes_of(rows, mode)
+        lease_id = os.urandom(16).hex()  # as unguessable as uuid4, a fifth of its cost
         with self._lock:
             self._check_open()
             now = self._clock()
             self._reap_locked(now)
             self._check_conflicts(rows, mode)
-            lease_id = uuid.uuid4().hex
             if mode is LeaseMode.READ:
                 out, locked, slots, parents = self._lend_read(lease_id, rows, shapes, kind)
             else:
                 out, locked, slots, parents = self._lend_write(lease_id, rows, shapes, kind)
             deadline = now + ttl
             lease = self._snapshot(lease_id, kind, mode, Selection.NAMED, deadline, out)
-            self._held[lease_id] = _Held(lease, deadline, locked, slots, parents)
+            self._held[lease_id] = _Held(lease, deadline, rows, locked, slots, parents)
             heapq.heappush(self._deadlines, (deadline, lease_id))
-            for n in rows:
-                if mode is LeaseMode.READ:
-                    self._readers.setdefault(n, set()).add(lease_id)
-                else:
-                    self._writer[n] = lease_id
+            if mode is LeaseMode.READ:
+                self._readers.update(rows)
+            else:
+                self._writer.update(dict.fromkeys(rows, lease_id))
         logger.debug("lent %s %s %s: %d rows, ttl %.3fs", lease_id, kind.name, mode.name, len(rows), ttl)
         return lease
 
-    def _check_conflicts(self, rows: Sequence[bytes], mode: LeaseMode) -> None:
-        for n in rows:
-            w = self._writer.get(n)
-            if w is not None:
-                raise LeaseConflict(
-                    f"names: row {n.hex()[:16]}… is held by WRITE lease {w}; "
-                    f"a {mode.name} lease cannot share it"
-                )
-            if mode is LeaseMode.WRITE and self._readers.get(n):
-                r = next(iter(self._readers[n]))
-                raise LeaseConflict(
-                    f"names: row {n.hex()[:16]}… is held by READ lease {r}; "
-                    "a WRITE lease excludes readers"
-                )
+    def _check_conflicts(self, rows: tuple[bytes, ...], mode: LeaseMode) -> None:
+        """Raise LeaseConflict if the readers/writer rule refuses ``rows`` to ``mode``.
+
+        The tables are checked as whole sets; the names are looked at one by one only to
+        word the error.
+        """
+        writer, readers = self._writer, self._readers
+        if writer and not writer.keys().isdisjoint(rows):
+            n = next(n for n in rows if n in writer)
+            raise LeaseConflict(
+                f"names: row {n.hex()[:16]}… is held by WRITE lease {writer[n]}; "
+                f"a {mode.name} lease cannot share it"
+            )
+        if mode is LeaseMode.WRITE and readers and not readers.keys().isdisjoint(rows):
+            n = next(n for n in rows if n in readers)
+            r = next(lid for lid, h in self._held.items()
+                     if h.lease.mode is LeaseMode.READ and n in h.names)
+            raise LeaseConflict(
+                f"names: row {n.hex()[:16]}… is held by READ lease {r}; "
+                "a WRITE lease excludes readers"
+            )
 
     def _lend_read(
         self, lease_id: str, rows: tuple[bytes, ...], shapes: list[PageShape | None], kind: MemoryKind
     ) -> _Parts:
         # Lock what locate reports present *before* staging: a row evicted between the two
         # calls then stages as None and is listed MISSING, never handed out half-moved.
-        where = self._store.locate(list(rows))
-        present = [n for n, w in zip(rows, where, strict=True) if w is not None]
+        store = self._store
+        where = store.locate(rows)
+        present = rows if None not in where else [n for n, w in zip(rows, where, strict=True) if w is not None]
+        staged: list[HostSlot | None] | list[DeviceSlot | None] = []
         if present:
-            self._store.lock(present, lease_id)
-        slots: dict[bytes, Slot] = {}
-        out: list[LeaseRow] = []
-        try:
-            for n, w, shape in zip(rows, where, shapes, strict=True):
-                slot: Slot | None = None
-                if w is not None:
-                    slot = (
-                        self._store.stage_host(n)
-                        if kind is MemoryKind.HOST
-                        else self._store.stage_device(n)
-                    )
-                regions = shape.regions if shape is not None else ()
-                if slot is None:
-                    out.append(LeaseRow(n, False, None, regions, Delivery.MISSING))
-                    continue
-                slots[n] = slot
-                out.append(LeaseRow(n, True, self._location(slot), regions, Delivery.READY))
-        except BaseException:
-            self._store.unlock_all(lease_id)
-            raise
-        gone = [n for n in present if n not in slots]
-        if gone:
-            self._store.unlock(gone, lease_id)
-        locked = tuple(n for n in rows if n in slots)
-        return tuple(out), locked, slots, {}
+            store.lock(present, lease_id)
+            try:
+                if kind is MemoryKind.HOST:
+                    staged = store.stage_host_many(present)  # one pass for the whole lease
+                else:
+                    staged = [store.stage_device(n) for n in present]
+            except BaseException:
+                store.unlock_all(lease_id)
+                raise
+        n_rows = len(rows)
+        regions = _regions(shapes)
+        if kind is MemoryKind.HOST and len(staged) == n_rows and not any(map(_is_none, staged)):
+            # Every row staged, the common case: a host slot is its lease location as it
+            # stands (HostLocation is HostSlot), and the rows are built column by column.
+            host = cast("list[HostSlot]", staged)
+            out = lease_rows(rows, repeat(True, n_rows), host, regions, repeat(_READY, n_rows))
+            return out, rows, dict(zip(rows, host, strict=True)), {}
+        slots: dict[bytes, Slot] = {
+            n: s for n, s in zip(present, staged, strict=True) if s is not None
+        }
+        if len(slots) < len(present):  # evicted between the locate and the lock
+            store.unlock([n for n in present if n not in slots], lease_id)
+        got = list(map(slots.get, rows))
+        out = lease_rows(
+            rows,
+            [s is not None for s in got],
+            [None if s is None else self._location(s) for s in got],
+            regions,
+            [_MISSING if s is None else _READY for s in got],
+        )
+        return out, tuple(slots), slots, {}
 
     def _lend_write(
         self, lease_id: str, rows: tuple[bytes, ...], shapes: list[PageShape | None], kind: MemoryKind
     ) -> _Parts:
-        where = self._store.locate(list(rows))
+        where = self._store.locate(rows)
         slots: dict[bytes, Slot] = {}
         parents: dict[bytes, bytes | None] = {}
         out: list[LeaseRow] = []
@@ -331,32 +370,29 @@ class Lender:
             self._check_open()
             now = self._clock()
             self._reap_locked(now)
-            lease_id = uuid.uuid4().hex
+            lease_id = os.urandom(16).hex()
             deadline = now + ttl
             lease = self._snapshot(lease_id, kind, mode, Selection.ALL, deadline, (), pools)
-            self._held[lease_id] = _Held(lease, deadline, ())
+            self._held[lease_id] = _Held(lease, deadline, (), ())
             heapq.heappush(self._deadlines, (deadline, lease_id))
         return lease
 
     def _pool_locations(self, kind: MemoryKind) -> tuple[Location, ...]:
         """The tier's pools as whole-segment locations.
 
-        The store names its host segment only inside the slots it hands out, so the lender
-        learns it from one smallest reservation, given back at once, and reads the segment's
-        size from ``/dev/shm``. The store does not enumerate its device pools (chunk tensors
-        come and go), so an ALL lease of DEVICE memory is refused.
+        HOST: the store's host segment (``host_segment``: name, 0, mapped size). The store
+        does not enumerate its device pools (chunk tensors come and go), so an ALL lease of
+        DEVICE memory is refused, as is a HOST one when the host tier is off.
         """
         if kind is MemoryKind.DEVICE:
             raise InvalidInput(
                 "kind: an ALL lease of DEVICE memory needs the store to enumerate its device "
                 "pools, which it does not; lend DEVICE rows by name"
             )
-        if self._host_segment is None:
-            probe = self._store.reserve_host(1, "kvbank-lender-probe")
-            self._store.abort_host(probe)
-            self._host_segment = probe.segment
-        size = os.stat(SHM_DIR / self._host_segment).st_size
-        return (HostLocation(self._host_segment, 0, size),)
+        segment = self._store.host_segment
+        if segment is None:
+            raise TierUnavailable("lend_all: the host tier is off")
+        return (segment,)
 
     def _snapshot(
         self,
@@ -373,7 +409,7 @@ class Lender:
 
     def _location(self, slot: Slot) -> Location:
         if isinstance(slot, HostSlot):
-            return HostLocation(slot.segment, slot.offset, slot.size)
+            return slot  # HostLocation is HostSlot
         return DeviceLocation(slot.pool, slot.device, slot.offset, slot.size, self._ipc(slot))
 
     def _ipc(self, slot: DeviceSlot) -> bytes | None:
@@ -437,8 +473,9 @@ class Lender:
         with self._lock:
             now = self._clock()
             self._reap_locked(now)
-            if lease_id in self._held:
-                if self._held[lease_id].deadline <= now:
+            held = self._held.get(lease_id)
+            if held is not None:
+                if held.deadline <= now:
                     self._end_locked(lease_id, "expired")
                     return False
                 self._end_locked(lease_id, "released")
@@ -620,14 +657,18 @@ class Lender:
         if why == "expired":
             self.expired_count += 1
             logger.debug("lease %s expired", lease_id)
-        for n in held.lease.names:
-            readers = self._readers.get(n)
-            if readers is not None:
-                readers.discard(lease_id)
-                if not readers:
-                    del self._readers[n]
-            if self._writer.get(n) == lease_id:
-                del self._writer[n]
+        if held.lease.selection is Selection.NAMED:
+            if held.lease.mode is LeaseMode.READ:
+                # Take every name out at C speed; put back the few other leases still read.
+                readers = self._readers
+                counts = list(map(readers.pop, held.names))
+                if max(counts) > 1:
+                    for n, k in zip(held.names, counts, strict=True):
+                        if k > 1:
+                            readers[n] = k - 1
+            else:
+                for n in held.names:
+                    del self._writer[n]
         try:
             if held.locked:
                 self._store.unlock_all(lease_id)
@@ -667,15 +708,17 @@ class Lender:
     def check_invariants(self) -> None:
         """The lease table, the conflict maps and the store's page locks agree."""
         with self._lock:
-            readers: dict[bytes, set[str]] = {}
+            readers: Counter[bytes] = Counter()
             writer: dict[bytes, str] = {}
             for lid, h in self._held.items():
                 lease = h.lease
                 if lease.selection is Selection.ALL:
                     continue
+                if h.names != lease.names:
+                    raise AssertionError(f"lease {lid}: names table differs from its rows")
                 for n in lease.names:
                     if lease.mode is LeaseMode.READ:
-                        readers.setdefault(n, set()).add(lid)
+                        readers[n] += 1
                     else:
                         if n in writer:
                             raise AssertionError(f"two WRITE leases list {n.hex()}")
@@ -687,7 +730,7 @@ class Lender:
                     expect = row.delivery in (Delivery.READY, Delivery.RESERVED)
                     if expect != (row.name in h.slots):
                         raise AssertionError(f"lease {lid}: row {row.name.hex()} slot/delivery")
-            if readers != self._readers or writer != self._writer:
+            if dict(readers) != dict(self._readers) or writer != self._writer:
                 raise AssertionError("conflict maps disagree with the lease table")
             for n in set(readers) & set(writer):
                 raise AssertionError(f"row {n.hex()} is held by a reader and a writer")
@@ -703,3 +746,17 @@ class Lender:
             for lid in list(self._held):
                 self._end_locked(lid, "released")
             self._closed = True
+
+
+
+_READY = Delivery.READY
+_MISSING = Delivery.MISSING
+_is_none = partial(is_, None)  # by identity: `None in slots` would call each slot's __eq__
+
+
+def _regions(shapes: list[PageShape | None]) -> Iterable[tuple[Region, ...]]:
+    """The regions column of a lease's rows (one shared tuple for a chain)."""
+    first = shapes[0]
+    if shapes.count(first) == len(shapes):
+        return repeat(_NO_REGIONS if first is None else first.regions, len(shapes))
+    return [_NO_REGIONS if p is None else p.regions for p in shapes]

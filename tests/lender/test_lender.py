@@ -19,7 +19,15 @@ from kvbank.errors import (
     PageSizeMismatch,
     RowLocked,
 )
-from kvbank.lender.base import Delivery, HostLocation, Lease, Selection
+from kvbank.lender.base import (
+    Delivery,
+    HostLocation,
+    Lease,
+    LeaseRow,
+    Region,
+    Selection,
+    lease_rows,
+)
 from kvbank.testing.lender_model import FakeClock
 from kvbank.tiers.base import TierKind
 
@@ -77,7 +85,7 @@ def test_conflicts_many_readers_one_writer(bank: Bank) -> None:
     fresh = bank.row_names(lid, toks(4), group=0)[2:]
     r1 = bank.lend(names)
     r2 = bank.lend(names[:1])  # many READ leases share rows
-    with pytest.raises(LeaseConflict, match="READ lease"):
+    with pytest.raises(LeaseConflict, match=f"READ lease {r1.id}"):
         bank.lend(names[1:], mode=LeaseMode.WRITE)
     w = bank.lend(fresh, mode=LeaseMode.WRITE)
     with pytest.raises(LeaseConflict, match="WRITE lease"):
@@ -259,6 +267,8 @@ def test_all_lease_describes_the_host_segment_and_locks_nothing(bank: Bank) -> N
     assert lease.selection is Selection.ALL and lease.rows == ()
     (pool,) = lease.pools
     assert isinstance(pool, HostLocation) and pool.offset == 0 and pool.size >= 4 << 20
+    assert pool == bank.store.host_segment  # no probe reservation: the store names it
+    assert bank.stats().store.reserved_slots == 0
     assert Path("/dev/shm", pool.segment).exists()
     assert bank.stats().store.locked_names == 0
     with pytest.raises(InvalidInput, match="commit"):
@@ -278,3 +288,54 @@ def test_lease_json_round_trip_has_only_plain_fields(bank: Bank) -> None:
 def test_write_lease_needs_rows_the_bank_can_describe(bank: Bank) -> None:
     with pytest.raises(InvalidInput, match="layout"):
         bank.lend([b"\x01" * 54], mode=LeaseMode.WRITE)
+
+
+def test_shared_read_rows_stay_held_until_their_last_reader_ends(bank: Bank) -> None:
+    """Readers are counted per name: ending one of two readers of a row keeps a writer out."""
+    _, names = stored(bank, 2)
+    r1 = bank.lend(names)
+    r2 = bank.lend(names[:1])
+    bank.release(r1.id)
+    with pytest.raises(LeaseConflict, match=f"READ lease {r2.id}"):
+        bank.lend(names[:1], mode=LeaseMode.WRITE)
+    w = bank.lend(names[1:], mode=LeaseMode.WRITE)  # r1's other row is free again
+    bank.check_invariants()
+    bank.release(r2.id)
+    bank.release(w.id)
+    bank.lend(names, mode=LeaseMode.WRITE)
+    bank.check_invariants()
+
+
+def test_row_evicted_between_locate_and_lock_is_missing_and_not_locked(clock: FakeClock) -> None:
+    """A row that vanishes after locate saw it is listed MISSING, holds no lock, and the
+    lease's other rows are READY and locked."""
+    cfg = BankConfig(host_bytes="4M", device_bytes=0)
+    with Bank(cfg, clock=clock, reaper=False) as bank:
+        _, names = stored(bank, 3)
+        store = bank.store
+        real_lock = store.lock
+
+        def lock_after_eviction(rows: list[bytes], holder: str) -> None:
+            store.delete(names[1])  # evicted in the gap
+            real_lock(rows, holder)
+
+        store.lock = lock_after_eviction  # type: ignore[method-assign]
+        lease = bank.lend(names)
+        del store.lock
+        assert [r.delivery for r in lease.rows] == [Delivery.READY, Delivery.MISSING, Delivery.READY]
+        assert lease.rows[1].location is None and lease.rows[1].regions == lease.rows[0].regions
+        assert [store.is_locked(n) for n in names] == [True, False, True]
+        assert bank.read(lease.id, names[2]) == pages(3)[2].numpy().tobytes()
+        bank.check_invariants()
+        bank.release(lease.id)
+        assert bank.stats().store.locked_names == 0
+
+
+def test_lease_rows_builds_the_rows_the_constructor_would() -> None:
+    regions = (Region(0, "KEY", 0, 8),)
+    cols = ([b"a" * 54, b"b" * 54], [True, False], [HostLocation("s", 0, 8), None],
+            [regions, ()], [Delivery.READY, Delivery.MISSING])
+    assert lease_rows(*cols) == tuple(map(LeaseRow, *cols))
+    assert lease_rows([], [], [], [], []) == ()
+    with pytest.raises(ValueError, match="shorter"):
+        lease_rows(cols[0], cols[1], cols[2][:1], cols[3], cols[4])

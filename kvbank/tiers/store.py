@@ -21,8 +21,9 @@ Movement. Each tier has a byte budget with high/low watermarks: when a tier's us
 ``high_watermark`` the mover demotes victims until it is back at ``low_watermark``:
 device → host (a copy), host → disk (a codec frame written by the disk tier), disk →
 dropped. A host row that already has a disk copy (write-through, or promoted from disk)
-is *clean* and is dropped from host without any I/O. Demotions to disk run on the mover
-thread, at most ``movement_queue_bytes`` queued at a time, so a put never waits for the
+is *clean* and is dropped from host without any I/O. Demotions to disk are encoded on a
+few codec worker threads (``encode_workers``) and written by the mover thread alone, in
+queue order, at most ``movement_queue_bytes`` queued at a time, so a put never waits for the
 disk unless the host is full and the queue has to drain (backpressure). Reads promote:
 a row served from disk is copied into a host slot (keeping its disk copy: clean).
 
@@ -54,8 +55,10 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 import threading
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -97,9 +100,16 @@ _BITS = {v: k for k, v in _KINDS.items()}
 _RANK = {DEV: 0, HOST: 1, DISK: 2}
 _MAX_PAGE = 2**32 - 1  # sizes are uint32 in the index
 _WAIT_S = 0.05  # re-check period of a put waiting for the mover
+_WINDOW_PER_WORKER = 2  # encodes in flight per worker: one running, one ready to write
+
+
+def default_encode_workers() -> int:
+    """Threads that encode demotions (zstd and the plane split release the GIL)."""
+    return min(2, os.cpu_count() or 1)
 
 Pool = HostSlab | DevicePool
 SlotKey = tuple[int, int]  # (tier bit, slot offset)
+Window = collections.deque[tuple["_Job", "Future[bytes]"]]  # demotions being encoded, FIFO
 
 
 @dataclass(frozen=True, slots=True)
@@ -195,7 +205,12 @@ class _Counters:
 class TieredStore:
     """Rows of one node across device, host and disk tiers. Thread-safe."""
 
-    def __init__(self, config: BankConfig) -> None:
+    def __init__(self, config: BankConfig, *, encode_workers: int | None = None) -> None:
+        if encode_workers is None:
+            encode_workers = default_encode_workers()
+        if isinstance(encode_workers, bool) or not isinstance(encode_workers, int) \
+                or encode_workers < 1:
+            raise InvalidInput(f"encode_workers: expected an integer >= 1, got {encode_workers!r}")
         self.config = config
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
@@ -241,6 +256,11 @@ class TieredStore:
         self._busy = False  # the mover is executing a job
         self._mover_dead = False  # set if the mover died of a bug: waiters must not hang
         self._purge_pending = False
+        # Encoding (and batch-stage decoding) runs here; disk writes stay on the mover.
+        self._workers = encode_workers
+        self._encoder: ThreadPoolExecutor | None = None
+        if self._disk is not None:
+            self._encoder = ThreadPoolExecutor(encode_workers, thread_name_prefix="kvbank-codec")
         self._mover = threading.Thread(target=self._run_mover, name="kvbank-mover", daemon=True)
         self._mover.start()
 
@@ -1008,16 +1028,28 @@ class TieredStore:
                 st.src = 0  # moved while we waited for room: staged again afterwards
 
     def _fill_stage_slots(self, pool: HostSlab, plan: list[_Staging]) -> None:
-        """Copy each planned row into its private slot (no store lock held)."""
-        for st in plan:
-            if st.src == DEV:
-                dev = self._pools[DEV]
-                assert isinstance(dev, DevicePool)
-                dst = torch.from_numpy(pool.numpy()[st.off : st.off + st.size])
-                dst.copy_(dev.tensor(st.src_off, st.size))
-                st.n = st.size
-            elif st.src == DISK:
+        """Copy each planned row into its private slot (no store lock held). Disk rows
+        are decoded on the codec workers (zstd releases the GIL)."""
+        from_disk = [st for st in plan if st.src == DISK]
+        decodes: list[Future[None]] = []
+        encoder = self._encoder
+        if encoder is not None and len(from_disk) > 1:
+            decodes = [encoder.submit(self._read_into_slot, pool, st) for st in from_disk]
+            from_disk = []
+        try:
+            for st in from_disk:
                 self._read_into_slot(pool, st)
+            for st in plan:
+                if st.src == DEV:
+                    dev = self._pools[DEV]
+                    assert isinstance(dev, DevicePool)
+                    dst = torch.from_numpy(pool.numpy()[st.off : st.off + st.size])
+                    dst.copy_(dev.tensor(st.src_off, st.size))
+                    st.n = st.size
+        finally:
+            wait(decodes)  # every decode is done with its slot before anyone frees it
+        for f in decodes:
+            f.result()  # raise the first failure
 
     def _read_into_slot(self, pool: HostSlab, st: _Staging) -> None:
         disk = self._disk
@@ -1396,24 +1428,34 @@ class TieredStore:
         return int(disk.budget_bytes * (self.config.high_watermark - self.config.low_watermark))
 
     def _run_mover(self) -> None:
+        # Demotions are encoded on the codec workers, up to a small window ahead, and
+        # written here one by one in queue order: the disk lock, the index check and the
+        # order of writes and purges are those of a single mover thread.
+        window: Window = collections.deque()
         while True:
+            fut: Future[bytes] | None = None
             with self._lock:
-                while not self._jobs and not self._closed and not self._pressure():
+                while not self._jobs and not window and not self._closed and not self._pressure():
                     self._cond.wait()
                 if self._closed:
-                    self._cancel_jobs()
+                    self._cancel_jobs(window)
+                    self._busy = False
                     self._cond.notify_all()
                     return
-                if not self._jobs:
+                if not self._jobs and not window:
                     self._plan()
-                if not self._jobs:
+                self._fill_window(window)
+                if window:
+                    job, fut = window.popleft()
+                elif self._jobs:
+                    job = self._jobs.popleft()  # a purge, after every demotion queued before it
+                else:
                     self._cond.wait(_WAIT_S)  # pressure without a plan: victims pinned
                     continue
-                job = self._jobs.popleft()
                 self._busy = True
             try:
-                if job.kind == "demote":
-                    self._demote(job)
+                if fut is not None:
+                    self._finish_demote(job, fut)
                 else:
                     self._purge(job)
             except TierError as exc:
@@ -1425,15 +1467,44 @@ class TieredStore:
                 with self._lock:
                     self._notes.append("mover crashed; see the log")
                     self._mover_dead = True
-                    self._busy = False
                     self._cond.notify_all()
+                wait([f for _, f in window])  # their slots stay pinned; close() unmaps them
                 raise
             finally:
                 with self._lock:
-                    self._busy = False
+                    self._busy = bool(window)  # popped jobs in flight still count as busy
                     self._cond.notify_all()
 
-    def _cancel_jobs(self) -> None:
+    def _fill_window(self, window: Window) -> None:
+        """Start encoding the demotions at the head of the queue (caller holds the lock).
+        A purge at the head waits until the demotions before it are written."""
+        encoder = self._encoder
+        depth = _WINDOW_PER_WORKER * self._workers
+        while encoder is not None and self._jobs and self._jobs[0].kind == "demote" \
+                and len(window) < depth:
+            job = self._jobs.popleft()
+            dtype = self._ix.dtypes[int(self._ix.dtype[job.rid])]
+            window.append((job, encoder.submit(self._encode, job, dtype)))
+
+    def _encode(self, job: _Job, dtype: str) -> bytes:
+        """A demotion's frame, from its pinned slot (on a codec worker, no lock held)."""
+        disk = self._disk
+        assert disk is not None
+        pool = self._pools[job.bit]
+        if isinstance(pool, HostSlab):
+            view = pool.view(job.off, job.size)
+            try:
+                return disk.frame(view, dtype)
+            finally:
+                view.release()
+        return disk.frame(pool.tensor(job.off, job.size).cpu().numpy().data, dtype)
+
+    def _cancel_jobs(self, window: Window) -> None:
+        # The encodes read pinned slots: let them finish before the slots can go.
+        wait([f for _, f in window])
+        for job, _ in window:
+            self._end_demote(job, written=False)
+        window.clear()
         for job in self._jobs:
             if job.kind == "demote":
                 self._end_demote(job, written=False)
@@ -1461,26 +1532,23 @@ class TieredStore:
                     self._counters[job.bit].demotions += 1
         return bool(same)
 
-    def _demote(self, job: _Job) -> None:
+    def _finish_demote(self, job: _Job, encoded: Future[bytes]) -> None:
+        """Write an encoded demotion if its row is still the one that was queued."""
         disk = self._disk
         assert disk is not None
-        pool = self._pools[job.bit]
-        with self._lock:
-            dtype = self._ix.dtypes[int(self._ix.dtype[job.rid])]
-            parent = self._ix.parent_name(job.rid)
-        if isinstance(pool, HostSlab):
-            view = pool.view(job.off, job.size)
-            try:
-                frame = disk.frame(view, dtype)
-            finally:
-                view.release()
-        else:
-            frame = disk.frame(pool.tensor(job.off, job.size).cpu().numpy().data, dtype)
+        try:
+            frame = encoded.result()
+        except BaseException:
+            with self._lock:
+                self._end_demote(job, written=False)
+            raise
         with self._disk_lock:
             with self._lock:
                 ix = self._ix
                 valid = (ix.ids.get(job.name) == job.rid and int(ix.flags[job.rid]) & MOVING
                          and self._mem_off(job.rid, job.bit) == job.off)
+                dtype = ix.dtypes[int(ix.dtype[job.rid])]
+                parent = ix.parent_name(job.rid)
             if not valid:
                 with self._lock:
                     self._end_demote(job, written=False)
@@ -1691,6 +1759,8 @@ class TieredStore:
             self._closed = True
             self._cond.notify_all()
         self._mover.join()
+        if self._encoder is not None:
+            self._encoder.shutdown(wait=True)
         self._close_tiers()
 
     def _close_tiers(self) -> None:

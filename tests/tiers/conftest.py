@@ -16,7 +16,8 @@ MakeStore = Callable[..., TieredStore]
 
 @pytest.fixture
 def make_store(tmp_path: Path) -> Iterator[MakeStore]:
-    """``make_store(**config)``: a TieredStore on ``tmp_path`` (device off unless asked),
+    """``make_store(**config)``: a TieredStore on ``tmp_path`` (device off unless asked;
+    ``encode_workers=`` goes to the store, the rest to its BankConfig),
     checked and closed at the end of the test."""
     opened: list[TieredStore] = []
 
@@ -24,7 +25,8 @@ def make_store(tmp_path: Path) -> Iterator[MakeStore]:
         fields: dict[str, Any] = {"data_dir": tmp_path / "data", "device_bytes": 0,
                                   "disk_sync": False}
         fields.update(overrides)
-        store = TieredStore(BankConfig(**fields))
+        workers = fields.pop("encode_workers", None)
+        store = TieredStore(BankConfig(**fields), encode_workers=workers)
         opened.append(store)
         return store
 

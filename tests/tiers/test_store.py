@@ -557,3 +557,59 @@ def test_store_stage_host_many_empty_and_host_off(make_store: MakeStore) -> None
     off = make_store(data_dir=None, host_bytes=0, device="cpu", device_bytes=1 << 16)
     with pytest.raises(TierUnavailable):
         off.stage_host_many([name_of(1)])
+
+
+# -- demotion on the codec workers -------------------------------------------------------
+
+
+def test_store_demotions_encode_in_parallel_but_write_in_queue_order(
+    make_store: MakeStore,
+) -> None:
+    """Two encoders, one writer: frames reach LMDB in the order the rows were queued (LRU
+    order, here the put order), so the write clock still gives the LRU order on restart."""
+    s = make_store(host_bytes=32 * 1024, disk_bytes=1 << 20)
+    for i in range(60):
+        s.put(name_of(i), page_of(i, P))
+    s.flush()
+    assert s._disk is not None
+    rows = sorted(s._disk.scan(), key=lambda r: r.seq)
+    order = [int.from_bytes(r.name[-8:], "big") for r in rows]
+    assert len(order) > 30 and order == sorted(order)
+
+
+@pytest.mark.parametrize("change", ["overwrite", "delete"])
+def test_store_change_during_an_encode_leaves_no_stale_frame(
+    make_store: MakeStore, change: str
+) -> None:
+    """Regression: a row overwritten or deleted while its demotion is being encoded on a
+    worker never keeps the old frame on disk (now or after a restart)."""
+    s = make_store(host_bytes=32 * 1024, disk_bytes=1 << 20, high_watermark=0.6,
+                   low_watermark=0.3, encode_workers=2)
+    entered, gate = threading.Event(), threading.Event()
+    encode = s._encode
+
+    def held_encode(job, dtype):  # type: ignore[no-untyped-def]
+        entered.set()
+        assert gate.wait(10)
+        return encode(job, dtype)
+
+    s._encode = held_encode  # type: ignore[method-assign]
+    for i in range(6):
+        s.put(name_of(i), page_of(i, P))
+    assert entered.wait(10), "no demotion started"
+    if change == "overwrite":
+        s.put(name_of(0), page_of(500, P))
+    else:
+        assert s.delete(name_of(0))
+    gate.set()
+    s.flush()
+    s.check_invariants()  # LMDB names == the index's disk rows: no stale frame
+    assert read(s, 0) == (page_of(500, P) if change == "overwrite" else None)
+    s.close()
+    again = make_store(host_bytes=32 * 1024, disk_bytes=1 << 20)
+    assert read(again, 0) in ((None, page_of(500, P)) if change == "overwrite" else (None,))
+
+
+def test_store_encode_workers_is_checked(make_store: MakeStore) -> None:
+    with pytest.raises(InvalidInput, match="encode_workers"):
+        make_store(encode_workers=0)

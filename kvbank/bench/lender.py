@@ -9,8 +9,10 @@ bytes between two preallocated buffers in that same process, timed in the same
 repetitions (the memcpy ceiling). Target: >= 0.7x.
 
 Case ``lend-release-ops``: 64-row READ leases lent and released per second (validation,
-conflict table, page locks, staging lookups, the lease snapshot). Baseline: the store's
-own ``lock`` + ``unlock_all`` of the same 64 names — the page-lock floor a lease sits on.
+conflict table, ``locate``, page locks, one ``stage_host_many``, the lease snapshot).
+Baseline: the store's own ``lock`` + ``unlock_all`` of the same 64 names — the page-lock
+floor a lease sits on. A lease also needs ``locate`` and ``stage_host_many`` of the same
+names and 64 ``LeaseRow`` objects, so it cannot reach 1.0x; docs/lender.md gives the split.
 """
 
 from __future__ import annotations

@@ -89,7 +89,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 Clock = Callable[[], float]  # monotonic seconds
-Describe = Callable[[bytes], PageShape | None]  # row name -> its page's size and regions
+# row name -> its page's size and regions. It must depend only on the name's namespace
+# and group (the lender keeps each answer found per pair; a bank's _describe does).
+Describe = Callable[[bytes], PageShape | None]
 Slot = HostSlot | DeviceSlot
 
 # what lending produced: rows, names locked, slots, WRITE chain parents

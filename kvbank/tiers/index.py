@@ -136,6 +136,16 @@ class RowIndex:
         self.atime[rid] = self.clock
         return self.clock
 
+    def touch_many(self, rids: I64) -> I64:
+        """:meth:`touch` for distinct rows in the order given; their new stamps."""
+        k = int(rids.size)
+        if self.clock + k >= _CLOCK_MAX:
+            self.renumber()
+        stamps = np.arange(self.clock + 1, self.clock + k + 1, dtype=np.int64)
+        self.atime[rids] = stamps
+        self.clock += k
+        return stamps
+
     def renumber(self) -> None:
         """Replace stamps by their rank among live rows (1..n), keeping the LRU order,
         so that the 32-bit clock never wraps. In-flight version checks then fail, which

@@ -57,12 +57,13 @@ import collections
 import logging
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
+import numpy.typing as npt
 import torch
 
 from kvbank.codec import DTYPE_CODES
@@ -100,6 +101,7 @@ _BITS = {v: k for k, v in _KINDS.items()}
 _RANK = {DEV: 0, HOST: 1, DISK: 2}
 _MAX_PAGE = 2**32 - 1  # sizes are uint32 in the index
 _WAIT_S = 0.05  # re-check period of a put waiting for the mover
+_LRU_FIRST_K = 64  # victims ordered in the first chunk at least (see _lru_order)
 _WINDOW_PER_WORKER = 2  # encodes in flight per worker: one running, one ready to write
 
 
@@ -391,17 +393,14 @@ class TieredStore:
     def _victims(self, bit: int, need: int, cls: int | None = None) -> list[int]:
         """Row ids to take out of tier ``bit`` to free ``need`` bytes: LRU order, tails of
         chains before their prefixes, never locked, pinned or moving rows. With ``cls``
-        only rows in slots of that capacity (so that each victim frees a usable slot)."""
+        only rows in slots of that capacity (so that each victim frees a usable slot).
+        Sorts only the oldest candidates it walks (see :meth:`_lru_order`)."""
         ix = self._ix
         n = ix.high
         if n == 0 or need <= 0:
             return []
         where = ix.where[:n]
         cand = ((where & bit) != 0) & ((ix.flags[:n] & MOVING) == 0)
-        if cls is not None:
-            size = ix.size[:n].astype(np.int64)
-            align = np.where(size >= PAGE_ALIGN, PAGE_ALIGN, SMALL_ALIGN)
-            cand &= (-(-size // align) * align) == cls
         # Rows that must stay: locked names, slots being copied, and (in DEVICE) rows
         # whose host copy is the DEVICE row itself -- handled by _mem_off.
         keep: list[int] = []
@@ -420,13 +419,18 @@ class TieredStore:
         if keep:
             cand[np.asarray(keep, dtype=np.int64)] = False
         idx = np.flatnonzero(cand)
+        if cls is not None and idx.size:
+            size = ix.size[idx].astype(np.int64)
+            align = np.where(size >= PAGE_ALIGN, PAGE_ALIGN, SMALL_ALIGN)
+            same = (-(-size // align) * align) == cls
+            cand[idx[~same]] = False
+            idx = idx[same]
         if idx.size == 0:
             return []
         parents = ix.parent[idx]
-        has_parent = parents >= 0
-        blockers = np.bincount(parents[has_parent], minlength=n)
+        blockers = np.bincount(parents[parents >= 0], minlength=n)
         blockers[~cand] = 0  # only evictable rows are blocked
-        order = idx[np.argsort(ix.atime[idx], kind="stable")].tolist()
+        order = self._lru_order(idx, need)
         parent_of = ix.parent
         out: list[int] = []
         taken: set[int] = set()
@@ -455,6 +459,26 @@ class TieredStore:
                 deferred.discard(p)
                 cur = p
         return out
+
+    def _lru_order(self, idx: npt.NDArray[np.int64], need: int) -> Iterator[int]:
+        """The candidate ids ``idx``, oldest stamp first, sorting only what the caller
+        consumes: ``np.argpartition`` takes the k oldest (k from the bytes needed, with
+        room for chain prefixes the caller defers), sorts those, and k grows 4x while the
+        caller wants more. Live stamps are unique (a clock), so the chunks concatenate to
+        exactly the full sort's order. Cost: O(candidates) per chunk, not a full sort."""
+        stamps = self._ix.atime[idx]
+        sample = idx[:: max(1, idx.size // 4096)]  # the mean row size, from a strided sample
+        avg = max(1.0, float(self._ix.size[sample].mean()))
+        k = max(_LRU_FIRST_K, 2 * int(need / avg) + 1)
+        while idx.size:
+            if idx.size <= k:
+                yield from idx[np.argsort(stamps, kind="stable")].tolist()
+                return
+            part = np.argpartition(stamps, k - 1)
+            head, rest = part[:k], part[k:]
+            yield from idx[head[np.argsort(stamps[head], kind="stable")]].tolist()
+            idx, stamps = idx[rest], stamps[rest]
+            k *= 4
 
     def _charge(self, bit: int, rid: int, pools: dict[int, Pool]) -> int:
         size = int(self._ix.size[rid])
@@ -935,19 +959,18 @@ class TieredStore:
         with self._lock:
             self._check_open()
             ix = self._ix
-            seen: set[bytes] = set()
-            for name in names:
-                rid = ix.ids.get(name)
-                if rid is None or name in seen:
-                    continue
-                seen.add(name)
-                stamp = ix.touch(rid)
-                where = int(ix.where[rid])
-                if not where & HOST:
-                    src = DEV if where & DEV else DISK
-                    plan.append(_Staging(name, rid, int(ix.size[rid]), src, stamp))
-            if not plan:
+            found = {n: rid for n in names if (rid := ix.ids.get(n)) is not None}
+            rids = np.fromiter(found.values(), np.int64, len(found))
+            stamps = ix.touch_many(rids)  # in the order given, like one stage_host per row
+            cold = np.flatnonzero((ix.where[rids] & HOST) == 0)
+            if cold.size == 0:
                 return self._host_slots_locked(names)
+            found_names = list(found)
+            for j in cold.tolist():
+                rid = int(rids[j])
+                where = int(ix.where[rid])
+                plan.append(_Staging(found_names[j], rid, int(ix.size[rid]),
+                                     DEV if where & DEV else DISK, int(stamps[j])))
             self._claim_stage_slots(pool, plan)
         try:
             self._fill_stage_slots(pool, plan)
@@ -1096,13 +1119,19 @@ class TieredStore:
         ix = self._ix
         pool = self._pools[HOST]
         assert isinstance(pool, HostSlab)
+        rids = [ix.ids.get(n, -1) for n in names]
+        arr = np.asarray(rids, dtype=np.int64)
+        safe = np.maximum(arr, 0)
+        in_host = ((ix.where[safe] & HOST) != 0) & (arr >= 0)
+        offs = ix.off[safe].astype(np.int64)
+        if not ix.wide:
+            offs <<= OFF_SHIFT
+        sizes = ix.size[safe].tolist()
+        dual, seg = self._dual, pool.segment
         out: list[HostSlot | None] = []
-        for name in names:
-            rid = ix.ids.get(name)
-            if rid is None or not int(ix.where[rid]) & HOST:
-                out.append(None)
-            else:
-                out.append(pool.slot(self._mem_off(rid, HOST), int(ix.size[rid])))
+        for rid, hit, off, size in zip(rids, in_host.tolist(), offs.tolist(), sizes, strict=True):
+            # A row staged from device keeps its host offset in _dual (`off` is the device's).
+            out.append(HostSlot(seg, dual.get(rid, off), size) if hit else None)
         return out
 
     def _stage(self, name: bytes, bit: int) -> HostSlot | DeviceSlot | None:

@@ -613,3 +613,41 @@ def test_store_change_during_an_encode_leaves_no_stale_frame(
 def test_store_encode_workers_is_checked(make_store: MakeStore) -> None:
     with pytest.raises(InvalidInput, match="encode_workers"):
         make_store(encode_workers=0)
+
+
+# -- victim selection --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_store_victims_by_partial_sort_equal_the_full_sort(
+    make_store: MakeStore, monkeypatch: pytest.MonkeyPatch, seed: int
+) -> None:
+    """Regression: ordering candidates chunk by chunk (argpartition) picks exactly the
+    victims a full sort of the LRU stamps picks: same rows, same order, with chains,
+    touched rows, locked rows and size-class targeting."""
+    import random
+
+    from kvbank.tiers import store as store_mod
+    from kvbank.tiers.index import HOST
+
+    rng = random.Random(seed)
+    s = make_store(data_dir=None, host_bytes=4 << 20, high_watermark=1.0)
+    prev: bytes | None = None
+    for i in range(600):
+        size = rng.choice((100, 200, 5000))
+        chain = prev is not None and rng.random() < 0.7
+        s.put(name_of(i), page_of(i, size), parent=prev if chain else None)
+        prev = name_of(i)
+    out = bytearray(5000)
+    for _ in range(200):
+        s.get_into(name_of(rng.randrange(600)), out)
+    s.lock([name_of(rng.randrange(600)) for _ in range(30)], "lease")
+    for need in (1, 300, 5000, 40_000, 400_000, 10**9):
+        for cls in (None, 128, 256, 8192):
+            picks = []
+            for first_k in (1, 10**9):
+                monkeypatch.setattr(store_mod, "_LRU_FIRST_K", first_k)
+                with s._lock:
+                    picks.append(s._victims(HOST, need, cls))
+            assert picks[0] == picks[1], (need, cls)
+    s.unlock_all("lease")

@@ -10,8 +10,10 @@ so eviction and demotion happen all the time; what must hold after every step:
 - a batch stage (``stage_host_many``) puts every present row in host with its bytes, or
   raises ``TierFull`` and leaves no row in host that was not there before;
 - ``check_invariants()`` passes;
-- after a restart (close, reopen the same data dir), every row that had a disk copy is
-  back with its bytes; under write-through every row present before the restart is.
+- after a restart (close, reopen the same data dir) no deleted row comes back; under
+  write-through every row present before it is back; under write-back a graceful close
+  (``persist``) brings back every row unless the disk budget ran out, and
+  ``close(persist=False)`` every row that had a disk copy.
 
 Subclass :class:`StoreMachine` to change the configuration (see ``config_overrides``) and
 run it with ``TestCase = Machine.TestCase``.
@@ -194,20 +196,36 @@ class StoreMachine(RuleBasedStateMachine):
         self.store.flush()
 
     @precondition(lambda self: not self.locks)
-    @rule()
-    def restart(self) -> None:
-        self.store.flush()
+    @rule(flush_first=st.booleans(), persist=st.booleans())
+    def restart(self, flush_first: bool, persist: bool) -> None:
+        """A graceful restart. ``persist`` (the default of ``close``) writes memory-only
+        rows to disk, evicting older disk rows when the budget is short; without it only
+        rows with a disk copy come back. Either way a deleted row never does."""
+        if flush_first:
+            self.store.flush()
         names = [name_of(i, b"m") for i in range(N_NAMES)]
         before = self.store.residency(names)
-        self.store.close()
+        self.store.close(persist=persist)
         self.store = self._open()
         after = self.store.contains(names)
+        disk = self.store.stats().tier(TierKind.DISK)
+        # Room left for one more frame of the largest size (incompressible: ~raw + header).
+        roomy = disk.used_bytes + 2 * (max(SIZES) + 64) <= disk.budget_bytes
         for name, tiers, now in zip(names, before, after, strict=True):
-            durable = TierKind.DISK in tiers or (self.write_through and tiers)
-            if durable:
-                assert now, f"row {name[-8:].hex()} had a disk copy but is gone after restart"
             if now:
                 assert name in self.values, "a deleted row came back after restart"
+            if not tiers or now:
+                continue
+            tag = name[-8:].hex()
+            if self.write_through:
+                raise AssertionError(f"row {tag} was written through but is gone")
+            if persist:
+                assert not roomy, f"row {tag} was dropped at close while the disk had room"
+            else:
+                assert TierKind.DISK not in tiers, f"row {tag} had a disk copy but is gone"
+        for name, now in zip(names, after, strict=True):
+            if not now:
+                self.values.pop(name, None)  # gone for good: a later read is a miss
 
     @invariant()
     def invariants_hold(self) -> None:

@@ -36,7 +36,8 @@ it fills in place and then publishes.
 Write policy. Write-back (default): rows reach the disk when demoted. Write-through: every
 put and commit is also written to the disk, durably (``disk_sync``), before it returns.
 
-Durability. Only the disk tier persists. Reopening the same ``data_dir`` recovers every
+Durability. Only the disk tier persists (a graceful ``close`` first writes the memory
+rows there). Reopening the same ``data_dir`` recovers every
 row committed to disk, with its size, parent and an LRU order from its last write.
 Disk mutations (the mover's writes and purges, write-through puts) are serialised by one
 disk lock and checked against the index under the store lock, so a stale frame never
@@ -47,8 +48,10 @@ keep serving and ``health()`` reports the degraded state. When the last tier is 
 nothing is evictable, ``put`` raises ``TierFull``.
 
 Lifecycle: ``TieredStore(config)`` (opens the tiers, recovers the disk index, starts the
-mover) → any thread calls the methods → ``close()`` (idempotent: stops the mover after
-its current job, unlinks the shared memory, closes LMDB).
+mover and its codec workers) → any thread calls the methods → ``close()`` (idempotent:
+refuses new calls, stops the mover after its current job, runs queued purges, writes
+memory-only rows to disk unless ``persist=False`` — hottest first, within the disk budget
+and a deadline — then unlinks the shared memory and closes LMDB).
 """
 
 from __future__ import annotations
@@ -57,6 +60,7 @@ import collections
 import logging
 import os
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
@@ -101,6 +105,7 @@ _BITS = {v: k for k, v in _KINDS.items()}
 _RANK = {DEV: 0, HOST: 1, DISK: 2}
 _MAX_PAGE = 2**32 - 1  # sizes are uint32 in the index
 _WAIT_S = 0.05  # re-check period of a put waiting for the mover
+DEFAULT_CLOSE_DEADLINE_S = 30.0  # how long close() may spend writing dirty rows to disk
 _LRU_FIRST_K = 64  # victims ordered in the first chunk at least (see _lru_order)
 _WINDOW_PER_WORKER = 2  # encodes in flight per worker: one running, one ready to write
 
@@ -1416,9 +1421,10 @@ class TieredStore:
                 self._purge_pending = True
                 self._jobs.append(_Job("purge", names=tuple(names), evict=True))
 
-    def _evict_disk(self, frame_bytes: int) -> list[bytes]:
+    def _evict_disk(self, frame_bytes: int, *, older_than: int | None = None) -> list[bytes]:
         """Take LRU rows off the disk in the index (the caller deletes their frames);
-        ``frame_bytes`` is scaled to raw bytes by the current compression ratio."""
+        ``frame_bytes`` is scaled to raw bytes by the current compression ratio. With
+        ``older_than``, stop at the first victim used at or after that stamp."""
         disk = self._disk
         assert disk is not None
         ix = self._ix
@@ -1427,6 +1433,8 @@ class TieredStore:
         ratio = raw_on_disk / max(1, disk.used_bytes)
         names: list[bytes] = []
         for rid in self._victims(DISK, int(frame_bytes * ratio) + 1):
+            if older_than is not None and int(ix.atime[rid]) >= older_than:
+                break
             name = ix.names[rid]
             assert name is not None
             names.append(name)
@@ -1517,16 +1525,20 @@ class TieredStore:
 
     def _encode(self, job: _Job, dtype: str) -> bytes:
         """A demotion's frame, from its pinned slot (on a codec worker, no lock held)."""
+        return self._encode_slot(job.bit, job.off, job.size, dtype)
+
+    def _encode_slot(self, bit: int, off: int, size: int, dtype: str) -> bytes:
+        """The frame of a pinned memory slot's bytes (no lock held)."""
         disk = self._disk
         assert disk is not None
-        pool = self._pools[job.bit]
+        pool = self._pools[bit]
         if isinstance(pool, HostSlab):
-            view = pool.view(job.off, job.size)
+            view = pool.view(off, size)
             try:
                 return disk.frame(view, dtype)
             finally:
                 view.release()
-        return disk.frame(pool.tensor(job.off, job.size).cpu().numpy().data, dtype)
+        return disk.frame(pool.tensor(off, size).cpu().numpy().data, dtype)
 
     def _cancel_jobs(self, window: Window) -> None:
         # The encodes read pinned slots: let them finish before the slots can go.
@@ -1537,7 +1549,10 @@ class TieredStore:
         for job in self._jobs:
             if job.kind == "demote":
                 self._end_demote(job, written=False)
+        # Purges stay queued: close() runs them, so a deleted row never comes back.
+        purges = [job for job in self._jobs if job.kind == "purge"]
         self._jobs.clear()
+        self._jobs.extend(purges)
 
     def _note_disk_error(self, msg: str) -> None:
         if self._disk_error is None:
@@ -1780,17 +1795,114 @@ class TieredStore:
     # ==================================================================================
     # close
 
-    def close(self) -> None:
-        """Stop the mover (after its current job), unlink shared memory, close LMDB."""
+    def close(self, *, persist: bool = True,
+              deadline_s: float = DEFAULT_CLOSE_DEADLINE_S) -> None:
+        """Close the store: new calls are refused, the mover stops (queued demotions are
+        cancelled, queued purges still run), then, with ``persist`` and a disk tier, every
+        memory row without a disk copy (write-back's dirty rows) is written to disk,
+        hottest first, within the disk budget (evicting older disk rows by the usual
+        rules) and within ``deadline_s`` seconds (a warning names what was left).
+        Finally the shared memory is unlinked and LMDB closed. ``persist=False`` drops
+        dirty rows, as a crash would. Idempotent."""
+        if isinstance(deadline_s, bool) or not isinstance(deadline_s, (int, float)) \
+                or not deadline_s >= 0:
+            raise InvalidInput(f"deadline_s: expected seconds >= 0, got {deadline_s!r}")
+        deadline = time.monotonic() + deadline_s
         with self._lock:
             if self._closed:
                 return
             self._closed = True
             self._cond.notify_all()
         self._mover.join()
-        if self._encoder is not None:
-            self._encoder.shutdown(wait=True)
-        self._close_tiers()
+        try:
+            if self._disk is not None and not self._mover_dead:
+                for job in list(self._jobs):
+                    self._purge(job)
+                self._jobs.clear()
+                if persist:
+                    self._persist_dirty(deadline, deadline_s)
+        finally:
+            if self._encoder is not None:
+                self._encoder.shutdown(wait=True)
+            self._close_tiers()
+
+    def _persist_dirty(self, deadline: float, deadline_s: float) -> None:
+        """Write every memory-only row to disk, hottest first (close() holds the store
+        closed, so nothing else changes the index; the disk lock orders the writes)."""
+        disk, encoder = self._disk, self._encoder
+        assert disk is not None and encoder is not None
+        ix = self._ix
+        with self._lock:
+            n = ix.high
+            where = ix.where[:n]
+            dirty = np.flatnonzero(((where & (DEV | HOST)) != 0) & ((where & DISK) == 0))
+            order = dirty[np.argsort(ix.atime[dirty], kind="stable")[::-1]].tolist()
+            rows: list[tuple[int, bytes, int, int, int, str, bytes | None, int]] = []
+            for rid in order:
+                bit = HOST if int(ix.where[rid]) & HOST else DEV  # host: no device copy-out
+                off = self._mem_off(rid, bit)
+                self._pin(bit, off)
+                name = ix.names[rid]
+                assert name is not None
+                rows.append((rid, name, bit, off, int(ix.size[rid]),
+                             ix.dtypes[int(ix.dtype[rid])], ix.parent_name(rid),
+                             int(ix.atime[rid])))
+        if not rows:
+            return
+        # Write clocks keep the LRU order across the restart: the hottest row, written
+        # first, gets the highest.
+        seq0 = disk.seq
+        depth = _WINDOW_PER_WORKER * self._workers
+        window: collections.deque[tuple[int, Future[bytes]]] = collections.deque()
+        nxt = written = 0
+        why = ""
+        try:
+            while nxt < len(rows) or window:
+                while nxt < len(rows) and len(window) < depth:
+                    _, _, bit, off, size, dtype, _, _ = rows[nxt]
+                    window.append((nxt, encoder.submit(self._encode_slot, bit, off, size, dtype)))
+                    nxt += 1
+                i, fut = window.popleft()
+                frame = fut.result()
+                if time.monotonic() > deadline:
+                    why = f"the {deadline_s:g} s close deadline passed"
+                    break
+                rid, name, _, _, size, dtype, parent, stamp = rows[i]
+                with self._disk_lock:
+                    if not self._persist_room(len(frame), stamp):
+                        why = "the disk budget holds only rows used more recently"
+                        break
+                    disk.write_frame(name, frame, raw_len=size, dtype=dtype, parent=parent,
+                                     seq=seq0 + len(rows) - i, replace=True)
+                    with self._lock:
+                        ix.where[rid] = int(ix.where[rid]) | DISK
+                written += 1
+        except TierFull as exc:
+            why = str(exc)
+        finally:
+            wait([f for _, f in window])
+            with self._lock:
+                for _, _, bit, off, _, _, _, _ in rows:
+                    self._unpin(bit, off)
+        if why:
+            logger.warning("store: close wrote %d of %d memory-only rows to disk; the other "
+                           "%d are dropped: %s", written, len(rows), len(rows) - written, why)
+        else:
+            logger.debug("store: close wrote %d memory-only rows to disk", written)
+
+    def _persist_room(self, frame_len: int, stamp: int) -> bool:
+        """Make room for a ``frame_len`` frame of a row used at ``stamp`` by evicting disk
+        rows used before it (caller holds the disk lock); False if that is not enough."""
+        disk = self._disk
+        assert disk is not None
+        over = disk.used_bytes + frame_len - disk.budget_bytes
+        if over <= 0:
+            return True
+        with self._lock:
+            names = self._evict_disk(over, older_than=stamp)
+        if names:
+            disk.delete_many(names)
+        return disk.used_bytes + frame_len <= disk.budget_bytes
 
     def _close_tiers(self) -> None:
         for pool in getattr(self, "_pools", {}).values():

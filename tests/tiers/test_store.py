@@ -651,3 +651,86 @@ def test_store_victims_by_partial_sort_equal_the_full_sort(
                     picks.append(s._victims(HOST, need, cls))
             assert picks[0] == picks[1], (need, cls)
     s.unlock_all("lease")
+
+
+# -- graceful close ----------------------------------------------------------------------
+
+
+def test_store_close_writes_dirty_rows_to_disk_in_lru_order(make_store: MakeStore) -> None:
+    """Regression: under write-back a graceful close keeps every host and device row
+    (they reach the disk), and the write clocks keep their LRU order for the restart."""
+    s = make_store(device="cpu", device_bytes=16 * 1024, host_bytes=1 << 20,
+                   disk_bytes=1 << 20)
+    for i in range(20):
+        s.put(name_of(i), page_of(i, P), parent=name_of(i - 1) if i else None)
+    assert K in s.locate([name_of(0)]) and s.stats().tier(D).rows == 0
+    for i in range(5):
+        assert read(s, i) == page_of(i, P)  # rows 0..4 are now the most recent
+    s.close()
+    again = make_store(host_bytes=1 << 20, disk_bytes=1 << 20)
+    assert again.locate([name_of(i) for i in range(20)]) == [D] * 20
+    for i in range(20):
+        assert read(again, i) == page_of(i, P)
+    assert again._disk is not None
+    by_seq = [int.from_bytes(r.name[-8:], "big")
+              for r in sorted(again._disk.scan(), key=lambda r: r.seq)]
+    assert by_seq == list(range(5, 20)) + list(range(5))
+
+
+def test_store_close_without_persist_drops_dirty_rows(make_store: MakeStore) -> None:
+    s = make_store(host_bytes=1 << 20, disk_bytes=1 << 20)
+    for i in range(5):
+        s.put(name_of(i), page_of(i, P))
+    s.close(persist=False)
+    again = make_store(host_bytes=1 << 20, disk_bytes=1 << 20)
+    assert again.contains([name_of(i) for i in range(5)]) == [False] * 5
+
+
+def test_store_close_keeps_the_hottest_rows_within_the_disk_budget(
+    make_store: MakeStore, caplog: pytest.LogCaptureFixture
+) -> None:
+    pages = [np.random.default_rng(i).bytes(P) for i in range(24)]  # incompressible
+    s = make_store(host_bytes=1 << 20, disk_bytes=48 * 1024, write_policy="write-through")
+    for i in range(4):
+        s.put(name_of(i), pages[i])  # old rows, on disk
+    s.close()
+    s = make_store(host_bytes=1 << 20, disk_bytes=48 * 1024)
+    for i in range(4, 24):
+        s.put(name_of(i), pages[i])
+    with caplog.at_level(logging.WARNING, logger="kvbank.tiers.store"):
+        s.close()
+    assert any("memory-only rows to disk" in r.getMessage() for r in caplog.records)
+    again = make_store(host_bytes=1 << 20, disk_bytes=48 * 1024)
+    present = again.contains([name_of(i) for i in range(24)])
+    kept = [i for i, p in enumerate(present) if p]
+    assert kept and kept == list(range(24 - len(kept), 24)), kept  # the newest survive
+    assert again.stats().tier(D).used_bytes <= 48 * 1024
+    for i in kept:
+        assert read(again, i) == pages[i]
+
+
+def test_store_close_stops_at_its_deadline(
+    make_store: MakeStore, caplog: pytest.LogCaptureFixture
+) -> None:
+    s = make_store(host_bytes=1 << 20, disk_bytes=1 << 20)
+    for i in range(5):
+        s.put(name_of(i), page_of(i, P))
+    with pytest.raises(InvalidInput, match="deadline_s"):
+        s.close(deadline_s=-1)
+    with caplog.at_level(logging.WARNING, logger="kvbank.tiers.store"):
+        s.close(deadline_s=0)
+    assert any("deadline" in r.getMessage() for r in caplog.records)
+    again = make_store(host_bytes=1 << 20, disk_bytes=1 << 20)
+    assert again.stats().rows == 0
+
+
+def test_store_close_runs_queued_purges(make_store: MakeStore) -> None:
+    """A row deleted just before close never comes back after the restart."""
+    s = make_store(host_bytes=1 << 20, disk_bytes=1 << 20, write_policy="write-through")
+    for i in range(10):
+        s.put(name_of(i), page_of(i, P))
+    for i in range(0, 10, 2):
+        s.delete(name_of(i))
+    s.close(persist=False)
+    again = make_store(host_bytes=1 << 20, disk_bytes=1 << 20)
+    assert again.contains([name_of(i) for i in range(10)]) == [i % 2 == 1 for i in range(10)]

@@ -25,24 +25,18 @@ from __future__ import annotations
 import contextlib
 import logging
 import secrets
-import threading
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from kvbank.config import BankConfig
-from kvbank.errors import InvalidInput, PageSizeMismatch, TierFull, TierUnavailable
+from kvbank.errors import InvalidInput, TierFull, TierUnavailable
 from kvbank.tiers.base import (
-    Buffer,
     DeviceSlot,
-    Tier,
     TierKind,
-    as_bytes_view,
-    as_out_view,
-    check_name,
 )
+from kvbank.tiers.memory import MemoryTier
 from kvbank.tiers.slots import SlotAllocator
 
 logger = logging.getLogger(__name__)
@@ -205,98 +199,15 @@ class DevicePool:
         self._chunks.clear()
 
 
-class DeviceTier(Tier):
-    """The device tier on its own: a pool plus a name -> (offset, size) dict."""
+class DeviceTier(MemoryTier):
+    """The device tier on its own: a torch pool plus a name -> (offset, size) dict."""
 
     kind = TierKind.DEVICE
 
     def __init__(self, budget: int, device: str) -> None:
-        self._pool = DevicePool(budget, device)
-        self._rows: dict[bytes, tuple[int, int]] = {}
-        self._lock = threading.Lock()
-        self._closed = False
-
-    @property
-    def persistent(self) -> bool:
-        return False
-
-    @property
-    def in_place(self) -> bool:
-        return True
-
-    @property
-    def compressed(self) -> bool:
-        return False
-
-    @property
-    def used_bytes(self) -> int:
-        return self._pool.used_bytes
-
-    @property
-    def budget_bytes(self) -> int:
-        return self._pool.budget
+        self._device_pool = DevicePool(budget, device)
+        super().__init__(self._device_pool, "device tier")
 
     @property
     def pool(self) -> DevicePool:
-        return self._pool
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise TierUnavailable("device tier: closed")
-
-    def get_into(self, name: bytes, out: memoryview | bytearray) -> int | None:
-        check_name(name)
-        dst = as_out_view(out)
-        with self._lock:
-            self._check_open()
-            hit = self._rows.get(name)
-            if hit is None:
-                return None
-            offset, size = hit
-            if dst.nbytes < size:
-                raise InvalidInput(f"out: {dst.nbytes} bytes, the row holds {size}")
-            self._pool.read_into(offset, size, dst)
-            return size
-
-    def put(self, name: bytes, data: Buffer, *, dtype: str = "uint8") -> None:
-        check_name(name)
-        src = as_bytes_view(data)
-        size = src.nbytes
-        if size == 0:
-            raise InvalidInput("data: a page cannot be empty")
-        with self._lock:
-            self._check_open()
-            old = self._rows.get(name)
-            if old is not None:
-                if old[1] != size:
-                    raise PageSizeMismatch(
-                        f"data: {size} bytes, but row already holds {old[1]} bytes")
-                self._pool.write(old[0], src)
-                return
-            offset = self._pool.alloc(size) if self._pool.fits(size) else None
-            if offset is None:
-                raise TierFull(f"device tier: no room for {size} bytes "
-                               f"(used {self._pool.used_bytes} of {self._pool.budget})")
-            self._pool.write(offset, src)
-            self._rows[name] = (offset, size)
-
-    def delete(self, name: bytes) -> bool:
-        check_name(name)
-        with self._lock:
-            self._check_open()
-            hit = self._rows.pop(name, None)
-            if hit is None:
-                return False
-            self._pool.free(hit[0])
-            return True
-
-    def contains(self, names: Sequence[bytes]) -> list[bool]:
-        with self._lock:
-            self._check_open()
-            return [check_name(n) in self._rows for n in names]
-
-    def close(self) -> None:
-        with self._lock:
-            self._closed = True
-            self._rows.clear()
-            self._pool.close()
+        return self._device_pool

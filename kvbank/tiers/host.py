@@ -35,23 +35,19 @@ import logging
 import mmap
 import os
 import secrets
-import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 
 import numpy as np
 
-from kvbank.errors import InvalidInput, PageSizeMismatch, TierFull, TierUnavailable
+from kvbank.errors import InvalidInput, TierFull, TierUnavailable
 from kvbank.tiers.base import (
-    Buffer,
     HostSlot,
-    Tier,
     TierKind,
-    as_bytes_view,
-    as_out_view,
     check_name,
 )
+from kvbank.tiers.memory import MemoryTier
 from kvbank.tiers.slots import SlotAllocator
 
 logger = logging.getLogger(__name__)
@@ -247,100 +243,18 @@ class HostSlab:
             _segment_path(self.segment).unlink()
 
 
-class HostTier(Tier):
-    """The host tier on its own: a slab plus a name -> (offset, size) dict."""
+class HostTier(MemoryTier):
+    """The host tier on its own: a shared-memory slab plus a name -> (offset, size) dict."""
 
     kind = TierKind.HOST
 
     def __init__(self, budget: int, *, prefix: str = DEFAULT_PREFIX, pin: bool = True) -> None:
         self._slab = HostSlab(budget, prefix=prefix, pin=pin)
-        self._rows: dict[bytes, tuple[int, int]] = {}
-        self._lock = threading.Lock()
-        self._closed = False
-
-    @property
-    def persistent(self) -> bool:
-        return False
-
-    @property
-    def in_place(self) -> bool:
-        return True
-
-    @property
-    def compressed(self) -> bool:
-        return False
-
-    @property
-    def used_bytes(self) -> int:
-        return self._slab.used_bytes
-
-    @property
-    def budget_bytes(self) -> int:
-        return self._slab.budget
+        super().__init__(self._slab, "host tier")
 
     @property
     def slab(self) -> HostSlab:
         return self._slab
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise TierUnavailable("host tier: closed")
-
-    def get_into(self, name: bytes, out: memoryview | bytearray) -> int | None:
-        check_name(name)
-        dst = as_out_view(out)
-        with self._lock:
-            self._check_open()
-            hit = self._rows.get(name)
-            if hit is None:
-                return None
-            offset, size = hit
-            if dst.nbytes < size:
-                raise InvalidInput(f"out: {dst.nbytes} bytes, the row holds {size}")
-            # Copied under the lock: a concurrent delete must not free the slot mid-copy.
-            self._slab.read_into(offset, size, dst)
-            return size
-
-    def put(self, name: bytes, data: Buffer, *, dtype: str = "uint8") -> None:
-        check_name(name)
-        src = as_bytes_view(data)
-        size = src.nbytes
-        if size == 0:
-            raise InvalidInput("data: a page cannot be empty")
-        with self._lock:
-            self._check_open()
-            old = self._rows.get(name)
-            if old is not None:
-                if old[1] != size:
-                    raise PageSizeMismatch(
-                        f"data: {size} bytes, but row already holds {old[1]} bytes")
-                self._slab.write(old[0], src)
-                return
-            if not self._slab.fits(size):
-                raise TierFull(f"host tier: a {size}-byte row exceeds the budget "
-                               f"{self._slab.budget}")
-            offset = self._slab.alloc(size)
-            if offset is None:
-                raise TierFull(f"host tier: no room for {size} bytes "
-                               f"(used {self._slab.used_bytes} of {self._slab.budget})")
-            self._slab.write(offset, src)
-            self._rows[name] = (offset, size)
-
-    def delete(self, name: bytes) -> bool:
-        check_name(name)
-        with self._lock:
-            self._check_open()
-            hit = self._rows.pop(name, None)
-            if hit is None:
-                return False
-            self._slab.free(hit[0])
-            return True
-
-    def contains(self, names: Sequence[bytes]) -> list[bool]:
-        with self._lock:
-            self._check_open()
-            rows = self._rows
-            return [check_name(n) in rows for n in names]
 
     def locate(self, name: bytes) -> HostSlot | None:
         """Where the row lies (for in-place access), or None."""
@@ -348,14 +262,6 @@ class HostTier(Tier):
             self._check_open()
             hit = self._rows.get(check_name(name))
             return None if hit is None else self._slab.slot(*hit)
-
-    def close(self) -> None:
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            self._rows.clear()
-            self._slab.close()
 
 
 # -- other processes ---------------------------------------------------------------------

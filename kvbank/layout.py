@@ -37,7 +37,7 @@ import json
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from kvbank.errors import LayoutError
 
@@ -71,12 +71,8 @@ class Role(enum.Enum):
     SSM_STATE = "SSM_STATE"
 
     @classmethod
-    def parse(cls, name: str) -> Role:
-        if isinstance(name, str) and name in cls.__members__:
-            return cls[name]
-        raise LayoutError(
-            f"role: unknown role {name!r}; declared roles are {[r.name for r in cls]}"
-        )
+    def parse(cls, name: object) -> Role:
+        return _parse_enum(cls, name, "role")
 
 
 class GroupKind(enum.Enum):
@@ -84,12 +80,8 @@ class GroupKind(enum.Enum):
     STATE = "STATE"
 
     @classmethod
-    def parse(cls, name: str) -> GroupKind:
-        if isinstance(name, str) and name in cls.__members__:
-            return cls[name]
-        raise LayoutError(
-            f"kind: unknown group kind {name!r}; expected ATTENTION or STATE"
-        )
+    def parse(cls, name: object) -> GroupKind:
+        return _parse_enum(cls, name, "kind")
 
 
 class QuantMode(enum.Enum):
@@ -100,12 +92,19 @@ class QuantMode(enum.Enum):
     INT8 = "INT8"
 
     @classmethod
-    def parse(cls, name: str) -> QuantMode:
-        if isinstance(name, str) and name in cls.__members__:
-            return cls[name]
-        raise LayoutError(
-            f"quant: unknown quant mode {name!r}; expected one of {[q.name for q in cls]}"
-        )
+    def parse(cls, name: object) -> QuantMode:
+        return _parse_enum(cls, name, "quant")
+
+
+_E = TypeVar("_E", bound=enum.Enum)
+
+
+def _parse_enum(cls: type[_E], name: object, what: str) -> _E:
+    """An enum member by its exact name; anything else is a LayoutError naming ``what``."""
+    if isinstance(name, str) and name in cls.__members__:
+        return cls[name]
+    raise LayoutError(f"{what}: unknown {cls.__name__} {name!r}; expected one of "
+                      f"{list(cls.__members__)}")
 
 
 def _positive_int(value: object, what: str) -> int:

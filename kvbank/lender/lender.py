@@ -616,24 +616,30 @@ class Lender:
         return bytes(buf)
 
     def write(self, lease_id: str, name: bytes, data: bytes | bytearray | memoryview) -> None:
-        """Fill a WRITE lease's reserved slot (an in-process convenience over :meth:`view`)."""
-        lease, slot = self._slot(lease_id, name)
-        if lease.mode is not LeaseMode.WRITE:
-            raise InvalidInput(f"lease_id: {lease_id} is a READ lease; it cannot be written")
+        """Fill a WRITE lease's reserved slot (an in-process convenience over :meth:`view`).
+
+        The copy runs under the lender's lock, unlike a read's: a write has no completion
+        check to fall back on. Were the lease reaped between the liveness check and the
+        copy, its slot would go back to the store and could already hold another row,
+        whose bytes the late copy would overwrite."""
         src = memoryview(data).cast("B")
-        if len(src) != slot.size:
-            from kvbank.errors import PageSizeMismatch
+        with self._lock:
+            lease, slot = self._slot(lease_id, name)
+            if lease.mode is not LeaseMode.WRITE:
+                raise InvalidInput(f"lease_id: {lease_id} is a READ lease; it cannot be written")
+            if len(src) != slot.size:
+                from kvbank.errors import PageSizeMismatch
 
-            raise PageSizeMismatch(f"data: {len(src)} bytes, the row's page is {slot.size}")
-        if isinstance(slot, HostSlot):
-            with self._store.host_view(slot) as dst:
-                dst[:] = src
-        else:
-            import torch
+                raise PageSizeMismatch(f"data: {len(src)} bytes, the row's page is {slot.size}")
+            if isinstance(slot, HostSlot):
+                with self._store.host_view(slot) as dst:
+                    dst[:] = src
+            else:
+                import torch
 
-            self._store.device_view(slot)[: slot.size].copy_(
-                torch.frombuffer(bytearray(src), dtype=torch.uint8)
-            )
+                self._store.device_view(slot)[: slot.size].copy_(
+                    torch.frombuffer(bytearray(src), dtype=torch.uint8)
+                )
 
     # ---- expiry ------------------------------------------------------------------------
 

@@ -339,3 +339,50 @@ def test_lease_rows_builds_the_rows_the_constructor_would() -> None:
     assert lease_rows([], [], [], [], []) == ()
     with pytest.raises(ValueError, match="shorter"):
         lease_rows(cols[0], cols[1], cols[2][:1], cols[3], cols[4])
+
+
+def test_write_through_a_lease_that_expires_mid_copy_never_lands_in_another_rows_slot(
+    bank: Bank, clock: FakeClock
+) -> None:
+    """Lender.write must never copy into a slot the lease no longer holds: if the reaper
+    could end the lease between the liveness check and the copy, the aborted slot could
+    already hold another row, and the late copy would overwrite that row's bytes (a
+    wrong hit for everyone who reads it afterwards)."""
+    import threading
+
+    lid = bank.register(LAYOUT)
+    mine = bank.row_names(lid, toks(1, 100), group=0)[0]
+    theirs = bank.row_names(lid, toks(1, 200), group=0)[0]
+    lease = bank.lend([mine], mode=LeaseMode.WRITE, ttl_s=1)
+    their_page = pages(1, 7)
+    store = bank.store
+    real_view = store.host_view
+    done: list[threading.Thread] = []
+
+    def expire_and_reuse() -> None:
+        # What the reaper thread and another worker's put do, concurrently.
+        clock.now += 2
+        bank.lender.reap()  # the lease expires: its reserved slot goes back to the store
+        bank.put(lid, toks(1, 200), group=0, pages=their_page)  # ...and is taken again
+
+    def racing_view(slot):  # type: ignore[no-untyped-def]
+        if not done:
+            t = threading.Thread(target=expire_and_reuse)
+            done.append(t)
+            t.start()
+            t.join(0.5)  # a lender that holds its lock over the copy keeps this waiting
+        return real_view(slot)
+
+    store.host_view = racing_view  # type: ignore[method-assign]
+    try:
+        bank.lender.write(lease.id, mine, b"\xee" * PAGE)  # live when it started
+    finally:
+        store.host_view = real_view  # type: ignore[method-assign]
+        done[0].join()
+    assert bank.store.locate([theirs])[0] is not None
+    out = bytearray(PAGE)
+    assert bank.store.get_into(theirs, out) == PAGE
+    assert bytes(out) == their_page[0].numpy().tobytes()
+    with pytest.raises(LeaseExpired):
+        bank.commit(lease.id, [mine])
+    bank.check_invariants()

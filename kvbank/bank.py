@@ -346,9 +346,9 @@ class Bank:
         size = layout.group_page_bytes[group]
         if isinstance(state, torch.Tensor):
             state = state.reshape(1, -1) if state.dim() == 1 else state
-            (view,) = self._page_views(state, size, "state") if state.shape[0] == 1 else [None]
-            if view is None:
+            if state.dim() != 2 or state.shape[0] != 1:
                 raise InvalidInput(f"state: expected one snapshot, got shape {tuple(state.shape)}")
+            (view,) = self._page_views(state, size, "state")
         else:
             (view,) = self._page_views([state], size, "state")
         chain = self.row_names(layout_id, tokens, group=group, scope=scope, keys=keys, shard=shard)
@@ -418,9 +418,14 @@ class Bank:
                 raise InvalidInput(f"out[{g}]: expected {len(pages)} writable buffers")
             vs = []
             for i in range(len(pages)):
-                mv = memoryview(buf[i])
-                if mv.readonly or len(mv.cast("B")) < size:
-                    raise InvalidInput(f"out[{g}][{i}]: expected a writable buffer of >= {size} bytes")
+                try:
+                    mv = memoryview(buf[i])
+                except TypeError:
+                    mv = None
+                if mv is None or mv.readonly or not mv.c_contiguous or mv.nbytes < size:
+                    raise InvalidInput(
+                        f"out[{g}][{i}]: expected a writable, C-contiguous buffer of >= {size} bytes"
+                    )
                 vs.append(mv.cast("B"))
             views[g] = vs
         return views
@@ -445,6 +450,8 @@ class Bank:
         layout = self.layout(match.layout_id)
         if max_rows is not None and (isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 0):
             raise InvalidInput(f"max_rows: must be a non-negative integer, got {max_rows!r}")
+        if fetch_id is not None and (not isinstance(fetch_id, str) or not fetch_id):
+            raise InvalidInput(f"fetch_id: must be a non-empty string, got {fetch_id!r}")
         views = self._out_views(layout, match.resume, out)
         if fetch_id is not None and fetch_id in self._ledger:
             if [(r.group, r.name) for r in self._ledger.plan(fetch_id)] != [

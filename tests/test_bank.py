@@ -233,6 +233,26 @@ def test_bad_input_names_the_field(bank: Bank) -> None:
     assert bank.stats().store.rows == 4
 
 
+
+def test_malformed_state_out_and_fetch_id_are_typed_errors_and_change_nothing(bank: Bank) -> None:
+    """Every malformed argument is an InvalidInput naming its field, never an IndexError
+    or TypeError from deep inside: a 0-d state tensor, out buffers that are not
+    writable contiguous bytes-likes, an unhashable fetch id. Nothing is stored or opened."""
+    lid = bank.register(FA)
+    mid = bank.register(MAMBA)
+    tokens = list(range(64))
+    with pytest.raises(InvalidInput, match="state"):
+        bank.put_state(mid, tokens, group=1, state=torch.tensor(3, dtype=torch.uint8))
+    bank.put(lid, tokens, group=0, pages=rand(4, PAGE, 1))
+    m = bank.match(lid, tokens)
+    strided = np.zeros((PAGE, 2), np.uint8)[:, 0]
+    for out in ({0: [1] * 4}, {0: [strided] * 4}, {0: [torch.zeros(PAGE, dtype=torch.uint8)] * 4}):
+        with pytest.raises(InvalidInput, match=r"out\[0\]\[0\]"):
+            bank.fetch(m, out=out)
+    with pytest.raises(InvalidInput, match="fetch_id"):
+        bank.fetch(m, out={0: torch.zeros(4, PAGE, dtype=torch.uint8)}, fetch_id=["x"])  # type: ignore[arg-type]
+    assert bank.stats().store.rows == 4 and bank.stats().open_fetches == 0
+
 def test_keys_instead_of_tokens_and_lending_a_match(bank: Bank) -> None:
     from kvbank.keys import page_keys
 

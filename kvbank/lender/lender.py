@@ -472,6 +472,8 @@ class Lender:
         ``True`` if it was live; ``False`` if it had already expired (release after a
         failure is always safe). An id never lent raises :class:`LeaseNotFound`.
         """
+        if not isinstance(lease_id, str):
+            raise InvalidInput(f"lease_id: expected a string, got {type(lease_id).__name__}")
         with self._lock:
             now = self._clock()
             self._reap_locked(now)
@@ -550,6 +552,8 @@ class Lender:
     # ---- reads through a lease -----------------------------------------------------------
 
     def _slot(self, lease_id: str, name: bytes) -> tuple[Lease, Slot]:
+        if type(name) is not bytes:
+            raise InvalidInput(f"name: expected a row name (bytes), got {type(name).__name__}")
         with self._lock:
             now = self._clock()
             self._reap_locked(now)

@@ -386,3 +386,19 @@ def test_write_through_a_lease_that_expires_mid_copy_never_lands_in_another_rows
     with pytest.raises(LeaseExpired):
         bank.commit(lease.id, [mine])
     bank.check_invariants()
+
+
+def test_release_and_read_refuse_malformed_ids_and_names_naming_the_field(bank: Bank) -> None:
+    """A lease id or row name of the wrong type is InvalidInput naming the field (not a
+    TypeError from a dict lookup, nor LeaseNotFound for an id that cannot be one); the
+    lease is untouched."""
+    _, names = stored(bank, 1)
+    lease = bank.lend(names)
+    for bad in (None, ["x"], 7):
+        with pytest.raises(InvalidInput, match="lease_id"):
+            bank.release(bad)  # type: ignore[arg-type]
+    for bad_name in (["x"], "x", None):
+        with pytest.raises(InvalidInput, match="name"):
+            bank.read(lease.id, bad_name)  # type: ignore[arg-type]
+    assert bank.read(lease.id, names[0]) == pages(1)[0].numpy().tobytes()
+    assert bank.release(lease.id) is True

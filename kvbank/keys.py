@@ -93,7 +93,13 @@ def tokens_to_bytes(tokens: TokenIds) -> bytes:
         if packed and int(np.frombuffer(packed, dtype="<i4").min()) < 0:
             raise InvalidTokens(f"tokens: negative id {min(packed)}; ids must be in [0, {_INT32_MAX}]")
         return packed.tobytes()
-    arr = np.asarray(tokens)
+    try:
+        arr = np.asarray(tokens)
+    except (TypeError, ValueError) as exc:  # ragged nesting; a tensor numpy cannot read (GPU)
+        raise InvalidTokens(
+            f"tokens: expected a 1-D sequence or host array of int ids, got "
+            f"{type(tokens).__name__} ({exc})"
+        ) from None
     if arr.ndim != 1:
         raise InvalidTokens(f"tokens: must be 1-D, got shape {arr.shape}")
     if arr.size == 0:

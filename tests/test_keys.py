@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import json
 
 import numpy as np
@@ -47,6 +48,18 @@ def test_keys_refuse_tokens_outside_int32(tokens: object) -> None:
     with pytest.raises(InvalidTokens, match="tokens"):
         K.page_keys(tokens, 16)  # type: ignore[arg-type]
 
+
+
+@pytest.mark.parametrize(
+    "tokens",
+    [torch.arange(32, device="meta"), collections.deque([[1], [1, 2]])],
+    ids=["tensor-numpy-cannot-read", "ragged"],
+)
+def test_keys_refuse_tokens_numpy_cannot_read_with_invalid_tokens(tokens: object) -> None:
+    """Tokens numpy cannot turn into an array (a device tensor, ragged nesting) are bad
+    input: InvalidTokens naming the field, not numpy's TypeError or ValueError."""
+    with pytest.raises(InvalidTokens, match="tokens"):
+        K.page_keys(tokens, 16)  # type: ignore[arg-type]
 
 @pytest.mark.parametrize("bad", [0, -16, True, 1.5])
 def test_keys_refuse_bad_page_size(bad: object) -> None:

@@ -59,14 +59,16 @@ class Scope:
     digest: bytes = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        encoded: list[bytes] = []
         for name in ("tenant", "cache_salt", "lora"):
-            if not isinstance(getattr(self, name), str):
-                raise InvalidInput(
-                    f"scope.{name}: must be a string, got {type(getattr(self, name)).__name__}"
-                )
-        body = _SCOPE_TAG + b"".join(
-            _lp(s.encode("utf-8")) for s in (self.tenant, self.cache_salt, self.lora)
-        )
+            value = getattr(self, name)
+            if not isinstance(value, str):
+                raise InvalidInput(f"scope.{name}: must be a string, got {type(value).__name__}")
+            try:
+                encoded.append(value.encode("utf-8"))
+            except UnicodeEncodeError as exc:  # lone surrogates have no UTF-8 form
+                raise InvalidInput(f"scope.{name}: not encodable as UTF-8: {exc}") from None
+        body = _SCOPE_TAG + b"".join(map(_lp, encoded))
         object.__setattr__(self, "digest", hashlib.sha256(body).digest())
 
 

@@ -61,6 +61,13 @@ def test_keys_refuse_tokens_numpy_cannot_read_with_invalid_tokens(tokens: object
     with pytest.raises(InvalidTokens, match="tokens"):
         K.page_keys(tokens, 16)  # type: ignore[arg-type]
 
+
+def test_scope_refuses_strings_without_a_utf8_form() -> None:
+    """A scope field with a lone surrogate is InvalidInput naming the field, not a
+    UnicodeEncodeError from hashing it."""
+    with pytest.raises(InvalidInput, match=r"scope\.tenant"):
+        K.Scope(tenant="\ud800")
+
 @pytest.mark.parametrize("bad", [0, -16, True, 1.5])
 def test_keys_refuse_bad_page_size(bad: object) -> None:
     with pytest.raises(InvalidInput, match="tokens_per_page"):

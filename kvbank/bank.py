@@ -51,7 +51,7 @@ import numpy as np
 import torch
 
 from kvbank.config import BankConfig
-from kvbank.errors import InvalidInput, PageSizeMismatch, UnknownLayout
+from kvbank.errors import InvalidInput, PageSizeMismatch, RowLocked, UnknownLayout
 from kvbank.keys import DEFAULT_SCOPE, PAGE_KEY_BYTES, Scope, TokenIds, namespace, page_keys
 from kvbank.keys import row_names as _row_names
 from kvbank.layout import GroupKind, PageLayout
@@ -309,7 +309,9 @@ class Bank:
 
         Every page is checked before any is stored. Pages are stored in chain order with
         their parent named, so eviction takes a chain from its tail: a page goes only after
-        the pages that extend it.
+        the pages that extend it. A page whose row is already stored (or being filled under
+        a WRITE lease) is skipped: equal names mean equal bytes, so re-storing a shared
+        prefix costs no copy and never collides with a lease reading it.
         """
         layout = self.layout(layout_id)
         self._group(layout, group, GroupKind.ATTENTION, "put")
@@ -322,10 +324,22 @@ class Bank:
                 f"pages: {len(views)} pages from page {first_page} exceed the {len(chain)} "
                 "full pages of the tokens (a partial last page is never stored)"
             )
-        for i, mv in enumerate(views):
-            j = first_page + i
-            self._store.put(chain[j], mv, parent=chain[j - 1] if j else None)
-        return chain[first_page : first_page + len(views)]
+        names = chain[first_page : first_page + len(views)]
+        where = self._store.locate(names)
+        for i, (mv, held) in enumerate(zip(views, where, strict=True)):
+            if held is None:
+                j = first_page + i
+                self._put_new(chain[j], mv, parent=chain[j - 1] if j else None)
+        return names
+
+    def _put_new(self, name: bytes, data: memoryview, *, parent: bytes | None = None) -> None:
+        """Store a row found missing a moment ago. If a lease locked it meanwhile, it is
+        stored or being filled with the same bytes (equal names, equal bytes): nothing to do."""
+        try:
+            self._store.put(name, data, parent=parent)
+        except RowLocked:
+            logger.debug("put: row %s is locked by a lease; it holds these bytes already",
+                         name.hex()[:16])
 
     def put_state(
         self,
@@ -359,7 +373,8 @@ class Bank:
         if boundary // p > len(chain):
             raise InvalidInput(f"at: boundary {boundary} is beyond the {len(chain)} full pages given")
         name = chain[boundary // p - 1]
-        self._store.put(name, view)
+        if self._store.locate([name]) == [None]:
+            self._put_new(name, view)
         return name
 
     # ---- matching and fetching -----------------------------------------------------------

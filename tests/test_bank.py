@@ -335,3 +335,31 @@ def test_bank_single_shard_needs_no_shard_argument(bank: Bank) -> None:
     names = bank.put(lid, tokens, group=0, pages=rand(2, tp.group_page_bytes[0], 9))
     assert all(n[-2:] == b"\x00\x01" for n in names)  # shard index 1 in every row name
     assert bank.match(lid, tokens).resume.tokens == 16
+
+
+def test_bank_put_skips_rows_already_stored_and_never_overwrites_a_leased_row(bank: Bank) -> None:
+    """Re-storing a shared prefix must not fail while a lease reads it, nor change the
+    leased bytes: equal names mean equal bytes, so stored pages are skipped. A WRITE lease
+    racing a put of the same row: the first to store wins, the other is discarded."""
+    lid = bank.register(FA)
+    tokens = list(range(48))
+    first = rand(3, PAGE, 21)
+    names = bank.put(lid, tokens, group=0, pages=first)
+    reader = bank.lend(names[:2])
+    assert bank.put(lid, tokens, group=0, pages=rand(3, PAGE, 22)) == names  # no RowLocked
+    assert bank.read(reader.id, names[0]) == first[0].numpy().tobytes()
+    bank.release(reader.id)
+
+    more = list(range(48, 64))
+    (absent,) = bank.row_names(lid, tokens + more, group=0)[3:]
+    writer = bank.lend([absent], mode=LeaseMode.WRITE)
+    stored = rand(1, PAGE, 23)
+    bank.put(lid, tokens + more, group=0, pages=stored, first_page=3)
+    bank.lender.write(writer.id, absent, rand(1, PAGE, 24)[0].numpy().tobytes())
+    result = bank.commit(writer.id, [absent])
+    assert result.already_present == (absent,) and not result.committed
+    buf = torch.zeros(4, PAGE, dtype=torch.uint8)
+    m = bank.match(lid, [*tokens, *more, 0])
+    assert bank.fetch(m, out={0: buf}).complete
+    assert torch.equal(buf[:3], first) and torch.equal(buf[3], stored[0])
+    bank.check_invariants()

@@ -42,6 +42,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
@@ -63,6 +64,8 @@ from kvbank.tiers.base import TierKind
 from kvbank.tiers.store import TieredStore
 
 logger = logging.getLogger(__name__)
+
+MAX_NAMESPACES = 65_536  # (scope, layout) pairs whose rows a lease can describe
 
 Clock = Callable[[], float]  # monotonic seconds
 Pages = torch.Tensor | Sequence[bytes | bytearray | memoryview]  # uint8 [n, page_bytes] or n buffers
@@ -129,7 +132,10 @@ class Bank:
         # a layout shares it), so the shard a call names must come from the caller: taking
         # the first registration's index would hand one rank another rank's rows.
         self._shards: dict[bytes, set[int]] = {}
-        self._namespaces: dict[bytes, bytes] = {}  # 16-byte namespace -> layout id
+        # 16-byte namespace -> layout id, most recently used last. Bounded: a fleet with a
+        # cache salt per request would otherwise grow it forever. A namespace that fell out
+        # is re-learnt by the next put or match under it (leases follow those).
+        self._namespaces: OrderedDict[bytes, bytes] = OrderedDict()
         self._shapes: dict[tuple[bytes, int], PageShape] = {}
         self._store = TieredStore(self.config)
         try:
@@ -202,6 +208,9 @@ class Bank:
         ns = namespace(layout_id, scope)
         with self._lock:
             self._namespaces[ns] = layout_id
+            self._namespaces.move_to_end(ns)
+            if len(self._namespaces) > MAX_NAMESPACES:
+                self._namespaces.popitem(last=False)
         return ns
 
     def _describe(self, name: bytes) -> PageShape | None:

@@ -363,3 +363,19 @@ def test_bank_put_skips_rows_already_stored_and_never_overwrites_a_leased_row(ba
     assert bank.fetch(m, out={0: buf}).complete
     assert torch.equal(buf[:3], first) and torch.equal(buf[3], stored[0])
     bank.check_invariants()
+
+
+def test_bank_namespace_table_is_bounded(bank: Bank, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cache salt per request must not grow the bank's tables without bound."""
+    import kvbank.bank as bank_module
+
+    monkeypatch.setattr(bank_module, "MAX_NAMESPACES", 8)
+    lid = bank.register(FA)
+    for i in range(50):
+        bank.match(lid, list(range(32)), scope=Scope(cache_salt=f"req-{i}"))
+    assert len(bank._namespaces) == 8
+    names = bank.put(lid, list(range(16)), group=0, pages=rand(1, PAGE, 5),
+                     scope=Scope(cache_salt="req-0"))  # fell out long ago: learnt again
+    lease = bank.lend(names)
+    assert lease.rows[0].regions  # described, so the borrower knows the buffer regions
+    bank.release(lease.id)

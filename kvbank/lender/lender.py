@@ -469,8 +469,9 @@ class Lender:
     def release(self, lease_id: str) -> bool:
         """End a lease: drop its locks, return unused slots (a WRITE lease publishes nothing).
 
-        ``True`` if it was live; ``False`` if it had already expired (release after a
-        failure is always safe). An id never lent raises :class:`LeaseNotFound`.
+        ``True`` if it was live; ``False`` if it had already ended — expired, released,
+        committed, or ended by close — so release in a ``finally`` is always safe. An id
+        never lent (or ended too long ago to be remembered) raises :class:`LeaseNotFound`.
         """
         if not isinstance(lease_id, str):
             raise InvalidInput(f"lease_id: expected a string, got {type(lease_id).__name__}")
@@ -484,7 +485,7 @@ class Lender:
                     return False
                 self._end_locked(lease_id, "released")
                 return True
-            if self._ended.get(lease_id) == "expired":
+            if lease_id in self._ended:
                 return False
             raise LeaseNotFound(f"lease_id: no live lease {lease_id}")
 

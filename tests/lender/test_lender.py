@@ -202,6 +202,7 @@ def test_renew_extends_and_release_is_final(bank: Bank, clock: FakeClock) -> Non
     clock.now += 1.5
     assert bank.read(lease.id, names[0])  # alive thanks to the renewal
     assert bank.release(lease.id) is True
+    assert bank.release(lease.id) is False  # a second release (a `finally`) is safe
     with pytest.raises(LeaseNotFound, match="released"):
         bank.read(lease.id, names[0])
     with pytest.raises(LeaseNotFound):

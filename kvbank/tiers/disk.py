@@ -14,7 +14,12 @@ Primitives:
   ``read_into``; :meth:`DiskTier.get_into` (the Tier method) and the store then delete the
   row, count it in :attr:`DiskTier.corrupt_rows` and report a miss. Wrong bytes are never
   returned.
-- :meth:`DiskTier.scan` lists every committed row from ``meta`` (no frame is touched), which
+- Each ``meta`` record carries an xxh3-64 of the row name and the record, and is checked
+  like a frame: on every read (and the frame header's raw length must equal the record's),
+  and at open, where every record is also bounded (sizes, dtype) and compared with its
+  frame's length and header. A row that fails is deleted and counted in ``corrupt_rows``;
+  the open never fails for it, and a read answers a miss.
+- :meth:`DiskTier.scan` lists the committed rows that passed those checks at open, which
   is how the store rebuilds its index on restart: sizes exact, LRU order by write clock.
 
 Settings from machine-limits.md section 4: ``writemap=False`` (4-5x faster on a fresh
@@ -24,8 +29,9 @@ fills before the budget does; the budget itself is exact and enforced here (``Ti
 and the store evicts before it is reached. ``MapFullError`` and a full file system
 (``ENOSPC``) still map to ``TierFull``; any other LMDB error to ``TierUnavailable``.
 
-Lifecycle: ``DiskTier(path, budget)`` opens (or creates) the environment and sums the
-frame bytes from ``meta`` → reads from any thread, writes serialised by an internal lock →
+Lifecycle: ``DiskTier(path, budget)`` opens (or creates) the environment, checks every
+row's meta record against its frame (dropping and counting those that fail) and sums the
+frame bytes → reads from any thread, writes serialised by an internal lock →
 ``close()`` (idempotent).
 """
 
@@ -40,8 +46,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import lmdb
+import xxhash
 
-from kvbank.codec import DTYPE_CODES, decode_into, encode
+from kvbank.codec import DTYPE_CODES, HEADER_SIZE, MAX_RAW_LEN, decode_into, encode, frame_info
 from kvbank.errors import (
     CorruptPage,
     InvalidInput,
@@ -49,11 +56,22 @@ from kvbank.errors import (
     TierFull,
     TierUnavailable,
 )
-from kvbank.tiers.base import Buffer, Tier, TierKind, as_bytes_view, as_out_view, check_name
+from kvbank.keys import ROW_NAME_BYTES
+from kvbank.tiers.base import (
+    Buffer,
+    Tier,
+    TierKind,
+    as_bytes_view,
+    as_out_view,
+    check_name,
+)
 
 logger = logging.getLogger(__name__)
 
 _META = struct.Struct("<QQQB")  # raw_len, frame_len, seq, len(dtype); then dtype, parent
+_SUM = struct.Struct("<Q")  # last: xxh3-64 of (row name + everything before it)
+_MAX_RAW = min(MAX_RAW_LEN, 2**32 - 1)  # the codec's limit, and the store's uint32 sizes
+_MAX_SEQ = 2**62  # write clocks are counters; a larger one is damage
 MAP_FACTOR = 4  # map size = budget x 4 (+ 1 GiB): freed overflow pages fragment
 MAP_SLACK = 1 << 30
 DEFAULT_LEVEL = 1  # zstd-1 on byte planes: ratio ~1.44 at ~0.7 GB/s (machine-limits 3)
@@ -71,22 +89,55 @@ class DiskRow:
     parent: bytes | None
 
 
-def _pack_meta(raw_len: int, frame_len: int, seq: int, dtype: str, parent: bytes | None) -> bytes:
+def _pack_meta(name: bytes, raw_len: int, frame_len: int, seq: int, dtype: str,
+               parent: bytes | None) -> bytes:
     d = dtype.encode()
-    return _META.pack(raw_len, frame_len, seq, len(d)) + d + (parent or b"")
+    body = _META.pack(raw_len, frame_len, seq, len(d)) + d + (parent or b"")
+    return body + _SUM.pack(xxhash.xxh3_64_intdigest(name + body))
 
 
 def _unpack_meta(name: bytes, value: bytes | memoryview) -> DiskRow:
+    """Parse and check one meta record; ``CorruptPage`` naming the fault if it is damaged
+    (checksum, lengths, or a field outside what the tier can have written)."""
     raw = bytes(value)
-    if len(raw) < _META.size:
-        raise CorruptPage(f"meta of {name.hex()[:16]}…: {len(raw)} bytes, need {_META.size}")
-    raw_len, frame_len, seq, dlen = _META.unpack_from(raw)
-    rest = raw[_META.size :]
-    if len(rest) not in (dlen, dlen + 54):
-        raise CorruptPage(f"meta of {name.hex()[:16]}…: {len(rest)} trailing bytes")
+    what = f"meta of {name.hex()[:16]}…"
+    if len(raw) < _META.size + _SUM.size:
+        raise CorruptPage(f"{what}: {len(raw)} bytes, need {_META.size + _SUM.size}")
+    body = raw[: -_SUM.size]
+    (want,) = _SUM.unpack_from(raw, len(body))
+    got = xxhash.xxh3_64_intdigest(name + body)
+    if got != want:
+        raise CorruptPage(f"{what}: checksum: xxh3-64 is {got:#018x}, record says {want:#018x}")
+    raw_len, frame_len, seq, dlen = _META.unpack_from(body)
+    rest = body[_META.size :]
+    if len(rest) not in (dlen, dlen + ROW_NAME_BYTES):
+        raise CorruptPage(f"{what}: {len(rest)} trailing bytes for a {dlen}-byte dtype")
     dtype = rest[:dlen].decode("ascii", "replace")
+    if dtype not in DTYPE_CODES:
+        raise CorruptPage(f"{what}: dtype {dtype!r} is not a codec dtype")
+    if not 1 <= raw_len <= _MAX_RAW:
+        raise CorruptPage(f"{what}: raw length {raw_len} outside [1, {_MAX_RAW}]")
+    if not HEADER_SIZE <= frame_len <= HEADER_SIZE + raw_len:
+        raise CorruptPage(f"{what}: frame length {frame_len} outside "
+                          f"[{HEADER_SIZE}, {HEADER_SIZE + raw_len}] for {raw_len} raw bytes")
+    if seq > _MAX_SEQ:
+        raise CorruptPage(f"{what}: write clock {seq} exceeds {_MAX_SEQ}")
     parent = rest[dlen:] or None
     return DiskRow(name, raw_len, frame_len, seq, dtype, parent)
+
+
+def _check_row(row: DiskRow, frame: memoryview | bytes | None) -> None:
+    """The frame agrees with its meta record: present, the recorded length, a valid
+    header naming the same raw length and dtype. Reads only the header bytes."""
+    what = f"row {row.name.hex()[:16]}…"
+    if frame is None:
+        raise CorruptPage(f"{what}: meta has no frame")
+    if len(frame) != row.frame_len:
+        raise CorruptPage(f"{what}: frame is {len(frame)} bytes, meta says {row.frame_len}")
+    header = frame_info(frame)
+    if header.raw_len != row.raw_len or header.dtype != row.dtype:
+        raise CorruptPage(f"{what}: frame header holds {header.raw_len} bytes of "
+                          f"{header.dtype}, meta says {row.raw_len} of {row.dtype}")
 
 
 def check_dtype(dtype: str) -> None:
@@ -133,18 +184,14 @@ class DiskTier(Tier):
             self._meta = self._env.open_db(b"meta")
         except (lmdb.Error, OSError) as exc:
             raise TierUnavailable(f"disk tier: cannot open {self.path}: {exc}") from exc
-        used, top = 0, 0
-        bad: list[bytes] = []
-        for row in self._scan_raw(bad):
-            used += row.frame_len
-            top = max(top, row.seq)
-        self._used = used
-        self.seq = top  # the highest write clock on disk
-        if bad:  # meta that does not parse: the row cannot be trusted
-            self.delete_many(bad)
-            self.corrupt_rows += len(bad)
-            logger.warning("disk tier: dropped %d rows with unreadable metadata", len(bad))
-        logger.debug("disk tier %s: opened, %d bytes in rows", self.path, used)
+        # Every frame counts until the rows that failed their checks are deleted (which
+        # subtracts what they really hold), so used_bytes is exact whatever meta claimed.
+        rows, bad, self._used = self._scan_checked()
+        self.seq = max((r.seq for r in rows), default=0)  # the highest write clock on disk
+        self._opened: list[DiskRow] | None = rows  # what scan() answers until a write
+        if bad:  # the row cannot be trusted: drop it, never fail the open for it
+            self._drop_bad(bad)
+        logger.debug("disk tier %s: opened, %d bytes in rows", self.path, self._used)
 
     # -- capabilities ------------------------------------------------------------------
 
@@ -212,17 +259,23 @@ class DiskTier(Tier):
             self._check_open()
             if seq is None:
                 seq = self.seq + 1
-            meta = _pack_meta(raw_len, flen, seq, dtype, parent)
+            meta = _pack_meta(name, raw_len, flen, seq, dtype, parent)
+            bad_old: CorruptPage | None = None
             try:
-                with self._env.begin(write=True) as txn:
+                with self._env.begin(write=True, buffers=True) as txn:
                     old = txn.get(name, db=self._meta)
-                    old_len = 0
                     if old is not None:
-                        prev = _unpack_meta(name, old)
-                        if prev.raw_len != raw_len and not replace:
-                            raise PageSizeMismatch(f"data: {raw_len} bytes, but row "
-                                                   f"{name.hex()[:16]}… holds {prev.raw_len}")
-                        old_len = prev.frame_len
+                        try:
+                            prev = _unpack_meta(name, old)
+                        except CorruptPage as exc:
+                            bad_old = exc  # replaced below, counted once committed
+                        else:
+                            if prev.raw_len != raw_len and not replace:
+                                raise PageSizeMismatch(
+                                    f"data: {raw_len} bytes, but row {name.hex()[:16]}… "
+                                    f"holds {prev.raw_len}")
+                    old_frame = txn.get(name, db=self._frames)
+                    old_len = 0 if old_frame is None else len(old_frame)
                     if self._used - old_len + flen > self._budget:
                         raise TierFull(f"disk tier: a {flen}-byte frame exceeds the budget "
                                        f"(used {self._used} of {self._budget})")
@@ -232,15 +285,32 @@ class DiskTier(Tier):
                 raise self._mapped(f"writing {name.hex()[:16]}…", exc) from exc
             self._used += flen - old_len
             self.seq = max(self.seq, seq)
+            self._opened = None
+            if bad_old is not None:
+                self.corrupt_rows += 1
+        if bad_old is not None:
+            logger.warning("disk tier: replaced a row whose metadata failed its checks: %s",
+                           bad_old)
 
-    def read_into(self, name: bytes, out: memoryview | bytearray) -> int | None:
-        """Decode the row into ``out``; ``None`` if absent; ``CorruptPage`` if its frame
-        fails a check (the caller drops it)."""
+    def read_into(self, name: bytes, out: memoryview | bytearray, *,
+                  expect: int | None = None) -> int | None:
+        """Decode the row into ``out``; ``None`` if absent (or, with ``expect``, if the
+        row holds another number of bytes: it is not the row the caller looked up);
+        ``CorruptPage`` if its frame or meta record fails a check or they disagree (the
+        caller drops it)."""
         self._check_open()
         try:
-            with self._env.begin(db=self._frames, buffers=True) as txn:
-                buf = txn.get(name)
-                if buf is None:
+            with self._env.begin(buffers=True) as txn:
+                buf = txn.get(name, db=self._frames)
+                rec = txn.get(name, db=self._meta)
+                if buf is None and rec is None:
+                    return None
+                if rec is None:
+                    raise CorruptPage(f"row {name.hex()[:16]}…: frame has no meta record")
+                row = _unpack_meta(name, rec)
+                _check_row(row, buf)  # the header's raw length is the record's
+                assert buf is not None  # _check_row raised otherwise
+                if expect is not None and row.raw_len != expect:
                     return None
                 # The buffer is LMDB's mapped page, valid only inside this transaction:
                 # decode straight from it into the caller's memory, no copy in between.
@@ -255,26 +325,62 @@ class DiskTier(Tier):
             self.corrupt_rows += 1
         logger.warning("disk tier: row %s… failed its checks; deleted", name.hex()[:16])
 
-    def _scan_raw(self, bad: list[bytes]) -> Iterator[DiskRow]:
+    def _scan_checked(self) -> tuple[list[DiskRow], list[bytes], int]:
+        """Every row whose meta record passes its checks and agrees with its frame
+        (length, header raw length and dtype; only header bytes are read); the names
+        that fail (a frame with no record included); the bytes of every frame."""
+        rows: list[DiskRow] = []
+        bad: list[bytes] = []
+        used = 0
+        first: str | None = None
         try:
-            with self._env.begin(db=self._meta) as txn:
-                for key, value in txn.cursor():
+            with self._env.begin(buffers=True) as txn:
+                for key, value in txn.cursor(db=self._meta):
+                    name, rec = bytes(key), bytes(value)
+                    frame = txn.get(name, db=self._frames)
+                    used += 0 if frame is None else len(frame)
                     try:
-                        yield _unpack_meta(bytes(key), value)
-                    except CorruptPage:
-                        bad.append(bytes(key))
+                        if len(name) != ROW_NAME_BYTES:
+                            raise CorruptPage(f"meta key of {len(name)} bytes is no row name")
+                        row = _unpack_meta(name, rec)
+                        _check_row(row, frame)
+                    except CorruptPage as exc:
+                        bad.append(name)
+                        first = first or str(exc)
+                        continue
+                    rows.append(row)
+                n_frames = txn.stat(self._frames)["entries"]
+                if n_frames > len(rows) + len(bad):  # frames with no meta record
+                    known = {r.name for r in rows}.union(bad)
+                    for key, value in txn.cursor(db=self._frames):
+                        if bytes(key) not in known:
+                            bad.append(bytes(key))
+                            used += len(value)
         except lmdb.Error as exc:
             raise TierUnavailable(f"disk tier: scanning {self.path}: {exc}") from exc
+        if first is not None:
+            logger.warning("disk tier: %d rows failed their metadata checks (first: %s)",
+                           len(bad), first)
+        return rows, bad, used
+
+    def _drop_bad(self, names: list[bytes]) -> None:
+        """Delete rows that failed their checks at a scan, and count them."""
+        with self._lock:
+            self._check_open()
+            self._delete_locked(names)
+            self.corrupt_rows += len(names)
+        logger.warning("disk tier: dropped %d rows whose metadata failed its checks", len(names))
 
     def scan(self) -> Iterator[DiskRow]:
-        """Every committed row, from the metadata alone."""
+        """Every committed row that passed its checks (the meta record, and its agreement
+        with the frame's length and header); a row that fails is deleted and counted."""
         self._check_open()
-        bad: list[bytes] = []
-        rows = list(self._scan_raw(bad))
-        if bad:
-            self.delete_many(bad)
-            with self._lock:
-                self.corrupt_rows += len(bad)
+        with self._lock:
+            rows, self._opened = self._opened, None
+        if rows is None:
+            rows, bad, _ = self._scan_checked()
+            if bad:
+                self._drop_bad(bad)
         return iter(rows)
 
     def names(self) -> list[bytes]:
@@ -286,7 +392,11 @@ class DiskTier(Tier):
         """``frames`` and ``meta`` hold the same names and ``used_bytes`` is their sum."""
         with self._lock, self._env.begin(buffers=True) as txn:
             frames = {bytes(k): len(v) for k, v in txn.cursor(db=self._frames)}
-            metas = {bytes(k): _unpack_meta(bytes(k), v) for k, v in txn.cursor(db=self._meta)}
+            try:
+                metas = {bytes(k): _unpack_meta(bytes(k), v)
+                         for k, v in txn.cursor(db=self._meta)}
+            except CorruptPage as exc:
+                raise AssertionError(f"disk tier: {exc}") from exc
         if frames.keys() != metas.keys():
             diff = frames.keys() ^ metas.keys()
             raise AssertionError(f"disk tier: {len(diff)} names in only one of frames/meta")
@@ -328,21 +438,29 @@ class DiskTier(Tier):
 
     def delete_many(self, names: Sequence[bytes]) -> list[bool]:
         """Delete rows in one transaction; which of them were there."""
-        found: list[bool] = []
+        names = [check_name(n) for n in names]
         with self._lock:
             self._check_open()
-            freed = 0
-            try:
-                with self._env.begin(write=True) as txn:
-                    for name in names:
-                        old = txn.pop(check_name(name), db=self._meta)
-                        frame_gone = txn.delete(name, db=self._frames)
-                        found.append(old is not None or frame_gone)
-                        if old is not None and len(old) >= _META.size:
-                            freed += _META.unpack_from(old)[1]
-            except (lmdb.Error, OSError) as exc:
-                raise self._mapped("deleting rows", exc) from exc
-            self._used -= freed
+            return self._delete_locked(names)
+
+    def _delete_locked(self, names: Sequence[bytes]) -> list[bool]:
+        """Delete in one transaction (caller holds ``_lock``); ``used_bytes`` drops by the
+        frames' real lengths, never by what a (possibly damaged) meta record says."""
+        found: list[bool] = []
+        freed = 0
+        try:
+            with self._env.begin(write=True, buffers=True) as txn:
+                for name in names:
+                    frame = txn.get(name, db=self._frames)
+                    if frame is not None:
+                        freed += len(frame)
+                        txn.delete(name, db=self._frames)
+                    meta_gone = txn.delete(name, db=self._meta)
+                    found.append(meta_gone or frame is not None)
+        except (lmdb.Error, OSError) as exc:
+            raise self._mapped("deleting rows", exc) from exc
+        self._used -= freed
+        self._opened = None
         return found
 
     def contains(self, names: Sequence[bytes]) -> list[bool]:

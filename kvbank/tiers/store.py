@@ -765,7 +765,7 @@ class TieredStore:
         disk = self._disk
         assert disk is not None
         try:
-            n = disk.read_into(name, dst)
+            n = disk.read_into(name, dst, expect=size)
         except CorruptPage as exc:
             logger.warning("store: row %s… failed its checks on disk, dropped: %s",
                            name.hex()[:16], exc)
@@ -1084,7 +1084,7 @@ class TieredStore:
         assert disk is not None
         view = pool.view(st.off, st.size)
         try:
-            st.n = disk.read_into(st.name, view)
+            st.n = disk.read_into(st.name, view, expect=st.size)
         except CorruptPage as exc:
             logger.warning("store: row %s… failed its checks on disk, dropped: %s",
                            st.name.hex()[:16], exc)
@@ -1175,7 +1175,7 @@ class TieredStore:
         try:
             buf = pool.view(off, size) if isinstance(pool, HostSlab) else memoryview(bytearray(size))
             try:
-                n = disk.read_into(name, buf)
+                n = disk.read_into(name, buf, expect=size)
             except CorruptPage as exc:
                 logger.warning("store: row %s… failed its checks on disk, dropped: %s",
                                name.hex()[:16], exc)

@@ -200,6 +200,11 @@ class _Staging:
     pinned: bool = False  # src_off is pinned
     n: int | None = None  # bytes that arrived whole (None: the disk had no frame)
     corrupt: bool = False
+    # Set when published: the row's LRU stamp and lock holders at that moment. A rollback
+    # gives the copy back only if both are unchanged: a stage (or read) by anyone touches
+    # the row, and a lock taken since may be a holder that relies on this slot.
+    published_at: int = -1
+    holders: dict[str, int] | None = None
 
 
 class _Counters:
@@ -954,7 +959,10 @@ class TieredStore:
 
         All or nothing: when the host tier cannot hold every present row, ``TierFull`` is
         raised and no row is left staged that was not in host before (rows evicted to make
-        room stay evicted; they were unlocked). The caller locks the rows first."""
+        room stay evicted; they were unlocked). The caller locks the rows first. When a
+        copy fails after some rows were published, the error propagates and those copies
+        are given back, except one that somebody staged, read, locked or unlocked in the
+        meantime: it may be another holder's slot, so it stays (a clean host copy)."""
         names = [check_name(n) for n in names]
         pool = self._pool(HOST, "stage")
         assert isinstance(pool, HostSlab)
@@ -992,6 +1000,8 @@ class TieredStore:
             for st in plan:
                 self._release_staging(st)
                 if self._publish_staging(st):
+                    st.published_at = int(self._ix.atime[st.rid])
+                    st.holders = dict(self._locks.get(st.name, {}))
                     published.append(st)
                     continue
                 self._free_slot(HOST, st.off)
@@ -1008,16 +1018,26 @@ class TieredStore:
             for name in retry:
                 self._stage(name, HOST)
         except BaseException:
-            with self._lock:  # all or nothing: give back the copies this call added
+            with self._lock:  # all or nothing: give back the copies this call added...
                 for st in published:
-                    ix = self._ix
-                    if (ix.ids.get(st.name) == st.rid and int(ix.where[st.rid]) & HOST
-                            and self._mem_off(st.rid, HOST) == st.off):
+                    if self._still_ours(st):
                         self._drop_copy(st.rid, HOST)
             raise
         with self._lock:
             self._check_open()
             return self._host_slots_locked(names)
+
+    def _still_ours(self, st: _Staging) -> bool:
+        """Whether a copy this batch published is still only this batch's (caller holds
+        the lock): the same row in the same host slot, and since the publish nobody has
+        staged or read it (its LRU stamp is unchanged) nor locked or unlocked it. Another
+        holder may have been handed this slot: then the copy stays, it is theirs too."""
+        ix = self._ix
+        rid = st.rid
+        return (ix.ids.get(st.name) == rid and bool(int(ix.where[rid]) & HOST)
+                and self._mem_off(rid, HOST) == st.off
+                and int(ix.atime[rid]) == st.published_at
+                and self._locks.get(st.name, {}) == st.holders)
 
     def _claim_stage_slots(self, pool: HostSlab, plan: list[_Staging]) -> None:
         """Claim (and pin) a private host slot for every planned row, or none of them

@@ -549,6 +549,81 @@ def test_store_stage_host_many_corrupt_disk_row_is_a_miss(
     s.unlock_all("lease")
 
 
+def test_store_stage_host_many_rollback_spares_a_row_another_holder_staged(
+    make_store: MakeStore,
+) -> None:
+    """Regression: when stage_host_many fails after publishing some rows, its rollback
+    used to drop those host copies unchecked. If another holder had locked and staged
+    one of them in that window (through the store API), its slot was freed under a live
+    lock. The rollback now gives back only copies nobody has staged or locked since."""
+    s = _disk_only_store(make_store, 4)
+    a, b = name_of(0), name_of(1)
+    s.lock([a, b], "lease")
+    publish, stage = s._publish_staging, s._stage
+    other: dict[str, object] = {}
+
+    def publish_all_but_b(st):  # type: ignore[no-untyped-def]
+        return False if st.name == b else publish(st)  # b "changed": staged again
+
+    def stage_b_fails(name, bit):  # type: ignore[no-untyped-def]
+        if name != b:
+            return stage(name, bit)
+
+        def holder() -> None:  # another holder, between the publish and the rollback
+            s.lock([a], "other")
+            other["slot"] = s.stage_host(a)
+
+        t = threading.Thread(target=holder)
+        t.start()
+        t.join()
+        raise OSError("injected: copying row b failed")
+
+    s._publish_staging = publish_all_but_b  # type: ignore[method-assign]
+    s._stage = stage_b_fails  # type: ignore[method-assign]
+    with pytest.raises(OSError, match="injected"):
+        s.stage_host_many([a, b])
+    s._publish_staging, s._stage = publish, stage  # type: ignore[method-assign]
+    slot = other["slot"]
+    assert slot is not None
+    assert H in s.residency([a])[0]  # the other holder's copy stayed
+    assert s.stage_host(a) == slot  # the same slot: it was never freed
+    assert s.host_view(slot).tobytes() == page_of(0, P)
+    assert s.residency([b]) == [frozenset({D})]  # nothing added for b
+    s.check_invariants()
+    s.put(name_of(60), page_of(60, P))  # a freed slot would be handed out again here
+    assert s.host_view(slot).tobytes() == page_of(0, P)
+    s.unlock_all("other")
+    s.unlock_all("lease")
+
+
+def test_store_stage_host_many_rollback_gives_back_untouched_copies(
+    make_store: MakeStore,
+) -> None:
+    """All or nothing still holds when nobody else used the rows: a copy failure after
+    some rows were published leaves no row in host that was not there before."""
+    s = _disk_only_store(make_store, 4)
+    names = [name_of(i) for i in range(3)]
+    s.lock(names, "lease")
+    publish, stage = s._publish_staging, s._stage
+
+    def publish_all_but_last(st):  # type: ignore[no-untyped-def]
+        return False if st.name == names[-1] else publish(st)
+
+    def stage_fails(name, bit):  # type: ignore[no-untyped-def]
+        raise OSError("injected")
+
+    s._publish_staging = publish_all_but_last  # type: ignore[method-assign]
+    s._stage = stage_fails  # type: ignore[method-assign]
+    used = s.stats().tier(H).used_bytes
+    with pytest.raises(OSError, match="injected"):
+        s.stage_host_many(names)
+    s._publish_staging, s._stage = publish, stage  # type: ignore[method-assign]
+    assert s.residency(names) == [frozenset({D})] * 3
+    assert s.stats().tier(H).used_bytes == used
+    s.check_invariants()
+    s.unlock_all("lease")
+
+
 def test_store_stage_host_many_empty_and_host_off(make_store: MakeStore) -> None:
     s = make_store(host_bytes=32 * 1024)
     assert s.stage_host_many([]) == []

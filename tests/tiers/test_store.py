@@ -738,7 +738,9 @@ def test_store_close_writes_dirty_rows_to_disk_in_lru_order(make_store: MakeStor
                    disk_bytes=1 << 20)
     for i in range(20):
         s.put(name_of(i), page_of(i, P), parent=name_of(i - 1) if i else None)
-    assert K in s.locate([name_of(0)]) and s.stats().tier(D).rows == 0
+    # Where each row sits now depends on the mover's timing (device -> host); only that
+    # nothing reached the disk before close is certain under write-back.
+    assert s.stats().tier(D).rows == 0
     for i in range(5):
         assert read(s, i) == page_of(i, P)  # rows 0..4 are now the most recent
     s.close()

@@ -37,7 +37,7 @@ from kvbank.tiers.base import (
     TierKind,
 )
 from kvbank.tiers.memory import MemoryTier
-from kvbank.tiers.slots import SlotAllocator
+from kvbank.tiers.slots import AllocatorBacked, SlotAllocator
 
 logger = logging.getLogger(__name__)
 
@@ -101,7 +101,7 @@ def device_budget(config: BankConfig) -> tuple[int, str]:
     return int(reading.free * config.device_fraction), ""
 
 
-class DevicePool:
+class DevicePool(AllocatorBacked):
     """Slots in chunk tensors on one torch device. Not thread-safe (the owner locks)."""
 
     def __init__(self, budget: int, device: str) -> None:
@@ -124,35 +124,6 @@ class DevicePool:
     def _release(self, start: int, nbytes: int) -> None:
         del self._chunks[start]
         logger.debug("device pool %s: released %d bytes at %d", self.pool_id, nbytes, start)
-
-    @property
-    def budget(self) -> int:
-        return self._alloc.budget
-
-    @property
-    def used_bytes(self) -> int:
-        return self._alloc.used_bytes
-
-    @property
-    def allocated_bytes(self) -> int:
-        return self._alloc.allocated_bytes
-
-    @property
-    def allocator(self) -> SlotAllocator:
-        return self._alloc
-
-    def fits(self, size: int) -> bool:
-        return self._alloc.fits(size)
-
-    def alloc(self, size: int) -> int | None:
-        self._check_open()
-        return self._alloc.alloc(size)
-
-    def free(self, offset: int) -> None:
-        self._alloc.free(offset)
-
-    def capacity(self, offset: int) -> int:
-        return self._alloc.capacity(offset)
 
     def _locate(self, offset: int) -> tuple[int, torch.Tensor]:
         start = offset // self._alloc.unit * self._alloc.unit

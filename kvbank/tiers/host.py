@@ -48,7 +48,7 @@ from kvbank.tiers.base import (
     check_name,
 )
 from kvbank.tiers.memory import MemoryTier
-from kvbank.tiers.slots import SlotAllocator
+from kvbank.tiers.slots import AllocatorBacked, SlotAllocator
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +81,7 @@ def _cuda_pinning() -> Callable[[int, int, bool], None] | None:
     return pin
 
 
-class HostSlab:
+class HostSlab(AllocatorBacked):
     """Slots in one shared-memory segment; offsets name slots. Not thread-safe: the owner
     (the store or :class:`HostTier`) serialises alloc/free; copies may run concurrently
     on slots the owner keeps from being freed."""
@@ -153,38 +153,6 @@ class HostSlab:
         logger.debug("host slab %s: released %d bytes at %d", self.segment, nbytes, start)
 
     # -- slots -------------------------------------------------------------------------
-
-    @property
-    def budget(self) -> int:
-        return self._alloc.budget
-
-    @property
-    def used_bytes(self) -> int:
-        """Capacity of slots in use (rows and reservations)."""
-        return self._alloc.used_bytes
-
-    @property
-    def allocated_bytes(self) -> int:
-        """Bytes of claimed chunks: the memory the slab holds (<= budget)."""
-        return self._alloc.allocated_bytes
-
-    @property
-    def allocator(self) -> SlotAllocator:
-        return self._alloc
-
-    def fits(self, size: int) -> bool:
-        return self._alloc.fits(size)
-
-    def alloc(self, size: int) -> int | None:
-        """A free slot's offset, or None when the budget has no room without eviction."""
-        self._check_open()
-        return self._alloc.alloc(size)
-
-    def free(self, offset: int) -> None:
-        self._alloc.free(offset)
-
-    def capacity(self, offset: int) -> int:
-        return self._alloc.capacity(offset)
 
     def write(self, offset: int, data: memoryview) -> None:
         self._check_open()

@@ -17,6 +17,7 @@ Not thread-safe: the owner serialises calls (the store holds its lock).
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Callable
 
 SMALL_ALIGN = 64  # a cache line: small rows (tests, tiny state snapshots) waste little
@@ -214,3 +215,49 @@ class SlotAllocator:
             if c.in_use != c.next_unused - len(c.free):
                 raise AssertionError(f"slab: chunk at {c.start} counts {c.in_use} in use, "
                                      f"{c.next_unused} handed out, {len(c.free)} free")
+
+
+class AllocatorBacked(abc.ABC):
+    """The slot bookkeeping a pool delegates to its :class:`SlotAllocator`.
+
+    The host slab and the device pool differ in where the bytes live, not in how slots
+    are counted; both mix this in and set ``_alloc``.
+    """
+
+    _alloc: SlotAllocator
+
+    @abc.abstractmethod
+    def _check_open(self) -> None:
+        """Raise TierUnavailable if the pool is closed (each pool names itself)."""
+
+    @property
+    def budget(self) -> int:
+        return self._alloc.budget
+
+    @property
+    def used_bytes(self) -> int:
+        """Capacity of slots in use (rows and reservations)."""
+        return self._alloc.used_bytes
+
+    @property
+    def allocated_bytes(self) -> int:
+        """Bytes of claimed chunks: the memory the pool holds (<= budget)."""
+        return self._alloc.allocated_bytes
+
+    @property
+    def allocator(self) -> SlotAllocator:
+        return self._alloc
+
+    def fits(self, size: int) -> bool:
+        return self._alloc.fits(size)
+
+    def alloc(self, size: int) -> int | None:
+        """A free slot's offset, or None when the budget has no room without eviction."""
+        self._check_open()
+        return self._alloc.alloc(size)
+
+    def free(self, offset: int) -> None:
+        self._alloc.free(offset)
+
+    def capacity(self, offset: int) -> int:
+        return self._alloc.capacity(offset)

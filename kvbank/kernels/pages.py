@@ -184,6 +184,28 @@ def gather_pages(
     _gather(pool, block_ids, layout, group, out, staging=None)
 
 
+def _plan(
+    pool: Pool,
+    block_ids: Sequence[int] | torch.Tensor,
+    layout: PageLayout,
+    group: int,
+    pages: torch.Tensor,
+    field: str,
+    *,
+    unique: bool,
+) -> tuple[list[tuple[BufferRegion, torch.Tensor]], torch.Tensor, torch.device, int] | None:
+    """Validate a gather or scatter and resolve its regions and block ids on the pool's
+    device; None when there is nothing to move."""
+    count = len(block_ids)
+    resolved, blocks = _resolve(pool, layout, group, count, pages, field)
+    if not resolved or count == 0:
+        return None
+    device = resolved[0][1].device
+    ids = _block_ids(block_ids, device, "block_ids")
+    _check_ids(ids, blocks, "block_ids", unique=unique)
+    return resolved, ids, device, count
+
+
 def _gather(
     pool: Pool,
     block_ids: Sequence[int] | torch.Tensor,
@@ -192,13 +214,10 @@ def _gather(
     out: torch.Tensor,
     staging: bool | None,
 ) -> None:
-    count = len(block_ids)
-    resolved, blocks = _resolve(pool, layout, group, count, out, "out")
-    if not resolved or count == 0:
+    plan = _plan(pool, block_ids, layout, group, out, "out", unique=False)
+    if plan is None:
         return
-    device = resolved[0][1].device
-    ids = _block_ids(block_ids, device, "block_ids")
-    _check_ids(ids, blocks, "block_ids", unique=False)
+    resolved, ids, device, count = plan
     if staging is None:
         staging = out.device != device
     gaps = _padding(layout, group)
@@ -249,13 +268,10 @@ def _scatter(
     group: int,
     staging: bool | None,
 ) -> None:
-    count = len(block_ids)
-    resolved, blocks = _resolve(pool, layout, group, count, pages, "pages")
-    if not resolved or count == 0:
+    plan = _plan(pool, block_ids, layout, group, pages, "pages", unique=True)
+    if plan is None:
         return
-    device = resolved[0][1].device
-    ids = _block_ids(block_ids, device, "block_ids")
-    _check_ids(ids, blocks, "block_ids", unique=True)
+    resolved, ids, device, count = plan
     if staging is None:
         staging = pages.device != device
     if not staging:

@@ -211,16 +211,24 @@ class LenderMachine(RuleBasedStateMachine):
         self.model.live[lease.id] = m
         self.ids.append(lease.id)
 
-    @precondition(lambda self: bool(self.ids))
-    @rule(k=PICK)
-    def read(self, k: int) -> None:
+    def _live_read_lease(self, k: int) -> tuple[str, ModelLease] | None:
+        """A live READ lease with rows ready to read (id and model entry), or None."""
         self.model.expire()
         if not self.model.readable():
-            return
+            return None
         lid = pick(self.model.readable(), k)
         m = self.model.live.get(lid)
         if m is None or m.mode is not LeaseMode.READ or not m.ready:
+            return None
+        return lid, m
+
+    @precondition(lambda self: bool(self.ids))
+    @rule(k=PICK)
+    def read(self, k: int) -> None:
+        picked = self._live_read_lease(k)
+        if picked is None:
             return
+        lid, m = picked
         name = pick(sorted(m.ready), k // 7)
         if self.lender.read(lid, name) != m.ready[name]:
             raise AssertionError("read through a lease returned other bytes")
@@ -229,13 +237,10 @@ class LenderMachine(RuleBasedStateMachine):
     @rule(k=PICK)
     def read_after_expiry(self, k: int) -> None:
         """A read that completes after the deadline is refused (its bytes are not used)."""
-        self.model.expire()
-        if not self.model.readable():
+        picked = self._live_read_lease(k)
+        if picked is None:
             return
-        lid = pick(self.model.readable(), k)
-        m = self.model.live.get(lid)
-        if m is None or m.mode is not LeaseMode.READ or not m.ready:
-            return
+        lid, m = picked
         name = next(iter(m.ready))
         view = self.lender.view(lid, name)
         out = bytes(view)  # the copy "completes" after the clock passes the deadline
@@ -254,13 +259,10 @@ class LenderMachine(RuleBasedStateMachine):
     @rule(k=PICK)
     def read_racing_expiry(self, k: int) -> None:
         """The deadline passes while read_into copies: the copy must not count."""
-        self.model.expire()
-        if not self.model.readable():
+        picked = self._live_read_lease(k)
+        if picked is None:
             return
-        lid = pick(self.model.readable(), k)
-        m = self.model.live.get(lid)
-        if m is None or m.mode is not LeaseMode.READ or not m.ready:
-            return
+        lid, m = picked
         self.clock.jump_after(1, m.deadline)  # live when the copy starts, not when it ends
         try:
             self.lender.read_into(lid, next(iter(m.ready)), bytearray(PAGE))

@@ -26,6 +26,10 @@ fetch_ttl_s                 KVBANK_FETCH_TTL_S         how long a fetch-ledger e
 reaper_interval_s           KVBANK_REAPER_INTERVAL_S   how often expired leases are reaped
 movement_queue_bytes        KVBANK_MOVEMENT_QUEUE_BYTES  bytes waiting for the background
                                                        mover before puts feel backpressure
+pin_bytes                   KVBANK_PIN_BYTES           raw bytes of rows pinned by the admin;
+                                                       unset = a quarter of host_bytes
+wait_timeout_s              KVBANK_WAIT_TIMEOUT_S      how long a store call waits for the
+                                                       mover or for room before ``Busy``
 ==========================  =========================  =====================================
 
 Byte sizes accept a plain integer or a suffix: ``512M``, ``4G``, ``1.5GiB`` (powers of 1024).
@@ -58,6 +62,8 @@ DEFAULT_MAX_LEASE_TTL_S = 600.0
 DEFAULT_FETCH_TTL_S = 120.0
 DEFAULT_REAPER_INTERVAL_S = 0.25
 DEFAULT_MOVEMENT_QUEUE_BYTES = 256 << 20
+DEFAULT_PIN_FRACTION = 0.25  # pin_bytes when unset: this share of host_bytes
+DEFAULT_WAIT_TIMEOUT_S = 60.0  # how long a store call may wait for the mover or for room
 
 
 class WritePolicy(enum.Enum):
@@ -111,6 +117,8 @@ class BankConfig:
     fetch_ttl_s: float = DEFAULT_FETCH_TTL_S
     reaper_interval_s: float = DEFAULT_REAPER_INTERVAL_S
     movement_queue_bytes: int = DEFAULT_MOVEMENT_QUEUE_BYTES
+    pin_bytes: int | None = None  # raw bytes of pinned rows; None = host_bytes x 0.25
+    wait_timeout_s: float = DEFAULT_WAIT_TIMEOUT_S
 
     def __post_init__(self) -> None:
         if self.data_dir is not None and not isinstance(self.data_dir, Path):
@@ -134,7 +142,10 @@ class BankConfig:
                 "watermarks: need 0 < low_watermark < high_watermark <= 1, got "
                 f"low={self.low_watermark}, high={self.high_watermark}"
             )
-        for name in ("lease_ttl_s", "max_lease_ttl_s", "fetch_ttl_s", "reaper_interval_s"):
+        if self.pin_bytes is not None:
+            object.__setattr__(self, "pin_bytes", parse_bytes(self.pin_bytes, "pin_bytes"))
+        for name in ("lease_ttl_s", "max_lease_ttl_s", "fetch_ttl_s", "reaper_interval_s",
+                     "wait_timeout_s"):
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
                 raise ConfigError(f"{name}: must be a positive number of seconds, got {v!r}")
@@ -144,6 +155,13 @@ class BankConfig:
             )
         if not isinstance(self.disk_sync, bool):
             raise ConfigError(f"disk_sync: must be a bool, got {self.disk_sync!r}")
+
+    @property
+    def pin_budget(self) -> int:
+        """The pin budget in bytes: ``pin_bytes``, or a share of the host budget."""
+        if self.pin_bytes is not None:
+            return self.pin_bytes
+        return int(self.host_bytes * DEFAULT_PIN_FRACTION)
 
     def replace(self, **changes: Any) -> BankConfig:
         return dataclasses.replace(self, **changes)
@@ -168,7 +186,7 @@ class BankConfig:
 def _from_text(name: str, raw: str) -> Any:
     if name == "data_dir":
         return Path(raw)
-    if name in ("host_bytes", "disk_bytes", "device_bytes", "movement_queue_bytes"):
+    if name in ("host_bytes", "disk_bytes", "device_bytes", "movement_queue_bytes", "pin_bytes"):
         return parse_bytes(raw, ENV_PREFIX + name.upper())
     if name == "disk_sync":
         return _parse_bool(raw, ENV_PREFIX + name.upper())

@@ -80,8 +80,8 @@ def _lend_release(quick: bool) -> BenchRow:
         def floor() -> None:
             for i in range(n):
                 holder = f"bench-{i}"
-                store.lock(names, holder)
-                store.unlock_all(holder)
+                store.locks.lock(names, holder)
+                store.locks.unlock_all(holder)
 
         value, base = paired_rates(n, ours, floor, repeat=3 if quick else 7)
     return row(SUITE, "lend-release-ops", "leases/s", value,

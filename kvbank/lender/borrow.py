@@ -2,9 +2,10 @@
 
 A lease crosses the process boundary as plain JSON (:meth:`Lease.to_json`): segment
 names, offsets and sizes, never pickled objects. :class:`Borrower` maps each shared-memory
-segment once (``/dev/shm/<segment>``, plain ``os.open`` + :mod:`mmap`, the same route
-as :class:`kvbank.tiers.host.SlotMapping`, so no resource tracker unlinks the owner's
-segment) and hands out views of the leased rows.
+segment once through :func:`kvbank.tiers.host.map_segment` (the one segment mapper and
+name check, shared with :class:`kvbank.tiers.host.SlotMapping`; plain ``os.open`` +
+:mod:`mmap`, so no resource tracker unlinks the owner's segment) and hands out views of
+the leased rows.
 
 Lifecycle in the borrowing process::
 
@@ -21,14 +22,13 @@ clock. The owner still enforces expiry on its side (:meth:`Lender.finish_read`).
 from __future__ import annotations
 
 import mmap
-import os
 import time
 from collections.abc import Callable
 from types import TracebackType
 
-from kvbank.errors import InvalidInput, LeaseExpired, TierUnavailable
+from kvbank.errors import InvalidInput, LeaseExpired
 from kvbank.lender.base import HostLocation, Lease, MemoryKind
-from kvbank.tiers.host import SHM_DIR
+from kvbank.tiers.host import map_segment
 
 
 class Borrower:
@@ -45,20 +45,7 @@ class Borrower:
         mv = self._views.get(name)
         if mv is not None:
             return mv
-        if not name or "/" in name:
-            raise InvalidInput(f"segment: not a shared-memory name: {name!r}")
-        try:
-            fd = os.open(SHM_DIR / name, os.O_RDWR if self._writable else os.O_RDONLY)
-        except OSError as exc:
-            raise TierUnavailable(f"segment {name}: cannot open ({exc}); owner gone?") from exc
-        try:
-            size = os.fstat(fd).st_size
-            access = mmap.ACCESS_WRITE if self._writable else mmap.ACCESS_READ
-            mm = mmap.mmap(fd, size, access=access)
-        except OSError as exc:
-            raise TierUnavailable(f"segment {name}: mmap failed: {exc}") from exc
-        finally:
-            os.close(fd)
+        mm = map_segment(name, writable=self._writable)
         self._maps[name] = mm
         mv = self._views[name] = memoryview(mm)
         return mv

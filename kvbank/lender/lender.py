@@ -82,6 +82,7 @@ from kvbank.lender.base import (
     lease_rows,
 )
 from kvbank.tiers.base import DeviceSlot, HostSlot
+from kvbank.tiers.lockorder import Rank, make_lock
 
 if TYPE_CHECKING:
     import torch
@@ -134,7 +135,7 @@ class Lender:
         # (namespace, group) -> shape. Only shapes found are kept: a namespace the describer
         # does not know yet may be registered later, a known one never changes.
         self._shapes: dict[tuple[bytes, bytes], PageShape] = {}
-        self._lock = threading.RLock()
+        self._lock = make_lock(Rank.LENDER, "Lender._lock", reentrant=True)
         self._held: dict[str, _Held] = {}
         self._deadlines: list[tuple[float, str]] = []  # heap; stale entries skipped lazily
         # name -> how many live READ leases list it. A count, not a set of ids: lend and
@@ -143,6 +144,8 @@ class Lender:
         self._readers: Counter[bytes] = Counter()
         self._writer: dict[bytes, str] = {}  # name -> the WRITE lease id listing it
         self._ended: OrderedDict[str, str] = OrderedDict()  # id -> "expired" | "released" …
+        # lends between their plan and their publish: id -> (names, mode), claimed above
+        self._pending: dict[str, tuple[tuple[bytes, ...], LeaseMode]] = {}
         self._closed = False
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -237,16 +240,30 @@ class Lender:
         rows = self._names(names)
         shapes = self._shapes_of(rows, mode)
         lease_id = os.urandom(16).hex()  # as unguessable as uuid4, a fifth of its cost
+        # Plan under the lender lock: the readers/writer rule is checked and the names are
+        # claimed, so a concurrent lend sees them. Stage (disk reads, device copies, waits
+        # for room) with no lender lock held; publish under it again.
         with self._lock:
             self._check_open()
             now = self._clock()
             self._reap_locked(now)
             self._check_conflicts(rows, mode)
+            self._claim(lease_id, rows, mode)
+        try:
             if mode is LeaseMode.READ:
                 out, locked, slots, parents = self._lend_read(lease_id, rows, shapes, kind)
             else:
                 out, locked, slots, parents = self._lend_write(lease_id, rows, shapes, kind)
-            deadline = now + ttl
+        except BaseException:
+            with self._lock:
+                self._unclaim(lease_id, rows, mode)
+            raise
+        with self._lock:
+            self._unclaim(lease_id, rows, mode)
+            if self._closed:  # closed while staging: give everything back
+                self._release_store(lease_id, bool(locked), mode, slots)
+                raise TierUnavailable("lender: closed")
+            deadline = self._clock() + ttl
             lease = self._snapshot(lease_id, kind, mode, Selection.NAMED, deadline, out)
             self._held[lease_id] = _Held(lease, deadline, rows, locked, slots, parents)
             heapq.heappush(self._deadlines, (deadline, lease_id))
@@ -256,6 +273,25 @@ class Lender:
                 self._writer.update(dict.fromkeys(rows, lease_id))
         logger.debug("lent %s %s %s: %d rows, ttl %.3fs", lease_id, kind.name, mode.name, len(rows), ttl)
         return lease
+
+    def _claim(self, lease_id: str, rows: tuple[bytes, ...], mode: LeaseMode) -> None:
+        """Hold ``rows`` in the conflict maps while a lend stages them (caller locks)."""
+        self._pending[lease_id] = (rows, mode)
+        if mode is LeaseMode.READ:
+            self._readers.update(rows)
+        else:
+            self._writer.update(dict.fromkeys(rows, lease_id))
+
+    def _unclaim(self, lease_id: str, rows: tuple[bytes, ...], mode: LeaseMode) -> None:
+        del self._pending[lease_id]
+        if mode is LeaseMode.READ:
+            self._readers.subtract(rows)
+            for n in rows:
+                if self._readers[n] <= 0:
+                    del self._readers[n]
+        else:
+            for n in rows:
+                del self._writer[n]
 
     def _check_conflicts(self, rows: tuple[bytes, ...], mode: LeaseMode) -> None:
         """Raise LeaseConflict if the readers/writer rule refuses ``rows`` to ``mode``.
@@ -272,8 +308,9 @@ class Lender:
             )
         if mode is LeaseMode.WRITE and readers and not readers.keys().isdisjoint(rows):
             n = next(n for n in rows if n in readers)
-            r = next(lid for lid, h in self._held.items()
-                     if h.lease.mode is LeaseMode.READ and n in h.names)
+            r = next((lid for lid, h in self._held.items()
+                      if h.lease.mode is LeaseMode.READ and n in h.names),
+                     next((lid for lid, (ns, _) in self._pending.items() if n in ns), "?"))
             raise LeaseConflict(
                 f"names: row {n.hex()[:16]}… is held by READ lease {r}; "
                 "a WRITE lease excludes readers"
@@ -289,14 +326,14 @@ class Lender:
         present = rows if None not in where else [n for n, w in zip(rows, where, strict=True) if w is not None]
         staged: list[HostSlot | None] | list[DeviceSlot | None] = []
         if present:
-            store.lock(present, lease_id)
+            store.locks.lock(present, lease_id)
             try:
                 if kind is MemoryKind.HOST:
-                    staged = store.stage_host_many(present)  # one pass for the whole lease
+                    staged = store.host.stage_many(present)  # one pass for the whole lease
                 else:
-                    staged = [store.stage_device(n) for n in present]
+                    staged = [store.device.stage(n) for n in present]
             except BaseException:
-                store.unlock_all(lease_id)
+                store.locks.unlock_all(lease_id)
                 raise
         n_rows = len(rows)
         regions = _regions(shapes)
@@ -310,7 +347,7 @@ class Lender:
             n: s for n, s in zip(present, staged, strict=True) if s is not None
         }
         if len(slots) < len(present):  # evicted between the locate and the lock
-            store.unlock([n for n in present if n not in slots], lease_id)
+            store.locks.unlock([n for n in present if n not in slots], lease_id)
         got = list(map(slots.get, rows))
         out = lease_rows(
             rows,
@@ -341,9 +378,9 @@ class Lender:
                     out.append(LeaseRow(n, True, None, shape.regions, Delivery.PRESENT))
                     continue
                 slot: Slot = (
-                    self._store.reserve_host(shape.size, lease_id)
+                    self._store.host.reserve(shape.size, lease_id)
                     if kind is MemoryKind.HOST
-                    else self._store.reserve_device(shape.size, lease_id)
+                    else self._store.device.reserve(shape.size, lease_id)
                 )
                 slots[n] = slot
                 out.append(LeaseRow(n, False, self._location(slot), shape.regions, Delivery.RESERVED))
@@ -391,7 +428,7 @@ class Lender:
                 "kind: an ALL lease of DEVICE memory needs the store to enumerate its device "
                 "pools, which it does not; lend DEVICE rows by name"
             )
-        segment = self._store.host_segment
+        segment = self._store.host.segment
         if segment is None:
             raise TierUnavailable("lend_all: the host tier is off")
         return (segment,)
@@ -421,14 +458,15 @@ class Lender:
         """
         if not slot.device.startswith("cuda"):
             return None
-        storage = self._store.device_view(slot).untyped_storage()
+        storage = self._store.device.view(slot).untyped_storage()
         handle = storage._share_cuda_()[1]  # type: ignore[no-untyped-call]  # (device, handle, …)
         return bytes(handle)
 
     # ---- the lease table ---------------------------------------------------------------
 
-    def _live(self, lease_id: str, now: float) -> _Held:
-        """The live lease ``lease_id``; reaps it and raises if its deadline has passed."""
+    def _live(self, lease_id: str, now: float, *, end: bool = True) -> _Held:
+        """The live lease ``lease_id``; raises if its deadline has passed, and then (with
+        ``end``, for commands) ends it. Lookups pass ``end=False``: they change nothing."""
         if not isinstance(lease_id, str):
             raise InvalidInput(f"lease_id: expected a string, got {type(lease_id).__name__}")
         held = self._held.get(lease_id)
@@ -440,16 +478,15 @@ class Lender:
                 f"lease_id: no live lease {lease_id}" + (f" ({why})" if why else "")
             )
         if held.deadline <= now:
-            self._end_locked(lease_id, "expired")
+            if end:
+                self._end_locked(lease_id, "expired")
             raise LeaseExpired(f"lease_id: lease {lease_id} expired")
         return held
 
     def lease(self, lease_id: str) -> Lease:
-        """The live lease's current snapshot."""
+        """The live lease's current snapshot. A lookup: it reaps nothing."""
         with self._lock:
-            now = self._clock()
-            self._reap_locked(now)
-            return self._live(lease_id, now).lease
+            return self._live(lease_id, self._clock(), end=False).lease
 
     def renew(self, lease_id: str, ttl_s: float | None = None) -> Lease:
         """Extend a live lease to ``now + ttl_s``. An expired lease cannot be revived."""
@@ -503,31 +540,34 @@ class Lender:
             if lease.mode is not LeaseMode.WRITE or lease.selection is not Selection.NAMED:
                 raise InvalidInput(f"lease_id: {lease_id} is a {lease.mode.name} {lease.selection.name} lease; only NAMED WRITE leases commit")
             got = self._arrived(lease, arrived)
-            committed: list[bytes] = []
-            discarded: list[bytes] = []
-            already: list[bytes] = []
-            pending = dict(held.slots)
-            try:
-                for row in lease.rows:
-                    slot = pending.get(row.name)
-                    if slot is None:
-                        continue  # PRESENT at lend: nothing was reserved
-                    if row.name not in got:
-                        discarded.append(row.name)
-                        continue
-                    if self._store.locate([row.name])[0] is not None:
-                        already.append(row.name)  # equal names are equal bytes: keep theirs
-                        continue
-                    parent = held.parents.get(row.name)
-                    if isinstance(slot, HostSlot):
-                        self._store.commit_host(row.name, slot, parent=parent)
-                    else:
-                        self._store.commit_device(row.name, slot, parent=parent)
-                    del held.slots[row.name]  # published: the store owns it now
-                    committed.append(row.name)
-            finally:
-                # Every slot not published goes back, whatever happened above.
-                self._end_locked(lease_id, "committed")
+            # From here the lease is this call's: ended in the tables (no reaper, release
+            # or second commit can touch its slots), published with no lender lock held.
+            self._detach_locked(lease_id, "committed")
+        committed: list[bytes] = []
+        discarded: list[bytes] = []
+        already: list[bytes] = []
+        pending = dict(held.slots)
+        try:
+            for row in lease.rows:
+                slot = pending.get(row.name)
+                if slot is None:
+                    continue  # PRESENT at lend: nothing was reserved
+                if row.name not in got:
+                    discarded.append(row.name)
+                    continue
+                if self._store.locate([row.name])[0] is not None:
+                    already.append(row.name)  # equal names are equal bytes: keep theirs
+                    continue
+                parent = held.parents.get(row.name)
+                if isinstance(slot, HostSlot):
+                    self._store.host.commit(row.name, slot, parent=parent)
+                else:
+                    self._store.device.commit(row.name, slot, parent=parent)
+                del held.slots[row.name]  # published: the store owns it now
+                committed.append(row.name)
+        finally:
+            # Every slot not published goes back, whatever happened above.
+            self._release_store(lease_id, False, LeaseMode.WRITE, held.slots)
         logger.debug("commit %s: %d committed, %d discarded", lease_id, len(committed), len(discarded))
         return CommitResult(lease_id, tuple(committed), tuple(discarded), tuple(already))
 
@@ -556,9 +596,7 @@ class Lender:
         if type(name) is not bytes:
             raise InvalidInput(f"name: expected a row name (bytes), got {type(name).__name__}")
         with self._lock:
-            now = self._clock()
-            self._reap_locked(now)
-            held = self._live(lease_id, now)
+            held = self._live(lease_id, self._clock(), end=False)
             slot = held.slots.get(name)
             if slot is None:
                 raise InvalidInput(
@@ -575,14 +613,14 @@ class Lender:
         _, slot = self._slot(lease_id, name)
         if not isinstance(slot, HostSlot):
             raise InvalidInput(f"lease_id: {lease_id} is a DEVICE lease; use device_view")
-        return self._store.host_view(slot)
+        return self._store.host.view(slot)
 
     def device_view(self, lease_id: str, name: bytes) -> torch.Tensor:
         """The row's device bytes in place (a uint8 tensor)."""
         _, slot = self._slot(lease_id, name)
         if not isinstance(slot, DeviceSlot):
             raise InvalidInput(f"lease_id: {lease_id} is a HOST lease; use view")
-        return self._store.device_view(slot)
+        return self._store.device.view(slot)
 
     def finish_read(self, lease_id: str) -> None:
         """Check that the lease is still live now that a read completed.
@@ -591,9 +629,7 @@ class Lender:
         bytes read may be reclaimed memory and must not be used (Mooncake#4239).
         """
         with self._lock:
-            now = self._clock()
-            self._reap_locked(now)
-            self._live(lease_id, now)
+            self._live(lease_id, self._clock(), end=False)
 
     def read_into(self, lease_id: str, name: bytes, out: memoryview | bytearray) -> int:
         """Copy a leased row into ``out``; the byte count, valid only because the lease was
@@ -603,12 +639,12 @@ class Lender:
         if len(dst) < slot.size:
             raise InvalidInput(f"out: {len(dst)} bytes, the row holds {slot.size}")
         if isinstance(slot, HostSlot):
-            with self._store.host_view(slot) as src:  # released at once: the slab may close
+            with self._store.host.view(slot) as src:  # released at once: the slab may close
                 dst[: slot.size] = src
         else:
             import torch
 
-            dev = self._store.device_view(slot)[: slot.size]
+            dev = self._store.device.view(slot)[: slot.size]
             torch.frombuffer(dst, dtype=torch.uint8, count=slot.size).copy_(dev)
         self.finish_read(lease_id)
         return slot.size
@@ -637,12 +673,12 @@ class Lender:
 
                 raise PageSizeMismatch(f"data: {len(src)} bytes, the row's page is {slot.size}")
             if isinstance(slot, HostSlot):
-                with self._store.host_view(slot) as dst:
+                with self._store.host.view(slot) as dst:
                     dst[:] = src
             else:
                 import torch
 
-                self._store.device_view(slot)[: slot.size].copy_(
+                self._store.device.view(slot)[: slot.size].copy_(
                     torch.frombuffer(bytearray(src), dtype=torch.uint8)
                 )
 
@@ -666,6 +702,12 @@ class Lender:
         return n
 
     def _end_locked(self, lease_id: str, why: str) -> None:
+        """End a lease: out of the tables, its locks and slots back to the store."""
+        held = self._detach_locked(lease_id, why)
+        self._release_store(lease_id, bool(held.locked), held.lease.mode, held.slots)
+
+    def _detach_locked(self, lease_id: str, why: str) -> _Held:
+        """Take a lease out of the lender's tables (caller holds the lender lock)."""
         held = self._held.pop(lease_id)
         if why == "expired":
             self.expired_count += 1
@@ -682,22 +724,28 @@ class Lender:
             else:
                 for n in held.names:
                     del self._writer[n]
+        self._ended[lease_id] = why
+        while len(self._ended) > _TOMBSTONES:
+            self._ended.popitem(last=False)
+        return held
+
+    def _release_store(self, lease_id: str, locked: bool, mode: LeaseMode,
+                       slots: dict[bytes, Slot]) -> None:
+        """Give a lease's page locks and unpublished slots back to the store (quick table
+        updates in the store; no staging or disk I/O)."""
         try:
-            if held.locked:
-                self._store.unlock_all(lease_id)
-            if held.lease.mode is LeaseMode.WRITE:
-                self._abort_slots(held.slots)
+            if locked:
+                self._store.locks.unlock_all(lease_id)
         finally:
-            self._ended[lease_id] = why
-            while len(self._ended) > _TOMBSTONES:
-                self._ended.popitem(last=False)
+            if mode is LeaseMode.WRITE:
+                self._abort_slots(slots)
 
     def _abort_slots(self, slots: dict[bytes, Slot]) -> None:
         for slot in slots.values():
             if isinstance(slot, HostSlot):
-                self._store.abort_host(slot)
+                self._store.host.abort(slot)
             else:
-                self._store.abort_device(slot)
+                self._store.device.abort(slot)
         slots.clear()
 
     def _reaper_loop(self) -> None:
@@ -714,15 +762,21 @@ class Lender:
             return len(self._held)
 
     def live_ids(self) -> tuple[str, ...]:
+        """Ids of the leases whose deadline has not passed. A lookup: it reaps nothing."""
         with self._lock:
-            self._reap_locked(self._clock())
-            return tuple(self._held)
+            now = self._clock()
+            return tuple(lid for lid, h in self._held.items() if h.deadline > now)
 
     def check_invariants(self) -> None:
         """The lease table, the conflict maps and the store's page locks agree."""
         with self._lock:
             readers: Counter[bytes] = Counter()
             writer: dict[bytes, str] = {}
+            for lid, (names, mode) in self._pending.items():
+                if mode is LeaseMode.READ:
+                    readers.update(names)
+                else:
+                    writer.update(dict.fromkeys(names, lid))
             for lid, h in self._held.items():
                 lease = h.lease
                 if lease.selection is Selection.ALL:
@@ -737,7 +791,7 @@ class Lender:
                             raise AssertionError(f"two WRITE leases list {n.hex()}")
                         writer[n] = lid
                 for n in h.locked:
-                    if not self._store.is_locked(n):
+                    if not self._store.locks.is_locked(n):
                         raise AssertionError(f"lease {lid}: row {n.hex()} is not locked")
                 for row in lease.rows:
                     expect = row.delivery in (Delivery.READY, Delivery.RESERVED)

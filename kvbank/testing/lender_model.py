@@ -28,6 +28,7 @@ from kvbank.config import BankConfig
 from kvbank.errors import LeaseConflict, LeaseExpired, LeaseNotFound, RowLocked
 from kvbank.lender.base import Delivery, LeaseMode, PageShape, Region
 from kvbank.lender.lender import Lender
+from kvbank.testing.tiers import stored
 from kvbank.tiers.store import TieredStore
 
 PAGE = 4096
@@ -385,12 +386,12 @@ class LenderMachine(RuleBasedStateMachine):
     @rule(rounds=st.integers(1, 20))
     def probe(self, rounds: int) -> None:
         """Existence checks never lend, lock or renew (Mooncake#2187)."""
-        before = {n: self.store.is_locked(n) for n in NAMES}
+        before = {n: self.store.locks.is_locked(n) for n in NAMES}
         deadlines = {lid: m.deadline for lid, m in self.model.live.items()}
         for _ in range(rounds):
             self.store.locate(NAMES)
-            self.store.contains(NAMES)
-        if {n: self.store.is_locked(n) for n in NAMES} != before:
+            stored(self.store, NAMES)
+        if {n: self.store.locks.is_locked(n) for n in NAMES} != before:
             raise AssertionError("an existence check changed page locks")
         for lid, d in deadlines.items():
             if self.lender.lease(lid).expires_at != d:
@@ -419,7 +420,7 @@ class LenderMachine(RuleBasedStateMachine):
         where = self.store.locate(NAMES)
         buf = bytearray(PAGE)
         for name, tier in zip(NAMES, where, strict=True):
-            if self.store.is_locked(name) != (name in locked):
+            if self.store.locks.is_locked(name) != (name in locked):
                 raise AssertionError(f"row {NAMES.index(name)}: lock state differs from the model")
             if name in locked and tier is None:
                 raise AssertionError(f"row {NAMES.index(name)} is locked but was evicted")

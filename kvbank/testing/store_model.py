@@ -33,7 +33,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from kvbank.config import BankConfig
 from kvbank.errors import PageSizeMismatch, RowLocked, TierFull
-from kvbank.testing.tiers import name_of
+from kvbank.testing.tiers import name_of, size_of, stored
 from kvbank.tiers.base import TierKind
 from kvbank.tiers.store import TieredStore
 
@@ -100,8 +100,8 @@ class StoreMachine(RuleBasedStateMachine):
     def put(self, i: int, big: bool, chain: bool) -> None:
         name = name_of(i, b"m")
         size = SIZES[int(big)]
-        present = self.store.contains([name])[0]
-        held = self.store.size_of(name)
+        present = stored(self.store, [name])[0]
+        held = size_of(self.store, name)
         self.version += 1
         data = page_bytes(i, self.version, size)
         parent = name_of(i - 1, b"m") if chain and i else None
@@ -147,7 +147,7 @@ class StoreMachine(RuleBasedStateMachine):
     @rule(i=st.integers(0, N_NAMES - 1), holder=st.sampled_from(HOLDERS))
     def lock(self, i: int, holder: str) -> None:
         name = name_of(i, b"m")
-        self.store.lock([name], holder)
+        self.store.locks.lock([name], holder)
         self.locks.setdefault(name, collections.Counter())[holder] += 1
         tiers = self.store.residency([name])[0]
         if tiers:
@@ -155,7 +155,7 @@ class StoreMachine(RuleBasedStateMachine):
 
     @rule(holder=st.sampled_from(HOLDERS))
     def unlock_all(self, holder: str) -> None:
-        self.store.unlock_all(holder)
+        self.store.locks.unlock_all(holder)
         for name in list(self.locks):
             self.locks[name].pop(holder, None)
             if not self.locks[name]:
@@ -167,11 +167,11 @@ class StoreMachine(RuleBasedStateMachine):
         """A lease's batch staging: every present row lands in host with its bytes, or
         ``TierFull`` and no row is in host that was not before."""
         names = [name_of(i, b"m") for i in ids]
-        self.store.lock(names, "stager")
+        self.store.locks.lock(names, "stager")
         try:
             before = self.store.residency(names)
             try:
-                slots = self.store.stage_host_many(names)
+                slots = self.store.host.stage_many(names)
             except TierFull:
                 after = self.store.residency(names)
                 for name, was, now in zip(names, before, after, strict=True):
@@ -183,13 +183,13 @@ class StoreMachine(RuleBasedStateMachine):
                     assert slot is None, "a slot for an absent row"
                     continue
                 assert slot is not None, f"row {name[-8:].hex()} present but not staged"
-                view = self.store.host_view(slot)
+                view = self.store.host.view(slot)
                 try:
                     assert view.tobytes() == self.values[name], "staged wrong bytes"
                 finally:
                     view.release()
         finally:
-            self.store.unlock_all("stager")
+            self.store.locks.unlock_all("stager")
 
     @rule()
     def flush(self) -> None:
@@ -207,7 +207,7 @@ class StoreMachine(RuleBasedStateMachine):
         before = self.store.residency(names)
         self.store.close(persist=persist)
         self.store = self._open()
-        after = self.store.contains(names)
+        after = stored(self.store, names)
         disk = self.store.stats().tier(TierKind.DISK)
         # Room left for one more frame of the largest size (incompressible: ~raw + header).
         roomy = disk.used_bytes + 2 * (max(SIZES) + 64) <= disk.budget_bytes

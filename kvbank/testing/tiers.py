@@ -18,13 +18,17 @@ from __future__ import annotations
 import abc
 import random
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
 
 import pytest
 
 from kvbank.errors import InvalidInput, InvalidRowName, PageSizeMismatch, TierFull, TierUnavailable
 from kvbank.keys import ROW_NAME_BYTES
 from kvbank.tiers.base import Tier, TierKind
+
+if TYPE_CHECKING:
+    from kvbank.tiers.store import TieredStore
 
 
 def name_of(i: int, tag: bytes = b"t") -> bytes:
@@ -249,3 +253,14 @@ class TierTests(abc.ABC):
                 assert again.get_into(name_of(0), out) == self.page_size
         finally:
             again.close()
+
+
+def stored(store: TieredStore, names: Sequence[bytes]) -> list[bool]:
+    """Whether the store holds each row (through its public ``locate``)."""
+    return [t is not None for t in store.locate(names)]
+
+
+def size_of(store: TieredStore, name: bytes) -> int | None:
+    """The row's size (through the public ``scan``: the full name is its own prefix)."""
+    rows = store.scan(name, limit=1)
+    return rows[0].size if rows else None

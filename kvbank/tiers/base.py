@@ -1,6 +1,13 @@
-"""The tier contract: what every storage tier of a node offers, and the values it hands out.
+"""The tier contracts: what every storage tier of a node offers, and the values it hands out.
 
 Primitives:
+
+- :class:`SlotPool` — a memory pool of fixed-size slots named by offset (the host slab and
+  the device pool are one). The tiered store keeps an ordered list of them, fastest first.
+- :class:`FrameStore` — rows as codec frames by name: write a frame, read a frame as
+  stored, read and decode into a buffer, delete, scan by prefix, check (the disk tier is
+  one; a remote tier is the next). The store keeps an ordered list of them below its
+  memory pools.
 
 - :class:`TierKind` — ``DEVICE`` (a torch tensor pool), ``HOST`` (a POSIX shared-memory
   slab), ``DISK`` (one LMDB environment). Declared fastest first; the tiered store places a
@@ -32,8 +39,9 @@ from __future__ import annotations
 
 import abc
 import enum
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from kvbank.errors import InvalidInput, InvalidRowName
 from kvbank.keys import ROW_NAME_BYTES
@@ -109,6 +117,85 @@ def as_out_view(out: object) -> memoryview:
     return mv
 
 
+class SlotAllocatorView(Protocol):
+    """The part of a pool's allocator the store reads (capacity, slot checks)."""
+
+    @property
+    def space_bytes(self) -> int: ...
+    def is_slot(self, offset: int) -> bool: ...
+    def check(self) -> None: ...
+
+
+class SlotPool(Protocol):
+    """A memory pool: slots of a size class, named by offset, within a byte budget.
+
+    Not thread-safe: the owner (the store, under its lock) serialises ``alloc``/``free``;
+    ``write``/``read_into`` may run concurrently on slots the owner keeps from being freed.
+    ``alloc`` answers ``None`` when the budget has no slot of that class left;
+    ``TierFull`` only when the memory behind a new chunk cannot be had.
+    """
+
+    @property
+    def budget(self) -> int: ...
+    @property
+    def used_bytes(self) -> int: ...
+    @property
+    def allocated_bytes(self) -> int: ...
+    @property
+    def allocator(self) -> SlotAllocatorView: ...
+    def fits(self, size: int) -> bool: ...
+    def alloc(self, size: int) -> int | None: ...
+    def free(self, offset: int) -> None: ...
+    def capacity(self, offset: int) -> int: ...
+    def write(self, offset: int, data: memoryview) -> None: ...
+    def read_into(self, offset: int, size: int, out: memoryview) -> None: ...
+    def slot(self, offset: int, size: int) -> HostSlot | DeviceSlot: ...
+    def close(self) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class FrameRow:
+    """One committed row of a frame store, as its metadata says."""
+
+    name: bytes
+    raw_len: int
+    frame_len: int
+    seq: int  # write clock: higher is newer
+    dtype: str
+    parent: bytes | None
+
+
+class FrameStore(Protocol):
+    """Rows as self-checking codec frames, keyed by row name (disk, remote).
+
+    A miss is ``None``; a frame that fails its checks is ``CorruptPage`` from the reads
+    (the caller drops it with :meth:`drop_corrupt`); a full budget is ``TierFull``; an
+    unreachable or closed store is ``TierUnavailable``. Thread-safe.
+    """
+
+    @property
+    def used_bytes(self) -> int: ...
+    @property
+    def budget_bytes(self) -> int: ...
+    @property
+    def seq(self) -> int: ...
+    @property
+    def corrupt_rows(self) -> int: ...
+    def frame(self, data: Buffer, dtype: str) -> bytes: ...
+    def write_frame(self, name: bytes, frame: bytes, *, raw_len: int, dtype: str,
+                    parent: bytes | None = None, seq: int | None = None,
+                    replace: bool = False) -> None: ...
+    def read_frame(self, name: bytes) -> bytes | None: ...
+    def read_into(self, name: bytes, out: memoryview | bytearray, *,
+                  expect: int | None = None) -> int | None: ...
+    def delete_many(self, names: Sequence[bytes]) -> list[bool]: ...
+    def drop_corrupt(self, name: bytes) -> None: ...
+    def scan(self, prefix: bytes = b"") -> Iterator[FrameRow]: ...
+    def names(self) -> list[bytes]: ...
+    def check(self) -> None: ...
+    def close(self) -> None: ...
+
+
 class Tier(abc.ABC):
     """One storage tier: rows keyed by raw 54-byte names, values are page bytes."""
 
@@ -130,6 +217,12 @@ class Tier(abc.ABC):
     @abc.abstractmethod
     def compressed(self) -> bool:
         """True when rows are stored as codec frames (sizes in ``used_bytes`` are frames)."""
+
+    @property
+    def evicts(self) -> bool:
+        """True when a full tier makes room by evicting old rows instead of ``TierFull``
+        (the tiered store does; a single tier never evicts on its own)."""
+        return False
 
     @property
     @abc.abstractmethod

@@ -12,7 +12,6 @@ Primitives:
   :class:`~kvbank.tiers.slots.SlotAllocator` as the host slab, each claimed chunk one
   ``torch.empty(n, dtype=uint8, device=...)``. A :class:`~kvbank.tiers.base.DeviceSlot`
   names the chunk tensor (``pool``) and the byte offset in it.
-- :class:`DeviceTier` — the :class:`~kvbank.tiers.base.Tier` over a pool.
 
 Lifecycle: ``DevicePool(budget, device)`` holds nothing until rows arrive; chunks are
 allocated on demand up to the budget and freed when another class needs the room or on
@@ -32,11 +31,7 @@ import torch
 
 from kvbank.config import BankConfig
 from kvbank.errors import InvalidInput, TierFull, TierUnavailable
-from kvbank.tiers.base import (
-    DeviceSlot,
-    TierKind,
-)
-from kvbank.tiers.memory import MemoryTier
+from kvbank.tiers.base import DeviceSlot
 from kvbank.tiers.slots import AllocatorBacked, SlotAllocator
 
 logger = logging.getLogger(__name__)
@@ -168,17 +163,3 @@ class DevicePool(AllocatorBacked):
     def close(self) -> None:
         self._closed = True
         self._chunks.clear()
-
-
-class DeviceTier(MemoryTier):
-    """The device tier on its own: a torch pool plus a name -> (offset, size) dict."""
-
-    kind = TierKind.DEVICE
-
-    def __init__(self, budget: int, device: str) -> None:
-        self._device_pool = DevicePool(budget, device)
-        super().__init__(self._device_pool, "device tier")
-
-    @property
-    def pool(self) -> DevicePool:
-        return self._device_pool

@@ -40,9 +40,7 @@ from __future__ import annotations
 import errno
 import logging
 import struct
-import threading
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import lmdb
@@ -59,12 +57,14 @@ from kvbank.errors import (
 from kvbank.keys import ROW_NAME_BYTES
 from kvbank.tiers.base import (
     Buffer,
+    FrameRow,
     Tier,
     TierKind,
     as_bytes_view,
     as_out_view,
     check_name,
 )
+from kvbank.tiers.lockorder import Rank, make_lock
 
 logger = logging.getLogger(__name__)
 
@@ -77,16 +77,7 @@ MAP_SLACK = 1 << 30
 DEFAULT_LEVEL = 1  # zstd-1 on byte planes: ratio ~1.44 at ~0.7 GB/s (machine-limits 3)
 
 
-@dataclass(frozen=True, slots=True)
-class DiskRow:
-    """One committed row as ``meta`` records it."""
-
-    name: bytes
-    raw_len: int
-    frame_len: int
-    seq: int  # the store's logical clock at the write: the LRU order after a restart
-    dtype: str
-    parent: bytes | None
+DiskRow = FrameRow  # one committed row as its meta record says
 
 
 def _pack_meta(name: bytes, raw_len: int, frame_len: int, seq: int, dtype: str,
@@ -163,7 +154,7 @@ class DiskTier(Tier):
         self.path = Path(path) / "lmdb"
         self._budget = budget
         self._level = level
-        self._lock = threading.Lock()  # one writer at a time; guards the counters
+        self._lock = make_lock(Rank.DISK_TIER, "DiskTier._lock")  # one writer; the counters
         self._closed = False
         self.corrupt_rows = 0
         try:
@@ -318,6 +309,24 @@ class DiskTier(Tier):
         except lmdb.Error as exc:
             raise TierUnavailable(f"disk tier: reading {name.hex()[:16]}…: {exc}") from exc
 
+    def read_frame(self, name: bytes) -> bytes | None:
+        """The row's frame as stored (not decoded), after its meta record and the frame
+        header are checked; ``None`` if absent; ``CorruptPage`` if they disagree."""
+        self._check_open()
+        try:
+            with self._env.begin(buffers=True) as txn:
+                buf = txn.get(name, db=self._frames)
+                rec = txn.get(name, db=self._meta)
+                if buf is None and rec is None:
+                    return None
+                if rec is None:
+                    raise CorruptPage(f"row {name.hex()[:16]}…: frame has no meta record")
+                _check_row(_unpack_meta(name, rec), buf)
+                assert buf is not None  # _check_row raised otherwise
+                return bytes(buf)
+        except lmdb.Error as exc:
+            raise TierUnavailable(f"disk tier: reading {name.hex()[:16]}…: {exc}") from exc
+
     def drop_corrupt(self, name: bytes) -> None:
         """Delete a row whose frame failed its checks, and count it."""
         self.delete_many([name])
@@ -371,22 +380,28 @@ class DiskTier(Tier):
             self.corrupt_rows += len(names)
         logger.warning("disk tier: dropped %d rows whose metadata failed its checks", len(names))
 
-    def scan(self) -> Iterator[DiskRow]:
-        """Every committed row that passed its checks (the meta record, and its agreement
-        with the frame's length and header); a row that fails is deleted and counted."""
+    def scan(self, prefix: bytes = b"") -> Iterator[DiskRow]:
+        """Every committed row whose name starts with ``prefix`` and that passed its
+        checks (the meta record, and its agreement with the frame's length and header);
+        a row that fails is deleted and counted."""
         self._check_open()
+        if not isinstance(prefix, bytes) or len(prefix) > ROW_NAME_BYTES:
+            raise InvalidInput(f"prefix: expected at most {ROW_NAME_BYTES} bytes, got {prefix!r}")
         with self._lock:
             rows, self._opened = self._opened, None
         if rows is None:
             rows, bad, _ = self._scan_checked()
             if bad:
                 self._drop_bad(bad)
-        return iter(rows)
+        return iter([r for r in rows if r.name.startswith(prefix)] if prefix else rows)
 
     def names(self) -> list[bytes]:
         self._check_open()
-        with self._env.begin(db=self._meta) as txn:
-            return [bytes(k) for k in txn.cursor().iternext(keys=True, values=False)]
+        try:
+            with self._env.begin(db=self._meta) as txn:
+                return [bytes(k) for k in txn.cursor().iternext(keys=True, values=False)]
+        except lmdb.Error as exc:
+            raise TierUnavailable(f"disk tier: listing names: {exc}") from exc
 
     def check(self) -> None:
         """``frames`` and ``meta`` hold the same names and ``used_bytes`` is their sum."""

@@ -10,10 +10,10 @@ Primitives:
   speed) and is given back with ``MADV_REMOVE`` when the chunk is released. Claimed
   chunks count fully against the budget. With CUDA present each chunk is registered as
   pinned host memory (``cudaHostRegister``) so device copies from it are DMA.
-- :class:`HostTier` — the :class:`~kvbank.tiers.base.Tier` over a slab (a dict from row
-  name to slot; the tiered store keeps its own compact index and uses the slab directly).
-- :func:`attach` / :class:`SlotMapping` — how *another process* reads or fills a slot in
-  place, given a :class:`~kvbank.tiers.base.HostSlot` (segment name, offset, size).
+- :func:`map_segment` — the one way another process maps a host segment (by name, with
+  the one name check); :func:`attach` / :class:`SlotMapping` map just one slot given a
+  :class:`~kvbank.tiers.base.HostSlot` (segment name, offset, size), and the borrower
+  (:mod:`kvbank.lender.borrow`) maps whole segments through it.
 - :func:`cleanup_stale` — unlinks segments left by dead processes (``kill -9``).
 
 Why not :class:`multiprocessing.shared_memory.SharedMemory`: on Python < 3.13 every
@@ -42,12 +42,7 @@ from types import TracebackType
 import numpy as np
 
 from kvbank.errors import InvalidInput, TierFull, TierUnavailable
-from kvbank.tiers.base import (
-    HostSlot,
-    TierKind,
-    check_name,
-)
-from kvbank.tiers.memory import MemoryTier
+from kvbank.tiers.base import HostSlot
 from kvbank.tiers.slots import AllocatorBacked, SlotAllocator
 
 logger = logging.getLogger(__name__)
@@ -58,9 +53,36 @@ _MADV_POPULATE_WRITE = 23  # Linux >= 5.14; not exported by the mmap module on 3
 
 
 def _segment_path(name: str) -> Path:
-    if not name or "/" in name or name.startswith("."):
+    if not isinstance(name, str) or not name or "/" in name or name.startswith(".") \
+            or "\x00" in name:
         raise InvalidInput(f"segment: not a shared-memory name: {name!r}")
     return SHM_DIR / name
+
+
+def map_segment(name: str, *, writable: bool, offset: int = 0,
+                length: int | None = None) -> mmap.mmap:
+    """Map ``length`` bytes (default: all) of segment ``name`` from ``offset`` (a multiple
+    of the allocation granularity). ``InvalidInput`` for a bad name or a range beyond the
+    segment, ``TierUnavailable`` when it cannot be opened or mapped (owner gone?)."""
+    path = _segment_path(name)
+    try:
+        fd = os.open(path, os.O_RDWR if writable else os.O_RDONLY)
+    except FileNotFoundError:
+        raise TierUnavailable(f"segment {name}: not found (owner closed?)") from None
+    except OSError as exc:
+        raise TierUnavailable(f"segment {name}: cannot open: {exc}") from exc
+    try:
+        size = os.fstat(fd).st_size
+        if length is None:
+            length = size - offset
+        if offset + length > size or length <= 0:
+            raise InvalidInput(f"slot: {offset}+{length} beyond segment {name} ({size} bytes)")
+        access = mmap.ACCESS_WRITE if writable else mmap.ACCESS_READ
+        return mmap.mmap(fd, length, access=access, offset=offset)
+    except OSError as exc:
+        raise TierUnavailable(f"segment {name}: mmap failed: {exc}") from exc
+    finally:
+        os.close(fd)
 
 
 def _cuda_pinning() -> Callable[[int, int, bool], None] | None:
@@ -83,7 +105,7 @@ def _cuda_pinning() -> Callable[[int, int, bool], None] | None:
 
 class HostSlab(AllocatorBacked):
     """Slots in one shared-memory segment; offsets name slots. Not thread-safe: the owner
-    (the store or :class:`HostTier`) serialises alloc/free; copies may run concurrently
+    (the store) serialises alloc/free; copies may run concurrently
     on slots the owner keeps from being freed."""
 
     def __init__(self, budget: int, *, prefix: str = DEFAULT_PREFIX, pin: bool = True) -> None:
@@ -211,27 +233,6 @@ class HostSlab(AllocatorBacked):
             _segment_path(self.segment).unlink()
 
 
-class HostTier(MemoryTier):
-    """The host tier on its own: a shared-memory slab plus a name -> (offset, size) dict."""
-
-    kind = TierKind.HOST
-
-    def __init__(self, budget: int, *, prefix: str = DEFAULT_PREFIX, pin: bool = True) -> None:
-        self._slab = HostSlab(budget, prefix=prefix, pin=pin)
-        super().__init__(self._slab, "host tier")
-
-    @property
-    def slab(self) -> HostSlab:
-        return self._slab
-
-    def locate(self, name: bytes) -> HostSlot | None:
-        """Where the row lies (for in-place access), or None."""
-        with self._lock:
-            self._check_open()
-            hit = self._rows.get(check_name(name))
-            return None if hit is None else self._slab.slot(*hit)
-
-
 # -- other processes ---------------------------------------------------------------------
 
 
@@ -245,25 +246,15 @@ class SlotMapping:
     def __init__(self, slot: HostSlot, *, writable: bool = True) -> None:
         if slot.offset < 0 or slot.size <= 0:
             raise InvalidInput(f"slot: offset {slot.offset} / size {slot.size} out of range")
-        path = _segment_path(slot.segment)
         gran = mmap.ALLOCATIONGRANULARITY
         base = slot.offset // gran * gran
         length = slot.offset + slot.size - base
         try:
-            fd = os.open(path, os.O_RDWR if writable else os.O_RDONLY)
-        except FileNotFoundError:
-            raise TierUnavailable(f"segment {slot.segment}: not found (owner closed?)") from None
-        except OSError as exc:
-            raise TierUnavailable(f"segment {slot.segment}: {exc}") from exc
-        try:
-            if os.fstat(fd).st_size < slot.offset + slot.size:
-                raise InvalidInput(f"slot: {slot.offset}+{slot.size} beyond segment {slot.segment}")
-            access = mmap.ACCESS_WRITE if writable else mmap.ACCESS_READ
-            self._mm: mmap.mmap | None = mmap.mmap(fd, length, access=access, offset=base)
-        except OSError as exc:
-            raise TierUnavailable(f"segment {slot.segment}: mmap failed: {exc}") from exc
-        finally:
-            os.close(fd)
+            self._mm: mmap.mmap | None = map_segment(slot.segment, writable=writable,
+                                                     offset=base, length=length)
+        except InvalidInput:
+            raise InvalidInput(f"slot: {slot.offset}+{slot.size} beyond segment "
+                               f"{slot.segment}") from None
         self._view: memoryview | None = memoryview(self._mm)[slot.offset - base :]
         self.slot = slot
 

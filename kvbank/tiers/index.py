@@ -1,4 +1,4 @@
-"""The store's row index: one dict entry plus ~24 bytes of parallel arrays per row.
+"""The store's row index: one dict entry plus ~28 bytes of parallel arrays per row.
 
 A Python object per row (a dataclass, even a tuple) costs 60-100 bytes on top of the dict
 entry, which would put a million-row index well past 200 bytes a row. Instead each row
@@ -8,13 +8,16 @@ gets an integer id, and its fields live in numpy arrays indexed by that id:
 array      dtype    meaning
 =========  =======  ================================================================
 size       uint32   page bytes
-where      uint8    tier bits: DEVICE=1, HOST=2, DISK=4 (HOST|DISK = a clean host copy)
+where      uint8    tier bits, ``1 << TierKind.rank``: DEVICE=1, HOST=2, DISK=4
+                    (HOST|DISK = a clean host copy)
 off        uint32   memory slot offset >> 6 (slots are 64-byte aligned); int64 when the
                     tiers' address space does not fit that
 dtype      uint8    code into :attr:`RowIndex.dtypes` (the codec needs it on demotion)
 parent     int32    id of the previous page of the chain, -1 for none
 atime      uint32   logical clock of the last put/get; also the row's version stamp.
                     Before it wraps, stamps are renumbered by rank (order kept)
+used       float32  seconds since the index opened, at the last put/get/touch (the
+                    age an admin listing reports; the LRU order uses ``atime``)
 flags      uint8    MOVING: a demotion job holds the row
 =========  =======  ================================================================
 
@@ -25,14 +28,24 @@ that point at them, and only then are they reused. Not thread-safe (the store lo
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
 from kvbank.errors import InvalidInput
+from kvbank.tiers.base import TierKind
 
-DEV, HOST, DISK = 1, 2, 4  # tier bits in `where`
+
+def tier_bit(kind: TierKind) -> int:
+    """A tier's bit in ``where``: derived from its position in the tier order."""
+    return 1 << kind.rank
+
+
+DEV, HOST, DISK = (tier_bit(k) for k in (TierKind.DEVICE, TierKind.HOST, TierKind.DISK))
+KIND_OF_BIT = {tier_bit(k): k for k in TierKind}
 MOVING = 1  # bit in `flags`
 OFF_SHIFT = 6  # memory slot offsets are multiples of 64 (slots.SMALL_ALIGN)
 _MIN_CAP = 1024
@@ -44,7 +57,9 @@ I64 = npt.NDArray[np.int64]
 class RowIndex:
     """Rows by name -> id, fields in parallel arrays."""
 
-    def __init__(self, max_offset: int) -> None:
+    def __init__(self, max_offset: int, clock: Callable[[], float] = time.monotonic) -> None:
+        self._now = clock
+        self._t0 = clock()
         self.ids: dict[bytes, int] = {}
         self.names: list[bytes | None] = []
         self.dtypes: list[str] = []
@@ -58,6 +73,7 @@ class RowIndex:
         self.parent = np.full(cap, -1, np.int32)
         self.atime = np.zeros(cap, np.uint32)
         self.flags = np.zeros(cap, np.uint8)
+        self.used = np.zeros(cap, np.float32)
         self._free: list[int] = []
         self._pending: list[int] = []
         self.clock = 0
@@ -84,7 +100,7 @@ class RowIndex:
 
     def _grow(self) -> None:
         cap = self.size.shape[0] * 2
-        for attr in ("size", "where", "off", "dtype", "parent", "atime", "flags"):
+        for attr in _ARRAYS:
             old = getattr(self, attr)
             new = np.full(cap, -1, old.dtype) if attr == "parent" else np.zeros(cap, old.dtype)
             new[: old.shape[0]] = old
@@ -134,6 +150,7 @@ class RowIndex:
             self.renumber()
         self.clock += 1
         self.atime[rid] = self.clock
+        self.used[rid] = self._now() - self._t0
         return self.clock
 
     def touch_many(self, rids: I64) -> I64:
@@ -143,6 +160,7 @@ class RowIndex:
             self.renumber()
         stamps = np.arange(self.clock + 1, self.clock + k + 1, dtype=np.int64)
         self.atime[rids] = stamps
+        self.used[rids] = self._now() - self._t0
         self.clock += k
         return stamps
 
@@ -174,5 +192,11 @@ class RowIndex:
 
     def nbytes(self) -> int:
         """Bytes of the arrays (the dict and names list are measured by the caller)."""
-        return sum(int(getattr(self, a).nbytes) for a in
-                   ("size", "where", "off", "dtype", "parent", "atime", "flags"))
+        return sum(int(getattr(self, a).nbytes) for a in _ARRAYS)
+
+    def age_s(self, rid: int) -> float:
+        """Seconds since the row was last put, read or touched."""
+        return max(0.0, self._now() - self._t0 - float(self.used[rid]))
+
+
+_ARRAYS = ("size", "where", "off", "dtype", "parent", "atime", "flags", "used")

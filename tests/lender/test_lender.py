@@ -231,7 +231,7 @@ def test_match_and_contains_never_hold_off_eviction(clock: FakeClock) -> None:
         for k in range(40):
             for _ in range(5):
                 bank.match(lid, [*toks(4), 0])
-                bank.store.contains(probed)
+                bank.store.locate(probed)
             bank.put(lid, toks(4, 1000 * (k + 1)), group=0, pages=pages(4, k + 1))
         assert bank.store.locate(probed) == [None] * 4
         assert bank.store.locate(leased) == [TierKind.HOST] * 4
@@ -269,7 +269,7 @@ def test_all_lease_describes_the_host_segment_and_locks_nothing(bank: Bank) -> N
     assert lease.selection is Selection.ALL and lease.rows == ()
     (pool,) = lease.pools
     assert isinstance(pool, HostLocation) and pool.offset == 0 and pool.size >= 4 << 20
-    assert pool == bank.store.host_segment  # no probe reservation: the store names it
+    assert pool == bank.store.host.segment  # no probe reservation: the store names it
     assert bank.stats().store.reserved_slots == 0
     assert Path("/dev/shm", pool.segment).exists()
     assert bank.stats().store.locked_names == 0
@@ -315,18 +315,18 @@ def test_row_evicted_between_locate_and_lock_is_missing_and_not_locked(clock: Fa
     with Bank(cfg, clock=clock, reaper=False) as bank:
         _, names = stored(bank, 3)
         store = bank.store
-        real_lock = store.lock
+        real_lock = store.locks.lock
 
         def lock_after_eviction(rows: list[bytes], holder: str) -> None:
             store.delete(names[1])  # evicted in the gap
             real_lock(rows, holder)
 
-        store.lock = lock_after_eviction  # type: ignore[method-assign]
+        store.locks.lock = lock_after_eviction  # type: ignore[method-assign]
         lease = bank.lend(names)
-        del store.lock
+        del store.locks.lock
         assert [r.delivery for r in lease.rows] == [Delivery.READY, Delivery.MISSING, Delivery.READY]
         assert lease.rows[1].location is None and lease.rows[1].regions == lease.rows[0].regions
-        assert [store.is_locked(n) for n in names] == [True, False, True]
+        assert [store.locks.is_locked(n) for n in names] == [True, False, True]
         assert bank.read(lease.id, names[2]) == pages(3)[2].numpy().tobytes()
         bank.check_invariants()
         bank.release(lease.id)
@@ -358,7 +358,7 @@ def test_write_through_a_lease_that_expires_mid_copy_never_lands_in_another_rows
     lease = bank.lend([mine], mode=LeaseMode.WRITE, ttl_s=1)
     their_page = pages(1, 7)
     store = bank.store
-    real_view = store.host_view
+    real_view = store.host.view
     done: list[threading.Thread] = []
 
     def expire_and_reuse() -> None:
@@ -375,11 +375,11 @@ def test_write_through_a_lease_that_expires_mid_copy_never_lands_in_another_rows
             t.join(0.5)  # a lender that holds its lock over the copy keeps this waiting
         return real_view(slot)
 
-    store.host_view = racing_view  # type: ignore[method-assign]
+    store.host.view = racing_view  # type: ignore[method-assign]
     try:
         bank.lender.write(lease.id, mine, b"\xee" * PAGE)  # live when it started
     finally:
-        store.host_view = real_view  # type: ignore[method-assign]
+        store.host.view = real_view  # type: ignore[method-assign]
         done[0].join()
     assert bank.store.locate([theirs])[0] is not None
     out = bytearray(PAGE)

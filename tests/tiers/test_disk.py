@@ -13,7 +13,7 @@ import xxhash
 
 from kvbank.codec import frame_info
 from kvbank.errors import InvalidInput, TierFull
-from kvbank.testing.tiers import TierTests, name_of, page_of
+from kvbank.testing.tiers import TierTests, name_of, page_of, stored
 from kvbank.tiers.base import Tier, TierKind
 from kvbank.tiers.disk import DiskTier
 
@@ -212,7 +212,7 @@ def test_store_reopens_past_a_corrupt_meta_record_and_drops_that_row(
     finally:
         env.close()
     again = make_store(host_bytes=32 * 1024, disk_bytes=1 << 20)
-    assert again.contains([name_of(i) for i in range(4)]) == [True, False, True, True]
+    assert stored(again, [name_of(i) for i in range(4)]) == [True, False, True, True]
     out = bytearray(page_size)
     assert again.get_into(name_of(1), out) is None
     assert again.stats().tier(TierKind.DISK).corrupt_rows == 1

@@ -17,7 +17,7 @@ from kvbank.errors import (
     TierFull,
     TierUnavailable,
 )
-from kvbank.testing.tiers import name_of, page_of
+from kvbank.testing.tiers import name_of, page_of, size_of, stored
 from kvbank.tiers.base import TierKind
 from kvbank.tiers.device import gpu_memory
 from kvbank.tiers.host import attach
@@ -43,8 +43,8 @@ def test_store_put_get_locate_size(make_store: MakeStore) -> None:
     assert read(s, 1) == page_of(1, P)
     assert read(s, 2) is None
     assert s.locate([name_of(1), name_of(2)]) == [H, None]
-    assert s.contains([name_of(1), name_of(2)]) == [True, False]
-    assert s.size_of(name_of(1)) == P and s.size_of(name_of(2)) is None
+    assert stored(s, [name_of(1), name_of(2)]) == [True, False]
+    assert size_of(s, name_of(1)) == P and size_of(s, name_of(2)) is None
     st = s.stats()
     assert (st.gets, st.hits, st.misses, st.puts, st.rows) == (2, 1, 1, 1, 1)
 
@@ -63,7 +63,7 @@ def test_store_bad_input_is_typed_and_stores_nothing(make_store: MakeStore) -> N
         s.put(name_of(2), b"x" * 10, dtype="complex64")
     with pytest.raises(InvalidInput):
         s.get_into(name_of(1), bytearray(10))
-    assert s.contains([name_of(2)]) == [False]
+    assert stored(s, [name_of(2)]) == [False]
     assert s.stats().rows == 1
 
 
@@ -75,12 +75,12 @@ def test_store_lookups_touch_nothing(make_store: MakeStore) -> None:
         s.put(name_of(i), page_of(i, P))
     for _ in range(5):
         s.locate([name_of(0)])
-        s.contains([name_of(0)])
-        s.size_of(name_of(0))
-    assert not s.is_locked(name_of(0))
+        stored(s, [name_of(0)])
+        size_of(s, name_of(0))
+    assert not s.locks.is_locked(name_of(0))
     for i in range(10, 17):
         s.put(name_of(i), page_of(i, P))
-    assert s.contains([name_of(0)]) == [False]
+    assert stored(s, [name_of(0)]) == [False]
 
 
 # -- eviction ----------------------------------------------------------------------------
@@ -94,7 +94,7 @@ def test_store_lru_evicts_least_recently_used(make_store: MakeStore) -> None:
     for i in range(14, 17):
         s.put(name_of(i), page_of(i, P))
     s.flush()
-    present = s.contains([name_of(i) for i in range(17)])
+    present = stored(s, [name_of(i) for i in range(17)])
     assert present[0] and not present[1]
     assert s.stats().tier(H).evictions >= 1
 
@@ -110,7 +110,7 @@ def test_store_chain_is_evicted_from_its_tail(make_store: MakeStore) -> None:
     for i in range(200, 204):  # pressure
         s.put(name_of(i), page_of(i, P))
     s.flush()
-    chain = s.contains([name_of(i) for i in range(8)])
+    chain = stored(s, [name_of(i) for i in range(8)])
     assert not all(chain), "the pressure should have reached the old chain"
     kept = chain.index(False) if False in chain else 8
     assert chain == [True] * kept + [False] * (8 - kept), f"not a prefix: {chain}"
@@ -120,12 +120,12 @@ def test_store_locked_child_does_not_pin_its_parent(make_store: MakeStore) -> No
     s = make_store(data_dir=None, host_bytes=32 * 1024, high_watermark=0.99, low_watermark=0.5)
     s.put(name_of(0), page_of(0, P))
     s.put(name_of(1), page_of(1, P), parent=name_of(0))
-    s.lock([name_of(1)], "lease")
+    s.locks.lock([name_of(1)], "lease")
     for i in range(10, 20):
         s.put(name_of(i), page_of(i, P))
     s.flush()
-    assert s.contains([name_of(0), name_of(1)]) == [False, True]
-    s.unlock_all("lease")
+    assert stored(s, [name_of(0), name_of(1)]) == [False, True]
+    s.locks.unlock_all("lease")
 
 
 def test_store_tier_full_when_everything_is_locked(make_store: MakeStore) -> None:
@@ -135,11 +135,11 @@ def test_store_tier_full_when_everything_is_locked(make_store: MakeStore) -> Non
     for i in range(8):
         s.put(name_of(i), page_of(i, P))
         names.append(name_of(i))
-    s.lock(names, "lease")
+    s.locks.lock(names, "lease")
     with pytest.raises(TierFull):
         s.put(name_of(99), page_of(99, P))
     assert all(read(s, i) == page_of(i, P) for i in range(8))  # still serving
-    s.unlock(names, "lease")
+    s.locks.unlock(names, "lease")
     s.put(name_of(99), page_of(99, P))
 
 
@@ -149,24 +149,24 @@ def test_store_tier_full_when_everything_is_locked(make_store: MakeStore) -> Non
 def test_store_locks_are_counted_per_holder(make_store: MakeStore) -> None:
     s = make_store(data_dir=None, host_bytes=1 << 20)
     s.put(name_of(1), page_of(1, P))
-    s.lock([name_of(1), name_of(1)], "a")
-    s.lock([name_of(1)], "b")
+    s.locks.lock([name_of(1), name_of(1)], "a")
+    s.locks.lock([name_of(1)], "b")
     with pytest.raises(RowLocked):
         s.put(name_of(1), page_of(2, P))
     with pytest.raises(RowLocked):
         s.delete(name_of(1))
-    s.unlock([name_of(1)], "a")
-    s.unlock_all("b")
-    assert s.is_locked(name_of(1))
+    s.locks.unlock([name_of(1)], "a")
+    s.locks.unlock_all("b")
+    assert s.locks.is_locked(name_of(1))
     with pytest.raises(InvalidInput):
-        s.unlock([name_of(1)], "b")
-    s.unlock([name_of(1)], "a")
-    assert not s.is_locked(name_of(1))
+        s.locks.unlock([name_of(1)], "b")
+    s.locks.unlock([name_of(1)], "a")
+    assert not s.locks.is_locked(name_of(1))
     assert s.delete(name_of(1)) is True
-    s.lock([name_of(5)], "w")  # a name may be locked before it exists (write lease)
+    s.locks.lock([name_of(5)], "w")  # a name may be locked before it exists (write lease)
     with pytest.raises(RowLocked):
         s.put(name_of(5), page_of(5, P))
-    s.unlock_all("w")
+    s.locks.unlock_all("w")
 
 
 # -- movement between tiers --------------------------------------------------------------
@@ -216,7 +216,7 @@ def test_store_restart_recovers_every_row_committed_to_disk(
     assert again.locate([name_of(0)]) == [D]
     for i in range(30):
         assert read(again, i) == page_of(i, P)
-        assert again.size_of(name_of(i)) == P
+        assert size_of(again, name_of(i)) == P
 
 
 def test_store_write_back_restart_keeps_demoted_rows(make_store: MakeStore) -> None:
@@ -247,7 +247,7 @@ def test_store_corrupt_disk_row_is_a_miss_and_counted(make_store: MakeStore, tmp
     env.close()
     again = make_store(host_bytes=32 * 1024, disk_bytes=1 << 20)
     assert read(again, 1) is None
-    assert again.contains([name_of(1)]) == [False]
+    assert stored(again, [name_of(1)]) == [False]
     assert again.stats().tier(D).corrupt_rows == 1
     assert read(again, 2) == page_of(2, P)
 
@@ -257,15 +257,15 @@ def test_store_disk_full_is_typed_and_upper_tiers_keep_serving(make_store: MakeS
     s = make_store(host_bytes=32 * 1024, disk_bytes=16 * 1024, write_policy="write-through")
     for i in range(3):
         s.put(name_of(i), pages[i])
-    s.lock([name_of(i) for i in range(3)], "lease")
+    s.locks.lock([name_of(i) for i in range(3)], "lease")
     with pytest.raises(TierFull):
         s.put(name_of(9), pages[9])
-    assert s.contains([name_of(9)]) == [False]
+    assert stored(s, [name_of(9)]) == [False]
     assert all(read(s, i) == pages[i] for i in range(3))
     health = s.health()
     assert not health.ok
     assert next(t for t in health.tiers if t.kind is D).state == "degraded"
-    s.unlock_all("lease")
+    s.locks.unlock_all("lease")
 
 
 def test_store_bf16_pages_round_trip_through_the_codec(make_store: MakeStore) -> None:
@@ -287,51 +287,51 @@ def test_store_bf16_pages_round_trip_through_the_codec(make_store: MakeStore) ->
 
 def test_store_reserve_commit_abort_host(make_store: MakeStore) -> None:
     s = make_store(host_bytes=64 * 1024, disk_bytes=1 << 20)
-    slot = s.reserve_host(P, "w1")
+    slot = s.host.reserve(P, "w1")
     assert s.stats().reserved_slots == 1
     view, close = attach(slot)
     view[:] = page_of(7, P)
     view.release()
     close()
     assert read(s, 7) is None  # invisible before commit
-    s.commit_host(name_of(7), slot, parent=None)
+    s.host.commit(name_of(7), slot, parent=None)
     assert read(s, 7) == page_of(7, P)
     with pytest.raises(InvalidInput):
-        s.commit_host(name_of(8), slot)  # a slot commits once
-    slot2 = s.reserve_host(P, "w1")
-    s.abort_host(slot2)
+        s.host.commit(name_of(8), slot)  # a slot commits once
+    slot2 = s.host.reserve(P, "w1")
+    s.host.abort(slot2)
     with pytest.raises(InvalidInput):
-        s.abort_host(slot2)
+        s.host.abort(slot2)
     assert s.stats().reserved_slots == 0
-    whole = s.host_segment
+    whole = s.host.segment
     assert whole is not None and whole.segment == slot.segment and whole.offset == 0
     assert whole.size <= 64 * 1024
-    slot3 = s.reserve_host(P, "w2")
+    slot3 = s.host.reserve(P, "w2")
     with pytest.raises(PageSizeMismatch):
-        s.commit_host(name_of(7), type(slot3)(slot3.segment, slot3.offset, P))  # ok size
+        s.host.commit(name_of(7), type(slot3)(slot3.segment, slot3.offset, P))  # ok size
         s.put(name_of(7), page_of(7, P // 2))
 
 
 def test_store_commit_keeps_reservation_when_refused(make_store: MakeStore) -> None:
     s = make_store(data_dir=None, host_bytes=64 * 1024)
     s.put(name_of(1), page_of(1, P))
-    s.lock([name_of(1)], "reader")
-    slot = s.reserve_host(P, "writer")
+    s.locks.lock([name_of(1)], "reader")
+    slot = s.host.reserve(P, "writer")
     with pytest.raises(RowLocked):
-        s.commit_host(name_of(1), slot)
-    s.abort_host(slot)  # still reserved after the refusal
-    s.unlock_all("reader")
+        s.host.commit(name_of(1), slot)
+    s.host.abort(slot)  # still reserved after the refusal
+    s.locks.unlock_all("reader")
 
 
 def test_store_reserved_slots_are_never_evicted(make_store: MakeStore) -> None:
     s = make_store(data_dir=None, host_bytes=32 * 1024)
-    slots = [s.reserve_host(P, "w") for _ in range(8)]
+    slots = [s.host.reserve(P, "w") for _ in range(8)]
     with pytest.raises(TierFull):
-        s.reserve_host(P, "w")
+        s.host.reserve(P, "w")
     with pytest.raises(TierFull):
         s.put(name_of(1), page_of(1, P))
     for slot in slots:
-        s.abort_host(slot)
+        s.host.abort(slot)
     s.put(name_of(1), page_of(1, P))
 
 
@@ -340,19 +340,19 @@ def test_store_stage_host_brings_a_disk_row_into_shared_memory(make_store: MakeS
     s.put(name_of(1), page_of(1, P))
     s.close()
     again = make_store(host_bytes=32 * 1024, disk_bytes=1 << 20)
-    again.lock([name_of(1)], "lease")
-    slot = again.stage_host(name_of(1))
+    again.locks.lock([name_of(1)], "lease")
+    slot = again.host.stage(name_of(1))
     assert slot is not None and slot.size == P
     assert again.locate([name_of(1)]) == [H]
-    view = again.host_view(slot)
+    view = again.host.view(slot)
     assert view.tobytes() == page_of(1, P)
     view.release()
     mapped, close = attach(slot, writable=False)
     assert mapped.tobytes() == page_of(1, P)
     mapped.release()
     close()
-    assert again.stage_host(name_of(2)) is None
-    again.unlock_all("lease")
+    assert again.host.stage(name_of(2)) is None
+    again.locks.unlock_all("lease")
 
 
 # -- device tier (on the CPU device) ------------------------------------------------------
@@ -371,24 +371,24 @@ def test_store_device_tier_on_cpu_places_demotes_and_stages(make_store: MakeStor
     assert s.locate([name_of(30)]) == [K]
     for i in range(31):
         assert read(s, i) == page_of(i, P), i
-    s.lock([name_of(0)], "d")
-    dslot = s.stage_device(name_of(0))
+    s.locks.lock([name_of(0)], "d")
+    dslot = s.device.stage(name_of(0))
     assert dslot is not None and dslot.device == "cpu"
-    assert bytes(s.device_view(dslot).numpy()) == page_of(0, P)
-    s.unlock_all("d")
-    w = s.reserve_device(P, "dw")
-    s.device_view(w).copy_(__import__("torch").frombuffer(bytearray(page_of(77, P)),
+    assert bytes(s.device.view(dslot).numpy()) == page_of(0, P)
+    s.locks.unlock_all("d")
+    w = s.device.reserve(P, "dw")
+    s.device.view(w).copy_(__import__("torch").frombuffer(bytearray(page_of(77, P)),
                                                           dtype=__import__("torch").uint8))
-    s.commit_device(name_of(77), w)
+    s.device.commit(name_of(77), w)
     assert read(s, 77) == page_of(77, P)
-    w2 = s.reserve_device(P, "dw")
-    s.abort_device(w2)
+    w2 = s.device.reserve(P, "dw")
+    s.device.abort(w2)
     # a device row staged into host: both copies, then the device copy can go
-    s.lock([name_of(77)], "h")
-    hslot = s.stage_host(name_of(77))
+    s.locks.lock([name_of(77)], "h")
+    hslot = s.host.stage(name_of(77))
     assert hslot is not None
     s.check_invariants()
-    s.unlock_all("h")
+    s.locks.unlock_all("h")
 
 
 def test_store_device_off_is_said_once_and_never_raises(
@@ -403,7 +403,7 @@ def test_store_device_off_is_said_once_and_never_raises(
         assert dev.state == "off" and "device tier off" in dev.detail
         assert s.health().ok
         with pytest.raises(TierUnavailable):
-            s.reserve_device(P, "x")
+            s.device.reserve(P, "x")
     s2 = make_store(data_dir=None, device="cpu", device_bytes=None)
     assert not s2.stats().tier(K).enabled  # NVML cannot size a CPU device
 
@@ -441,8 +441,8 @@ def test_store_close_is_idempotent_and_unlinks_shared_memory(make_store: MakeSto
     from kvbank.tiers.host import SHM_DIR
 
     s = make_store(host_bytes=1 << 20)
-    slot = s.reserve_host(P, "w")
-    s.abort_host(slot)
+    slot = s.host.reserve(P, "w")
+    s.host.abort(slot)
     assert (SHM_DIR / slot.segment).exists()
     s.close()
     s.close()
@@ -473,13 +473,13 @@ def test_store_stage_host_many_matches_stage_host(make_store: MakeStore) -> None
     for batch in (False, True):
         s = _disk_only_store(make_store, 4)
         s.put(name_of(3), page_of(3, P))  # an overwrite: in host, its disk copy purged
-        s.lock(names, "lease")
-        got = s.stage_host_many(names) if batch else [s.stage_host(n) for n in names]
-        results.append([None if g is None else (g.size, s.host_view(g).tobytes()) for g in got])
+        s.locks.lock(names, "lease")
+        got = s.host.stage_many(names) if batch else [s.host.stage(n) for n in names]
+        results.append([None if g is None else (g.size, s.host.view(g).tobytes()) for g in got])
         assert s.locate(names) == [H, H, H, None, H, H, None]
         assert s.stats().tier(H).promotions == 3
         s.check_invariants()
-        s.unlock_all("lease")
+        s.locks.unlock_all("lease")
         s.close()
     assert results[0] == results[1]
     assert results[1][:3] == [(P, page_of(i, P)) for i in range(3)]
@@ -493,13 +493,13 @@ def test_store_stage_host_many_copies_device_rows_and_keeps_both(make_store: Mak
         s.put(name_of(i), page_of(i, P))
     assert s.locate([name_of(i) for i in range(4)]) == [K] * 4
     names = [name_of(i) for i in range(4)]
-    s.lock(names, "lease")
-    slots = s.stage_host_many(names)
+    s.locks.lock(names, "lease")
+    slots = s.host.stage_many(names)
     for i, slot in enumerate(slots):
-        assert slot is not None and s.host_view(slot).tobytes() == page_of(i, P)
+        assert slot is not None and s.host.view(slot).tobytes() == page_of(i, P)
     assert s.residency(names) == [frozenset({K, H})] * 4
     s.check_invariants()
-    s.unlock_all("lease")
+    s.locks.unlock_all("lease")
 
 
 def test_store_stage_host_many_is_all_or_nothing_when_host_is_too_small(
@@ -510,18 +510,18 @@ def test_store_stage_host_many_is_all_or_nothing_when_host_is_too_small(
     s = _disk_only_store(make_store, 12, host_bytes=32 * 1024, high_watermark=1.0)
     s.put(name_of(40), page_of(40, P))
     names = [name_of(i) for i in range(12)] + [name_of(40)]
-    s.lock(names, "lease")
+    s.locks.lock(names, "lease")
     before = s.residency(names)
     used = s.stats().tier(H).used_bytes
     with pytest.raises(TierFull, match="12 rows"):
-        s.stage_host_many(names)
+        s.host.stage_many(names)
     assert s.residency(names) == before
     assert s.stats().tier(H).used_bytes == used
     s.check_invariants()
-    s.unlock_all("lease")
-    s.lock(names[:6], "small")
-    assert all(x is not None for x in s.stage_host_many(names[:6]))  # a lease that fits
-    s.unlock_all("small")
+    s.locks.unlock_all("lease")
+    s.locks.lock(names[:6], "small")
+    assert all(x is not None for x in s.host.stage_many(names[:6]))  # a lease that fits
+    s.locks.unlock_all("small")
 
 
 def test_store_stage_host_many_corrupt_disk_row_is_a_miss(
@@ -541,12 +541,12 @@ def test_store_stage_host_many_corrupt_disk_row_is_a_miss(
     env.close()
     s = make_store(host_bytes=32 * 1024, disk_bytes=1 << 20)
     names = [name_of(i) for i in range(3)]
-    s.lock(names, "lease")
-    slots = s.stage_host_many(names)
+    s.locks.lock(names, "lease")
+    slots = s.host.stage_many(names)
     assert slots[1] is None and slots[0] is not None and slots[2] is not None
-    assert s.host_view(slots[2]).tobytes() == page_of(2, P)
+    assert s.host.view(slots[2]).tobytes() == page_of(2, P)
     assert s.stats().tier(D).corrupt_rows == 1
-    s.unlock_all("lease")
+    s.locks.unlock_all("lease")
 
 
 def test_store_stage_host_many_rollback_spares_a_row_another_holder_staged(
@@ -558,7 +558,7 @@ def test_store_stage_host_many_rollback_spares_a_row_another_holder_staged(
     lock. The rollback now gives back only copies nobody has staged or locked since."""
     s = _disk_only_store(make_store, 4)
     a, b = name_of(0), name_of(1)
-    s.lock([a, b], "lease")
+    s.locks.lock([a, b], "lease")
     publish, stage = s._publish_staging, s._stage
     other: dict[str, object] = {}
 
@@ -570,8 +570,8 @@ def test_store_stage_host_many_rollback_spares_a_row_another_holder_staged(
             return stage(name, bit)
 
         def holder() -> None:  # another holder, between the publish and the rollback
-            s.lock([a], "other")
-            other["slot"] = s.stage_host(a)
+            s.locks.lock([a], "other")
+            other["slot"] = s.host.stage(a)
 
         t = threading.Thread(target=holder)
         t.start()
@@ -581,19 +581,19 @@ def test_store_stage_host_many_rollback_spares_a_row_another_holder_staged(
     s._publish_staging = publish_all_but_b  # type: ignore[method-assign]
     s._stage = stage_b_fails  # type: ignore[method-assign]
     with pytest.raises(OSError, match="injected"):
-        s.stage_host_many([a, b])
+        s.host.stage_many([a, b])
     s._publish_staging, s._stage = publish, stage  # type: ignore[method-assign]
     slot = other["slot"]
     assert slot is not None
     assert H in s.residency([a])[0]  # the other holder's copy stayed
-    assert s.stage_host(a) == slot  # the same slot: it was never freed
-    assert s.host_view(slot).tobytes() == page_of(0, P)
+    assert s.host.stage(a) == slot  # the same slot: it was never freed
+    assert s.host.view(slot).tobytes() == page_of(0, P)
     assert s.residency([b]) == [frozenset({D})]  # nothing added for b
     s.check_invariants()
     s.put(name_of(60), page_of(60, P))  # a freed slot would be handed out again here
-    assert s.host_view(slot).tobytes() == page_of(0, P)
-    s.unlock_all("other")
-    s.unlock_all("lease")
+    assert s.host.view(slot).tobytes() == page_of(0, P)
+    s.locks.unlock_all("other")
+    s.locks.unlock_all("lease")
 
 
 def test_store_stage_host_many_rollback_gives_back_untouched_copies(
@@ -603,7 +603,7 @@ def test_store_stage_host_many_rollback_gives_back_untouched_copies(
     some rows were published leaves no row in host that was not there before."""
     s = _disk_only_store(make_store, 4)
     names = [name_of(i) for i in range(3)]
-    s.lock(names, "lease")
+    s.locks.lock(names, "lease")
     publish, stage = s._publish_staging, s._stage
 
     def publish_all_but_last(st):  # type: ignore[no-untyped-def]
@@ -616,22 +616,22 @@ def test_store_stage_host_many_rollback_gives_back_untouched_copies(
     s._stage = stage_fails  # type: ignore[method-assign]
     used = s.stats().tier(H).used_bytes
     with pytest.raises(OSError, match="injected"):
-        s.stage_host_many(names)
+        s.host.stage_many(names)
     s._publish_staging, s._stage = publish, stage  # type: ignore[method-assign]
     assert s.residency(names) == [frozenset({D})] * 3
     assert s.stats().tier(H).used_bytes == used
     s.check_invariants()
-    s.unlock_all("lease")
+    s.locks.unlock_all("lease")
 
 
 def test_store_stage_host_many_empty_and_host_off(make_store: MakeStore) -> None:
     s = make_store(host_bytes=32 * 1024)
-    assert s.stage_host_many([]) == []
+    assert s.host.stage_many([]) == []
     with pytest.raises(InvalidRowName):
-        s.stage_host_many([b"short"])
+        s.host.stage_many([b"short"])
     off = make_store(data_dir=None, host_bytes=0, device="cpu", device_bytes=1 << 16)
     with pytest.raises(TierUnavailable):
-        off.stage_host_many([name_of(1)])
+        off.host.stage_many([name_of(1)])
 
 
 # -- demotion on the codec workers -------------------------------------------------------
@@ -716,7 +716,7 @@ def test_store_victims_by_partial_sort_equal_the_full_sort(
     out = bytearray(5000)
     for _ in range(200):
         s.get_into(name_of(rng.randrange(600)), out)
-    s.lock([name_of(rng.randrange(600)) for _ in range(30)], "lease")
+    s.locks.lock([name_of(rng.randrange(600)) for _ in range(30)], "lease")
     for need in (1, 300, 5000, 40_000, 400_000, 10**9):
         for cls in (None, 128, 256, 8192):
             picks = []
@@ -725,7 +725,7 @@ def test_store_victims_by_partial_sort_equal_the_full_sort(
                 with s._lock:
                     picks.append(s._victims(HOST, need, cls))
             assert picks[0] == picks[1], (need, cls)
-    s.unlock_all("lease")
+    s.locks.unlock_all("lease")
 
 
 # -- graceful close ----------------------------------------------------------------------
@@ -760,7 +760,7 @@ def test_store_close_without_persist_drops_dirty_rows(make_store: MakeStore) -> 
         s.put(name_of(i), page_of(i, P))
     s.close(persist=False)
     again = make_store(host_bytes=1 << 20, disk_bytes=1 << 20)
-    assert again.contains([name_of(i) for i in range(5)]) == [False] * 5
+    assert stored(again, [name_of(i) for i in range(5)]) == [False] * 5
 
 
 def test_store_close_keeps_the_hottest_rows_within_the_disk_budget(
@@ -778,7 +778,7 @@ def test_store_close_keeps_the_hottest_rows_within_the_disk_budget(
         s.close()
     assert any("memory-only rows to disk" in r.getMessage() for r in caplog.records)
     again = make_store(host_bytes=1 << 20, disk_bytes=48 * 1024)
-    present = again.contains([name_of(i) for i in range(24)])
+    present = stored(again, [name_of(i) for i in range(24)])
     kept = [i for i, p in enumerate(present) if p]
     assert kept and kept == list(range(24 - len(kept), 24)), kept  # the newest survive
     assert again.stats().tier(D).used_bytes <= 48 * 1024
@@ -810,4 +810,4 @@ def test_store_close_runs_queued_purges(make_store: MakeStore) -> None:
         s.delete(name_of(i))
     s.close(persist=False)
     again = make_store(host_bytes=1 << 20, disk_bytes=1 << 20)
-    assert again.contains([name_of(i) for i in range(10)]) == [i % 2 == 1 for i in range(10)]
+    assert stored(again, [name_of(i) for i in range(10)]) == [i % 2 == 1 for i in range(10)]

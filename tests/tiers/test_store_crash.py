@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from kvbank.config import BankConfig
-from kvbank.testing.tiers import name_of
+from kvbank.testing.tiers import name_of, stored
 from kvbank.tiers.base import TierKind
 from kvbank.tiers.host import SHM_DIR, cleanup_stale
 from kvbank.tiers.store import TieredStore
@@ -22,13 +22,13 @@ PAGE = 16 * 1024
 WRITER = r"""
 import random, sys
 from kvbank.config import BankConfig
-from kvbank.testing.tiers import name_of
+from kvbank.testing.tiers import name_of, stored
 from kvbank.tiers.store import TieredStore
 
 data_dir, policy, size = sys.argv[1], sys.argv[2], int(sys.argv[3])
 store = TieredStore(BankConfig(data_dir=data_dir, host_bytes=256 * 1024, disk_bytes=64 << 20,
                                device_bytes=0, write_policy=policy, disk_sync=True))
-print("segment", store.reserve_host(1, "probe").segment, flush=True)
+print("segment", store.host.reserve(1, "probe").segment, flush=True)
 i = 0
 while True:
     page = random.Random(i).randbytes(size)
@@ -81,13 +81,13 @@ def test_store_kill_9_loses_no_acknowledged_row(tmp_path: Path, policy: str) -> 
         store.check_invariants()
         last = max(acked)
         names = [name_of(i, b"c") for i in range(last + 2)]
-        present = store.contains(names)
+        present = stored(store, names)
         out = bytearray(PAGE)
         for i, here in enumerate(present):
             if here:
                 assert store.get_into(names[i], out) == PAGE
                 assert bytes(out) == _page(i), f"row {i} came back with other bytes"
-        assert not any(store.contains([name_of(i, b"c") for i in range(last + 2, last + 50)]))
+        assert not any(stored(store, [name_of(i, b"c") for i in range(last + 2, last + 50)]))
         if policy == "write-through":
             missing = [i for i in acked if not present[i]]
             assert not missing, f"acknowledged rows lost: {missing[:10]}"

@@ -1,0 +1,362 @@
+"""The tiered store: one node's rows across memory pools over frame stores.
+
+Parts (one module each; plain data plus functions, owned by the store lock, except the
+mover, which owns the disk lock):
+
+==============  ======================================================================
+module          owns
+==============  ======================================================================
+``types``       public values (stats, health, ``RowInfo``, ``EvictResult``, events), jobs
+``state``       the shared state: index, pools, frame stores, tables, counters, queue
+``residency``   the slot ledger; the only code that adds/removes rows and frees slots
+``pagelocks``   page locks (per holder, counted) and admin pins (budgeted)
+``policy``      victim choice: prefix-aware LRU as a pure function over the index
+``placement``   which slot a row gets; making room; waiting (with a deadline)
+``copier``      every byte copy between tiers (the seam tests inject)
+``mover``       the background thread: device→host copies, disk demotions, purges
+``writes``      put and commit: fill a private slot, publish it (write-through to disk)
+``reads``       get: copy out, promote a disk row into host, drop corrupt rows
+``staging``     bring rows into one memory kind for leases (one row, or a batch)
+``memory``      ``store.host`` / ``store.device``: reserve, commit, abort, stage, view
+``admin``       scan, evict, pin, unpin, touch, read_frame
+``events``      the bounded change feed (PUBLISHED / WITHDRAWN, overflow counted)
+``persist``     recovery from disk at open, write-back of memory rows at close
+``check``       the consistency checker
+==============  ======================================================================
+
+The tiers: memory pools (:class:`~kvbank.tiers.base.SlotPool`), fastest first — the
+device pool, then the host slab — over frame stores
+(:class:`~kvbank.tiers.base.FrameStore`) — the disk tier. A row's tier bits in the index
+are ``1 << TierKind.rank``. ``put`` writes into the fastest pool with a free slot; rows
+move down under pressure (high/low watermarks): device → host (a copy by the mover),
+host → disk (a codec frame), disk → dropped. Reads promote a disk row into host. LRU with
+prefix awareness; locked and pinned rows are never victims.
+
+Lock order — a thread holding one of these may take only those below it, never above
+(checked on every acquire when ``kvbank.tiers.lockorder`` checking is on, as in the test
+suite)::
+
+    Lender._lock  →  Mover.disk_lock  →  TieredStore lock  →  DiskTier._lock
+
+No copy, disk read, decode or mover wait runs under the store lock: each operation plans
+under it (claims and holds slots), copies outside it, and publishes under it again,
+re-checking that the row is unchanged. Waits are condition predicates with deadlines
+(``wait_timeout_s``, or ``timeout_s=``): ``Busy`` when one passes, ``TierFull`` when
+nothing more can be freed. ``flush(timeout_s)`` and ``close`` are bounded.
+
+Lifecycle: ``TieredStore(config)`` (opens the tiers, recovers the disk index, starts the
+mover and its codec workers) → any thread calls the methods → ``close()`` (idempotent:
+refuses new calls, stops the mover after its current job, runs queued purges, writes
+memory-only rows to disk unless ``persist=False`` — hottest first, within the disk budget
+and a deadline — then unlinks the shared memory and closes LMDB).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from kvbank.config import BankConfig
+from kvbank.errors import InvalidInput, RowLocked
+from kvbank.tiers.base import Buffer, FrameStore, TierKind, check_name
+from kvbank.tiers.device import DevicePool, device_budget
+from kvbank.tiers.host import HostSlab
+from kvbank.tiers.index import DEV, DISK, HOST, KIND_OF_BIT
+from kvbank.tiers.store import admin, reads, writes
+from kvbank.tiers.store import persist as persistence
+from kvbank.tiers.store.check import check
+from kvbank.tiers.store.copier import Copier
+from kvbank.tiers.store.locktable import LockTable
+from kvbank.tiers.store.memory import DeviceOps, HostOps
+from kvbank.tiers.store.mover import Mover, default_encode_workers
+from kvbank.tiers.store.state import StoreState, deadline_after
+from kvbank.tiers.store.types import (
+    EventKind,
+    EvictResult,
+    HealthState,
+    RowEvent,
+    RowInfo,
+    StoreHealth,
+    StoreStats,
+    TierHealth,
+    TierStats,
+)
+
+logger = logging.getLogger("kvbank.tiers.store")
+
+DEFAULT_CLOSE_DEADLINE_S = 30.0  # how long close() may spend writing dirty rows to disk
+
+__all__ = [
+    "DEFAULT_CLOSE_DEADLINE_S", "Copier", "EventKind", "EvictResult", "HealthState",
+    "RowEvent", "RowInfo", "StoreHealth", "StoreStats", "TierHealth", "TierStats",
+    "TieredStore", "default_encode_workers",
+]
+
+
+class TieredStore:
+    """Rows of one node across device, host and disk tiers. Thread-safe.
+
+    Public surface: ``put``, ``get_into``, ``delete``, ``locate``, ``residency``,
+    ``scan``, ``evict``, ``pin``, ``unpin``, ``touch``, ``take_events``, ``read_frame``,
+    ``flush``, ``stats``, ``health``, ``check_invariants``, ``close``; and the
+    namespaces ``locks`` (page locks), ``host`` and ``device`` (in-place slots).
+    """
+
+    def __init__(self, config: BankConfig, *, encode_workers: int | None = None,
+                 copier: Copier | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if encode_workers is None:
+            encode_workers = default_encode_workers()
+        if isinstance(encode_workers, bool) or not isinstance(encode_workers, int) \
+                or encode_workers < 1:
+            raise InvalidInput(f"encode_workers: expected an integer >= 1, got {encode_workers!r}")
+        self.config = config
+        notes: list[str] = []
+        device: DevicePool | None = None
+        host: HostSlab | None = None
+        frames: list[FrameStore] = []
+        try:
+            dev_budget, why_off = device_budget(config)
+            if dev_budget > 0:
+                device = DevicePool(dev_budget, config.device)
+            else:
+                notes.append(why_off)
+                # Switched off on purpose is a state change; off for want of a GPU is degraded.
+                log = logger.info if config.device_bytes == 0 else logger.warning
+                log("%s", why_off)
+            if config.host_bytes > 0:
+                host = HostSlab(config.host_bytes)
+            if config.data_dir is not None and config.disk_bytes > 0:
+                from kvbank.tiers.disk import DiskTier
+
+                frames.append(DiskTier(config.data_dir, config.disk_bytes, sync=config.disk_sync))
+            st = StoreState(config, device=device, host=host, frames=frames,
+                            copier=copier or Copier(), clock=clock)
+            st.notes.extend(notes)
+            persistence.recover(st)
+        except BaseException:
+            _close_tiers(device, host, frames)
+            raise
+        self._st = st
+        self._mover = Mover(st, encode_workers)
+        self.locks = LockTable(st)
+        self.host = HostOps(st, self._mover)
+        self.device = DeviceOps(st, self._mover)
+        self._mover.start()
+
+    def _deadline(self, timeout_s: float | None) -> float:
+        return deadline_after(timeout_s, self.config.wait_timeout_s)
+
+    # -- rows --------------------------------------------------------------------------
+
+    def put(self, name: bytes, data: Buffer, *, dtype: str = "uint8",
+            parent: bytes | None = None, timeout_s: float | None = None) -> None:
+        """Store a row (visible when this returns). ``RowLocked`` if the name is locked,
+        ``PageSizeMismatch`` if it holds a row of another size, ``TierFull`` if no tier
+        has room, ``Busy`` if making room outlasted the deadline."""
+        writes.put(self._st, self._mover, name, data, dtype, parent, self._deadline(timeout_s))
+
+    def get_into(self, name: bytes, out: memoryview | bytearray) -> int | None:
+        """Copy a row into ``out``; its size, or ``None`` on a miss. Touches LRU and
+        promotes a disk row to host."""
+        return reads.get_into(self._st, name, out)
+
+    def delete(self, name: bytes) -> bool:
+        """Remove a row from every tier; ``False`` if absent, ``RowLocked`` if locked."""
+        check_name(name)
+        st = self._st
+        with st.lock:
+            st.check_open()
+            if name in st.locks:
+                raise RowLocked(f"row {name.hex()[:16]}…: locked by {sorted(st.locks.holders(name))}")
+            rid = st.ix.ids.get(name)
+            if rid is None:
+                return False
+            st.remove_row(rid)
+            return True
+
+    def locate(self, names: Sequence[bytes]) -> list[TierKind | None]:
+        """The fastest tier holding each row (``None`` = absent). Touches nothing."""
+        st = self._st
+        with st.lock:
+            st.check_open()
+            ids, where = st.ix.ids, st.ix.where
+            out: list[TierKind | None] = []
+            for name in names:
+                rid = ids.get(check_name(name))
+                if rid is None:
+                    out.append(None)
+                    continue
+                w = int(where[rid])
+                out.append(TierKind.DEVICE if w & DEV else TierKind.HOST if w & HOST
+                           else TierKind.DISK)
+            return out
+
+    def residency(self, names: Sequence[bytes]) -> list[frozenset[TierKind]]:
+        """Every tier holding a copy of each row (empty = absent). Touches nothing."""
+        st = self._st
+        with st.lock:
+            st.check_open()
+            ids, where = st.ix.ids, st.ix.where
+            out: list[frozenset[TierKind]] = []
+            for name in names:
+                rid = ids.get(check_name(name))
+                w = 0 if rid is None else int(where[rid])
+                out.append(frozenset(k for b, k in KIND_OF_BIT.items() if w & b))
+            return out
+
+    # -- admin and fleet ---------------------------------------------------------------
+
+    def scan(self, prefix: bytes = b"", *, after: bytes | None = None,
+             limit: int) -> list[RowInfo]:
+        """Rows whose name starts with ``prefix``, in name order, after the cursor
+        ``after`` (the last name of the previous page), at most ``limit``. Pure."""
+        return admin.scan(self._st, prefix, after, limit)
+
+    def evict(self, names: Sequence[bytes]) -> EvictResult:
+        """Drop rows from every tier; locked or pinned rows are reported, not evicted."""
+        return admin.evict(self._st, names)
+
+    def pin(self, names: Sequence[bytes]) -> tuple[bytes, ...]:
+        """Keep rows where they are (never evicted or demoted) within ``pin_bytes``
+        (``PinBudgetExceeded``, nothing pinned); the names not stored."""
+        return admin.pin(self._st, names)
+
+    def unpin(self, names: Sequence[bytes]) -> None:
+        admin.unpin(self._st, names)
+
+    def touch(self, names: Sequence[bytes]) -> int:
+        """Record recency without reading; how many of the rows are stored."""
+        return admin.touch(self._st, names)
+
+    def take_events(self, max_events: int | None = None) -> list[RowEvent]:
+        """Rows PUBLISHED and WITHDRAWN since the last call, oldest first; an OVERFLOW
+        event first when some were lost (resync with ``scan``)."""
+        if max_events is not None and (isinstance(max_events, bool)
+                                       or not isinstance(max_events, int) or max_events < 0):
+            raise InvalidInput(f"max_events: expected an integer >= 0, got {max_events!r}")
+        with self._st.lock:
+            return self._st.events.take(max_events)
+
+    def read_frame(self, name: bytes) -> bytes | None:
+        """A row's encoded codec frame, not decoded; ``None`` on a miss."""
+        return admin.read_frame(self._st, name)
+
+    # -- the mover, introspection ------------------------------------------------------
+
+    def flush(self, timeout_s: float | None = None) -> None:
+        """Wait until the mover is idle (``Busy`` at the deadline)."""
+        self._mover.flush(self._deadline(timeout_s))
+
+    def stats(self) -> StoreStats:
+        st = self._st
+        with st.lock:
+            ix = st.ix
+            where = ix.where[: ix.high]
+            tiers: list[TierStats] = []
+            for bit in (DEV, HOST, DISK):
+                c = st.counters[bit]
+                rows = int(np.count_nonzero(where & bit))
+                corrupt = 0
+                if bit == DISK:
+                    disk = st.disk
+                    enabled = disk is not None
+                    used = alloc = disk.used_bytes if disk else 0
+                    budget = disk.budget_bytes if disk else 0
+                    corrupt = disk.corrupt_rows if disk else 0
+                else:
+                    pool = st.pools.get(bit)
+                    enabled = pool is not None
+                    used = pool.used_bytes if pool else 0
+                    alloc = pool.allocated_bytes if pool else 0
+                    budget = pool.budget if pool else 0
+                tiers.append(TierStats(KIND_OF_BIT[bit], enabled, rows, used, alloc, budget,
+                                       c.hits, c.misses, c.evictions, c.demotions,
+                                       c.promotions, corrupt))
+            return StoreStats(tuple(tiers), len(ix), len(st.locks), len(st.res.reserved),
+                              len(st.jobs), sum(st.queued.values()), st.puts, st.gets,
+                              st.hits, st.misses, len(st.pins), st.pins.nbytes,
+                              st.events.dropped)
+
+    def health(self) -> StoreHealth:
+        st = self._st
+        with st.lock:
+            mover = self._mover.thread.is_alive() and not st.closed
+            tiers: list[TierHealth] = []
+            for bit in (DEV, HOST, DISK):
+                kind = KIND_OF_BIT[bit]
+                enabled = (st.disk is not None) if bit == DISK else bit in st.pools
+                if not enabled:
+                    why = next((n for n in st.notes if n.startswith(kind.value)), "not configured")
+                    tiers.append(TierHealth(kind, False, HealthState.OFF, why))
+                elif bit == DISK and st.disk_error is not None:
+                    tiers.append(TierHealth(kind, True, HealthState.DEGRADED, st.disk_error))
+                else:
+                    tiers.append(TierHealth(kind, True, HealthState.OK, ""))
+            ok = mover and all(t.state is not HealthState.DEGRADED for t in tiers)
+            return StoreHealth(ok, tuple(tiers), mover, tuple(st.notes))
+
+    @property
+    def closed(self) -> bool:
+        return self._st.closed
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError naming the first broken invariant (see ``.check``)."""
+        with self._st.lock:
+            problems = check(self._st)
+        if problems:
+            raise AssertionError(problems[0])
+
+    # -- close -------------------------------------------------------------------------
+
+    def close(self, *, persist: bool = True,
+              deadline_s: float = DEFAULT_CLOSE_DEADLINE_S) -> None:
+        """Close the store: new calls are refused, the mover stops (queued moves are
+        cancelled, queued purges still run), then, with ``persist`` and a disk tier, every
+        memory row without a disk copy is written to disk, hottest first, within the disk
+        budget and ``deadline_s`` seconds (a warning names what was left). Finally the
+        shared memory is unlinked and LMDB closed. ``persist=False`` drops dirty rows, as
+        a crash would. Idempotent."""
+        if isinstance(deadline_s, bool) or not isinstance(deadline_s, (int, float)) \
+                or not deadline_s >= 0:
+            raise InvalidInput(f"deadline_s: expected seconds >= 0, got {deadline_s!r}")
+        deadline = time.monotonic() + deadline_s
+        st = self._st
+        with st.lock:
+            if st.closed:
+                return
+            st.closed = True
+            st.cond.notify_all()
+        # The mover ends after its current job; bounded so close cannot hang on it.
+        if not self._mover.stop(max(deadline_s, 0.0) + self.config.wait_timeout_s):
+            logger.warning("store: the mover is still running at close; tiers left open")
+            return
+        try:
+            if st.disk is not None and not st.mover_dead:
+                for job in list(st.jobs):
+                    self._mover.purge(job)
+                st.jobs.clear()
+                if persist:
+                    persistence.write_back(st, self._mover, deadline, deadline_s)
+        finally:
+            if self._mover.encoder is not None:
+                self._mover.encoder.shutdown(wait=True)
+            _close_tiers(st.device, st.host, st.frames)
+
+    def __enter__(self) -> TieredStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _close_tiers(device: DevicePool | None, host: HostSlab | None,
+                 frames: list[FrameStore]) -> None:
+    for pool in (device, host):
+        if pool is not None:
+            pool.close()
+    for fs in frames:
+        fs.close()

@@ -1,0 +1,235 @@
+"""In-place access to one memory kind: ``store.host`` and ``store.device``.
+
+One set of operations per memory kind (:class:`HostOps`, :class:`DeviceOps`), over the
+same plan → copy → publish rules:
+
+- ``reserve(size, holder)`` — a private slot for a write lease: counts against the
+  budget, invisible to readers, never evicted; ``TierFull`` (or ``Busy`` at the deadline)
+  when there is no room after eviction;
+- ``commit(name, slot)`` — publish a reserved slot's bytes as row ``name`` (an unlocked
+  older copy, or one locked only by the reserving holder, is replaced); refused commits
+  keep the reservation;
+- ``abort(slot)`` — give a reserved slot back;
+- ``stage(name)`` / ``stage_many(names)`` — bring rows into this kind of memory and
+  answer their slots (the caller locks them first so that they stay);
+- ``view(slot)`` — the owner-side bytes of a slot (a memoryview for host, a uint8 tensor
+  for device); ``segment`` — the whole host segment as one location.
+
+Every call on a kind whose tier is off raises ``TierUnavailable``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Generic, TypeVar
+
+import torch
+
+from kvbank.config import WritePolicy
+from kvbank.errors import InvalidInput
+from kvbank.tiers.base import DeviceSlot, HostSlot, check_name
+from kvbank.tiers.device import DevicePool
+from kvbank.tiers.host import HostSlab
+from kvbank.tiers.index import DEV, HOST
+from kvbank.tiers.store import staging
+from kvbank.tiers.store.mover import Mover
+from kvbank.tiers.store.placement import alloc_for_stage
+from kvbank.tiers.store.state import MAX_PAGE, StoreState, deadline_after
+from kvbank.tiers.store.writes import publish
+
+SlotT = TypeVar("SlotT", HostSlot, DeviceSlot)
+
+
+class MemoryOps(Generic[SlotT]):
+    bit: int
+
+    def __init__(self, st: StoreState, mover: Mover) -> None:
+        self._st = st
+        self._mover = mover
+
+    @property
+    def enabled(self) -> bool:
+        return self.bit in self._st.pools
+
+    def _deadline(self, timeout_s: float | None) -> float:
+        return deadline_after(timeout_s, self._st.config.wait_timeout_s)
+
+    def _offset(self, slot: SlotT) -> int:
+        raise NotImplementedError
+
+    def _slot(self, off: int, size: int) -> SlotT:
+        raise NotImplementedError
+
+    def reserve(self, size: int, holder: str, *, timeout_s: float | None = None) -> SlotT:
+        if isinstance(size, bool) or not isinstance(size, int) or not 0 < size <= MAX_PAGE:
+            raise InvalidInput(f"size: must be an integer in [1, {MAX_PAGE}], got {size!r}")
+        if not isinstance(holder, str) or not holder:
+            raise InvalidInput(f"holder: expected a non-empty string, got {holder!r}")
+        st = self._st
+        st.pool(self.bit, "reserve")
+        deadline = self._deadline(timeout_s)
+        with st.lock:
+            st.check_open()
+            off = alloc_for_stage(st, self.bit, size, deadline, "reserve")
+            st.res.reserved[(self.bit, off)] = (holder, size)
+            return self._slot(off, size)
+
+    def _reserved(self, slot: SlotT) -> tuple[int, str]:
+        off = self._offset(slot)
+        hit = self._st.res.reserved.get((self.bit, off))
+        if hit is None:
+            raise InvalidInput(f"slot: offset {off} is not a reserved slot (committed, "
+                               "aborted or never reserved)")
+        if hit[1] != slot.size:
+            raise InvalidInput(f"slot.size: {slot.size}, reserved {hit[1]}")
+        return off, hit[0]
+
+    def _source(self, off: int, size: int) -> memoryview:
+        raise NotImplementedError
+
+    def commit(self, name: bytes, slot: SlotT, *, dtype: str = "uint8",
+               parent: bytes | None = None) -> None:
+        check_name(name)
+        if parent is not None:
+            check_name(parent)
+        st, bit = self._st, self.bit
+        st.pool(bit, "commit")
+        with st.lock:
+            st.check_open()
+            off, holder = self._reserved(slot)
+            size = slot.size
+            code = st.dtype_code(dtype)
+            st.check_writable(name, size, holder)  # failing here keeps the reservation
+            del st.res.reserved[(bit, off)]
+            st.res.hold(bit, off)
+        src = self._source(off, size)
+        try:
+            publish(st, self._mover, name, size, code, parent, bit, off, src, holder=holder,
+                    reserve=(holder, size))
+        finally:
+            src.release()
+            with st.lock:
+                st.release(bit, off)
+
+    def abort(self, slot: SlotT) -> None:
+        st = self._st
+        st.pool(self.bit, "abort")
+        with st.lock:
+            st.check_open()
+            off, _ = self._reserved(slot)
+            del st.res.reserved[(self.bit, off)]
+            st.res.free_slot(self.bit, off)
+            st.notify()
+
+    def stage(self, name: bytes, *, timeout_s: float | None = None) -> SlotT | None:
+        got = staging.stage(self._st, name, self.bit, self._deadline(timeout_s))
+        return None if got is None else self._typed(got)
+
+    def stage_many(self, names: Sequence[bytes], *,
+                   timeout_s: float | None = None) -> list[SlotT | None]:
+        deadline = self._deadline(timeout_s)
+        return [None if (s := staging.stage(self._st, n, self.bit, deadline)) is None
+                else self._typed(s) for n in names]
+
+    def _typed(self, slot: HostSlot | DeviceSlot) -> SlotT:
+        raise NotImplementedError
+
+
+class HostOps(MemoryOps[HostSlot]):
+    """Host (shared-memory) slots."""
+
+    bit = HOST
+
+    def _pool(self) -> HostSlab:
+        self._st.pool(HOST, "host")
+        assert self._st.host is not None
+        return self._st.host
+
+    def _typed(self, slot: HostSlot | DeviceSlot) -> HostSlot:
+        assert isinstance(slot, HostSlot)
+        return slot
+
+    def _offset(self, slot: HostSlot) -> int:
+        if not isinstance(slot, HostSlot):
+            raise InvalidInput(f"slot: expected a HostSlot, got {type(slot).__name__}")
+        pool = self._pool()
+        if slot.segment != pool.segment:
+            raise InvalidInput(f"slot.segment: {slot.segment!r} is not this store's")
+        return slot.offset
+
+    def _slot(self, off: int, size: int) -> HostSlot:
+        return self._pool().slot(off, size)
+
+    def _source(self, off: int, size: int) -> memoryview:
+        return self._pool().view(off, size)
+
+    def stage_many(self, names: Sequence[bytes], *,
+                   timeout_s: float | None = None) -> list[HostSlot | None]:
+        """One planning pass for a lease's rows (see :func:`.staging.stage_host_many`)."""
+        return staging.stage_host_many(self._st, names, self._mover.encoder,
+                                       self._deadline(timeout_s))
+
+    @property
+    def segment(self) -> HostSlot | None:
+        """The whole host segment as one location (name, 0, mapped size), for leases
+        that map it once; ``None`` when the host tier is off."""
+        pool = self._st.host
+        if pool is None or pool.allocator.space_bytes == 0:
+            return None
+        return HostSlot(pool.segment, 0, pool.allocator.space_bytes)
+
+    def view(self, slot: HostSlot) -> memoryview:
+        """The owner-side view of a host slot's bytes (release it when done)."""
+        pool = self._pool()
+        if not isinstance(slot, HostSlot) or slot.segment != pool.segment:
+            raise InvalidInput(f"slot: not a slot of segment {pool.segment}")
+        with self._st.lock:
+            self._st.check_open()
+            if not pool.allocator.is_slot(slot.offset) or slot.size > pool.capacity(slot.offset):
+                raise InvalidInput(f"slot: offset {slot.offset} size {slot.size} is not a slot")
+            return pool.view(slot.offset, slot.size)
+
+
+class DeviceOps(MemoryOps[DeviceSlot]):
+    """Device (torch pool) slots."""
+
+    bit = DEV
+
+    def _pool(self) -> DevicePool:
+        self._st.pool(DEV, "device")
+        assert self._st.device is not None
+        return self._st.device
+
+    def _typed(self, slot: HostSlot | DeviceSlot) -> DeviceSlot:
+        assert isinstance(slot, DeviceSlot)
+        return slot
+
+    def _offset(self, slot: DeviceSlot) -> int:
+        if not isinstance(slot, DeviceSlot):
+            raise InvalidInput(f"slot: expected a DeviceSlot, got {type(slot).__name__}")
+        return self._pool().offset_of(slot)
+
+    def _slot(self, off: int, size: int) -> DeviceSlot:
+        return self._pool().slot(off, size)
+
+    def _source(self, off: int, size: int) -> memoryview:
+        # Only write-through needs the bytes on the host (to encode a frame).
+        st = self._st
+        if st.config.write_policy is WritePolicy.WRITE_THROUGH and st.disk is not None:
+            return memoryview(self._pool().tensor(off, size).cpu().numpy().data)
+        return memoryview(b"")
+
+    @property
+    def segment(self) -> HostSlot | None:
+        return None  # device pools are chunk tensors that come and go: not one location
+
+    def view(self, slot: DeviceSlot) -> torch.Tensor:
+        """A uint8 tensor view of a device slot."""
+        pool = self._pool()
+        with self._st.lock:
+            self._st.check_open()
+            off = pool.offset_of(slot)
+            if not pool.allocator.is_slot(off) or slot.size > pool.capacity(off):
+                raise InvalidInput(f"slot: offset {slot.offset} size {slot.size} is not a slot")
+            return pool.tensor(off, slot.size)
+

@@ -1,0 +1,137 @@
+"""Persistence: the index rebuilt from disk at open, memory rows written back at close.
+
+- :func:`recover` — every row the disk tier checked at open goes into the index, oldest
+  write first (the write clock gives the LRU order), with its parent links.
+- :func:`write_back` — at a graceful close, every memory row without a disk copy (write-
+  back's dirty rows) is encoded on the codec workers and written, hottest first, within
+  the disk budget (evicting only disk rows used longer ago) and a deadline. Write clocks
+  keep the LRU order for the restart. The store is closed meanwhile, so nothing else
+  changes the index; the disk lock orders the writes.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+from concurrent.futures import Future, wait
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvbank.errors import TierFull
+from kvbank.tiers.index import DEV, DISK, HOST
+from kvbank.tiers.store.mover import WINDOW_PER_WORKER, Mover
+from kvbank.tiers.store.state import StoreState
+
+logger = logging.getLogger("kvbank.tiers.store")
+
+
+def recover(st: StoreState) -> None:
+    disk = st.disk
+    if disk is None:
+        return
+    ix = st.ix
+    pending: list[tuple[int, bytes]] = []
+    for row in sorted(disk.scan(), key=lambda r: r.seq):  # oldest write first
+        rid = ix.add(row.name, row.raw_len, ix.dtype_code(row.dtype), -1)
+        ix.where[rid] = DISK
+        if row.parent is not None:
+            pending.append((rid, row.parent))
+    for rid, parent in pending:
+        pid = ix.ids.get(parent)
+        if pid is not None and pid != rid:
+            ix.parent[rid] = pid
+    if len(ix):
+        logger.debug("store: recovered %d rows from %s", len(ix), st.config.data_dir)
+
+
+@dataclass(frozen=True, slots=True)
+class _Dirty:
+    """A memory-only row to write at close, its slot held meanwhile."""
+
+    rid: int
+    name: bytes
+    bit: int
+    off: int
+    size: int
+    dtype: str
+    parent: bytes | None
+    stamp: int
+
+
+def write_back(st: StoreState, mover: Mover, deadline: float, deadline_s: float) -> None:
+    disk, encoder = st.disk, mover.encoder
+    assert disk is not None and encoder is not None
+    ix = st.ix
+    with st.lock:
+        n = ix.high
+        where = ix.where[:n]
+        dirty = np.flatnonzero(((where & (DEV | HOST)) != 0) & ((where & DISK) == 0))
+        order = dirty[np.argsort(ix.atime[dirty], kind="stable")[::-1]].tolist()
+        rows: list[_Dirty] = []
+        for rid in order:
+            bit = HOST if int(ix.where[rid]) & HOST else DEV  # host: no device copy-out
+            off = st.res.mem_off(rid, bit)
+            st.res.hold(bit, off)
+            name = ix.names[rid]
+            assert name is not None
+            rows.append(_Dirty(rid, name, bit, off, int(ix.size[rid]),
+                               ix.dtypes[int(ix.dtype[rid])], ix.parent_name(rid),
+                               int(ix.atime[rid])))
+    if not rows:
+        return
+    seq0 = disk.seq  # the hottest row, written first, gets the highest write clock
+    depth = WINDOW_PER_WORKER * mover.workers
+    window: collections.deque[tuple[int, Future[bytes]]] = collections.deque()
+    nxt = written = 0
+    why = ""
+    try:
+        while nxt < len(rows) or window:
+            while nxt < len(rows) and len(window) < depth:
+                r = rows[nxt]
+                window.append((nxt, encoder.submit(st.copier.encode, disk, st.pools[r.bit],
+                                                   r.off, r.size, r.dtype)))
+                nxt += 1
+            i, fut = window.popleft()
+            frame = fut.result()
+            if time.monotonic() > deadline:
+                why = f"the {deadline_s:g} s close deadline passed"
+                break
+            r = rows[i]
+            with st.disk_lock:
+                if not _room(st, mover, len(frame), r.stamp):
+                    why = "the disk budget holds only rows used more recently"
+                    break
+                disk.write_frame(r.name, frame, raw_len=r.size, dtype=r.dtype, parent=r.parent,
+                                 seq=seq0 + len(rows) - i, replace=True)
+                with st.lock:
+                    ix.where[r.rid] = int(ix.where[r.rid]) | DISK
+            written += 1
+    except TierFull as exc:
+        why = str(exc)
+    finally:
+        wait([f for _, f in window])
+        with st.lock:
+            for r in rows:
+                st.res.release(r.bit, r.off)
+    if why:
+        logger.warning("store: close wrote %d of %d memory-only rows to disk; the other "
+                       "%d are dropped: %s", written, len(rows), len(rows) - written, why)
+    else:
+        logger.debug("store: close wrote %d memory-only rows to disk", written)
+
+
+def _room(st: StoreState, mover: Mover, frame_len: int, stamp: int) -> bool:
+    """Make room for a ``frame_len`` frame of a row used at ``stamp`` by evicting disk
+    rows used before it (caller holds the disk lock); False if that is not enough."""
+    disk = st.disk
+    assert disk is not None
+    over = disk.used_bytes + frame_len - disk.budget_bytes
+    if over <= 0:
+        return True
+    with st.lock:
+        names = mover.evict_disk(over, older_than=stamp)
+    if names:
+        disk.delete_many(names)
+    return disk.used_bytes + frame_len <= disk.budget_bytes

@@ -1,0 +1,115 @@
+"""Eviction policy: which rows leave a tier, as a pure function over the row index.
+
+:func:`victims` answers row ids in the order to take them out of tier ``bit`` to free
+``need`` bytes: LRU by the index's logical clock, with prefix awareness — a row is not
+chosen while one of its children (``parent=`` links) is an evictable candidate in the same
+tier, so chains go from their tail and the longest usable prefixes stay. Rows in ``keep``
+(locked or pinned), rows whose slot is busy and rows being moved are never chosen. It
+reads the index and changes nothing; the caller holds the store lock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+
+import numpy as np
+import numpy.typing as npt
+
+from kvbank.tiers.index import HOST, MOVING, OFF_SHIFT, RowIndex
+from kvbank.tiers.slots import PAGE_ALIGN, SMALL_ALIGN
+
+LRU_FIRST_K = 64  # victims ordered in the first chunk at least (see lru_order)
+
+
+def victims(
+    ix: RowIndex,
+    bit: int,
+    need: int,
+    *,
+    keep: Iterable[int],
+    busy_offs: set[int],
+    host_copy: dict[int, int],
+    charge: Callable[[int], int],
+    cls: int | None = None,
+    first_k: int = LRU_FIRST_K,
+) -> list[int]:
+    """Row ids to take out of tier ``bit`` to free ``need`` bytes (``charge(rid)`` bytes
+    each). With ``cls`` only rows in slots of that capacity (so each frees a usable slot).
+    ``busy_offs``: offsets in this tier being copied; ``host_copy``: rid → host offset of
+    rows staged in both memory tiers."""
+    n = ix.high
+    if n == 0 or need <= 0:
+        return []
+    where = ix.where[:n]
+    cand = ((where & bit) != 0) & ((ix.flags[:n] & MOVING) == 0)
+    keep_ids = list(keep)
+    if busy_offs:
+        # Compare the encoded offsets in one pass. A staged row in both memory tiers
+        # keeps its device offset in `off`; a numeric clash only keeps a row longer.
+        enc = [o if ix.wide else o >> OFF_SHIFT for o in busy_offs]
+        cand &= ~np.isin(ix.off[:n], np.asarray(enc, dtype=ix.off.dtype))
+        if bit == HOST:
+            keep_ids.extend(rid for rid, hoff in host_copy.items() if hoff in busy_offs)
+    if keep_ids:
+        cand[np.asarray(keep_ids, dtype=np.int64)] = False
+    idx = np.flatnonzero(cand)
+    if cls is not None and idx.size:
+        size = ix.size[idx].astype(np.int64)
+        align = np.where(size >= PAGE_ALIGN, PAGE_ALIGN, SMALL_ALIGN)
+        same = (-(-size // align) * align) == cls
+        cand[idx[~same]] = False
+        idx = idx[same]
+    if idx.size == 0:
+        return []
+    parents = ix.parent[idx]
+    blockers = np.bincount(parents[parents >= 0], minlength=n)
+    blockers[~cand] = 0  # only evictable rows are blocked
+    parent_of = ix.parent
+    out: list[int] = []
+    taken: set[int] = set()
+    deferred: set[int] = set()
+    freed = 0
+    for rid in lru_order(ix, idx, need, first_k):
+        if freed >= need:
+            break
+        if rid in taken:
+            continue
+        if blockers[rid] > 0:
+            deferred.add(rid)
+            continue
+        cur = rid
+        while True:  # take cur, then walk up while its parent became a free tail
+            taken.add(cur)
+            out.append(cur)
+            freed += charge(cur)
+            p = int(parent_of[cur])
+            if p < 0 or not cand[p]:
+                break
+            blockers[p] -= 1
+            if blockers[p] > 0 or p not in deferred or freed >= need:
+                break
+            deferred.discard(p)
+            cur = p
+    return out
+
+
+def lru_order(ix: RowIndex, idx: npt.NDArray[np.int64], need: int,
+              first_k: int = LRU_FIRST_K) -> Iterator[int]:
+    """The candidate ids ``idx``, oldest stamp first, sorting only what the caller
+    consumes: ``np.argpartition`` takes the k oldest (k from the bytes needed, with room
+    for chain prefixes the caller defers), sorts those, and k grows 4x while the caller
+    wants more. Live stamps are unique (a clock), so the chunks concatenate to exactly
+    the full sort's order. Cost: O(candidates) per chunk, not a full sort."""
+    stamps = ix.atime[idx]
+    sample = idx[:: max(1, idx.size // 4096)]  # the mean row size, from a strided sample
+    avg = max(1.0, float(ix.size[sample].mean()))
+    k = max(first_k, 2 * int(need / avg) + 1)
+    while idx.size:
+        if idx.size <= k:
+            yield from idx[np.argsort(stamps, kind="stable")].tolist()
+            return
+        part = np.argpartition(stamps, k - 1)
+        head, rest = part[:k], part[k:]
+        yield from idx[head[np.argsort(stamps[head], kind="stable")]].tolist()
+        idx, stamps = idx[rest], stamps[rest]
+        k *= 4

@@ -1,0 +1,127 @@
+"""Reads: copy a row into a caller's buffer, promoting a disk row into host.
+
+Plan under the store lock (look the row up, stamp its LRU, hold its memory slot), copy
+with no lock held, settle under the lock. A disk read decodes straight from LMDB into the
+caller's buffer, then the bytes are copied into a free host slot (a clean copy) if there
+is room without waiting for the disk. A frame that fails its checks is dropped and the
+read is a miss; a row purged between lookup and read is a miss too (counters say so).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from kvbank.errors import CorruptPage, InvalidInput
+from kvbank.tiers.base import as_out_view, check_name
+from kvbank.tiers.index import DEV, DISK, HOST
+from kvbank.tiers.store.placement import band, reclaim
+from kvbank.tiers.store.state import StoreState
+
+logger = logging.getLogger("kvbank.tiers.store")
+
+
+def get_into(st: StoreState, name: bytes, out: memoryview | bytearray) -> int | None:
+    check_name(name)
+    dst = as_out_view(out)
+    ix = st.ix
+    with st.lock:
+        st.check_open()
+        st.gets += 1
+        rid = ix.ids.get(name)
+        if rid is None:
+            st.misses += 1
+            for c in st.counters.values():
+                c.misses += 1
+            return None
+        size = int(ix.size[rid])
+        if dst.nbytes < size:
+            raise InvalidInput(f"out: {dst.nbytes} bytes, the row holds {size}")
+        stamp = ix.touch(rid)
+        where = int(ix.where[rid])
+        bit = DEV if where & DEV else HOST if where & HOST else DISK
+        for b in (DEV, HOST):
+            if b == bit:
+                break
+            st.counters[b].misses += 1
+        if bit != DISK:
+            st.counters[bit].hits += 1
+            st.hits += 1
+            off = st.res.mem_off(rid, bit)
+            st.res.hold(bit, off)
+    if bit != DISK:
+        try:
+            st.copier.read(st.pools[bit], off, size, dst)
+        finally:
+            with st.lock:
+                st.release(bit, off)
+        return size
+    return _read_disk(st, name, rid, stamp, size, dst)
+
+
+def _read_disk(st: StoreState, name: bytes, rid: int, stamp: int, size: int,
+               dst: memoryview) -> int | None:
+    disk = st.disk
+    assert disk is not None  # the DISK bit is set only with a disk tier
+    try:
+        n = disk.read_into(name, dst, expect=size)
+    except CorruptPage as exc:
+        logger.warning("store: row %s… failed its checks on disk, dropped: %s",
+                       name.hex()[:16], exc)
+        drop_corrupt(st, name, rid)
+        n = None
+    with st.lock:  # counted once the outcome is known: hit, or miss (corrupt or purged)
+        if n is None or n != size:
+            st.misses += 1
+            st.counters[DISK].misses += 1
+            return None
+        st.hits += 1
+        st.counters[DISK].hits += 1
+    _promote(st, name, rid, stamp, size, dst)
+    return n
+
+
+def drop_corrupt(st: StoreState, name: bytes, rid: int) -> None:
+    """Delete a row whose frame failed its checks (counted by the disk tier); its
+    memory copies, if any, stay. A lock does not protect corrupt bytes."""
+    disk = st.disk
+    assert disk is not None
+    with st.disk_lock:
+        with st.lock:
+            ix = st.ix
+            current = ix.ids.get(name) == rid and bool(int(ix.where[rid]) & DISK)
+            if current:
+                ix.where[rid] = int(ix.where[rid]) & ~DISK
+                if not int(ix.where[rid]):
+                    st.res.forget_row(rid)
+        if current:
+            disk.drop_corrupt(name)
+
+
+def _promote(st: StoreState, name: bytes, rid: int, stamp: int, size: int,
+             src: memoryview) -> None:
+    """Copy a row just read from disk into a host slot (a clean copy), if there is room
+    without waiting for the disk."""
+    host = st.host
+    with st.lock:
+        if host is None or st.closed or not host.fits(size):
+            return
+        off = host.alloc(size)
+        if off is None:
+            reclaim(st, HOST, max(size, band(st, HOST)), queue=False)
+            off = host.alloc(size)
+            if off is None:
+                return
+        st.res.hold(HOST, off)
+    try:
+        st.copier.fill(host, off, src[:size])
+    finally:
+        with st.lock:
+            st.res.release(HOST, off)
+            ix = st.ix
+            if (ix.ids.get(name) == rid and int(ix.atime[rid]) == stamp
+                    and int(ix.where[rid]) == DISK and not st.closed):
+                ix.set_off(rid, off)
+                ix.where[rid] = DISK | HOST
+                st.counters[HOST].promotions += 1
+            elif not st.closed:
+                host.free(off)

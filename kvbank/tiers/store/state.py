@@ -1,0 +1,166 @@
+"""The state the store's parts share, and the small rules over it.
+
+:class:`StoreState` holds the row index, the memory pools (fastest first, typed fields
+``device`` and ``host``), the frame stores below them (``frames``, fastest first; the disk
+tier when configured), the slot ledger (:class:`~.residency.Residency`), page locks,
+admin pins, the change feed, counters and the mover's queue. Everything in it is guarded
+by ``lock`` (the store lock of :mod:`kvbank.tiers.lockorder`) unless a field says so.
+``changes`` counts events that can create work for the mover (a publish, an unlock, a
+settled job): the mover re-evaluates its O(rows) pressure test only when it moved.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from collections.abc import Callable
+
+from kvbank.codec import DTYPE_CODES
+from kvbank.config import BankConfig
+from kvbank.errors import InvalidInput, PageSizeMismatch, RowLocked, TierUnavailable
+from kvbank.tiers.base import FrameStore, SlotPool
+from kvbank.tiers.device import DevicePool
+from kvbank.tiers.host import HostSlab
+from kvbank.tiers.index import DEV, DISK, HOST, KIND_OF_BIT, RowIndex
+from kvbank.tiers.lockorder import Rank, make_lock
+from kvbank.tiers.store import policy
+from kvbank.tiers.store.copier import Copier
+from kvbank.tiers.store.events import EventFeed
+from kvbank.tiers.store.pagelocks import PageLocks, RowPins
+from kvbank.tiers.store.residency import Residency
+from kvbank.tiers.store.types import Job, JobKind
+
+MAX_PAGE = 2**32 - 1  # sizes are uint32 in the index
+
+
+class Counters:
+    __slots__ = ("demotions", "evictions", "hits", "misses", "promotions")
+
+    def __init__(self) -> None:
+        self.hits = self.misses = self.evictions = self.demotions = self.promotions = 0
+
+
+class StoreState:
+    def __init__(self, config: BankConfig, *, device: DevicePool | None, host: HostSlab | None,
+                 frames: list[FrameStore], copier: Copier,
+                 clock: Callable[[], float]) -> None:
+        self.config = config
+        self.clock = clock  # row ages (admin listings); deadlines use time.monotonic
+        self.lock = make_lock(Rank.STORE, "TieredStore._lock")
+        self.cond = threading.Condition(self.lock)  # type: ignore[arg-type]
+        # The mover's disk lock: every disk mutation of the store takes it (lock order:
+        # disk_lock, then lock; see kvbank.tiers.lockorder).
+        self.disk_lock = make_lock(Rank.MOVER_DISK, "Mover.disk_lock")
+        self.closed = False
+        self.notes: list[str] = []
+        self.disk_error: str | None = None
+        self.counters = {DEV: Counters(), HOST: Counters(), DISK: Counters()}
+        self.puts = self.gets = self.hits = self.misses = 0
+        self.device = device
+        self.host = host
+        self.pools: dict[int, SlotPool] = {}  # fastest first
+        if device is not None:
+            self.pools[DEV] = device
+        if host is not None:
+            self.pools[HOST] = host
+        self.frames = frames
+        self.disk: FrameStore | None = frames[0] if frames else None
+        max_off = max((p.allocator.space_bytes for p in self.pools.values()), default=0)
+        self.ix = RowIndex(max_off, clock)
+        self.locks = PageLocks()
+        self.pins = RowPins(config.pin_budget)
+        self.events = EventFeed()
+        self.res = Residency(self.ix, self.pools, self.events, self.pins)
+        self.copier = copier
+        # the mover's queue (guarded by lock; the mover thread pops it)
+        self.jobs: collections.deque[Job] = collections.deque()
+        self.queued = {DEV: 0, HOST: 0}  # bytes queued to leave each memory tier
+        self.busy = False  # the mover is executing a job
+        self.mover_dead = False  # set if the mover died of a bug: waiters must not hang
+        self.purge_pending = False
+        self.changes = 0
+        self.settled = 0  # jobs finished: what a put waiting for room waits on
+
+    # -- rules -------------------------------------------------------------------------
+
+    def notify(self) -> None:
+        """Something changed that may give the mover or a waiter work (caller holds lock)."""
+        self.changes += 1
+        self.cond.notify_all()
+
+    def check_open(self) -> None:
+        if self.closed:
+            raise TierUnavailable("store: closed")
+        if self.mover_dead:
+            raise TierUnavailable("store: the background mover died; see the log")
+
+    def pool(self, bit: int, what: str) -> SlotPool:
+        pool = self.pools.get(bit)
+        if pool is None:
+            raise TierUnavailable(f"{what}: the {KIND_OF_BIT[bit].value} tier is off")
+        return pool
+
+    def dtype_code(self, dtype: str) -> int:
+        # Checked up front even without a disk tier: a row must always be demotable.
+        if not isinstance(dtype, str) or dtype not in DTYPE_CODES:
+            raise InvalidInput(f"dtype: unknown dtype {dtype!r}; known: {sorted(DTYPE_CODES)}")
+        return self.ix.dtype_code(dtype)
+
+    def check_writable(self, name: bytes, size: int, holder: str | None) -> None:
+        if self.locks.locked_by_other(name, holder):
+            raise RowLocked(f"row {name.hex()[:16]}…: locked by {sorted(self.locks.holders(name))}")
+        rid = self.ix.ids.get(name)
+        if rid is not None and int(self.ix.size[rid]) != size:
+            raise PageSizeMismatch(
+                f"data: {size} bytes, but row {name.hex()[:16]}… holds {int(self.ix.size[rid])}")
+
+    def queue_purge(self, names: list[bytes]) -> None:
+        self.jobs.append(Job(JobKind.PURGE, names=tuple(names)))
+        self.notify()
+
+    def remove_row(self, rid: int) -> None:
+        """Drop a row from every tier (the disk copy via a purge job)."""
+        name = self.res.remove_row(rid)
+        if name is not None:
+            self.queue_purge([name])
+
+    def release(self, bit: int, off: int) -> None:
+        """Drop a hold on a slot (see Residency.release)."""
+        self.res.release(bit, off)
+
+    def note_disk_error(self, msg: str) -> None:
+        if self.disk_error is None:
+            import logging
+
+            logging.getLogger("kvbank.tiers.store").warning("store: disk tier degraded: %s", msg)
+        self.disk_error = msg
+
+    def victims(self, bit: int, need: int, cls: int | None = None) -> list[int]:
+        """The policy's victims in tier ``bit``: never locked, pinned or busy rows."""
+        ix = self.ix
+        keep = [rid for name in (*self.locks.names(), *self.pins.names())
+                if (rid := ix.ids.get(name)) is not None]
+        busy = {off for (b, off) in self.res.busy if b == bit}
+        if bit == DISK:
+            def charge(rid: int) -> int:
+                return int(ix.size[rid])  # frames are roughly raw size; writes re-check
+        else:
+            pool = self.pools[bit]
+            mem_off = self.res.mem_off
+
+            def charge(rid: int) -> int:
+                return pool.capacity(mem_off(rid, bit))
+        return policy.victims(ix, bit, need, keep=keep, busy_offs=busy,
+                              host_copy=self.res.host_copy, charge=charge, cls=cls,
+                              first_k=policy.LRU_FIRST_K)
+
+
+def deadline_after(timeout_s: float | None, default: float) -> float:
+    """A monotonic deadline ``timeout_s`` (or ``default``) seconds from now."""
+    if timeout_s is None:
+        timeout_s = default
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) \
+            or not timeout_s >= 0:
+        raise InvalidInput(f"timeout_s: expected seconds >= 0, got {timeout_s!r}")
+    return time.monotonic() + float(timeout_s)

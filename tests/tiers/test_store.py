@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -18,9 +19,11 @@ from kvbank.errors import (
     TierUnavailable,
 )
 from kvbank.testing.tiers import name_of, page_of, size_of, stored
-from kvbank.tiers.base import TierKind
+from kvbank.tiers.base import HostSlot, TierKind
 from kvbank.tiers.device import gpu_memory
 from kvbank.tiers.host import attach
+from kvbank.tiers.disk import DiskTier
+from kvbank.tiers.store import Copier, HealthState, TieredStore
 
 from .conftest import MakeStore
 
@@ -264,7 +267,7 @@ def test_store_disk_full_is_typed_and_upper_tiers_keep_serving(make_store: MakeS
     assert all(read(s, i) == pages[i] for i in range(3))
     health = s.health()
     assert not health.ok
-    assert next(t for t in health.tiers if t.kind is D).state == "degraded"
+    assert next(t for t in health.tiers if t.kind is D).state is HealthState.DEGRADED
     s.locks.unlock_all("lease")
 
 
@@ -400,7 +403,7 @@ def test_store_device_off_is_said_once_and_never_raises(
     if not s.stats().tier(K).enabled:
         assert sum("device tier off" in r.getMessage() for r in caplog.records) == 1
         dev = next(t for t in s.health().tiers if t.kind is K)
-        assert dev.state == "off" and "device tier off" in dev.detail
+        assert dev.state is HealthState.OFF and "device tier off" in dev.detail
         assert s.health().ok
         with pytest.raises(TierUnavailable):
             s.device.reserve(P, "x")
@@ -549,6 +552,25 @@ def test_store_stage_host_many_corrupt_disk_row_is_a_miss(
     s.locks.unlock_all("lease")
 
 
+class _ChangedThenFails(Copier):
+    """A copier whose first decode of row ``name`` arrives short (so the batch sees the
+    row as changed and stages it again) and whose second raises, after ``between`` runs."""
+
+    def __init__(self, name: bytes, between: Callable[[], None] = lambda: None) -> None:
+        self.name = name
+        self.calls = 0
+        self.hook = between
+
+    def from_frames(self, frames, name, pool, off, size):  # type: ignore[no-untyped-def]
+        if name != self.name:
+            return super().from_frames(frames, name, pool, off, size)
+        self.calls += 1
+        if self.calls == 1:
+            return 0  # not the bytes asked for: the row "changed", staged again
+        self.hook()
+        raise OSError("injected: copying the row failed")
+
+
 def test_store_stage_host_many_rollback_spares_a_row_another_holder_staged(
     make_store: MakeStore,
 ) -> None:
@@ -556,35 +578,26 @@ def test_store_stage_host_many_rollback_spares_a_row_another_holder_staged(
     used to drop those host copies unchecked. If another holder had locked and staged
     one of them in that window (through the store API), its slot was freed under a live
     lock. The rollback now gives back only copies nobody has staged or locked since."""
-    s = _disk_only_store(make_store, 4)
     a, b = name_of(0), name_of(1)
-    s.locks.lock([a, b], "lease")
-    publish, stage = s._publish_staging, s._stage
     other: dict[str, object] = {}
+    holder_store: list[TieredStore] = []
 
-    def publish_all_but_b(st):  # type: ignore[no-untyped-def]
-        return False if st.name == b else publish(st)  # b "changed": staged again
+    def another_holder() -> None:  # between the publish and the rollback
+        def run() -> None:
+            holder_store[0].locks.lock([a], "other")
+            other["slot"] = holder_store[0].host.stage(a)
 
-    def stage_b_fails(name, bit):  # type: ignore[no-untyped-def]
-        if name != b:
-            return stage(name, bit)
-
-        def holder() -> None:  # another holder, between the publish and the rollback
-            s.locks.lock([a], "other")
-            other["slot"] = s.host.stage(a)
-
-        t = threading.Thread(target=holder)
+        t = threading.Thread(target=run)
         t.start()
         t.join()
-        raise OSError("injected: copying row b failed")
 
-    s._publish_staging = publish_all_but_b  # type: ignore[method-assign]
-    s._stage = stage_b_fails  # type: ignore[method-assign]
+    s = _disk_only_store(make_store, 4, copier=_ChangedThenFails(b, another_holder))
+    holder_store.append(s)
+    s.locks.lock([a, b], "lease")
     with pytest.raises(OSError, match="injected"):
         s.host.stage_many([a, b])
-    s._publish_staging, s._stage = publish, stage  # type: ignore[method-assign]
     slot = other["slot"]
-    assert slot is not None
+    assert isinstance(slot, HostSlot)
     assert H in s.residency([a])[0]  # the other holder's copy stayed
     assert s.host.stage(a) == slot  # the same slot: it was never freed
     assert s.host.view(slot).tobytes() == page_of(0, P)
@@ -601,23 +614,12 @@ def test_store_stage_host_many_rollback_gives_back_untouched_copies(
 ) -> None:
     """All or nothing still holds when nobody else used the rows: a copy failure after
     some rows were published leaves no row in host that was not there before."""
-    s = _disk_only_store(make_store, 4)
     names = [name_of(i) for i in range(3)]
+    s = _disk_only_store(make_store, 4, copier=_ChangedThenFails(names[-1]))
     s.locks.lock(names, "lease")
-    publish, stage = s._publish_staging, s._stage
-
-    def publish_all_but_last(st):  # type: ignore[no-untyped-def]
-        return False if st.name == names[-1] else publish(st)
-
-    def stage_fails(name, bit):  # type: ignore[no-untyped-def]
-        raise OSError("injected")
-
-    s._publish_staging = publish_all_but_last  # type: ignore[method-assign]
-    s._stage = stage_fails  # type: ignore[method-assign]
     used = s.stats().tier(H).used_bytes
     with pytest.raises(OSError, match="injected"):
         s.host.stage_many(names)
-    s._publish_staging, s._stage = publish, stage  # type: ignore[method-assign]
     assert s.residency(names) == [frozenset({D})] * 3
     assert s.stats().tier(H).used_bytes == used
     s.check_invariants()
@@ -638,7 +640,7 @@ def test_store_stage_host_many_empty_and_host_off(make_store: MakeStore) -> None
 
 
 def test_store_demotions_encode_in_parallel_but_write_in_queue_order(
-    make_store: MakeStore,
+    make_store: MakeStore, tmp_path: Path
 ) -> None:
     """Two encoders, one writer: frames reach LMDB in the order the rows were queued (LRU
     order, here the put order), so the write clock still gives the LRU order on restart."""
@@ -646,8 +648,12 @@ def test_store_demotions_encode_in_parallel_but_write_in_queue_order(
     for i in range(60):
         s.put(name_of(i), page_of(i, P))
     s.flush()
-    assert s._disk is not None
-    rows = sorted(s._disk.scan(), key=lambda r: r.seq)
+    on_disk = [i for i in range(60) if D in s.residency([name_of(i)])[0]]
+    s.close(persist=False)
+    disk = DiskTier(tmp_path / "data", 1 << 20, sync=False)
+    rows = sorted(disk.scan(), key=lambda r: r.seq)
+    disk.close()
+    assert {int.from_bytes(r.name[-8:], "big") for r in rows} == set(on_disk)
     order = [int.from_bytes(r.name[-8:], "big") for r in rows]
     assert len(order) > 30 and order == sorted(order)
 
@@ -658,17 +664,16 @@ def test_store_change_during_an_encode_leaves_no_stale_frame(
 ) -> None:
     """Regression: a row overwritten or deleted while its demotion is being encoded on a
     worker never keeps the old frame on disk (now or after a restart)."""
-    s = make_store(host_bytes=32 * 1024, disk_bytes=1 << 20, high_watermark=0.6,
-                   low_watermark=0.3, encode_workers=2)
     entered, gate = threading.Event(), threading.Event()
-    encode = s._encode
 
-    def held_encode(job, dtype):  # type: ignore[no-untyped-def]
-        entered.set()
-        assert gate.wait(10)
-        return encode(job, dtype)
+    class HeldEncode(Copier):
+        def encode(self, frames, pool, off, size, dtype):  # type: ignore[no-untyped-def]
+            entered.set()
+            assert gate.wait(10)
+            return super().encode(frames, pool, off, size, dtype)
 
-    s._encode = held_encode  # type: ignore[method-assign]
+    s = make_store(host_bytes=32 * 1024, disk_bytes=1 << 20, high_watermark=0.6,
+                   low_watermark=0.3, encode_workers=2, copier=HeldEncode())
     for i in range(6):
         s.put(name_of(i), page_of(i, P))
     assert entered.wait(10), "no demotion started"
@@ -694,44 +699,48 @@ def test_store_encode_workers_is_checked(make_store: MakeStore) -> None:
 
 
 @pytest.mark.parametrize("seed", range(8))
-def test_store_victims_by_partial_sort_equal_the_full_sort(
-    make_store: MakeStore, monkeypatch: pytest.MonkeyPatch, seed: int
-) -> None:
+def test_policy_victims_by_partial_sort_equal_the_full_sort(seed: int) -> None:
     """Regression: ordering candidates chunk by chunk (argpartition) picks exactly the
     victims a full sort of the LRU stamps picks: same rows, same order, with chains,
-    touched rows, locked rows and size-class targeting."""
+    touched rows, kept (locked) rows and size-class targeting."""
     import random
 
-    from kvbank.tiers import store as store_mod
-    from kvbank.tiers.index import HOST
+    from kvbank.tiers.index import HOST, RowIndex
+    from kvbank.tiers.store import policy
+    from kvbank.tiers.slots import slot_class
 
     rng = random.Random(seed)
-    s = make_store(data_dir=None, host_bytes=4 << 20, high_watermark=1.0)
-    prev: bytes | None = None
+    ix = RowIndex(4 << 20)
+    prev = -1
     for i in range(600):
         size = rng.choice((100, 200, 5000))
-        chain = prev is not None and rng.random() < 0.7
-        s.put(name_of(i), page_of(i, size), parent=prev if chain else None)
-        prev = name_of(i)
-    out = bytearray(5000)
+        chain = prev >= 0 and rng.random() < 0.7
+        rid = ix.add(name_of(i), size, 0, prev if chain else -1)
+        ix.where[rid] = HOST
+        ix.set_off(rid, 64 * i)
+        prev = rid
     for _ in range(200):
-        s.get_into(name_of(rng.randrange(600)), out)
-    s.locks.lock([name_of(rng.randrange(600)) for _ in range(30)], "lease")
+        ix.touch(rng.randrange(600))
+    keep = [rng.randrange(600) for _ in range(30)]
+
+    def charge(rid: int) -> int:
+        return slot_class(int(ix.size[rid]))
+
     for need in (1, 300, 5000, 40_000, 400_000, 10**9):
         for cls in (None, 128, 256, 8192):
-            picks = []
-            for first_k in (1, 10**9):
-                monkeypatch.setattr(store_mod, "_LRU_FIRST_K", first_k)
-                with s._lock:
-                    picks.append(s._victims(HOST, need, cls))
+            picks = [policy.victims(ix, HOST, need, keep=keep, busy_offs=set(), host_copy={},
+                                    charge=charge, cls=cls, first_k=first_k)
+                     for first_k in (1, 10**9)]
             assert picks[0] == picks[1], (need, cls)
-    s.locks.unlock_all("lease")
+            assert not set(picks[0]) & set(keep)
 
 
 # -- graceful close ----------------------------------------------------------------------
 
 
-def test_store_close_writes_dirty_rows_to_disk_in_lru_order(make_store: MakeStore) -> None:
+def test_store_close_writes_dirty_rows_to_disk_in_lru_order(
+    make_store: MakeStore, tmp_path: Path
+) -> None:
     """Regression: under write-back a graceful close keeps every host and device row
     (they reach the disk), and the write clocks keep their LRU order for the restart."""
     s = make_store(device="cpu", device_bytes=16 * 1024, host_bytes=1 << 20,
@@ -748,9 +757,11 @@ def test_store_close_writes_dirty_rows_to_disk_in_lru_order(make_store: MakeStor
     assert again.locate([name_of(i) for i in range(20)]) == [D] * 20
     for i in range(20):
         assert read(again, i) == page_of(i, P)
-    assert again._disk is not None
+    again.close()
+    disk = DiskTier(tmp_path / "data", 1 << 20, sync=False)
     by_seq = [int.from_bytes(r.name[-8:], "big")
-              for r in sorted(again._disk.scan(), key=lambda r: r.seq)]
+              for r in sorted(disk.scan(), key=lambda r: r.seq)]
+    disk.close()
     assert by_seq == list(range(5, 20)) + list(range(5))
 
 

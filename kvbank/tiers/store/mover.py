@@ -149,8 +149,11 @@ class Mover:
                     return
                 if not st.jobs and not window:
                     self._plan()
-                    if not st.jobs:  # pressure without a plan (victims busy): wait for a change
+                    if not st.jobs:
+                        # Done at once (clean drops), or pressure without a plan (victims
+                        # busy): tell flush, then wait for a change.
                         self._seen = st.changes
+                        st.cond.notify_all()
                         continue
                 self._fill_window(window)
                 if window:

@@ -3,9 +3,13 @@
 Subclass :class:`TierTests` in a test module, name the subclass ``Test…`` and implement
 :meth:`TierTests.make_tier`; pytest then runs every ``test_*`` method against that tier::
 
-    class TestHostTier(TierTests):
+    class TestDiskTier(TierTests):
         def make_tier(self, budget: int) -> Tier:
-            return HostTier(budget)
+            return DiskTier(self.data_dir, budget)
+
+The tiered store itself runs it through :class:`StoreTier`, which presents a
+:class:`~kvbank.tiers.store.TieredStore` as one tier using only its public methods. A
+tier whose ``evicts`` capability is set makes room instead of raising ``TierFull``.
 
 A persistent tier also implements :meth:`TierTests.reopen` (close, then open the same
 storage again). The restart test runs for every tier and checks what its ``persistent``
@@ -28,6 +32,7 @@ from kvbank.keys import ROW_NAME_BYTES
 from kvbank.tiers.base import Tier, TierKind
 
 if TYPE_CHECKING:
+    from kvbank.tiers.base import Buffer
     from kvbank.tiers.store import TieredStore
 
 
@@ -150,6 +155,16 @@ class TierTests(abc.ABC):
     # -- budget ------------------------------------------------------------------------
 
     def test_tier_full_is_typed_and_keeps_serving(self, tier: Tier) -> None:
+        if tier.evicts:  # a full tier that evicts keeps taking rows: the newest stay
+            n = self.budget_pages * 4
+            for i in range(n):
+                tier.put(name_of(i), page_of(i, self.page_size))
+            out = bytearray(self.page_size)
+            assert tier.get_into(name_of(n - 1), out) == self.page_size
+            assert bytes(out) == page_of(n - 1, self.page_size)
+            assert tier.used_bytes <= tier.budget_bytes
+            assert not all(tier.contains([name_of(i) for i in range(n)]))
+            return
         stored: list[int] = []
         with pytest.raises(TierFull):
             for i in range(self.budget_pages * 4):
@@ -188,6 +203,11 @@ class TierTests(abc.ABC):
 
     def test_tier_capabilities_are_consistent(self, tier: Tier) -> None:
         assert isinstance(tier.kind, TierKind)
+        assert tier.budget_bytes == self.budget_pages * self.page_size
+        if tier.evicts:  # a stack of tiers: persistent and compressed when it ends on disk
+            assert tier.persistent == tier.compressed == (tier.kind is TierKind.DISK)
+            assert tier.in_place
+            return
         assert tier.persistent == (tier.kind is TierKind.DISK)
         assert tier.compressed == (tier.kind is TierKind.DISK)
         assert tier.in_place == (tier.kind is not TierKind.DISK)
@@ -264,3 +284,53 @@ def size_of(store: TieredStore, name: bytes) -> int | None:
     """The row's size (through the public ``scan``: the full name is its own prefix)."""
     rows = store.scan(name, limit=1)
     return rows[0].size if rows else None
+
+
+class StoreTier(Tier):
+    """A :class:`~kvbank.tiers.store.TieredStore` as one :class:`Tier` (public API only):
+    its kind is its slowest enabled tier; it evicts rather than refuse a row."""
+
+    def __init__(self, store: TieredStore) -> None:
+        self.store = store
+        enabled = [t.kind for t in store.stats().tiers if t.enabled]
+        self.kind = enabled[-1]
+
+    @property
+    def persistent(self) -> bool:
+        return self.kind is TierKind.DISK
+
+    @property
+    def in_place(self) -> bool:
+        return True
+
+    @property
+    def compressed(self) -> bool:
+        return self.kind is TierKind.DISK
+
+    @property
+    def evicts(self) -> bool:
+        return True
+
+    @property
+    def used_bytes(self) -> int:
+        self.store.flush()  # purges and demotions settle first
+        return sum(t.used_bytes for t in self.store.stats().tiers)
+
+    @property
+    def budget_bytes(self) -> int:
+        return sum(t.budget_bytes for t in self.store.stats().tiers)
+
+    def get_into(self, name: bytes, out: memoryview | bytearray) -> int | None:
+        return self.store.get_into(name, out)
+
+    def put(self, name: bytes, data: Buffer, *, dtype: str = "uint8") -> None:
+        self.store.put(name, data, dtype=dtype)
+
+    def delete(self, name: bytes) -> bool:
+        return self.store.delete(name)
+
+    def contains(self, names: Sequence[bytes]) -> list[bool]:
+        return stored(self.store, names)
+
+    def close(self) -> None:
+        self.store.close()

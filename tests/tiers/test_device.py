@@ -1,4 +1,5 @@
-"""The device tier: conformance on the CPU device, budget from config/NVML, CUDA path."""
+"""The device pool: SlotPool conformance on the CPU device, budget from config/NVML,
+the CUDA path."""
 
 from __future__ import annotations
 
@@ -6,14 +7,15 @@ import pytest
 import torch
 
 from kvbank.config import BankConfig
-from kvbank.testing.tiers import TierTests, name_of, page_of
-from kvbank.tiers.base import DeviceSlot, Tier
-from kvbank.tiers.device import DevicePool, DeviceTier, device_budget, gpu_memory
+from kvbank.testing.pools import SlotPoolTests
+from kvbank.testing.tiers import page_of
+from kvbank.tiers.base import DeviceSlot, SlotPool
+from kvbank.tiers.device import DevicePool, device_budget, gpu_memory
 
 
-class TestDeviceTierOnCpu(TierTests):
-    def make_tier(self, budget: int) -> Tier:
-        return DeviceTier(budget, "cpu")
+class TestDevicePoolOnCpu(SlotPoolTests):
+    def make_pool(self, budget: int) -> SlotPool:
+        return DevicePool(budget, "cpu")
 
 
 def test_device_budget_rules() -> None:
@@ -52,15 +54,17 @@ def test_device_pool_slots_name_their_chunk() -> None:
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_device_tier_on_cuda_round_trips_and_budget_from_nvml() -> None:
-    tier = DeviceTier(8 << 20, "cuda")
+def test_device_pool_on_cuda_round_trips_and_budget_from_nvml() -> None:
+    pool = DevicePool(8 << 20, "cuda")
     try:
-        tier.put(name_of(1), page_of(1, 1 << 20))
-        out = bytearray(1 << 20)
-        assert tier.get_into(name_of(1), out) == 1 << 20
-        assert bytes(out) == page_of(1, 1 << 20)
+        off = pool.alloc(1 << 20)
+        assert off is not None
+        pool.write(off, memoryview(page_of(1, 1 << 20)))
+        out = memoryview(bytearray(1 << 20))
+        pool.read_into(off, 1 << 20, out)
+        assert out.tobytes() == page_of(1, 1 << 20)
     finally:
-        tier.close()
+        pool.close()
     budget, why = device_budget(BankConfig(device="cuda", device_fraction=0.01))
     reading = gpu_memory()
     if reading is not None:

@@ -13,11 +13,25 @@ import xxhash
 
 from kvbank.codec import frame_info
 from kvbank.errors import InvalidInput, TierFull
+from kvbank.testing.frames import FrameStoreTests
 from kvbank.testing.tiers import TierTests, name_of, page_of, stored
-from kvbank.tiers.base import Tier, TierKind
+from kvbank.tiers.base import FrameStore, Tier, TierKind
 from kvbank.tiers.disk import DiskTier
 
 from .conftest import MakeStore
+
+
+class TestDiskFrames(FrameStoreTests):
+    @pytest.fixture(autouse=True)
+    def _data_dir(self, tmp_path: Path) -> None:
+        self.data_dir = tmp_path
+
+    def make_frames(self, budget: int) -> FrameStore:
+        return DiskTier(self.data_dir, budget, sync=False)
+
+    def reopen(self, fs: FrameStore) -> FrameStore:
+        fs.close()
+        return DiskTier(self.data_dir, self.budget, sync=False)
 
 
 class TestDiskTier(TierTests):

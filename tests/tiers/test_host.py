@@ -11,14 +11,22 @@ from pathlib import Path
 import pytest
 
 from kvbank.errors import InvalidInput, TierUnavailable
-from kvbank.testing.tiers import TierTests, name_of, page_of
-from kvbank.tiers.base import HostSlot, Tier
-from kvbank.tiers.host import SHM_DIR, HostSlab, HostTier, SlotMapping, attach, cleanup_stale
+from kvbank.testing.pools import SlotPoolTests
+from kvbank.testing.tiers import page_of
+from kvbank.tiers.base import HostSlot, SlotPool
+from kvbank.tiers.host import SHM_DIR, HostSlab, SlotMapping, attach, cleanup_stale, map_segment
 
 
-class TestHostTier(TierTests):
-    def make_tier(self, budget: int) -> Tier:
-        return HostTier(budget, prefix="kvbank-test")
+class TestHostSlab(SlotPoolTests):
+    def make_pool(self, budget: int) -> SlotPool:
+        return HostSlab(budget, prefix="kvbank-test")
+
+
+def _slot_with(slab: HostSlab, data: bytes) -> HostSlot:
+    off = slab.alloc(len(data))
+    assert off is not None
+    slab.write(off, memoryview(data))
+    return slab.slot(off, len(data))
 
 
 def test_host_segment_is_unlinked_on_close_and_sparse_until_used() -> None:
@@ -63,11 +71,9 @@ def test_host_released_chunk_returns_memory_to_tmpfs() -> None:
 
 
 def test_host_attach_reads_and_writes_in_place() -> None:
-    tier = HostTier(1 << 20, prefix="kvbank-test")
+    slab = HostSlab(1 << 20, prefix="kvbank-test")
     try:
-        tier.put(name_of(1), page_of(1, 5000))
-        slot = tier.locate(name_of(1))
-        assert slot is not None and slot.size == 5000
+        slot = _slot_with(slab, page_of(1, 5000))
         view, close = attach(slot)
         try:
             assert view.tobytes() == page_of(1, 5000)
@@ -75,11 +81,11 @@ def test_host_attach_reads_and_writes_in_place() -> None:
         finally:
             view.release()
             close()
-        out = bytearray(5000)
-        tier.get_into(name_of(1), out)
+        out = memoryview(bytearray(5000))
+        slab.read_into(slot.offset, 5000, out)
         assert out[:4] == b"abcd"
     finally:
-        tier.close()
+        slab.close()
 
 
 def test_host_attach_refuses_bad_slots() -> None:
@@ -87,15 +93,15 @@ def test_host_attach_refuses_bad_slots() -> None:
         SlotMapping(HostSlot("kvbank-test-0-nosuchsegment", 0, 10))
     with pytest.raises(InvalidInput):
         SlotMapping(HostSlot("../etc/passwd", 0, 10))
-    tier = HostTier(1 << 20, prefix="kvbank-test")
+    with pytest.raises(InvalidInput):
+        map_segment(".hidden", writable=False)
+    slab = HostSlab(1 << 20, prefix="kvbank-test")
     try:
-        tier.put(name_of(1), b"x" * 100)
-        slot = tier.locate(name_of(1))
-        assert slot is not None
+        slot = _slot_with(slab, b"x" * 100)
         with pytest.raises(InvalidInput):
             SlotMapping(HostSlot(slot.segment, (1 << 20) - 10, 100))
     finally:
-        tier.close()
+        slab.close()
 
 
 def _child_fill(slot: HostSlot, payload: bytes) -> None:
@@ -107,52 +113,39 @@ def _child_fill(slot: HostSlot, payload: bytes) -> None:
 def test_host_slot_is_filled_by_another_process_without_tracker_warnings() -> None:
     """A spawned process maps the slot by name, writes it, exits; the owner sees the
     bytes and its segment is still there (no resource tracker unlinked it)."""
-    tier = HostTier(1 << 20, prefix="kvbank-test")
+    slab = HostSlab(1 << 20, prefix="kvbank-test")
     try:
-        tier.put(name_of(1), bytes(8192))
-        slot = tier.locate(name_of(1))
-        assert slot is not None
+        slot = _slot_with(slab, bytes(8192))
         ctx = mp.get_context("spawn")
         proc = ctx.Process(target=_child_fill, args=(slot, page_of(7, 8192)))
         proc.start()
         proc.join(60)
         assert proc.exitcode == 0
         assert (SHM_DIR / slot.segment).exists()
-        out = bytearray(8192)
-        tier.get_into(name_of(1), out)
-        assert bytes(out) == page_of(7, 8192)
+        out = memoryview(bytearray(8192))
+        slab.read_into(slot.offset, 8192, out)
+        assert out.tobytes() == page_of(7, 8192)
     finally:
-        tier.close()
+        slab.close()
 
 
 def test_host_cleanup_stale_removes_segments_of_dead_processes(tmp_path: Path) -> None:
     code = (
         "import os\n"
-        "from kvbank.tiers.host import HostTier\n"
-        "t = HostTier(1 << 20, prefix='kvbank-stale')\n"
-        "t.put(b'n' * 54, b'x' * 10)\n"
-        "print(t.slab.segment, flush=True)\n"
+        "from kvbank.tiers.host import HostSlab\n"
+        "t = HostSlab(1 << 20, prefix='kvbank-stale')\n"
+        "t.alloc(10)\n"
+        "print(t.segment, flush=True)\n"
         "os._exit(0)\n"  # dies without close: the segment leaks like after kill -9
     )
     seg = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
                          text=True, timeout=60).stdout.strip()
     assert (SHM_DIR / seg).exists()
-    mine = HostTier(1 << 20, prefix="kvbank-stale")
+    mine = HostSlab(1 << 20, prefix="kvbank-stale")
     try:
         removed = cleanup_stale("kvbank-stale")
         assert seg in removed
         assert not (SHM_DIR / seg).exists()
-        assert (SHM_DIR / mine.slab.segment).exists(), "a live process's segment was removed"
+        assert (SHM_DIR / mine.segment).exists(), "a live process's segment was removed"
     finally:
         mine.close()
-
-
-def test_host_zero_budget_holds_nothing() -> None:
-    tier = HostTier(0, prefix="kvbank-test")
-    try:
-        from kvbank.errors import TierFull
-
-        with pytest.raises(TierFull):
-            tier.put(name_of(1), b"x")
-    finally:
-        tier.close()

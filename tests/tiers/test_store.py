@@ -21,8 +21,8 @@ from kvbank.errors import (
 from kvbank.testing.tiers import name_of, page_of, size_of, stored
 from kvbank.tiers.base import HostSlot, TierKind
 from kvbank.tiers.device import gpu_memory
-from kvbank.tiers.host import attach
 from kvbank.tiers.disk import DiskTier
+from kvbank.tiers.host import attach
 from kvbank.tiers.store import Copier, HealthState, TieredStore
 
 from .conftest import MakeStore
@@ -706,8 +706,8 @@ def test_policy_victims_by_partial_sort_equal_the_full_sort(seed: int) -> None:
     import random
 
     from kvbank.tiers.index import HOST, RowIndex
-    from kvbank.tiers.store import policy
     from kvbank.tiers.slots import slot_class
+    from kvbank.tiers.store import policy
 
     rng = random.Random(seed)
     ix = RowIndex(4 << 20)

@@ -69,6 +69,7 @@ from kvbank.tiers.store import admin, reads, writes
 from kvbank.tiers.store import persist as persistence
 from kvbank.tiers.store.check import check
 from kvbank.tiers.store.copier import Copier
+from kvbank.tiers.store.events import DEFAULT_EVENT_CAPACITY
 from kvbank.tiers.store.locktable import LockTable
 from kvbank.tiers.store.memory import DeviceOps, HostOps
 from kvbank.tiers.store.mover import Mover, default_encode_workers
@@ -107,12 +108,16 @@ class TieredStore:
 
     def __init__(self, config: BankConfig, *, encode_workers: int | None = None,
                  copier: Copier | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 event_capacity: int = DEFAULT_EVENT_CAPACITY) -> None:
         if encode_workers is None:
             encode_workers = default_encode_workers()
         if isinstance(encode_workers, bool) or not isinstance(encode_workers, int) \
                 or encode_workers < 1:
             raise InvalidInput(f"encode_workers: expected an integer >= 1, got {encode_workers!r}")
+        if isinstance(event_capacity, bool) or not isinstance(event_capacity, int) \
+                or event_capacity < 1:
+            raise InvalidInput(f"event_capacity: expected an integer >= 1, got {event_capacity!r}")
         self.config = config
         notes: list[str] = []
         device: DevicePool | None = None
@@ -136,6 +141,7 @@ class TieredStore:
             st = StoreState(config, device=device, host=host, frames=frames,
                             copier=copier or Copier(), clock=clock)
             st.notes.extend(notes)
+            st.events.capacity = event_capacity
             persistence.recover(st)
         except BaseException:
             _close_tiers(device, host, frames)

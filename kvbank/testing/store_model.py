@@ -9,6 +9,12 @@ so eviction and demotion happen all the time; what must hold after every step:
 - refused writes (``RowLocked``, ``PageSizeMismatch``, ``TierFull``) change nothing;
 - a batch stage (``stage_host_many``) puts every present row in host with its bytes, or
   raises ``TierFull`` and leaves no row in host that was not there before;
+- a pinned row stays where it was until unpinned; ``pin`` past the pin budget raises
+  ``PinBudgetExceeded`` and pins nothing; ``evict`` drops every row it names except the
+  locked and pinned ones, which it reports;
+- ``scan`` lists exactly the stored rows, in name order, page by page; the change feed
+  (``take_events``), applied to a mirror (resynced with ``scan`` after an OVERFLOW),
+  always equals the stored rows;
 - ``check_invariants()`` passes;
 - after a restart (close, reopen the same data dir) no deleted row comes back; under
   write-through every row present before it is back; under write-back a graceful close
@@ -32,10 +38,10 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kvbank.config import BankConfig
-from kvbank.errors import PageSizeMismatch, RowLocked, TierFull
+from kvbank.errors import PageSizeMismatch, PinBudgetExceeded, RowLocked, TierFull
 from kvbank.testing.tiers import name_of, size_of, stored
 from kvbank.tiers.base import TierKind
-from kvbank.tiers.store import TieredStore
+from kvbank.tiers.store import EventKind, RowEvent, TieredStore
 
 N_NAMES = 24
 SIZES = (1000, 1500)
@@ -62,6 +68,8 @@ class StoreMachine(RuleBasedStateMachine):
         # Locked rows present at lock time -> the tiers they were in: a locked row is
         # never evicted or moved down, so it only ever gains tiers (promotion on read).
         self.must_stay: dict[bytes, frozenset[TierKind]] = {}
+        self.pinned: dict[bytes, frozenset[TierKind]] = {}  # pinned rows -> tiers held
+        self.mirror: set[bytes] = set()  # the change feed applied so far
         self.version = 0
 
     def _config(self) -> BankConfig:
@@ -114,7 +122,7 @@ class StoreMachine(RuleBasedStateMachine):
             assert present and held != size, f"PageSizeMismatch: held {held}, put {size}"
             return
         except TierFull:
-            assert self.locks, "TierFull with nothing locked"
+            assert self.locks or self.pinned, "TierFull with nothing locked or pinned"
             return
         assert not self._locked(name), "a locked row was overwritten"
         assert not (present and held is not None and held != size), "size change accepted"
@@ -143,6 +151,7 @@ class StoreMachine(RuleBasedStateMachine):
         if found:
             assert name in self.values
         self.values.pop(name, None)
+        self.pinned.pop(name, None)
 
     @rule(i=st.integers(0, N_NAMES - 1), holder=st.sampled_from(HOLDERS))
     def lock(self, i: int, holder: str) -> None:
@@ -191,6 +200,70 @@ class StoreMachine(RuleBasedStateMachine):
         finally:
             self.store.locks.unlock_all("stager")
 
+    @rule(ids=st.lists(st.integers(0, N_NAMES - 1), min_size=1, max_size=4))
+    def pin(self, ids: list[int]) -> None:
+        names = [name_of(i, b"m") for i in ids]
+        before = self.store.residency(names)
+        try:
+            missing = self.store.pin(names)
+        except PinBudgetExceeded:
+            assert not any(r.pinned for n in set(names) - set(self.pinned)
+                           for r in self.store.scan(n, limit=1)), "a refused pin pinned"
+            return
+        for name, tiers in zip(names, before, strict=True):
+            assert (name in missing) == (not tiers), "pin: missing names are the absent ones"
+            if tiers:
+                self.pinned[name] = self.pinned.get(name, frozenset()) | tiers
+
+    @rule(ids=st.lists(st.integers(0, N_NAMES - 1), min_size=1, max_size=4))
+    def unpin(self, ids: list[int]) -> None:
+        names = [name_of(i, b"m") for i in ids]
+        self.store.unpin(names)
+        for name in names:
+            self.pinned.pop(name, None)
+
+    @rule(ids=st.lists(st.integers(0, N_NAMES - 1), min_size=1, max_size=4))
+    def evict(self, ids: list[int]) -> None:
+        names = [name_of(i, b"m") for i in ids]
+        res = self.store.evict(names)
+        for name in res.evicted:
+            assert not self._locked(name) and name not in self.pinned, "evicted a held row"
+            self.values.pop(name, None)
+        assert set(res.locked) <= set(self.locks) and set(res.pinned) <= set(self.pinned)
+        assert not any(stored(self.store, list(res.evicted))), "an evicted row is still there"
+
+    @rule(ids=st.lists(st.integers(0, N_NAMES - 1), max_size=4))
+    def touch(self, ids: list[int]) -> None:
+        names = [name_of(i, b"m") for i in ids]
+        if names:
+            assert self.store.touch(names) == sum(stored(self.store, list(dict.fromkeys(names))))
+
+    @rule(limit=st.integers(1, 7), max_events=st.none() | st.integers(0, 6))
+    def scan_and_feed(self, limit: int, max_events: int | None) -> None:
+        """Pages of ``scan`` list exactly the stored rows in name order; the change feed,
+        applied to a mirror, says the same once drained."""
+        listed: list[bytes] = []
+        after: bytes | None = None
+        while page := self.store.scan(after=after, limit=limit):
+            listed.extend(r.name for r in page)
+            after = page[-1].name
+        names = [name_of(i, b"m") for i in range(N_NAMES)]
+        present = {n for n, p in zip(names, stored(self.store, names), strict=True) if p}
+        assert listed == sorted(present), "scan differs from the stored rows"
+        self._apply(self.store.take_events(max_events))  # a partial take, then the rest
+        while events := self.store.take_events():
+            self._apply(events)
+        assert self.mirror == present, "the change feed disagrees with the stored rows"
+
+    def _apply(self, events: list[RowEvent]) -> None:
+        for ev in events:
+            if ev.kind is EventKind.OVERFLOW:
+                self.mirror = {r.name for r in self.store.scan(limit=1000)}
+            elif ev.kind is EventKind.PUBLISHED:
+                self.mirror.add(ev.name)
+            else:
+                self.mirror.discard(ev.name)
+
     @rule()
     def flush(self) -> None:
         self.store.flush()
@@ -207,6 +280,8 @@ class StoreMachine(RuleBasedStateMachine):
         before = self.store.residency(names)
         self.store.close(persist=persist)
         self.store = self._open()
+        self.pinned.clear()  # pins live in memory: a restart drops them
+        self.mirror = {r.name for r in self.store.scan(limit=1000)}  # a new feed: resync
         after = stored(self.store, names)
         disk = self.store.stats().tier(TierKind.DISK)
         # Room left for one more frame of the largest size (incompressible: ~raw + header).
@@ -230,6 +305,14 @@ class StoreMachine(RuleBasedStateMachine):
     @invariant()
     def invariants_hold(self) -> None:
         self.store.check_invariants()
+
+    @invariant()
+    def pinned_rows_stay_where_they_were(self) -> None:
+        names = list(self.pinned)
+        for name, now in zip(names, self.store.residency(names), strict=True):
+            lost = self.pinned[name] - now
+            assert not lost, f"pinned row {name[-8:].hex()} left {sorted(t.value for t in lost)}"
+            self.pinned[name] = now
 
     @invariant()
     def locked_rows_stay_where_they_were(self) -> None:

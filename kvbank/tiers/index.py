@@ -1,4 +1,4 @@
-"""The store's row index: one dict entry plus ~28 bytes of parallel arrays per row.
+"""The store's row index: one dict entry plus ~24 bytes of parallel arrays per row.
 
 A Python object per row (a dataclass, even a tuple) costs 60-100 bytes on top of the dict
 entry, which would put a million-row index well past 200 bytes a row. Instead each row
@@ -16,10 +16,13 @@ dtype      uint8    code into :attr:`RowIndex.dtypes` (the codec needs it on dem
 parent     int32    id of the previous page of the chain, -1 for none
 atime      uint32   logical clock of the last put/get; also the row's version stamp.
                     Before it wraps, stamps are renumbered by rank (order kept)
-used       float32  seconds since the index opened, at the last put/get/touch (the
-                    age an admin listing reports; the LRU order uses ``atime``)
 flags      uint8    MOVING: a demotion job holds the row
 =========  =======  ================================================================
+
+Ages without a per-row field: the index keeps a short list of *clock marks* — (stamp,
+time) pairs, one at most every 50 ms while stamps are issued, thinned by half past 4,096 —
+and a row's age is the time since the last mark at or before its stamp (at most one mark
+interval too old for recent rows, coarser for old ones).
 
 Removed ids are not reused at once: a child may still name one as its parent. They wait
 in a pending list; one vectorised pass every ``n/8`` removals clears the parent links
@@ -29,6 +32,7 @@ that point at them, and only then are they reused. Not thread-safe (the store lo
 from __future__ import annotations
 
 import time
+from bisect import bisect_right
 from collections.abc import Callable
 from typing import Any
 
@@ -50,6 +54,8 @@ MOVING = 1  # bit in `flags`
 OFF_SHIFT = 6  # memory slot offsets are multiples of 64 (slots.SMALL_ALIGN)
 _MIN_CAP = 1024
 _CLOCK_MAX = 2**32 - 2
+_MARK_S = 0.05  # seconds between clock marks at most (the resolution of ages)
+_MAX_MARKS = 4096
 
 I64 = npt.NDArray[np.int64]
 
@@ -73,7 +79,8 @@ class RowIndex:
         self.parent = np.full(cap, -1, np.int32)
         self.atime = np.zeros(cap, np.uint32)
         self.flags = np.zeros(cap, np.uint8)
-        self.used = np.zeros(cap, np.float32)
+        self._mark_c: list[int] = []  # stamps of the clock marks, increasing
+        self._mark_t: list[float] = []  # when each was issued
         self._free: list[int] = []
         self._pending: list[int] = []
         self.clock = 0
@@ -150,7 +157,7 @@ class RowIndex:
             self.renumber()
         self.clock += 1
         self.atime[rid] = self.clock
-        self.used[rid] = self._now() - self._t0
+        self._mark(self.clock)
         return self.clock
 
     def touch_many(self, rids: I64) -> I64:
@@ -160,7 +167,8 @@ class RowIndex:
             self.renumber()
         stamps = np.arange(self.clock + 1, self.clock + k + 1, dtype=np.int64)
         self.atime[rids] = stamps
-        self.used[rids] = self._now() - self._t0
+        if k:
+            self._mark(self.clock + 1)
         self.clock += k
         return stamps
 
@@ -171,9 +179,14 @@ class RowIndex:
         n = len(self.names)
         live = np.flatnonzero(self.where[:n] != 0)
         order = live[np.argsort(self.atime[live], kind="stable")]
+        old = self.atime[order].astype(np.int64)
         self.atime[:n] = 0
         self.atime[order] = np.arange(1, order.size + 1, dtype=np.uint32)
         self.clock = int(order.size)
+        # A mark (c, t) says "stamps >= c were issued at or after t"; in ranks that is the
+        # rank of the first live stamp >= c.
+        ranks = np.searchsorted(old, np.asarray(self._mark_c, dtype=np.int64), side="left") + 1
+        self._mark_c = ranks.tolist()
 
     def get_off(self, rid: int) -> int:
         v = int(self.off[rid])
@@ -194,9 +207,25 @@ class RowIndex:
         """Bytes of the arrays (the dict and names list are measured by the caller)."""
         return sum(int(getattr(self, a).nbytes) for a in _ARRAYS)
 
+    @property
+    def marks(self) -> int:
+        """How many clock marks the index keeps (bounded by 4,096)."""
+        return len(self._mark_c)
+
+    def _mark(self, stamp: int) -> None:
+        t = self._now()
+        if not self._mark_t or t - self._mark_t[-1] >= _MARK_S:
+            self._mark_c.append(stamp)
+            self._mark_t.append(t)
+            if len(self._mark_c) > _MAX_MARKS:  # halve, keeping the newest mark exact
+                del self._mark_c[-2::-2]
+                del self._mark_t[-2::-2]
+
     def age_s(self, rid: int) -> float:
-        """Seconds since the row was last put, read or touched."""
-        return max(0.0, self._now() - self._t0 - float(self.used[rid]))
+        """Seconds since the row was last put, read or touched (see the clock marks)."""
+        i = bisect_right(self._mark_c, int(self.atime[rid])) - 1
+        since = self._mark_t[i] if i >= 0 else self._t0
+        return max(0.0, self._now() - since)
 
 
-_ARRAYS = ("size", "where", "off", "dtype", "parent", "atime", "flags", "used")
+_ARRAYS = ("size", "where", "off", "dtype", "parent", "atime", "flags")

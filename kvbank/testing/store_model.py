@@ -86,7 +86,9 @@ class StoreMachine(RuleBasedStateMachine):
         return BankConfig(**fields)
 
     def _open(self) -> TieredStore:
-        return TieredStore(self._config())
+        store = TieredStore(self._config())
+        store.take_events()  # subscribe: the feed records from here on
+        return store
 
     @property
     def write_through(self) -> bool:

@@ -154,6 +154,8 @@ def test_store_everything_pinned_is_tier_full(make_store: MakeStore) -> None:
 
 def test_store_change_feed_publishes_and_withdraws(make_store: MakeStore) -> None:
     s = make_store(data_dir=None, host_bytes=32 * 1024, high_watermark=0.99, low_watermark=0.5)
+    s.put(name_of(0), page_of(0, P))  # before anyone listens: listed by scan, not announced
+    assert s.take_events() == []  # subscribes
     s.put(name_of(1), page_of(1, P))
     s.put(name_of(1), page_of(2, P))  # an overwrite: still the same visible row
     s.put(name_of(2), page_of(2, P))
@@ -178,6 +180,7 @@ def test_store_change_feed_publishes_and_withdraws(make_store: MakeStore) -> Non
 
 def test_store_change_feed_overflow_is_counted_never_unbounded(make_store: MakeStore) -> None:
     s = TieredStore(make_store(data_dir=None, host_bytes=1 << 20).config, event_capacity=4)
+    s.take_events()
     for i in range(10):
         s.put(name_of(i), page_of(i, 64))
     ev = s.take_events()

@@ -240,7 +240,8 @@ class TieredStore:
 
     def take_events(self, max_events: int | None = None) -> list[RowEvent]:
         """Rows PUBLISHED and WITHDRAWN since the last call, oldest first; an OVERFLOW
-        event first when some were lost (resync with ``scan``)."""
+        event first when some were lost (resync with ``scan``). The feed records from the
+        first call on: take once, ``scan`` what is there, then follow."""
         if max_events is not None and (isinstance(max_events, bool)
                                        or not isinstance(max_events, int) or max_events < 0):
             raise InvalidInput(f"max_events: expected an integer >= 0, got {max_events!r}")

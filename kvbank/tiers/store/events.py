@@ -1,11 +1,12 @@
 """The store's change feed: rows PUBLISHED (first visible) and WITHDRAWN (gone from every
 tier), bounded, like vLLM's ``take_events``.
 
-The feed holds at most ``capacity`` events. When it is full the oldest event is dropped
-and counted; the next :meth:`EventFeed.take` starts with one ``OVERFLOW`` event carrying
-the count, so a consumer (the fleet index) knows it missed changes and resyncs with
-``scan``. The feed starts empty when the store opens: rows recovered from disk are
-listed by ``scan``, not announced. Not thread-safe (the store's lock).
+The feed records from the first :meth:`EventFeed.take` on (a consumer subscribes by
+taking, then lists what is already there with ``scan``, then follows the feed); until
+then nobody listens and nothing is kept. It holds at most ``capacity`` events. When it is
+full the oldest event is dropped and counted; the next take starts with one ``OVERFLOW``
+event carrying the count, so a consumer (the fleet index) knows it missed changes and
+resyncs with ``scan``. Not thread-safe (the store's lock).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ DEFAULT_EVENT_CAPACITY = 65536
 
 
 class EventFeed:
-    __slots__ = ("_events", "_lost", "capacity", "dropped", "seq")
+    __slots__ = ("_events", "_lost", "active", "capacity", "dropped", "seq")
 
     def __init__(self, capacity: int = DEFAULT_EVENT_CAPACITY) -> None:
         self.capacity = capacity
@@ -26,8 +27,11 @@ class EventFeed:
         self._lost = 0  # dropped since the last take
         self.dropped = 0  # dropped since open
         self.seq = 0
+        self.active = False  # set by the first take: a consumer listens
 
     def _add(self, kind: EventKind, name: bytes) -> None:
+        if not self.active:
+            return
         self.seq += 1
         if len(self._events) >= self.capacity:
             self._events.popleft()
@@ -42,6 +46,7 @@ class EventFeed:
         self._add(EventKind.WITHDRAWN, name)
 
     def take(self, max_events: int | None) -> list[RowEvent]:
+        self.active = True
         out: list[RowEvent] = []
         if self._lost:
             out.append(RowEvent(EventKind.OVERFLOW, b"", self.seq, self._lost))

@@ -11,10 +11,11 @@ On failure nothing changed, and the slot goes back (a commit's stays reserved).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 from kvbank.config import WritePolicy
-from kvbank.errors import InvalidInput, TierFull, TierUnavailable
+from kvbank.errors import InvalidInput, TierError, TierFull, TierUnavailable
 from kvbank.tiers.base import Buffer, as_bytes_view, check_name
 from kvbank.tiers.index import DEV, DISK, HOST
 from kvbank.tiers.store.mover import Mover
@@ -79,8 +80,21 @@ def publish(st: StoreState, mover: Mover, name: bytes, size: int, code: int,
                 if st.disk_error is not None:
                     logger.warning("store: disk tier writes again")
                 st.disk_error = None
-                commit_locked(st, name, size, code, parent, bit, off, holder, on_disk=True,
-                              reserve=reserve)
+                refused: BaseException | None = None
+                try:
+                    commit_locked(st, name, size, code, parent, bit, off, holder,
+                                  on_disk=True, reserve=reserve)
+                except BaseException as exc:
+                    # Refused after the write (locked or closed meanwhile): a frame the
+                    # index does not hold must not outlive this call.
+                    refused = exc
+                    rid = st.ix.ids.get(name)
+                    orphan = rid is None or not int(st.ix.where[rid]) & DISK
+            if refused is not None:
+                if orphan:
+                    with contextlib.suppress(TierError):  # closing: nothing more to do
+                        disk.delete_many([name])
+                raise refused
     except BaseException as exc:
         with st.lock:
             if isinstance(exc, TierFull | TierUnavailable) and not st.closed:

@@ -493,7 +493,7 @@ class Bank:
         try:
             for row in todo:
                 size = layout.group_page_bytes[row.group]
-                got = self._store.get_into(row.name, views[row.group][row.slot])
+                got = self._store.get_into(row.name, views[row.group][row.out_index])
                 # Only a row that arrived whole counts; anything else stays undelivered.
                 if got == size:
                     self._ledger.record(fetch_id, [row.name])

@@ -42,7 +42,7 @@ def _demo(data_dir: Path, out: TextIO) -> int:
         n = len(prompt) // layout.tokens_per_page
         pages = torch.randint(0, 256, (n, page), dtype=torch.uint8, generator=gen)
         bank.put(lid, prompt.numpy(), group=0, pages=pages)
-        bank.store.flush()
+        bank.flush()
         say(f"stored {n} pages of a {len(prompt)}-token prompt (the last {len(prompt) - n * layout.tokens_per_page} tokens make a "
             "partial page, which is never stored)")
 

@@ -1,6 +1,6 @@
 """``kvbank bench codec``: the cold-page codec on real KV, against the libraries it replaces.
 
-Data: :func:`kvbank.testing.realkv.real_pages` — all-MiniLM-L6-v2 K/V on stdlib docstrings
+Data: :func:`kvbank.bench.realkv.real_pages` — all-MiniLM-L6-v2 K/V on stdlib docstrings
 in ``bfloat16``, ``float16`` and ``float8_e4m3fn``, cut into 256 KiB and 2 MiB canonical
 pages. One core (``torch.set_num_threads(1)``, blosc2 with one thread). Every rate is the
 median of several interleaved runs (:func:`kvbank.bench.common.paired_rates`) into
@@ -34,10 +34,10 @@ import torch
 import zstandard
 
 from kvbank.bench.common import BenchRow, paired_rates, row
+from kvbank.bench.realkv import real_pages
 from kvbank.codec import decode_into, encode, encode_into, entropy_bits, max_frame_size
 from kvbank.kernels.planes import merge_planes, split_planes
 from kvbank.layout import DTYPE_ITEMSIZE
-from kvbank.testing.realkv import real_pages
 
 logger = logging.getLogger(__name__)
 

@@ -47,9 +47,9 @@ from kvbank.codec.frame import (
     parse_fast,
     parse_header,
 )
+from kvbank.codec.planes import as_u8, merge_planes, merge_unchecked, split_planes
+from kvbank.dtypes import DTYPE_ITEMSIZE
 from kvbank.errors import CorruptPage, InvalidInput
-from kvbank.kernels.planes import as_u8, merge_planes, merge_unchecked, split_planes
-from kvbank.layout import DTYPE_ITEMSIZE
 
 logger = logging.getLogger(__name__)
 

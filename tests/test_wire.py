@@ -205,6 +205,12 @@ def _paths(doc: Any, path: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
     return out
 
 
+def _get(doc: Any, path: tuple[Any, ...]) -> Any:
+    for p in path:
+        doc = doc[p]
+    return doc
+
+
 def _set(doc: Any, path: tuple[Any, ...], value: Any) -> Any:
     if not path:
         return value
@@ -230,6 +236,10 @@ def test_wire_hostile_documents_raise_only_invalid_input(cls: type) -> None:
         doc = through_json(wire.to_dict(obj))
         path = data.draw(st.sampled_from(_paths(doc)))
         bad = _set(copy.deepcopy(doc), path, data.draw(st.sampled_from(JUNK)))
+        objects = [p for p in _paths(bad) if isinstance(_get(bad, p), dict) and _get(bad, p)]
+        if objects and data.draw(st.booleans()):  # and drop a key somewhere
+            node = _get(bad, data.draw(st.sampled_from(objects)))
+            del node[data.draw(st.sampled_from(sorted(node)))]
         try:
             back = wire.from_dict(cls, bad)
         except InvalidInput as exc:

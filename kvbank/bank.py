@@ -134,6 +134,12 @@ class Bank:
                  tb: TracebackType | None) -> None:
         self.close()
 
+    @property
+    def clock(self) -> Clock:
+        """The bank's monotonic clock (its leases' deadlines are on it): a service passes
+        ``now=bank.clock()`` to :func:`kvbank.wire.to_dict` for a lease's ``ttl_s``."""
+        return self._clock
+
     def _check_open(self) -> None:
         if self._closed:
             raise TierUnavailable("bank: closed")

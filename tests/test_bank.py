@@ -18,6 +18,7 @@ from kvbank import (
     hybrid_mamba,
     mla,
     sliding_window,
+    wire,
 )
 from kvbank.errors import (
     Busy,
@@ -472,8 +473,9 @@ def test_bank_lend_past_its_timeout_is_released() -> None:
             b.lend(names, timeout=1.0, ttl_s=100)
         clock.step = 0.0
         assert b.leases() == () and b.stats().store.locked_names == 0
-        lease = b.lend(names, timeout=1.0)
+        lease = b.lend(names, timeout=1.0, ttl_s=30)
         assert [x.id for x in b.leases()] == [lease.id]
+        assert wire.to_dict(lease, now=b.clock())["ttl_s"] == 30  # against the bank's clock
         b.release(lease.id)
 
 

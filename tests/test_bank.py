@@ -280,10 +280,11 @@ def test_concurrent_workers_keep_the_bank_consistent(bank: Bank) -> None:
         try:
             for i in range(15):
                 tokens = list(range(w * 10_000 + i * 100, w * 10_000 + i * 100 + 48))
-                bank.put(lid, tokens, group=0, pages=rand(3, PAGE, w * 100 + i))
+                pages = rand(3, PAGE, w * 100 + i)
+                bank.put(lid, tokens, group=0, pages=pages)
                 m = bank.match(lid, [*tokens, 1])
                 lease = bank.lend(m)
-                bank.read(lease.id, m.needed[0])
+                assert bank.read(lease.id, m.needed[0]) == pages[0].numpy().tobytes()
                 bank.release(lease.id)
                 w_lease = bank.lend(bank.row_names(lid, [*tokens, *range(16)], group=0)[3:],
                                     mode=LeaseMode.WRITE)
@@ -309,6 +310,8 @@ def test_open_applies_overrides_and_close_is_final() -> None:
     bank.close()  # idempotent
     with pytest.raises(TierUnavailable):
         bank.match(lid, list(range(32)))
+    with pytest.raises(TierUnavailable):
+        bank.register(FA)
     with pytest.raises(InvalidInput, match="config"):
         Bank({"host_bytes": 1})  # type: ignore[arg-type]
 

@@ -31,6 +31,7 @@ from kvbank.errors import (
     UnknownLayout,
 )
 from kvbank.lender.resume import Obstacle
+from kvbank.tiers.base import TierKind
 
 FA = full_attention("bank@1", num_layers=2, num_kv_heads=4, head_dim=64)  # 16 tokens a page
 P = FA.tokens_per_page
@@ -555,3 +556,37 @@ def test_bank_presence_of_every_shard_in_one_call(bank: Bank) -> None:
     for bad in ([], [2], [True], "0"):
         with pytest.raises(InvalidInput, match="shards"):
             bank.presence(lid, tokens, shards=bad)  # type: ignore[arg-type]
+
+
+def test_bank_workers_sharing_one_prefix_see_its_bytes(bank: Bank) -> None:
+    """Workers racing to store, lend, read and fetch the same rows: equal names mean equal
+    bytes, so every read answers the one page stored under a name and no call fails."""
+    lid = bank.register(FA)
+    tokens = list(range(64))
+    pages = rand(4, PAGE, 99)
+    errors: list[BaseException] = []
+
+    def worker() -> None:
+        try:
+            for _ in range(20):
+                names = bank.put(lid, tokens, group=0, pages=pages)
+                m = bank.match(lid, [*tokens, 1])
+                lease = bank.lend(m)
+                for k, n in enumerate(m.needed):
+                    assert bank.read(lease.id, n) == pages[k].numpy().tobytes()
+                bank.release(lease.id)
+                buf = torch.zeros(4, PAGE, dtype=torch.uint8)
+                got = bank.fetch(m, out={0: buf})
+                assert got.complete and torch.equal(buf, pages)
+                assert bank.locate(names) == [TierKind.HOST] * 4
+        except BaseException as exc:  # collected and re-raised by the test thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert bank.stats().live_leases == 0 and bank.stats().store.rows == 4
+    bank.check_invariants()

@@ -26,13 +26,13 @@ Lifecycle: stateless calls; per-thread zstd contexts and scratch are reused.
 
 from __future__ import annotations
 
+from kvbank.codec.choice import entropy_bits
 from kvbank.codec.core import (
     DEFAULT_LEVEL,
     decode,
     decode_into,
     encode,
     encode_into,
-    entropy_bits,
     frame_info,
     max_frame_size,
 )

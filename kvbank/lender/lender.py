@@ -18,8 +18,10 @@ Lifecycle::
       │                │
       └── renew        └── deadline passes ──► expired: the reaper (a thread every
                                                config.reaper_interval_s, plus a lazy
-                                               check on every lender call) drops the
-                                               page locks and returns reserved slots
+                                               check on every command) drops the page
+                                               locks and returns reserved slots; lookups
+                                               (lease, live_ids, finish_read, views)
+                                               report expiry but change nothing
 
 Page locks: a READ lease locks its present rows in the store (``holder = lease id``), so
 the store never evicts, moves or overwrites them while the lease lives. A WRITE lease
@@ -37,8 +39,12 @@ A WRITE lease reserves a slot only for rows not already stored (those are listed
 are interchangeable bytes) and the reserved slot goes back.
 
 Thread-safety: one re-entrant lock guards the lender's tables; the store has its own and
-the lender always takes its lock first. Bulk copies in :meth:`read_into` run outside the
-lender's lock — which is exactly why the completion check exists.
+the lender always takes its lock first (the order is in :mod:`kvbank.tiers.lockorder`).
+The lender lock is held only over its tables: a lend claims its names in the conflict
+tables, stages its rows (disk reads, copies, waits for room) with no lender lock held,
+then publishes the lease; a commit takes its lease out of the tables, then publishes the
+rows. Bulk copies in :meth:`read_into` run outside the lender's lock — which is exactly
+why the completion check exists.
 """
 
 from __future__ import annotations
@@ -54,7 +60,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from itertools import repeat
-from operator import is_, itemgetter
+from operator import is_
 from typing import TYPE_CHECKING, cast
 
 from kvbank.config import BankConfig
@@ -65,7 +71,7 @@ from kvbank.errors import (
     LeaseNotFound,
     TierUnavailable,
 )
-from kvbank.keys import ROW_NAME_BYTES
+from kvbank.keys import ROW_NAME_BYTES, same_chain, shape_key
 from kvbank.lender.base import (
     CommitResult,
     Delivery,
@@ -100,7 +106,7 @@ _Parts = tuple[tuple[LeaseRow, ...], tuple[bytes, ...], dict[bytes, Slot], dict[
 
 _TOMBSTONES = 4096  # ended lease ids remembered, so a late call says why (expired/released)
 _SHAPES = 4096  # (namespace, group) shapes remembered; a bank has a handful per layout
-_shape_key = itemgetter(slice(0, 16), slice(48, 50))  # namespace ‖ group: one page shape
+_shape_key = shape_key  # namespace ‖ group: one page shape (keys owns the anatomy)
 _NO_REGIONS: tuple[Region, ...] = ()
 
 
@@ -372,7 +378,7 @@ class Lender:
                     raise InvalidInput("names: undescribed row in a WRITE lease")
                 # A chain listed in order: a row's parent (for prefix-aware eviction) is the
                 # previous row of the same namespace and group in this lease.
-                parents[n] = prev if prev is not None and prev[:16] == n[:16] and prev[-6:] == n[-6:] else None
+                parents[n] = prev if prev is not None and same_chain(prev, n) else None
                 prev = n
                 if w is not None:
                     out.append(LeaseRow(n, True, None, shape.regions, Delivery.PRESENT))

@@ -7,12 +7,14 @@ locks and evicts rows across them (:class:`TieredStore`). See docs/tiers.md.
 
 from __future__ import annotations
 
-from kvbank.tiers.base import DeviceSlot, HostSlot, Tier, TierKind
+from kvbank.tiers.base import DeviceSlot, FrameStore, HostSlot, SlotPool, Tier, TierKind
 from kvbank.tiers.store import StoreHealth, StoreStats, TieredStore, TierHealth, TierStats
 
 __all__ = [
     "DeviceSlot",
+    "FrameStore",
     "HostSlot",
+    "SlotPool",
     "StoreHealth",
     "StoreStats",
     "Tier",

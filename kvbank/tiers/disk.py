@@ -46,7 +46,7 @@ from pathlib import Path
 import lmdb
 import xxhash
 
-from kvbank.codec import DTYPE_CODES, HEADER_SIZE, MAX_RAW_LEN, decode_into, encode, frame_info
+from kvbank.codec import DTYPE_CODES, HEADER_SIZE, MAX_PAGE_BYTES, decode_into, encode, frame_info
 from kvbank.errors import (
     CorruptPage,
     InvalidInput,
@@ -70,7 +70,7 @@ logger = logging.getLogger(__name__)
 
 _META = struct.Struct("<QQQB")  # raw_len, frame_len, seq, len(dtype); then dtype, parent
 _SUM = struct.Struct("<Q")  # last: xxh3-64 of (row name + everything before it)
-_MAX_RAW = min(MAX_RAW_LEN, 2**32 - 1)  # the codec's limit, and the store's uint32 sizes
+_MAX_RAW = MAX_PAGE_BYTES  # the one page limit (the codec's, and the store's uint32 sizes)
 _MAX_SEQ = 2**62  # write clocks are counters; a larger one is damage
 MAP_FACTOR = 4  # map size = budget x 4 (+ 1 GiB): freed overflow pages fragment
 MAP_SLACK = 1 << 30

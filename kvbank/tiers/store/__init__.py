@@ -10,6 +10,7 @@ module          owns
 ``state``       the shared state: index, pools, frame stores, tables, counters, queue
 ``residency``   the slot ledger; the only code that adds/removes rows and frees slots
 ``pagelocks``   page locks (per holder, counted) and admin pins (budgeted)
+``locktable``   ``store.locks``: the page-lock operations under the store lock
 ``policy``      victim choice: prefix-aware LRU as a pure function over the index
 ``placement``   which slot a row gets; making room; waiting (with a deadline)
 ``copier``      every byte copy between tiers (the seam tests inject)

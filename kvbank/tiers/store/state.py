@@ -12,11 +12,12 @@ settled job): the mover re-evaluates its O(rows) pressure test only when it move
 from __future__ import annotations
 
 import collections
+import logging
 import threading
 import time
 from collections.abc import Callable
 
-from kvbank.codec import DTYPE_CODES
+from kvbank.codec import DTYPE_CODES, MAX_PAGE_BYTES
 from kvbank.config import BankConfig
 from kvbank.errors import InvalidInput, PageSizeMismatch, RowLocked, TierUnavailable
 from kvbank.tiers.base import FrameStore, SlotPool
@@ -31,7 +32,9 @@ from kvbank.tiers.store.pagelocks import PageLocks, RowPins
 from kvbank.tiers.store.residency import Residency
 from kvbank.tiers.store.types import Job, JobKind
 
-MAX_PAGE = 2**32 - 1  # sizes are uint32 in the index
+logger = logging.getLogger("kvbank.tiers.store")
+
+MAX_PAGE = MAX_PAGE_BYTES  # the one page limit (sizes are uint32 in the index)
 
 
 class Counters:
@@ -131,9 +134,7 @@ class StoreState:
 
     def note_disk_error(self, msg: str) -> None:
         if self.disk_error is None:
-            import logging
-
-            logging.getLogger("kvbank.tiers.store").warning("store: disk tier degraded: %s", msg)
+            logger.warning("store: disk tier degraded: %s", msg)
         self.disk_error = msg
 
     def victims(self, bit: int, need: int, cls: int | None = None) -> list[int]:

@@ -265,18 +265,16 @@ class Lender:
                 self._unclaim(lease_id, rows, mode)
             raise
         with self._lock:
-            self._unclaim(lease_id, rows, mode)
             if self._closed:  # closed while staging: give everything back
+                self._unclaim(lease_id, rows, mode)
                 self._release_store(lease_id, bool(locked), mode, slots)
                 raise TierUnavailable("lender: closed")
+            # The claim in the conflict maps becomes the lease's own entry there.
+            del self._pending[lease_id]
             deadline = self._clock() + ttl
             lease = self._snapshot(lease_id, kind, mode, Selection.NAMED, deadline, out)
             self._held[lease_id] = _Held(lease, deadline, rows, locked, slots, parents)
             heapq.heappush(self._deadlines, (deadline, lease_id))
-            if mode is LeaseMode.READ:
-                self._readers.update(rows)
-            else:
-                self._writer.update(dict.fromkeys(rows, lease_id))
         logger.debug("lent %s %s %s: %d rows, ttl %.3fs", lease_id, kind.name, mode.name, len(rows), ttl)
         return lease
 
@@ -289,12 +287,15 @@ class Lender:
             self._writer.update(dict.fromkeys(rows, lease_id))
 
     def _unclaim(self, lease_id: str, rows: tuple[bytes, ...], mode: LeaseMode) -> None:
+        """Undo :meth:`_claim` for a lend that failed (caller locks)."""
         del self._pending[lease_id]
         if mode is LeaseMode.READ:
-            self._readers.subtract(rows)
-            for n in rows:
-                if self._readers[n] <= 0:
-                    del self._readers[n]
+            readers = self._readers
+            counts = list(map(readers.pop, rows))
+            if max(counts) > 1:
+                for n, k in zip(rows, counts, strict=True):
+                    if k > 1:
+                        readers[n] = k - 1
         else:
             for n in rows:
                 del self._writer[n]

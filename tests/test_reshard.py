@@ -152,7 +152,7 @@ def test_plan_matches_brute_force(name: str, n: int, m: int) -> None:
             for c in gp.copies:
                 assert c.source in gp.sources
                 for s0, d0, length in c.ranges():
-                    assert 0 <= s0 and s0 + length <= gp.src_page_bytes
+                    assert s0 >= 0 and s0 + length <= gp.src_page_bytes
                     got[d0 : d0 + length] = shards[c.source][s0 : s0 + length]
                     writes[d0 : d0 + length] += 1
             assert np.array_equal(got, want)

@@ -198,3 +198,20 @@ def test_plan_takes_replicated_bytes_from_a_source_already_needed() -> None:
                     hit = d0 < index_key.offset + index_key.nbytes and index_key.offset < d0 + length
                     (inside if hit else outside).add(c.source)
             assert inside and inside <= outside
+
+
+# ---- the bench suite ----------------------------------------------------------------------------
+
+
+def test_bench_reshard_quick_rows() -> None:
+    """The suite prints the two case names the issue fixes, with same-run baselines."""
+    from kvbank.bench import SUITES
+    from kvbank.bench.reshard import run
+
+    assert SUITES["reshard"] == "kvbank.bench.reshard"
+    rows = [r for r in run(quick=True) if not r.case.endswith("-cuda")]
+    assert [r.case for r in rows] == ["reshard-4to2", "reshard-2to4"]
+    for r in rows:
+        assert r.suite == "reshard" and r.metric == "GB/s"
+        assert r.value > 0 and r.baseline_value > 0
+        assert r.ratio == round(r.value / r.baseline_value, 4)

@@ -92,6 +92,8 @@ def reshard_pages(
         raise InvalidInput(f"group: {group!r} is out of range for {len(plan.groups)} groups")
     gp = plan.groups[group]
     out = _pages(out, "out", None, gp.dst_page_bytes)
+    if out.shape[0] > 1 and out.stride(0) < out.shape[1]:
+        raise InvalidInput(f"out: rows overlap (row stride {out.stride(0)} < {out.shape[1]} bytes)")
     if not isinstance(sources, Mapping):
         raise InvalidInput(f"sources: expected a mapping of shard index to pages, got "
                            f"{type(sources).__name__}")

@@ -188,6 +188,7 @@ def _gqa_case() -> tuple[object, dict[int, torch.Tensor], torch.Tensor]:
         (lambda p, s, o: (p, s, o[:, :-64]), PageSizeMismatch, "out"),
         (lambda p, s, o: (p, s, o.float()), InvalidInput, "out"),
         (lambda p, s, o: (p, {**s, 0: o[:, : s[0].shape[1]]}, o), InvalidInput, "overlaps out"),
+        (lambda p, s, o: (p, s, o.as_strided(o.shape, (64, 1))), InvalidInput, "rows overlap"),
         (lambda p, s, o: ("plan", s, o), InvalidInput, "plan"),
         (lambda p, s, o: (p, [s[0], s[1]], o), InvalidInput, "sources"),
     ],

@@ -32,11 +32,15 @@ GQA page is one or two strided copies per source, not one per buffer.
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 from kvbank.errors import InvalidInput, LayoutError
 from kvbank.layout import BufferSpec, GroupKind, PageLayout
+
+PLAN_CACHE = 1024  # (source count, destination layout and rank) pairs kept planned
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,7 +77,8 @@ class GroupPlan:
 
 @dataclass(frozen=True, slots=True)
 class ReshardPlan:
-    """Destination ``dst`` (its shard index included) from pages of ``src``'s shard count."""
+    """Destination ``dst`` (its shard index included) from pages of ``src``'s shard count
+    (``src``'s shard index means nothing here)."""
 
     src: PageLayout
     dst: PageLayout
@@ -305,8 +310,29 @@ def plan_reshard(src: PageLayout, dst: PageLayout) -> ReshardPlan:
     pages stored under ``src.shard_count`` (``src.shard_index`` is not used).
 
     Refused with a :class:`LayoutError` naming the field when the layouts differ in
-    anything but the shard count and index."""
+    anything but the shard count and index. Plans are cached (a 32-layer plan takes
+    about as long as building the layout, and a bank asks for the same few per match)."""
     check_compatible(src, dst)
+    # Keyed by ids: equal ids are equal layouts, and hashing a layout costs more than this.
+    key = (src.layout_id, dst.layout_id, dst.shard_index)
+    with _plans_lock:
+        plan = _plans.get(key)
+        if plan is not None:
+            _plans.move_to_end(key)
+            return plan
+    plan = _plan(src, dst)
+    with _plans_lock:
+        _plans[key] = plan
+        if len(_plans) > PLAN_CACHE:
+            _plans.popitem(last=False)
+    return plan
+
+
+_plans: OrderedDict[tuple[bytes, bytes, int], ReshardPlan] = OrderedDict()
+_plans_lock = threading.Lock()
+
+
+def _plan(src: PageLayout, dst: PageLayout) -> ReshardPlan:
     groups = []
     for g, kind in enumerate(group.kind for group in dst.groups):
         tokens = dst.tokens_per_page if kind is GroupKind.ATTENTION else 1
@@ -324,4 +350,4 @@ def plan_reshard(src: PageLayout, dst: PageLayout) -> ReshardPlan:
             src_page_bytes=src.group_page_bytes[g],
             dst_page_bytes=dst.group_page_bytes[g],
         ))
-    return ReshardPlan(src.with_shard(0), dst, tuple(groups))
+    return ReshardPlan(src, dst, tuple(groups))

@@ -215,3 +215,12 @@ def test_bench_reshard_quick_rows() -> None:
         assert r.suite == "reshard" and r.metric == "GB/s"
         assert r.value > 0 and r.baseline_value > 0
         assert r.ratio == round(r.value / r.baseline_value, 4)
+
+
+def test_plan_is_cached_per_source_count_and_destination_rank() -> None:
+    src = L.full_attention("cache", 2, 8, 64, shard_count=4)
+    dst = L.full_attention("cache", 2, 8, 64, shard_count=2, shard_index=1)
+    plan = plan_reshard(src, dst)
+    assert plan_reshard(src.with_shard(3), dst) is plan
+    other = plan_reshard(src, dst.with_shard(0))
+    assert other is not plan and other.sources == (0, 1) and plan.sources == (2, 3)

@@ -26,6 +26,9 @@ fetch_ttl_s                 KVBANK_FETCH_TTL_S         how long a fetch-ledger e
 reaper_interval_s           KVBANK_REAPER_INTERVAL_S   how often expired leases are reaped
 movement_queue_bytes        KVBANK_MOVEMENT_QUEUE_BYTES  bytes waiting for the background
                                                        mover before puts feel backpressure
+reshard_store               KVBANK_RESHARD_STORE       store a row a fetch built from another
+                                                       shard count's rows under the caller's
+                                                       own shard (true), or not (false)
 ==========================  =========================  =====================================
 
 Byte sizes accept a plain integer or a suffix: ``512M``, ``4G``, ``1.5GiB`` (powers of 1024).
@@ -111,6 +114,7 @@ class BankConfig:
     fetch_ttl_s: float = DEFAULT_FETCH_TTL_S
     reaper_interval_s: float = DEFAULT_REAPER_INTERVAL_S
     movement_queue_bytes: int = DEFAULT_MOVEMENT_QUEUE_BYTES
+    reshard_store: bool = True
 
     def __post_init__(self) -> None:
         if self.data_dir is not None and not isinstance(self.data_dir, Path):
@@ -144,6 +148,8 @@ class BankConfig:
             )
         if not isinstance(self.disk_sync, bool):
             raise ConfigError(f"disk_sync: must be a bool, got {self.disk_sync!r}")
+        if not isinstance(self.reshard_store, bool):
+            raise ConfigError(f"reshard_store: must be a bool, got {self.reshard_store!r}")
 
     def replace(self, **changes: Any) -> BankConfig:
         return dataclasses.replace(self, **changes)
@@ -170,7 +176,7 @@ def _from_text(name: str, raw: str) -> Any:
         return Path(raw)
     if name in ("host_bytes", "disk_bytes", "device_bytes", "movement_queue_bytes"):
         return parse_bytes(raw, ENV_PREFIX + name.upper())
-    if name == "disk_sync":
+    if name in ("disk_sync", "reshard_store"):
         return _parse_bool(raw, ENV_PREFIX + name.upper())
     if name == "device":
         return raw

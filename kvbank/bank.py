@@ -73,7 +73,7 @@ from kvbank import lookup
 from kvbank.buffers import OutBuffers, Pages, out_views, page_views
 from kvbank.catalog import Catalog
 from kvbank.config import BankConfig
-from kvbank.cross_shard import ReshardReader, ShardCounts, widen
+from kvbank.cross_shard import CrossLocate, ReshardReader, ShardCounts
 from kvbank.errors import Busy, ConfigError, InvalidInput, RowLocked, TierUnavailable
 from kvbank.fetching import fetch_rows
 from kvbank.keys import DEFAULT_SCOPE, Scope, TokenIds, namespace
@@ -283,9 +283,9 @@ class Bank:
         last page to compute)."""
         layout, chain, index = self._chain(layout_id, tokens, keys, scope, shard)
         t = lookup.prompt_length(layout, tokens, chain, prompt_tokens)
-        match = lookup.build_match(layout, scope, t, chain, index, self._store.locate)
         # Rows missing under the caller's shard may be stored under another shard count.
-        return widen(match, layout, index, self._counts.others(layout), self._store.locate)
+        locate = CrossLocate(self._store.locate, layout, index, scope, self._counts.others(layout))
+        return locate.annotate(lookup.build_match(layout, scope, t, chain, index, locate))
 
     def resume_at(self, match: Match, tokens: int) -> Match:
         """``match`` resumed at ``tokens``, one of ``match.boundaries`` (or 0): its bound

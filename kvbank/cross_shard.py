@@ -10,11 +10,10 @@ Primitives:
 
 - :class:`ShardCounts` — the bank's registered layouts by logical id (thread-safe):
   :meth:`~ShardCounts.add` on register, :meth:`~ShardCounts.others` for a match.
-- :func:`widen` — a :class:`~kvbank.results.Match` with the rows missing under the
-  caller's shard looked up under the other counts (one store lookup per count, only for
-  rows still missing). A row counts present only if *every* source row it needs is; its
-  tier is the slowest of them, ``Match.via`` names the count, and the resume bound and
-  boundaries are recomputed.
+- :class:`CrossLocate` — the store's ``locate`` for a match, with the rows missing under
+  the caller's shard looked up under the other counts (one store lookup per count, only
+  for rows still missing). A row counts present only if *every* source row it needs is;
+  its tier is the slowest of them, and ``Match.via`` names the count.
 - :class:`ReshardReader` — the ``get_into`` a fetch uses: a row of the caller's own shard
   straight from the store; a resharded row built from its source rows
   (:func:`kvbank.kernels.reshard.reshard_pages`) only once every source arrived whole, so
@@ -36,9 +35,8 @@ import numpy as np
 import torch
 
 from kvbank.kernels.reshard import reshard_pages
-from kvbank.keys import namespace, page_key_of, row_names, shard_of
+from kvbank.keys import Scope, group_of, namespace, page_key_of, row_names, shard_of
 from kvbank.layout import PageLayout
-from kvbank.lender.resume import resume_bound, resume_boundaries
 from kvbank.reshard import ReshardPlan, plan_reshard
 from kvbank.results import Match
 from kvbank.tiers.base import TierKind
@@ -82,46 +80,66 @@ def _source_names(match: Match, src: PageLayout, plan: ReshardPlan, group: int,
     return [row_names(ns, keys, group, src.shard_count, s) for s in plan.groups[group].sources]
 
 
-def widen(match: Match, layout: PageLayout, shard_index: int, others: Sequence[PageLayout],
-          locate: Locate) -> Match:
-    """``match`` with its missing rows looked up under the shard counts of ``others``."""
-    n_groups = len(layout.groups)
-    missing = {g: [i for i, t in enumerate(match.tiers[g]) if t is None]
-               for g in range(n_groups) if layout.group_page_bytes[g]}
-    if not others or not any(missing.values()):
-        return match
-    dst = layout.with_shard(shard_index)
-    tiers = [list(t) for t in match.tiers]
-    via = [[0] * len(t) for t in match.tiers]
-    for src in others:
-        plan = plan_reshard(src, dst)
-        asked = [(g, pages, _source_names(match, src, plan, g, pages))
-                 for g, pages in missing.items() if pages]
-        flat = [name for _, _, per in asked for names in per for name in names]
-        where = iter(locate(flat))
-        for g, pages, per in asked:
-            found = [[next(where) for _ in pages] for _ in per]
-            for k, i in enumerate(pages):
-                held = [f[k] for f in found]
-                if all(t is not None for t in held):
-                    tiers[g][i] = max(held, key=lambda t: t.rank)  # type: ignore[union-attr]
-                    via[g][i] = src.shard_count
-            missing[g] = [i for i in pages if tiers[g][i] is None]
-        if not any(missing.values()):
-            break
-    if not any(any(v) for v in via):
-        return match
-    frozen = tuple(tuple(t) for t in tiers)
+_RANK = {t: t.rank for t in TierKind}
 
-    def have(g: int, j: int) -> bool:
-        return frozen[g][j] is not None
 
-    t = match.prompt_tokens
-    return dataclasses.replace(
-        match, tiers=frozen, via=tuple(tuple(v) for v in via),
-        resume=resume_bound(layout, t, have, match.names),
-        boundaries=resume_boundaries(layout, t, have),
-    )
+class CrossLocate:
+    """The store's ``locate`` for a match, widened: a name it misses is looked up under
+    each shard count of ``others`` in turn (one lookup per count, only for names still
+    missing) and answers the slowest tier of its source rows when every one is there.
+    :meth:`annotate` then records in ``Match.via`` which rows were found so. Used as the
+    match's locate, so the resume bound is computed once, on the widened answer."""
+
+    def __init__(self, locate: Locate, layout: PageLayout, shard_index: int, scope: Scope,
+                 others: Sequence[PageLayout]) -> None:
+        self._locate = locate
+        self._layout = layout
+        self._index = shard_index
+        self._scope = scope
+        self._others = others
+        self._via: dict[bytes, int] = {}  # own row name -> shard count it was found under
+
+    def __call__(self, names: Sequence[bytes]) -> list[TierKind | None]:
+        where = self._locate(names)
+        missing = [k for k, t in enumerate(where) if t is None]
+        for src in self._others:
+            if not missing:
+                break
+            plan = plan_reshard(src, self._layout, self._index)
+            ns = namespace(src.layout_id, self._scope)
+            by_group: dict[int, list[int]] = {}
+            for k in missing:
+                by_group.setdefault(group_of(names[k]), []).append(k)
+            asked: list[tuple[list[int], int]] = []  # (positions in names, sources a row)
+            flat: list[bytes] = []
+            for g, ks in by_group.items():
+                keys = [page_key_of(names[k]) for k in ks]
+                sources = plan.groups[g].sources
+                per = [row_names(ns, keys, g, src.shard_count, s) for s in sources]
+                flat.extend(name for row in zip(*per, strict=True) for name in row)
+                asked.append((ks, len(sources)))
+            found = iter(self._locate(flat))
+            for ks, fan in asked:
+                # zip(ks, ...) stops on ks before taking another row from ``found``
+                for k, held in zip(ks, zip(*[found] * fan, strict=False), strict=False):
+                    tier = held[0]
+                    if tier is None:
+                        continue
+                    if held.count(tier) != fan:  # sources in different tiers, or a miss
+                        if None in held:
+                            continue
+                        tier = max(held, key=_RANK.__getitem__)
+                    where[k] = tier
+                    self._via[names[k]] = src.shard_count
+            missing = [k for k in missing if where[k] is None]
+        return where
+
+    def annotate(self, match: Match) -> Match:
+        """``match`` with ``via`` naming the rows this locate found under another count."""
+        if not self._via:
+            return match
+        via = tuple(tuple(self._via.get(n, 0) for n in g) for g in match.names)
+        return dataclasses.replace(match, via=via)
 
 
 class ReshardReader:
@@ -133,7 +151,6 @@ class ReshardReader:
         self._store = store
         by_count = {s.shard_count: s for s in others}
         shard_index = next((shard_of(n[0])[1] for n in match.names if n), 0)
-        dst = layout.with_shard(shard_index)
         # own row name -> (plan, group, source shard -> source row name, parent row name)
         self._rows: dict[bytes, tuple[ReshardPlan, int, dict[int, bytes], bytes | None]] = {}
         for g, counts in enumerate(match.via):
@@ -141,7 +158,7 @@ class ReshardReader:
                 src = by_count.get(count)
                 if src is None:  # the layout the match used is no longer registered: a miss
                     continue
-                plan = plan_reshard(src, dst)
+                plan = plan_reshard(src, layout, shard_index)
                 pages = [i for i, c in enumerate(counts) if c == count]
                 per = _source_names(match, src, plan, g, pages)
                 for k, i in enumerate(pages):

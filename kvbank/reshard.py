@@ -305,22 +305,29 @@ def _padding(layout: PageLayout, group: int) -> tuple[tuple[int, int], ...]:
     return tuple(gaps)
 
 
-def plan_reshard(src: PageLayout, dst: PageLayout) -> ReshardPlan:
-    """How rank ``dst.shard_index`` of ``dst.shard_count`` builds each group's page from
-    pages stored under ``src.shard_count`` (``src.shard_index`` is not used).
+def plan_reshard(src: PageLayout, dst: PageLayout, shard_index: int | None = None) -> ReshardPlan:
+    """How rank ``dst.shard_index`` (or ``shard_index``, when given) of ``dst.shard_count``
+    builds each group's page from pages stored under ``src.shard_count``
+    (``src.shard_index`` is not used).
 
     Refused with a :class:`LayoutError` naming the field when the layouts differ in
     anything but the shard count and index. Plans are cached (a 32-layer plan takes
     about as long as building the layout, and a bank asks for the same few per match)."""
-    check_compatible(src, dst)
+    src, dst = _layout(src, "src"), _layout(dst, "dst")
+    rank = dst.shard_index if shard_index is None else shard_index
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < dst.shard_count:
+        raise LayoutError(f"shard_index: {rank!r} is out of range for shard_count "
+                          f"{dst.shard_count}")
+    if src.logical_id != dst.logical_id:
+        check_compatible(src, dst)
     # Keyed by ids: equal ids are equal layouts, and hashing a layout costs more than this.
-    key = (src.layout_id, dst.layout_id, dst.shard_index)
+    key = (src.layout_id, dst.layout_id, rank)
     with _plans_lock:
         plan = _plans.get(key)
         if plan is not None:
             _plans.move_to_end(key)
             return plan
-    plan = _plan(src, dst)
+    plan = _plan(src, dst if rank == dst.shard_index else dst.with_shard(rank))
     with _plans_lock:
         _plans[key] = plan
         if len(_plans) > PLAN_CACHE:

@@ -159,3 +159,25 @@ def test_match_with_resharded_rows_crosses_the_wire(bank: Bank) -> None:
     lid = bank.register(_gqa(2, 0))
     m = bank.match(lid, [*tokens, 1])
     assert wire.from_dict(type(m), wire.to_dict(m)) == m
+
+
+def test_cross_locate_answers_the_slowest_source_tier_and_only_when_all_are_there() -> None:
+    """CrossLocate over a table of where rows are (the store's locate answers exactly
+    this): a row is the slowest tier of its sources, and a miss if any source is."""
+    from kvbank.cross_shard import CrossLocate
+    from kvbank.keys import DEFAULT_SCOPE, namespace, page_keys, row_names
+    from kvbank.tiers.base import TierKind
+
+    keys = page_keys(list(range(3 * P)), P)
+    src, dst = _gqa(4), _gqa(2)
+    ns4 = namespace(src.layout_id, DEFAULT_SCOPE)
+    table = {}
+    tiers = {0: (TierKind.HOST, TierKind.HOST), 1: (TierKind.HOST, TierKind.DISK),
+             2: (TierKind.DEVICE, None)}
+    for s in (0, 1):  # TP 2 rank 0 is built from TP 4 ranks 0 and 1
+        for i, name in enumerate(row_names(ns4, keys, 0, 4, s)):
+            if tiers[i][s] is not None:
+                table[name] = tiers[i][s]
+    own = row_names(namespace(dst.layout_id, DEFAULT_SCOPE), keys, 0, 2, 0)
+    locate = CrossLocate(lambda names: [table.get(n) for n in names], dst, 0, DEFAULT_SCOPE, (src,))
+    assert locate(own) == [TierKind.HOST, TierKind.DISK, None]

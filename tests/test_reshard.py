@@ -204,15 +204,15 @@ def test_plan_takes_replicated_bytes_from_a_source_already_needed() -> None:
 
 
 def test_bench_reshard_quick_rows() -> None:
-    """The suite prints the two case names the issue fixes, with same-run baselines."""
+    """The suite prints the case names the issue fixes, with same-run baselines."""
     from kvbank.bench import SUITES
     from kvbank.bench.reshard import run
 
     assert SUITES["reshard"] == "kvbank.bench.reshard"
     rows = [r for r in run(quick=True) if not r.case.endswith("-cuda")]
-    assert [r.case for r in rows] == ["reshard-4to2", "reshard-2to4"]
+    assert [r.case for r in rows] == ["reshard-4to2", "reshard-2to4", "match-1000-cross-tp"]
     for r in rows:
-        assert r.suite == "reshard" and r.metric == "GB/s"
+        assert r.suite == "reshard" and r.metric == ("ms" if r.case.startswith("match") else "GB/s")
         assert r.value > 0 and r.baseline_value > 0
         assert r.ratio == round(r.value / r.baseline_value, 4)
 

@@ -8,6 +8,12 @@ Baseline: ``copy_`` of the same number of bytes between two contiguous tensors (
 in the same run, interleaved run by run. All buffers are preallocated; the plan is made
 once, outside the timing. With CUDA present the same cases run on the device too, named
 with a ``-cuda`` suffix.
+
+Case ``match-1000-cross-tp``: ``Bank.match`` latency (ms) of a TP 2 rank for a
+1,000-page prompt whose rows exist only under TP 4 (so the match looks them up under TP 4
+too: two source rows a page), against the direct match of a TP 4 rank whose own rows are
+there, same bank, same run. A 2-layer layout keeps the stored rows small; match cost does
+not depend on page size.
 """
 
 from __future__ import annotations
@@ -16,9 +22,11 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from kvbank.bank import Bank
 from kvbank.bench.common import BenchRow, paired_rates, row
+from kvbank.config import BankConfig
 from kvbank.kernels.reshard import reshard_pages
-from kvbank.layout import full_attention
+from kvbank.layout import PageLayout, full_attention
 from kvbank.reshard import plan_reshard
 
 SUITE = "reshard"
@@ -66,3 +74,31 @@ def run(quick: bool = False) -> Iterator[BenchRow]:
             suffix = "" if device == "cpu" else f"-{device}"
             yield row(SUITE, f"reshard-{n}to{m}{suffix}", "GB/s", value,
                       f"memcpy of the same bytes ({device})", base)
+    yield _match_cross_tp(repeat)
+
+
+def _match_cross_tp(repeat: int) -> BenchRow:
+    pages = 1000
+    tokens = [(i * 7919) % 128_000 for i in range(pages * 16 + 1)]
+
+    def layout(n: int, r: int) -> PageLayout:
+        return full_attention("bench/match-cross-tp@1", 2, 8, 32, shard_count=n, shard_index=r)
+
+    with Bank(BankConfig(host_bytes=64 << 20, device_bytes=0)) as bank:
+        lid4 = b""
+        for r in (0, 1):  # the two TP 4 ranks a TP 2 rank 0 needs
+            lid4 = bank.register(layout(4, r))
+            body = torch.zeros((pages, layout(4, r).group_page_bytes[0]), dtype=torch.uint8)
+            bank.put(lid4, tokens, group=0, pages=body, shard=r)
+        lid2 = bank.register(layout(2, 0))
+        assert bank.match(lid2, tokens).resume.tokens == pages * 16  # found under TP 4
+
+        def cross() -> None:
+            bank.match(lid2, tokens, shard=0)
+
+        def direct() -> None:
+            bank.match(lid4, tokens, shard=0)
+
+        per_s, base_per_s = paired_rates(1.0, cross, direct, repeat=repeat)
+    return row(SUITE, "match-1000-cross-tp", "ms", 1e3 / per_s,
+               "direct match of the same chain (TP 4 rank, own rows)", 1e3 / base_per_s)

@@ -181,3 +181,17 @@ def test_cross_locate_answers_the_slowest_source_tier_and_only_when_all_are_ther
     own = row_names(namespace(dst.layout_id, DEFAULT_SCOPE), keys, 0, 2, 0)
     locate = CrossLocate(lambda names: [table.get(n) for n in names], dst, 0, DEFAULT_SCOPE, (src,))
     assert locate(own) == [TierKind.HOST, TierKind.DISK, None]
+
+
+def test_own_and_resharded_rows_mix_in_one_fetch(bank: Bank) -> None:
+    tokens, tp1, _ = _store_tp4(bank, 3)
+    want = _cut(_gqa(1), 0, tp1, 2)[1]
+    lid = bank.register(_gqa(2, 1))
+    bank.put(lid, tokens[:P], group=0, pages=want[:1], shard=1)  # page 0 is its own already
+    m = bank.match(lid, [*tokens, 1], shard=1)
+    assert m.via == ((0, 4, 4),) and m.resume.tokens == 3 * P
+    out = torch.zeros((3, _gqa(2).group_page_bytes[0]), dtype=torch.uint8)
+    got = bank.fetch(m, out={0: out}, max_rows=2)
+    assert got.delivered == ((0, 1),) and not got.complete
+    got = bank.fetch(m, out={0: out}, fetch_id=got.fetch_id)  # resumes at the third row
+    assert got.complete and torch.equal(out, want)

@@ -34,6 +34,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
+from kvbank.errors import InvalidInput, PageSizeMismatch
 from kvbank.kernels.reshard import reshard_pages
 from kvbank.keys import Scope, group_of, namespace, page_key_of, row_names, shard_of
 from kvbank.layout import PageLayout
@@ -57,7 +58,7 @@ class ShardCounts:
         with self._lock:
             counts = self._by_logical.setdefault(layout.logical_id, {})
             if layout.shard_count not in counts:
-                counts[layout.shard_count] = layout.with_shard(0)
+                counts[layout.shard_count] = layout if layout.shard_index == 0 else layout.with_shard(0)
 
     def others(self, layout: PageLayout) -> tuple[PageLayout, ...]:
         """The registered layouts ``layout``'s rows can be resharded from, fewest source
@@ -176,8 +177,17 @@ class ReshardReader:
         pages: dict[int, torch.Tensor] = {}
         for s, source in sources.items():
             buf = bytearray(gp.src_page_bytes)
-            if self._get(source, memoryview(buf)) != gp.src_page_bytes:
-                return None  # a source gone or cut short: this row is a miss, nothing built
+            what = f"source row {source.hex()[:16]}… (shard {s} of {plan.src.shard_count})"
+            try:
+                got = self._get(source, memoryview(buf))
+            except InvalidInput as exc:  # the stored row is larger than its layout's page
+                raise PageSizeMismatch(f"{what}: {exc}; its layout's page is "
+                                       f"{gp.src_page_bytes} bytes") from exc
+            if got is None:
+                return None  # a source gone since the match: this row is a miss, nothing built
+            if got != gp.src_page_bytes:
+                raise PageSizeMismatch(f"{what}: {got} bytes, its layout's page is "
+                                       f"{gp.src_page_bytes}")
             pages[s] = torch.frombuffer(buf, dtype=torch.uint8).view(1, -1)
         dst = torch.from_numpy(np.frombuffer(out, dtype=np.uint8, count=gp.dst_page_bytes))
         reshard_pages(plan, g, pages, dst.view(1, -1))

@@ -195,3 +195,20 @@ def test_own_and_resharded_rows_mix_in_one_fetch(bank: Bank) -> None:
     assert got.delivered == ((0, 1),) and not got.complete
     got = bank.fetch(m, out={0: out}, fetch_id=got.fetch_id)  # resumes at the third row
     assert got.complete and torch.equal(out, want)
+
+
+@pytest.mark.parametrize("size", [100, 9000])
+def test_a_source_row_of_the_wrong_size_is_refused_naming_it(bank: Bank, size: int) -> None:
+    from kvbank.errors import PageSizeMismatch
+
+    tokens, _, lid4 = _store_tp4(bank, 2)
+    lid = bank.register(_gqa(2, 0))
+    m = bank.match(lid, [*tokens, 1], shard=0)
+    bad = bank.row_names(lid4, tokens, group=0, shard=1)[1]
+    bank._store.delete(bad)
+    bank._store.put(bad, memoryview(bytes(size)))  # bytes no TP 4 page has
+    out = torch.full((2, _gqa(2).group_page_bytes[0]), 0xEE, dtype=torch.uint8)
+    with pytest.raises(PageSizeMismatch, match=f"source row {bad.hex()[:16]}"):
+        bank.fetch(m, out={0: out})
+    assert bool((out[1] == 0xEE).all())
+    assert bank.locate([m.names[0][1]]) == [None]

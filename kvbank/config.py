@@ -20,15 +20,15 @@ write_policy                KVBANK_WRITE_POLICY        write-back (demote on evi
                                                        write-through (every put also to disk)
 disk_sync                   KVBANK_DISK_SYNC           fsync every disk commit (true) or
                                                        leave it to the OS (false)
+reshard_store               KVBANK_RESHARD_STORE       store a row a fetch built from another
+                                                       shard count's rows under the caller's
+                                                       own shard (true), or not (false)
 lease_ttl_s                 KVBANK_LEASE_TTL_S         default lease time to live
 max_lease_ttl_s             KVBANK_MAX_LEASE_TTL_S     the longest TTL a lease may ask for
 fetch_ttl_s                 KVBANK_FETCH_TTL_S         how long a fetch-ledger entry lives
 reaper_interval_s           KVBANK_REAPER_INTERVAL_S   how often expired leases are reaped
 movement_queue_bytes        KVBANK_MOVEMENT_QUEUE_BYTES  bytes waiting for the background
                                                        mover before puts feel backpressure
-reshard_store               KVBANK_RESHARD_STORE       store a row a fetch built from another
-                                                       shard count's rows under the caller's
-                                                       own shard (true), or not (false)
 ==========================  =========================  =====================================
 
 Byte sizes accept a plain integer or a suffix: ``512M``, ``4G``, ``1.5GiB`` (powers of 1024).
@@ -109,12 +109,12 @@ class BankConfig:
     low_watermark: float = DEFAULT_LOW_WATERMARK
     write_policy: WritePolicy = WritePolicy.WRITE_BACK
     disk_sync: bool = True
+    reshard_store: bool = True  # keep rows a fetch resharded under the caller's shard
     lease_ttl_s: float = DEFAULT_LEASE_TTL_S
     max_lease_ttl_s: float = DEFAULT_MAX_LEASE_TTL_S
     fetch_ttl_s: float = DEFAULT_FETCH_TTL_S
     reaper_interval_s: float = DEFAULT_REAPER_INTERVAL_S
     movement_queue_bytes: int = DEFAULT_MOVEMENT_QUEUE_BYTES
-    reshard_store: bool = True
 
     def __post_init__(self) -> None:
         if self.data_dir is not None and not isinstance(self.data_dir, Path):
@@ -142,14 +142,14 @@ class BankConfig:
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
                 raise ConfigError(f"{name}: must be a positive number of seconds, got {v!r}")
+        if not isinstance(self.reshard_store, bool):
+            raise ConfigError(f"reshard_store: must be a bool, got {self.reshard_store!r}")
         if self.lease_ttl_s > self.max_lease_ttl_s:
             raise ConfigError(
                 f"lease_ttl_s: {self.lease_ttl_s} exceeds max_lease_ttl_s {self.max_lease_ttl_s}"
             )
         if not isinstance(self.disk_sync, bool):
             raise ConfigError(f"disk_sync: must be a bool, got {self.disk_sync!r}")
-        if not isinstance(self.reshard_store, bool):
-            raise ConfigError(f"reshard_store: must be a bool, got {self.reshard_store!r}")
 
     def replace(self, **changes: Any) -> BankConfig:
         return dataclasses.replace(self, **changes)
@@ -176,12 +176,14 @@ def _from_text(name: str, raw: str) -> Any:
         return Path(raw)
     if name in ("host_bytes", "disk_bytes", "device_bytes", "movement_queue_bytes"):
         return parse_bytes(raw, ENV_PREFIX + name.upper())
-    if name in ("disk_sync", "reshard_store"):
+    if name == "disk_sync":
         return _parse_bool(raw, ENV_PREFIX + name.upper())
     if name == "device":
         return raw
     if name == "write_policy":
         return raw
+    if name == "reshard_store":
+        return _parse_bool(raw, ENV_PREFIX + name.upper())
     try:
         return float(raw)
     except ValueError:

@@ -12,6 +12,6 @@ SUITES: dict[str, str] = {
     "codec": "kvbank.bench.codec",
     "keys": "kvbank.bench.keys",
     "lender": "kvbank.bench.lender",
-    "reshard": "kvbank.bench.reshard",
     "tiers": "kvbank.bench.tiers",
+    "reshard": "kvbank.bench.reshard",
 }

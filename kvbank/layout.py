@@ -18,9 +18,7 @@ Primitives:
 - :class:`LayerGroup` — layers that share a page table: ``ATTENTION`` (optional sliding
   ``window`` and ``sink_tokens``) or ``STATE`` (one snapshot per page boundary).
 - :class:`PageLayout` — model fingerprint, tokens per page, groups, buffers, quant mode,
-  shard count and index. Derived: each group's page size, each buffer's region and the
-  ``logical_id``: the layout id of :meth:`PageLayout.unsharded` (the TP 1 form), equal for
-  every shard count of one model layout (see :mod:`kvbank.reshard`).
+  shard count and index. Derived: each group's page size and each buffer's region.
 
 Lifecycle: a worker builds a layout (by hand or with a builder such as
 :func:`full_attention`), registers it, and from then on every page it stores or fetches is
@@ -35,6 +33,10 @@ Layout id: SHA-256 over the canonical encoding — JSON with sorted keys, no whi
 enums by name, fields equal to their default left out, ``shard_index`` left out, and
 :data:`LAYOUT_ID_VERSION` inside. Adding a defaulted field therefore keeps old ids; any
 change of the byte layout rules bumps the version so old and new builds share no pages.
+
+Logical id: ``PageLayout.logical_id`` is the layout id of :meth:`PageLayout.unsharded`
+(the TP 1 form), equal for every shard count of one model layout, so rows stored under
+any of them can be found (see :mod:`kvbank.reshard`).
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ import json
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, TypeVar
 
 from kvbank.dtypes import DTYPE_ITEMSIZE as DTYPE_ITEMSIZE  # re-exported
 from kvbank.dtypes import check_dtype
@@ -531,7 +533,8 @@ def _shard_heads(heads: int, shard_count: int, what: str) -> int:
     )
 
 
-class _Heads(NamedTuple):
+@dataclass(frozen=True, slots=True)
+class _Heads:
     local: int  # heads one rank holds
     total: int  # heads over all ranks
 
@@ -566,7 +569,7 @@ def _kv_buffers(
 ) -> list[BufferSpec]:
     """K and V per layer, plus the scale buffers the quant mode needs."""
     out: list[BufferSpec] = []
-    heads, total = kv_heads
+    heads, total = kv_heads.local, kv_heads.total
     for layer in layers:
         if quant is QuantMode.NONE:
             kv = ((dtype, (heads, head_dim)),)

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from kvbank.errors import (
     InvalidInput,
@@ -361,8 +362,16 @@ def test_store_stage_host_brings_a_disk_row_into_shared_memory(make_store: MakeS
 # -- device tier (on the CPU device) ------------------------------------------------------
 
 
-def test_store_device_tier_on_cpu_places_demotes_and_stages(make_store: MakeStore) -> None:
-    s = make_store(device="cpu", device_bytes=32 * 1024, host_bytes=64 * 1024,
+_CUDA = pytest.param("cuda", marks=[
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")])
+
+
+@pytest.mark.parametrize("device", ["cpu", _CUDA])
+def test_store_device_tier_places_demotes_and_stages(make_store: MakeStore, device: str) -> None:
+    """Device rows demote to host (copied by the mover outside the store lock), stage
+    both ways, reserve/commit/abort in place; on the CPU device and, with one, on CUDA."""
+    s = make_store(device=device, device_bytes=32 * 1024, host_bytes=64 * 1024,
                    disk_bytes=1 << 20)
     for i in range(30):
         s.put(name_of(i), page_of(i, P))
@@ -376,12 +385,11 @@ def test_store_device_tier_on_cpu_places_demotes_and_stages(make_store: MakeStor
         assert read(s, i) == page_of(i, P), i
     s.locks.lock([name_of(0)], "d")
     dslot = s.device.stage(name_of(0))
-    assert dslot is not None and dslot.device == "cpu"
-    assert bytes(s.device.view(dslot).numpy()) == page_of(0, P)
+    assert dslot is not None and dslot.device.startswith(device)
+    assert bytes(s.device.view(dslot).cpu().numpy()) == page_of(0, P)
     s.locks.unlock_all("d")
     w = s.device.reserve(P, "dw")
-    s.device.view(w).copy_(__import__("torch").frombuffer(bytearray(page_of(77, P)),
-                                                          dtype=__import__("torch").uint8))
+    s.device.view(w).copy_(torch.frombuffer(bytearray(page_of(77, P)), dtype=torch.uint8))
     s.device.commit(name_of(77), w)
     assert read(s, 77) == page_of(77, P)
     w2 = s.device.reserve(P, "dw")

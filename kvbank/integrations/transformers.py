@@ -380,6 +380,7 @@ def store(
     for i in recording:  # keep each sliding layer's whole past until it is paged
         cache.layers[i].activate_past_recording()
     cuts = _boundaries(hl, t, snapshot_every)
+    sg = hl.state_group if hl.state_group is not None else -1  # cuts is empty without one
     snapshots: list[tuple[int, torch.Tensor]] = []
     start = 0
     logits = None
@@ -388,7 +389,7 @@ def store(
             out = model(input_ids=ids[None, start:end], cache=cache, use_cache=True)
             logits = out.logits[:, -1]
             if end in cuts:
-                snapshots.append((end, state_page(layout, hl.layers, cache, hl.state_group)))
+                snapshots.append((end, state_page(layout, hl.layers, cache, sg)))
             start = end
     assert logits is not None  # t > 0, so the loop ran
     lid = bank.register(layout)

@@ -124,7 +124,7 @@ def test_wrong_size_pages_are_refused_before_any_tensor_is_written(bank: Bank) -
     assert state is not None
     short = dict(fetched.pages)
     short[state] = fetched.pages[state][:, :-64]  # the attention group's pages are fine
-    cache = kt._fresh_cache(model)
+    cache = kt.fresh_cache(model)
     with pytest.raises(PageSizeMismatch, match=f"pages\\[{state}\\]"):
         restore(hl.layout, hl.layers, cache, short, fetched.match.resume.pages,
                 fetched.result.resume.pages if fetched.result else (), 40, model.device)

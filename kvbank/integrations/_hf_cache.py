@@ -216,7 +216,7 @@ def restore(
     check_pages(layout, pages, plan)
     check_cache(layers, cache)
     p = layout.tokens_per_page
-    rows: dict[int, torch.Tensor] = {}
+    views: dict[int, dict[tuple[int, Role], torch.Tensor]] = {}
     for g, want in enumerate(needed):
         if not want:
             continue
@@ -224,27 +224,37 @@ def restore(
         missing = [j for j in want if j not in slot]
         if missing:
             raise InvalidInput(f"pages[{g}]: key indices {missing} were not fetched")
-        rows[g] = pages[g][[slot[j] for j in want]]
-    views = {g: layout.views(t, g) for g, t in rows.items()}
+        slots = [slot[j] for j in want]
+        # Usually every fetched row is used, in order: a view, not a gathered copy.
+        run = slots == list(range(slots[0], slots[0] + len(slots)))
+        rows = pages[g][slots[0] : slots[0] + len(slots)] if run else pages[g][slots]
+        views[g] = layout.views(rows, g)
     for m in layers:
         layer = cache.layers[m.index]
         if m.kind.attention and m.attention_group is not None:
             g = m.attention_group
-            first = needed[g][0] * p  # the token the fetched pages start at
-            kv = []
-            for role in (Role.KEY, Role.VALUE):
-                v = views[g][(m.index, role)]  # [n, p, heads, dim]
-                t = v.permute(2, 0, 1, 3).reshape(1, v.shape[2], -1, v.shape[3])
-                t = t[:, :, : r - first]
-                if m.sliding_window is not None:
-                    t = t[:, :, -(m.sliding_window - 1) :] if m.sliding_window > 1 else t[:, :, :0]
-                assert m.kv_dtype is not None  # every attention layer records its dtype
-                kv.append(t.to(device=device, dtype=_torch_dtype(m.kv_dtype)).contiguous())
-            layer.update(kv[0], kv[1])
+            keep = r - needed[g][0] * p  # tokens the fetched pages hold, up to r
+            if m.sliding_window is not None:  # transformers keeps the last S - 1 of them
+                keep = min(keep, m.sliding_window - 1)
+            assert m.kv_dtype is not None  # every attention layer records its dtype
+            kv = [_cache_tensor(views[g][(m.index, role)], keep, m.kv_dtype, device)
+                  for role in (Role.KEY, Role.VALUE)]
+            # Assigned, not update()d: update would concatenate, a second full copy.
+            layer.lazy_initialization(kv[0], kv[1])
+            layer.keys, layer.values = kv
             if m.sliding_window is not None:
-                layer.cumulative_length = r  # update counted only the tokens it was given
+                layer.cumulative_length = r
         if m.kind.state and m.state_group is not None:
             _restore_state(layer, views[m.state_group], m, device)
+
+
+def _cache_tensor(v: torch.Tensor, keep: int, dtype: str, device: torch.device) -> torch.Tensor:
+    """Page views ``[n, p, heads, dim]`` as the cache's ``[1, heads, keep, dim]`` (the last
+    ``keep`` tokens), with one strided copy (pages interleave layers, so no view fits)."""
+    n, p, heads, dim = v.shape
+    out = torch.empty((1, heads, n * p, dim), dtype=_torch_dtype(dtype), device=device)
+    out[0].view(heads, n, p, dim).copy_(v.permute(2, 0, 1, 3))
+    return out[:, :, n * p - keep :] if keep < n * p else out
 
 
 def _restore_state(

@@ -44,6 +44,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 
 from kvbank.bank import FetchResult, Match
@@ -159,17 +160,20 @@ class Loaded:
 
 
 def _ids(tokens: Tokens, device: torch.device) -> torch.Tensor:
+    """``tokens`` as a 1-D long tensor on ``device`` (numpy does the checking in bulk)."""
     if isinstance(tokens, torch.Tensor):
         t = tokens[0] if tokens.dim() == 2 and tokens.shape[0] == 1 else tokens
-        if t.dim() != 1 or t.dtype.is_floating_point or t.dtype == torch.bool:
-            raise InvalidInput(f"tokens: expected 1-D or [1, T] integer ids, got "
-                               f"{t.dtype} {tuple(tokens.shape)}")
-        return t.to(device=device, dtype=torch.long)
-    if isinstance(tokens, (str, bytes)) or not isinstance(tokens, Sequence):
+    elif isinstance(tokens, (str, bytes)) or not isinstance(tokens, Sequence):
         raise InvalidInput(f"tokens: expected a sequence of token ids, got {type(tokens).__name__}")
-    if not all(isinstance(x, int) and not isinstance(x, bool) for x in tokens):
-        raise InvalidInput("tokens: every token id must be an int")
-    return torch.tensor(list(tokens), dtype=torch.long, device=device)
+    else:
+        arr = np.asarray(tokens) if len(tokens) else np.zeros(0, dtype=np.int64)
+        if arr.dtype.kind not in "iu":
+            raise InvalidInput(f"tokens: expected integer token ids, got {arr.dtype} values")
+        t = torch.from_numpy(arr.astype(np.int64, copy=False))
+    if t.dim() != 1 or t.dtype.is_floating_point or t.dtype in (torch.bool, torch.complex64):
+        raise InvalidInput(f"tokens: expected 1-D or [1, T] integer ids, got {t.dtype} "
+                           f"{tuple(t.shape)}")
+    return t.to(device=device, dtype=torch.long)
 
 
 def _boundaries(hl: ModelLayout, t: int, snapshot_every: int) -> list[int]:
@@ -205,7 +209,7 @@ def store(
     layout = hl.layout
     p = layout.tokens_per_page
     keyed = t // p
-    keys = page_keys(ids.tolist(), p, scope)  # the chain is hashed once for every group
+    keys = page_keys(ids.cpu().numpy(), p, scope)  # hashed once for every group
     cache = fresh_cache(model)
     check_cache(hl.layers, cache)
     recording = [m.index for m in hl.layers if m.kind.sliding]
@@ -261,7 +265,7 @@ def fetch_pages(
         raise InvalidInput(f"hl: expected a ModelLayout, got {type(hl).__name__}")
     ids = _ids(tokens, torch.device("cpu"))
     lid = bank.register(hl.layout)
-    m = bank.match(lid, ids.tolist(), scope=scope, shard=shard)
+    m = bank.match(lid, ids.numpy(), scope=scope, shard=shard)
     plan = m.resume.pages
     out = {g: torch.zeros((len(want), hl.layout.group_bytes(g)), dtype=torch.uint8)
            for g, want in enumerate(plan) if want}

@@ -193,3 +193,19 @@ def test_store_hands_back_a_cache_that_goes_on_generating(bank: Bank) -> None:
     plain = _logits(model, torch.tensor([[*a, int(nxt)]]), None)
     assert torch.allclose(_logits(model, nxt, stored.cache), plain, atol=1e-5)
     assert stored.cache.layers[0].keys.shape[-2] == 23  # back to keeping S - 1 tokens
+
+
+def test_shared_prompt_scenario_resumes_the_system_prompt(bank: Bank) -> None:
+    from kvbank.integrations.scenario import shared_prompt_scenario, tiny_llama
+
+    result = shared_prompt_scenario(bank, tiny_llama(max_tokens=512), system_tokens=256,
+                                    question_tokens=24, new_tokens=4)
+    assert result.prompt_tokens == 280 and result.shared_tokens == 256
+    assert result.tokens_resumed == 256
+    assert result.hit_rate == pytest.approx(256 / 280)
+    assert result.bytes_fetched == 16 * (4 * 2 * 2 * 32 * 16 * 4)  # 16 pages of 32 KiB
+    assert result.same_tokens
+    assert result.ttft_with_s > 0 and result.ttft_without_s > 0
+    text = result.summary()
+    for words in ("hit rate", "tokens resumed", "bytes fetched", "first token", "same answer"):
+        assert words in text

@@ -59,7 +59,7 @@ from kvbank.integrations._hf_cache import (
     state_page,
 )
 from kvbank.integrations._hf_layout import ModelLayout, fresh_cache, layout_for, model_fingerprint
-from kvbank.keys import DEFAULT_SCOPE, Scope, page_keys
+from kvbank.keys import DEFAULT_SCOPE, RowName, Scope, page_keys
 from kvbank.layout import GroupKind, PageLayout
 
 __all__ = [
@@ -84,9 +84,11 @@ __all__ = [
 HfModel = Any  # a transformers PreTrainedModel (transformers is untyped)
 Tokens = Sequence[int] | torch.Tensor  # 1-D, or [1, T]
 
-# Recurrent snapshots every 16 pages (256 tokens at 16 a page): chunking a prefill costs
-# ~2.2x at 256-token chunks here and ~10x at 16, so every page would be too dear.
+# Recurrent snapshots every 16 pages (256 tokens at 16 a page). A 1,000-token prefill cut
+# into 256-token chunks was measured 2.2x slower than one forward, into 16-token chunks
+# 10x: a snapshot at every page would cost more than it saves.
 DEFAULT_SNAPSHOT_PAGES = 16
+
 
 class BankLike(Protocol):
     """What the adapter needs of a bank: :class:`~kvbank.Bank` and its service client."""
@@ -170,7 +172,7 @@ def _ids(tokens: Tokens, device: torch.device) -> torch.Tensor:
         if arr.dtype.kind not in "iu":
             raise InvalidInput(f"tokens: expected integer token ids, got {arr.dtype} values")
         t = torch.from_numpy(arr.astype(np.int64, copy=False))
-    if t.dim() != 1 or t.dtype.is_floating_point or t.dtype in (torch.bool, torch.complex64):
+    if t.dim() != 1 or t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
         raise InvalidInput(f"tokens: expected 1-D or [1, T] integer ids, got {t.dtype} "
                            f"{tuple(t.shape)}")
     return t.to(device=device, dtype=torch.long)
@@ -220,7 +222,9 @@ def store(
     snapshots: list[tuple[int, torch.Tensor]] = []
     start = 0
     logits = None
-    with torch.inference_mode():
+    # no_grad, not inference_mode: the cache handed back is updated in place by later
+    # forwards (recurrent layers copy_ into their state), which inference tensors refuse.
+    with torch.no_grad():
         for end in [*(c for c in cuts if c < t), t]:
             out = model(input_ids=ids[None, start:end], cache=cache, use_cache=True)
             logits = out.logits[:, -1]
@@ -276,18 +280,23 @@ def fetch_pages(
 
 def build_cache(hl: ModelLayout, model: HfModel, tokens: Tokens, fetched: Fetched) -> Loaded:
     """A fresh ``DynamicCache`` holding tokens ``[0, r)`` from ``fetched`` (checked first)."""
+    if not isinstance(hl, ModelLayout):
+        raise InvalidInput(f"hl: expected a ModelLayout, got {type(hl).__name__}")
     if not isinstance(fetched, Fetched):
         raise InvalidInput(f"fetched: expected a Fetched, got {type(fetched).__name__}")
-    if fetched.match.layout_id != hl.layout_id:
+    m = fetched.match
+    if m.layout_id != hl.layout_id:
         raise InvalidInput(
-            f"fetched: pages of layout {fetched.match.layout_id.hex()[:16]}…, this model's "
+            f"fetched: pages of layout {m.layout_id.hex()[:16]}…, this model's "
             f"layout is {hl.layout_id.hex()[:16]}…"
         )
     ids = _ids(tokens, model.device)
-    if int(ids.numel()) != fetched.match.prompt_tokens:
-        raise InvalidInput(
-            f"tokens: {ids.numel()} tokens, the match was for {fetched.match.prompt_tokens}"
-        )
+    # The pages belong to the matched prompt: the same length and the same key chain.
+    keyed = next((g for g in m.names if g), ())
+    if int(ids.numel()) != m.prompt_tokens or [RowName.parse(n).page_key for n in keyed] != (
+        page_keys(ids.cpu().numpy(), hl.layout.tokens_per_page, m.scope)[: len(keyed)]
+    ):
+        raise InvalidInput(f"tokens: not the {m.prompt_tokens}-token prompt the pages were matched for")
     cache = fresh_cache(model)
     r = fetched.tokens
     if r and fetched.result is not None:

@@ -111,6 +111,9 @@ def test_build_cache_refuses_another_layouts_pages(bank: Bank) -> None:
         kt.build_cache(hl_m, mistral, b, fetched)
     with pytest.raises(InvalidInput, match="tokens"):
         kt.build_cache(hl_l, llama, b[:-1], fetched)
+    other = [*b[:8], (b[8] + 1) % M.VOCAB, *b[9:]]  # same length, another prompt
+    with pytest.raises(InvalidInput, match="tokens"):
+        kt.build_cache(hl_l, llama, other, fetched)
 
 
 def test_wrong_size_pages_are_refused_before_any_tensor_is_written(bank: Bank) -> None:
@@ -209,3 +212,15 @@ def test_shared_prompt_scenario_resumes_the_system_prompt(bank: Bank) -> None:
     text = result.summary()
     for words in ("hit rate", "tokens resumed", "bytes fetched", "first token", "same answer"):
         assert words in text
+
+
+def test_stored_recurrent_cache_decodes_outside_inference_mode(bank: Bank) -> None:
+    """A recurrent layer updates its state in place (copy_); the storing prefill must not
+    leave inference tensors behind, or the next forward under no_grad refuses them."""
+    model = M.build("mamba2", "float32")
+    a, _ = M.prompts()
+    stored = kt.store(bank, kt.layout_for(model, tokens_per_page=8), model, a)
+    nxt = torch.tensor([[int(stored.logits.argmax())]])
+    with torch.no_grad():
+        step = model(input_ids=nxt, cache=stored.cache, use_cache=True).logits[0, -1]
+    assert torch.allclose(step, _logits(model, torch.tensor([[*a, int(nxt)]]), None), atol=1e-4)

@@ -98,6 +98,24 @@ def test_unmappable_layers_are_refused_naming_layer_and_type() -> None:
     assert classify(cu.DummyLayer(), 2, "moe") is kt.LayerKind.NONE
 
 
+def test_layout_for_refuses_a_model_with_unmappable_layers() -> None:
+    """A sparse-attention model (GLM MoE DSA) keeps indexer keys kvbank would drop: the
+    layout is refused naming the layer and its type, never built without them."""
+    import transformers
+
+    config = transformers.GlmMoeDsaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=64, moe_intermediate_size=32,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4,
+        num_experts_per_tok=2, n_shared_experts=1, q_lora_rank=32, kv_lora_rank=32,
+        qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, index_n_heads=2,
+        index_head_dim=16, index_topk=4, first_k_dense_replace=1, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = transformers.GlmMoeDsaForCausalLM(config).eval()
+    with pytest.raises(kt.UnmappableLayer,
+                       match=r"layer 0: .*'indexed_attention'.*DynamicIndexedLayer"):
+        kt.layout_for(model)
+
+
 # ---- bad input -------------------------------------------------------------------------------
 
 

@@ -150,7 +150,15 @@ def attention_pages(
                     f"cache: layer {m.index} {role.name} holds {shape}, not the "
                     f"[1, heads, >= {n * p}, dim] a store needs (was its past recorded?)"
                 )
-            views[(m.index, role)].copy_(_token_major(t, 0, n, p))
+            dst = views[(m.index, role)]
+            got = (str(t.dtype).removeprefix("torch."), t.shape[1], t.shape[3])
+            want = (m.kv_dtype, dst.shape[2], dst.shape[3])
+            if got != want:  # another model's layout: its pages would be named wrongly
+                raise InvalidInput(
+                    f"cache: layer {m.index} {role.name} is (dtype, heads, dim) {got}, the "
+                    f"layout was made for {want}"
+                )
+            dst.copy_(_token_major(t, 0, n, p))
     return pages
 
 
@@ -175,7 +183,13 @@ def state_page(
             dst[..., k - tail.shape[-1] :].copy_(tail)
         ssm = layer.recurrent_states[0]
         if ssm is not None and (m.index, Role.SSM_STATE) in views:
-            views[(m.index, Role.SSM_STATE)].copy_(ssm[0])
+            dst = views[(m.index, Role.SSM_STATE)]
+            if ssm.dtype != dst.dtype or tuple(ssm.shape[1:]) != tuple(dst.shape):
+                raise InvalidInput(
+                    f"cache: layer {m.index} SSM_STATE is {ssm.dtype} {tuple(ssm.shape[1:])}, "
+                    f"the layout was made for {dst.dtype} {tuple(dst.shape)}"
+                )
+            dst.copy_(ssm[0])
     return page
 
 

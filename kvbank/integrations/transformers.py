@@ -271,7 +271,8 @@ def fetch_pages(
     lid = bank.register(hl.layout)
     m = bank.match(lid, ids.numpy(), scope=scope, shard=shard)
     plan = m.resume.pages
-    out = {g: torch.zeros((len(want), hl.layout.group_bytes(g)), dtype=torch.uint8)
+    # empty, not zeros: only rows that arrived whole are ever read, and fetch writes them.
+    out = {g: torch.empty((len(want), hl.layout.group_bytes(g)), dtype=torch.uint8)
            for g, want in enumerate(plan) if want}
     if m.resume.tokens == 0 or not out:
         return Fetched(m, None, out)

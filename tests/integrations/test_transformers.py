@@ -160,6 +160,16 @@ def test_wrong_size_pages_are_refused_before_any_tensor_is_written(bank: Bank) -
         kt.store(bank, hl, model, a, snapshot_every=0)
 
 
+def test_store_refuses_a_layout_made_for_another_dtype(bank: Bank) -> None:
+    """A float32 model's layout used with its bfloat16 twin would name bfloat16 K/V as
+    float32 pages: refused before anything is put."""
+    hl = kt.layout_for(M.build("llama", "float32"), tokens_per_page=8)
+    a, _ = M.prompts()
+    with pytest.raises(InvalidInput, match="layout was made for"):
+        kt.store(bank, hl, M.build("llama", "bfloat16"), a)
+    assert bank.match(hl.layout_id, a).resume.tokens == 0
+
+
 # ---- partial fetch, miss, the storing worker's cache ----------------------------------------
 
 

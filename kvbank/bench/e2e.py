@@ -88,10 +88,14 @@ def _first_token(model: Any, ids: torch.Tensor, cache: Any) -> int:
 
 
 def run(quick: bool = False) -> Iterator[BenchRow]:
+    try:
+        import transformers  # noqa: F401  (only to say what is missing)
+    except ImportError as exc:
+        raise ImportError("bench e2e needs transformers: pip install 'kvbank[transformers]'") from exc
     from kvbank.integrations import transformers as kt
     from kvbank.integrations.scenario import tiny_llama
 
-    repeat = 3 if quick else 5
+    repeat = 3 if quick else 7
     model = tiny_llama()
     hl = kt.layout_for(model, tokens_per_page=PAGE)
     _, b = _prompts()

@@ -252,3 +252,18 @@ def test_stored_recurrent_cache_decodes_outside_inference_mode(bank: Bank) -> No
     with torch.no_grad():
         step = model(input_ids=nxt, cache=stored.cache, use_cache=True).logits[0, -1]
     assert torch.allclose(step, _logits(model, torch.tensor([[*a, int(nxt)]]), None), atol=1e-4)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_resume_on_a_cuda_model_from_host_pages(bank: Bank) -> None:
+    """Pages live in host memory; the restored cache lands on the model's device."""
+    model = M.build("bamba", "float32").to("cuda")
+    a, b = M.prompts()
+    hl = kt.layout_for(model, tokens_per_page=8)
+    kt.store(bank, hl, model, a, snapshot_every=5)
+    got = kt.load(bank, hl, model, b)
+    assert got.tokens == 40
+    assert got.cache.layers[1].keys.device.type == "cuda"
+    ref = _logits(model, torch.tensor([b], device="cuda"), None)
+    assert torch.allclose(_logits(model, got.rest, got.cache), ref, atol=5e-3)

@@ -42,7 +42,7 @@ def _demo(data_dir: Path, out: TextIO) -> int:
         n = len(prompt) // layout.tokens_per_page
         pages = torch.randint(0, 256, (n, page), dtype=torch.uint8, generator=gen)
         bank.put(lid, prompt.numpy(), group=0, pages=pages)
-        bank.store.flush()
+        bank.flush()
         say(f"stored {n} pages of a {len(prompt)}-token prompt (the last {len(prompt) - n * layout.tokens_per_page} tokens make a "
             "partial page, which is never stored)")
 
@@ -55,7 +55,7 @@ def _demo(data_dir: Path, out: TextIO) -> int:
         buf = torch.empty((r.row_count, page), dtype=torch.uint8)
         got = bank.fetch(m, out={0: buf})
         same = torch.equal(buf[: len(got.delivered[0])], pages[: len(got.delivered[0])])
-        say(f"fetched {got.bytes} bytes into a preallocated buffer; complete={got.complete}, "
+        say(f"fetched {got.nbytes} bytes into a preallocated buffer; complete={got.complete}, "
             f"bytes identical to what was stored: {same}")
 
         # A lease pins its rows in host memory, so it can hold at most what the host tier

@@ -19,7 +19,9 @@ and a broken lease are. Leaves also inherit the builtin a caller would expect, s
     ├── TierError                          a tier's own fault
     │   ├── TierFull                       no room even after eviction (budget, map full, disk full)
     │   ├── TierUnavailable                the tier cannot be reached or is closed
-    │   └── RowLocked                      a locked row cannot be deleted, moved or overwritten
+    │   ├── RowLocked                      a locked row cannot be deleted, moved or overwritten
+    │   ├── Busy                           a blocking call's deadline passed while it waited
+    │   └── PinBudgetExceeded              pinning the rows would pass the pin budget
     ├── LeaseError                         lender faults
     │   ├── LeaseNotFound(KeyError)        no such lease (released, reaped, never lent)
     │   ├── LeaseExpired                   the lease's TTL ran out before the operation finished
@@ -35,9 +37,30 @@ received.
 
 from __future__ import annotations
 
+import re
+
+# "scope.tenant: must be …", "out[0][2]: expected …": messages lead with the field they name.
+_FIELD_PREFIX = re.compile(r"([A-Za-z_][\w.\[\]]*): ")
+
 
 class KvbankError(Exception):
-    """Root of every error kvbank raises on purpose."""
+    """Root of every error kvbank raises on purpose.
+
+    :attr:`field` names the argument or document path at fault (``None`` when no single
+    field is): given as ``field=`` or read from the message's ``"field: …"`` prefix, so a
+    service can return ``{type, field, message}`` and its client raise the same class."""
+
+    def __init__(self, *args: object, field: str | None = None) -> None:
+        super().__init__(*args)
+        self._field = field
+
+    @property
+    def field(self) -> str | None:
+        if self._field is not None:
+            return self._field
+        msg = self.args[0] if self.args and isinstance(self.args[0], str) else ""
+        m = _FIELD_PREFIX.match(msg)
+        return m.group(1) if m else None
 
 
 class ConfigError(KvbankError, ValueError):
@@ -89,6 +112,14 @@ class TierUnavailable(TierError):
 
 class RowLocked(TierError):
     """The row is locked by a lease and cannot be deleted, moved or overwritten."""
+
+
+class Busy(TierError):
+    """A blocking call waited past its deadline (for the mover, room, or a lock)."""
+
+
+class PinBudgetExceeded(TierError):
+    """Pinning these rows would hold more bytes pinned than ``pin_bytes`` allows."""
 
 
 class LeaseError(KvbankError):

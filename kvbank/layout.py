@@ -54,6 +54,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from kvbank.dtypes import DTYPE_ITEMSIZE as DTYPE_ITEMSIZE  # re-exported
+from kvbank.dtypes import check_dtype
 from kvbank.errors import InvalidInput, LayoutError, PageSizeMismatch
 
 if TYPE_CHECKING:
@@ -62,19 +64,7 @@ if TYPE_CHECKING:
 LAYOUT_ID_VERSION = 1
 ALIGN = 64  # bytes; every buffer region starts on a cache line (and a DMA-friendly boundary)
 
-# dtype name (torch spelling) -> bytes per item. FP4 is stored packed, two values a byte.
-DTYPE_ITEMSIZE: Mapping[str, int] = {
-    "float32": 4,
-    "float16": 2,
-    "bfloat16": 2,
-    "float8_e4m3fn": 1,
-    "float8_e5m2": 1,
-    "float8_e8m0fnu": 1,
-    "float4_e2m1fn_x2": 1,
-    "int32": 4,
-    "int8": 1,
-    "uint8": 1,
-}
+# The dtype vocabulary lives in kvbank.dtypes (one table, one validator); re-exported here.
 
 
 class Role(enum.Enum):
@@ -133,8 +123,8 @@ def _parse_enum(cls: type[_E], name: object, what: str) -> _E:
                       f"{list(cls.__members__)}")
 
 
-def dtype_name(dtype: object, what: str = "dtype") -> str:
-    """The kvbank name of ``dtype``: a name from :data:`DTYPE_ITEMSIZE` (torch spelling,
+def dtype_name(dtype: object, what: str = "dtype", context: str = "") -> str:
+    """The kvbank name of ``dtype``: a name from :mod:`kvbank.dtypes` (torch spelling,
     ``"bfloat16"``) or a ``torch.dtype`` (``torch.bfloat16``). Anything else is a
     :class:`LayoutError` naming ``what``. torch is recognised without importing it, so
     layouts stay usable where torch is not installed."""
@@ -142,9 +132,7 @@ def dtype_name(dtype: object, what: str = "dtype") -> str:
         name = str(dtype).removeprefix("torch.")
         if name in DTYPE_ITEMSIZE:
             return name
-    elif isinstance(dtype, str) and dtype in DTYPE_ITEMSIZE:
-        return dtype
-    raise LayoutError(f"{what}: unknown dtype {dtype!r}; known: {sorted(DTYPE_ITEMSIZE)}")
+    return check_dtype(dtype, what, LayoutError, context).name
 
 
 def _positive_int(value: object, what: str) -> int:
@@ -177,8 +165,8 @@ class BufferSpec:
         elif not isinstance(self.role, Role):
             raise LayoutError(f"buffer.role: expected a Role, got {self.role!r}")
         object.__setattr__(
-            self, "dtype", dtype_name(self.dtype, f"buffer.dtype (layer {self.layer}, "
-                                                  f"{self.role.name})")
+            self, "dtype", dtype_name(self.dtype, "buffer.dtype",
+                                      f" (layer {self.layer}, {self.role.name})")
         )
         shape = tuple(self.shape) if isinstance(self.shape, (list, tuple)) else self.shape
         if not isinstance(shape, tuple) or not shape:

@@ -124,6 +124,6 @@ def shared_prompt_scenario(
     recomputed = _generate(model, ids, None, new_tokens)
     return ScenarioResult(
         prompt_tokens=len(b), shared_tokens=system_tokens, tokens_resumed=got.tokens,
-        bytes_fetched=got.fetch.bytes if got.fetch else 0, ttft_with_s=with_kv,
+        bytes_fetched=got.fetch.nbytes if got.fetch else 0, ttft_with_s=with_kv,
         ttft_without_s=without, same_tokens=resumed == recomputed,
     )

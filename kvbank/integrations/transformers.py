@@ -240,10 +240,17 @@ def store(
             pages = attention_pages(layout, hl.layers, cache, g, keyed)
             bank.put(lid, group=g, pages=pages, scope=scope, keys=keys, shard=shard)
             counts[g], nbytes = keyed, nbytes + pages.numel()
-    if hl.state_group is not None:
-        for at, page in snapshots:  # no batch put_state yet: one call a snapshot
-            bank.put_state(lid, group=hl.state_group, state=page, at=at, scope=scope,
-                           keys=keys, shard=shard)
+    if hl.state_group is not None and snapshots:
+        # Bank.put_states takes them all in one call; a bank without it (a client of an
+        # older node) gets one put_state a snapshot.
+        put_states = getattr(bank, "put_states", None)
+        if put_states is not None:
+            put_states(lid, group=sg, states=torch.stack([page for _, page in snapshots]),
+                       at=[at for at, _ in snapshots], scope=scope, keys=keys, shard=shard)
+        else:
+            for at, page in snapshots:
+                bank.put_state(lid, group=sg, state=page, at=at, scope=scope, keys=keys,
+                               shard=shard)
         counts[hl.state_group] = len(snapshots)
         nbytes += sum(page.numel() for _, page in snapshots)
     for i in recording:  # back to transformers' own bookkeeping: the last S - 1 tokens

@@ -267,3 +267,26 @@ def test_resume_on_a_cuda_model_from_host_pages(bank: Bank) -> None:
     assert got.cache.layers[1].keys.device.type == "cuda"
     ref = _logits(model, torch.tensor([b], device="cuda"), None)
     assert torch.allclose(_logits(model, got.rest, got.cache), ref, atol=5e-3)
+
+
+class _ProtocolOnly:
+    """A real bank seen through exactly the BankLike calls (no put_states): how a client
+    of a node without the batch call looks to the adapter."""
+
+    def __init__(self, bank: Bank) -> None:
+        self.register, self.put, self.put_state = bank.register, bank.put, bank.put_state
+        self.match, self.fetch = bank.match, bank.fetch
+
+
+def test_store_without_the_batch_call_puts_one_snapshot_at_a_time(bank: Bank) -> None:
+    model = M.build("mamba2", "float32")
+    a, b = M.prompts()
+    hl = kt.layout_for(model, tokens_per_page=8)
+    plain = _ProtocolOnly(bank)
+    assert not hasattr(plain, "put_states")
+    stored = kt.store(plain, hl, model, a, snapshot_every=5)
+    assert stored.snapshots == (40, 48)
+    got = kt.load(plain, hl, model, b)
+    assert got.tokens == 40
+    assert torch.allclose(_logits(model, got.rest, got.cache),
+                          _logits(model, torch.tensor([b]), None), atol=1e-4)

@@ -81,7 +81,10 @@ def model_fingerprint(model: HfModel, *, revision: str | None = None) -> str:
     if revision is not None:
         if not isinstance(revision, str) or not revision:
             raise InvalidInput(f"revision: must be a non-empty string, got {revision!r}")
-        h.update(f"revision={revision}\0".encode())
+        # "main" names other weights in every repository: the revision counts only with
+        # the model's name.
+        name = getattr(config, "_name_or_path", "") or ""
+        h.update(f"name={name}\0revision={revision}\0".encode())
     tensors = [*model.named_parameters(remove_duplicate=False),
                *model.named_buffers(remove_duplicate=False)]
     for name, t in sorted(tensors, key=lambda item: item[0]):

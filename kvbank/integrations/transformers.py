@@ -19,7 +19,7 @@ Primitives:
 - :func:`model_fingerprint` — the layout's ``model`` field: the config minus keys that
   change with how a model was saved or loaded, the attention implementation, and every
   parameter and buffer with its dtype and bytes (or, with ``revision=``, its name, dtype
-  and shape only: the revision names the weights). Equal across processes and load paths
+  and shape only: the model's name and revision name the weights). Equal across processes and load paths
   that compute the same K/V; a fingerprint that differs makes every match a miss.
 - :func:`layout_for` — a :class:`ModelLayout`: groups from what each ``cache.layers``
   entry is (full attention; sliding attention per ``sliding_window``; recurrent state;

@@ -65,6 +65,10 @@ def test_fingerprint_changes_with_weights_dtype_and_attention() -> None:
     # ... but the revision, names, shapes and dtypes are.
     assert kt.model_fingerprint(base, revision="abc124") != kt.model_fingerprint(
         base, revision="abc123")
+    renamed = M.build("llama", "float32")
+    renamed.config._name_or_path = "someone/else"
+    assert kt.model_fingerprint(renamed, revision="abc123") != kt.model_fingerprint(
+        base, revision="abc123")
     with pytest.raises(InvalidInput, match="revision"):
         kt.model_fingerprint(base, revision="")
 

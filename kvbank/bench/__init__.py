@@ -15,4 +15,5 @@ SUITES: dict[str, str] = {
     "keys": "kvbank.bench.keys",
     "lender": "kvbank.bench.lender",
     "tiers": "kvbank.bench.tiers",
+    "reshard": "kvbank.bench.reshard",
 }

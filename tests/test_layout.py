@@ -513,3 +513,15 @@ def test_layout_views_refuse_bad_pages() -> None:
         lay.views(bytearray(size), 0)  # type: ignore[arg-type]
     with pytest.raises(LayoutError, match="group"):
         lay.views(torch.zeros((1, size), dtype=torch.uint8), 2)
+
+
+@pytest.mark.parametrize("quant", ["FP8", "NVFP4", "MXFP4", "INT8"])
+def test_layout_views_of_quantized_pages_have_the_declared_dtypes(quant: str) -> None:
+    lay = L.full_attention("m", 1, 2, 64, quant=quant)
+    pages = torch.zeros((2, lay.group_bytes(0)), dtype=torch.uint8)
+    views = lay.views(pages, 0)
+    for b in lay.buffers:
+        v = views[(b.layer, b.role)]
+        assert str(v.dtype) == f"torch.{b.dtype}"
+        assert v.shape == (2, lay.tokens_per_page, *b.shape)
+        assert v.untyped_storage().data_ptr() == pages.untyped_storage().data_ptr()

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 SUITES: dict[str, str] = {
     "codec": "kvbank.bench.codec",
+    "e2e": "kvbank.bench.e2e",
+    "kernels": "kvbank.bench.kernels",
     "keys": "kvbank.bench.keys",
     "lender": "kvbank.bench.lender",
     "tiers": "kvbank.bench.tiers",

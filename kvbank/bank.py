@@ -61,7 +61,7 @@ from kvbank.lender.ledger import FetchLedger
 from kvbank.lender.lender import Lender
 from kvbank.lender.resume import ResumeBound, resume_bound
 from kvbank.tiers.base import TierKind
-from kvbank.tiers.store import TieredStore
+from kvbank.tiers.store import StoreStats, TieredStore
 
 logger = logging.getLogger(__name__)
 
@@ -100,17 +100,19 @@ class FetchResult:
     delivered: tuple[tuple[int, ...], ...]  # per group, key indices that arrived whole
     missing: tuple[tuple[int, ...], ...]  # per group, planned key indices that did not
     resume: ResumeBound  # recomputed from the delivered rows alone
-    bytes: int  # bytes delivered by this call
+    nbytes: int  # bytes delivered by this call
     complete: bool  # every planned row arrived (the ledger entry is closed)
 
 
 @dataclass(frozen=True, slots=True)
 class BankStats:
+    """A snapshot of the bank's counters and its store's."""
+
     layouts: int
     live_leases: int
     leases_expired: int
     open_fetches: int
-    store: Any  # the tiered store's own stats object
+    store: StoreStats
 
 
 class Bank:

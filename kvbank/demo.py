@@ -55,7 +55,7 @@ def _demo(data_dir: Path, out: TextIO) -> int:
         buf = torch.empty((r.row_count, page), dtype=torch.uint8)
         got = bank.fetch(m, out={0: buf})
         same = torch.equal(buf[: len(got.delivered[0])], pages[: len(got.delivered[0])])
-        say(f"fetched {got.bytes} bytes into a preallocated buffer; complete={got.complete}, "
+        say(f"fetched {got.nbytes} bytes into a preallocated buffer; complete={got.complete}, "
             f"bytes identical to what was stored: {same}")
 
         # A lease pins its rows in host memory, so it can hold at most what the host tier

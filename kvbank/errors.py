@@ -35,9 +35,30 @@ received.
 
 from __future__ import annotations
 
+import re
+
+# "scope.tenant: must be …", "out[0][2]: expected …": messages lead with the field they name.
+_FIELD_PREFIX = re.compile(r"([A-Za-z_][\w.\[\]]*): ")
+
 
 class KvbankError(Exception):
-    """Root of every error kvbank raises on purpose."""
+    """Root of every error kvbank raises on purpose.
+
+    :attr:`field` names the argument or document path at fault (``None`` when no single
+    field is): given as ``field=`` or read from the message's ``"field: …"`` prefix, so a
+    service can return ``{type, field, message}`` and its client raise the same class."""
+
+    def __init__(self, *args: object, field: str | None = None) -> None:
+        super().__init__(*args)
+        self._field = field
+
+    @property
+    def field(self) -> str | None:
+        if self._field is not None:
+            return self._field
+        msg = self.args[0] if self.args and isinstance(self.args[0], str) else ""
+        m = _FIELD_PREFIX.match(msg)
+        return m.group(1) if m else None
 
 
 class ConfigError(KvbankError, ValueError):

@@ -57,7 +57,7 @@ def test_put_match_fetch_round_trip(bank: Bank) -> None:
     assert m.prompt_tokens == 103 and len(m.names[0]) == 6
     buf = torch.zeros(8, PAGE, dtype=torch.uint8)
     got = bank.fetch(m, out={0: buf})
-    assert got.complete and got.resume.tokens == 96 and got.bytes == 6 * PAGE
+    assert got.complete and got.resume.tokens == 96 and got.nbytes == 6 * PAGE
     assert torch.equal(buf[:6], pages) and not buf[6:].any()
     assert bank.stats().open_fetches == 0
     bank.check_invariants()
@@ -77,13 +77,13 @@ def test_partial_fetch_resumes_from_first_undelivered_row(bank: Bank) -> None:
 
     bank.store.delete(names[4])  # a row vanishes before the resumed call reaches it
     second = bank.fetch(m, out={0: buf}, fetch_id=first.fetch_id)
-    assert second.fetch_id == first.fetch_id and second.bytes == 2 * PAGE
+    assert second.fetch_id == first.fetch_id and second.nbytes == 2 * PAGE
     assert second.missing == ((4,),) and second.resume.tokens == 64  # a miss, never "loaded"
     assert second.resume.reason is Obstacle.MISSING_PAGE
 
     bank.put(lid, tokens, group=0, pages=pages[4:5], first_page=4)
     third = bank.fetch(m, out={0: buf}, fetch_id=first.fetch_id)
-    assert third.complete and third.bytes == PAGE and third.resume.tokens == 96
+    assert third.complete and third.nbytes == PAGE and third.resume.tokens == 96
     assert torch.equal(buf, pages)
     with pytest.raises(InvalidInput, match="fetch_id"):
         other = bank.match(lid, tokens[:40])

@@ -19,13 +19,13 @@ A lease that is neither renewed nor finished expires at its deadline; a reaper d
 page locks and returns its reserved slots. See :mod:`kvbank.lender.lender`.
 
 Every value object here is a frozen dataclass of plain fields, so :meth:`Lease.to_json`
-can hand a lease to another process (which maps the segments by name) without pickle.
+(:mod:`kvbank.wire`) can hand a lease to another process (which maps the segments by
+name) without pickle.
 """
 
 from __future__ import annotations
 
 import enum
-import json
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields
@@ -184,89 +184,31 @@ class Lease:
     def names(self) -> tuple[bytes, ...]:
         return tuple(r.name for r in self.rows)
 
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready fields (bytes as hex, enums by name)."""
-        return {
-            "id": self.id,
-            "kind": self.kind.name,
-            "mode": self.mode.name,
-            "selection": self.selection.name,
-            "expires_at": self.expires_at,
-            "expires_wall": self.expires_wall,
-            "rows": [
-                {
-                    "name": r.name.hex(),
-                    "present": r.present,
-                    "location": _location_to_dict(r.location),
-                    "regions": [[g.layer, g.role, g.offset, g.nbytes] for g in r.regions],
-                    "delivery": r.delivery.name,
-                }
-                for r in self.rows
-            ],
-            "pools": [_location_to_dict(p) for p in self.pools],
-        }
+    def to_dict(self, *, now: float | None = None) -> dict[str, Any]:
+        """The lease's wire form (:func:`kvbank.wire.to_dict`): ``ttl_s`` left at ``now``
+        on the lender's clock (default ``time.monotonic()``), bytes as hex, enums by name."""
+        from kvbank import wire  # wire builds on these classes
 
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), separators=(",", ":"))
+        return wire.to_dict(self, now=now)
+
+    def to_json(self, *, now: float | None = None) -> str:
+        from kvbank import wire
+
+        return wire.to_json(self, now=now)
 
     @classmethod
-    def from_dict(cls, doc: Mapping[str, Any]) -> Lease:
-        rows = tuple(
-            LeaseRow(
-                bytes.fromhex(r["name"]),
-                bool(r["present"]),
-                _location_from_dict(r["location"]),
-                tuple(Region(int(a), str(b), int(c), int(d)) for a, b, c, d in r["regions"]),
-                Delivery[r["delivery"]],
-            )
-            for r in doc["rows"]
-        )
-        pools = tuple(
-            p for p in (_location_from_dict(d) for d in doc.get("pools", ())) if p is not None
-        )
-        return cls(
-            str(doc["id"]),
-            MemoryKind[doc["kind"]],
-            LeaseMode[doc["mode"]],
-            Selection[doc["selection"]],
-            float(doc["expires_at"]),
-            float(doc["expires_wall"]),
-            rows,
-            pools,
-        )
+    def from_dict(cls, doc: Mapping[str, Any], *, now: float | None = None) -> Lease:
+        """Inverse of :meth:`to_dict`, validated (:class:`~kvbank.errors.InvalidInput`
+        naming the field); the deadline is rebuilt as ``now + ttl_s`` on this side's clock."""
+        from kvbank import wire
+
+        return wire.from_dict(Lease, doc, now=now)
 
     @classmethod
-    def from_json(cls, text: str | bytes) -> Lease:
-        return cls.from_dict(json.loads(text))
+    def from_json(cls, text: str | bytes, *, now: float | None = None) -> Lease:
+        from kvbank import wire
 
-
-def _location_to_dict(loc: Location | None) -> dict[str, Any] | None:
-    if loc is None:
-        return None
-    if isinstance(loc, HostLocation):
-        return {"segment": loc.segment, "offset": loc.offset, "size": loc.size}
-    return {
-        "pool": loc.pool,
-        "device": loc.device,
-        "offset": loc.offset,
-        "size": loc.size,
-        "ipc_handle": None if loc.ipc_handle is None else loc.ipc_handle.hex(),
-    }
-
-
-def _location_from_dict(doc: Mapping[str, Any] | None) -> Location | None:
-    if doc is None:
-        return None
-    if "segment" in doc:
-        return HostLocation(str(doc["segment"]), int(doc["offset"]), int(doc["size"]))
-    ipc = doc.get("ipc_handle")
-    return DeviceLocation(
-        str(doc["pool"]),
-        str(doc["device"]),
-        int(doc["offset"]),
-        int(doc["size"]),
-        None if ipc is None else bytes.fromhex(ipc),
-    )
+        return wire.from_json(Lease, text, now=now)
 
 
 @dataclass(frozen=True, slots=True)

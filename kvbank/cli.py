@@ -48,6 +48,8 @@ _SERVE_FLAGS: tuple[tuple[str, str, str], ...] = (
     ("--host-bytes", "host_bytes", "host tier budget (default: sized, see below)"),
     ("--disk-bytes", "disk_bytes", "disk tier budget (default: sized, see below)"),
     ("--device-bytes", "device_bytes", "device tier budget (default: a share of free GPU memory; 0 = off)"),
+    ("--write-policy", "write_policy", "write-back (rows reach disk when demoted or at shutdown) or "
+                                       "write-through (every put is on disk before it is answered)"),
     ("--threads", "threads", "threads for blocking bank calls (default 16)"),
     ("--max-body-bytes", "max_body_bytes", "largest request body (default 1G)"),
     ("--idle-timeout-s", "idle_timeout_s", "close idle connections after this (default 30)"),

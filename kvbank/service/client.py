@@ -305,8 +305,7 @@ class Client:
                     raise
                 self._local = False  # segments cannot be mapped here after all
             except TierFull:
-                if self._want_local:
-                    raise  # the host tier cannot hold the rows at once: stream them
+                pass  # the host tier cannot hold every row at once: stream them in batches
         deadline = time.monotonic() + self._retry
         while True:
             conn = self._conn()

@@ -29,14 +29,14 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
 
 from kvbank import __version__
 from kvbank.bank import Bank, FetchResult, Match
-from kvbank.errors import InvalidInput
+from kvbank.errors import InvalidInput, KvbankError
 from kvbank.lender.ledger import FetchLedger, PlannedRow
 from kvbank.service.config import ServiceConfig
 from kvbank.service.framing import StreamRow
@@ -69,6 +69,11 @@ class OpenFetch:
 class _Fetch:
     layout_id: bytes
     verified: set[bytes]
+    # READ leases a stream sent rows under, with those rows. Held until the client's
+    # acknowledgement: the transport may still be sending from the slots after the last
+    # write() returned (uvloop keeps a pointer, not a copy), and an acknowledgement means
+    # every byte has left. Unacknowledged ones expire with their TTL.
+    held: list[tuple[str, list[bytes]]] = field(default_factory=list)
 
 
 class Node:
@@ -124,19 +129,46 @@ class Node:
         sizes = layout.group_page_bytes
         rows = [StreamRow(position[r], r.group, r.slot, sizes[r.group]) for r in todo]
         with self._lock:
-            if fetch_id not in self._fetches:
-                self._fetches[fetch_id] = _Fetch(match.layout_id, set())
+            state = self._fetches.get(fetch_id)
+            if state is None:
+                state = self._fetches[fetch_id] = _Fetch(match.layout_id, set())
             self._fetches.move_to_end(fetch_id)
             while len(self._fetches) > _FETCHES:
                 self._fetches.popitem(last=False)
+            stale, state.held = state.held, []
+        self._settle(state, stale)  # an earlier stream of this fetch broke off unacknowledged
         return OpenFetch(fetch_id, rows, [r.name for r in todo])
 
     def verified(self, fetch_id: str, names: list[bytes]) -> None:
-        """Rows of ``fetch_id`` whose bytes left under a lease that was still live after."""
+        """Rows of ``fetch_id`` sent from private copies: nothing can reclaim them."""
         with self._lock:
             state = self._fetches.get(fetch_id)
             if state is not None:
                 state.verified.update(names)
+
+    def hold(self, fetch_id: str, lease_id: str, names: list[bytes]) -> None:
+        """``names`` were streamed from the slots of READ lease ``lease_id``: keep it
+        until the client acknowledges (or it expires)."""
+        with self._lock:
+            state = self._fetches.get(fetch_id)
+            if state is not None:
+                state.held.append((lease_id, names))
+                return
+        self.bank.release(lease_id)
+
+    def _settle(self, state: _Fetch, held: list[tuple[str, list[bytes]]]) -> None:
+        """End the held leases; the rows of those still live count as verified."""
+        for lease_id, names in held:
+            try:
+                self.bank.lender.finish_read(lease_id)
+                ok = True
+            except KvbankError:
+                ok = False  # expired: what it sent may be another row's bytes by now
+            finally:
+                self.bank.release(lease_id)
+            if ok:
+                with self._lock:
+                    state.verified.update(names)
 
     def acknowledge(self, fetch_id: str, positions: list[int], lease_id: str | None) -> FetchResult:
         """Record the acknowledged rows that were verified; the fetch's result so far.
@@ -163,6 +195,9 @@ class Node:
             finally:
                 self.bank.release(lease_id)
         else:
+            with self._lock:
+                held, state.held = state.held, []
+            self._settle(state, held)
             with self._lock:
                 good = [n for n in acked if n in state.verified]
         done = self.ledger.delivered(fetch_id)

@@ -13,10 +13,11 @@ same rows) the pages are read into private buffers and stored with ``Bank.put``.
 is memoryviews of the host slots themselves (uvicorn + httptools hands them to the
 transport without a copy). Rows are lent in batches of about :data:`BATCH_BYTES`, so rows
 held on disk are decoded into host slots a batch ahead of the socket instead of the whole
-body being built first. A batch's lease is released only after the transport has let go
-of its views (a view the transport still holds cannot be released: the check is exact),
-and after :meth:`Lender.finish_read` confirms the lease outlived the send; only then are
-its rows *verified* (see :mod:`kvbank.service.node`).
+body being built first. The batches' leases are held until the client acknowledges the
+rows (the transport may still be sending from a slot after its last ``write`` returned:
+uvloop keeps a pointer, not a copy, and holds no buffer export one could test); then
+:meth:`Lender.finish_read` confirms each lease outlived the send, and only then are its
+rows *verified* (see :mod:`kvbank.service.node`).
 """
 
 from __future__ import annotations
@@ -57,7 +58,6 @@ from kvbank.service.node import Node, OpenFetch
 logger = logging.getLogger(__name__)
 
 BATCH_BYTES = 32 << 20  # rows lent (and staged) per lease while streaming a fetch
-_FLUSH_POLL_S = 0.0005
 
 
 class BodyTooLarge(InvalidInput):
@@ -331,9 +331,10 @@ class RowStream(Response):
                 await send({"type": "http.response.body", "body": view, "more_body": True})
                 sent += 16 + row.size
         finally:
-            await _let_go(views.values())
+            for v in views.values():
+                v.release()  # our export only: the lease keeps the slots until the ack
             if lease is not None:
-                await node.call(_finish, node, fetch.fetch_id, lease, list(views))
+                node.hold(fetch.fetch_id, lease.id, list(views))
         return sent
 
 
@@ -383,30 +384,3 @@ def _private_copies(node: Node, fetch: OpenFetch, idx: list[int]) -> dict[bytes,
 
 def _read_views(node: Node, lease: Lease) -> dict[bytes, memoryview]:
     return {r.name: node.bank.lender.view(lease.id, r.name) for r in lease.rows if r.delivery is Delivery.READY}
-
-
-async def _let_go(views: Any) -> None:
-    """Wait until the transport holds none of ``views``, then release them."""
-    pending = list(views)
-    while pending:
-        still = []
-        for v in pending:
-            try:
-                v.release()
-            except BufferError:  # exported: the transport has not sent it yet
-                still.append(v)
-        pending = still
-        if pending:
-            await asyncio.sleep(_FLUSH_POLL_S)
-
-
-def _finish(node: Node, fetch_id: str, lease: Lease, names: list[bytes]) -> None:
-    try:
-        node.bank.lender.finish_read(lease.id)
-    except KvbankError:
-        logger.warning("fetch %s: lease %s ended before its rows were sent; they are not counted",
-                       fetch_id, lease.id)
-        names = []
-    finally:
-        node.bank.release(lease.id)
-    node.verified(fetch_id, names)

@@ -12,5 +12,6 @@ SUITES: dict[str, str] = {
     "codec": "kvbank.bench.codec",
     "keys": "kvbank.bench.keys",
     "lender": "kvbank.bench.lender",
+    "service": "kvbank.bench.service",
     "tiers": "kvbank.bench.tiers",
 }

@@ -1,49 +1,50 @@
 """kvbank: storage-tier KV-cache offload and sharing for LLM serving fleets.
 
-The names below load on first use (PEP 562): ``import kvbank`` costs nothing, so the
-``kvbank`` command answers ``--help`` and ``--version`` without importing torch.
+The names below are imported on first use, so ``import kvbank.codec`` (or
+``kvbank.wire``'s callers that need only frames) does not pull in torch and the tiered
+store through this package's ``__init__``.
 """
 
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
 # The embedded API: what a worker needs to store, match, fetch and lend pages; and the
 # node service's client, which makes the same calls over HTTP.
-_EXPORTS: dict[str, str] = {
-    "Bank": "kvbank.bank", "BankStats": "kvbank.bank", "FetchResult": "kvbank.bank",
-    "Match": "kvbank.bank", "BankConfig": "kvbank.config", "Scope": "kvbank.keys",
-    "PageLayout": "kvbank.layout", "full_attention": "kvbank.layout",
-    "hybrid_mamba": "kvbank.layout", "mla": "kvbank.layout", "sliding_window": "kvbank.layout",
-    "CommitResult": "kvbank.lender", "Lease": "kvbank.lender", "LeaseMode": "kvbank.lender",
-    "LeaseRow": "kvbank.lender", "MemoryKind": "kvbank.lender", "ResumeBound": "kvbank.lender",
+_EXPORTS = {
+    "Bank": "kvbank.bank",
     "Client": "kvbank.service.client",
+    "BankConfig": "kvbank.config",
+    "BankStats": "kvbank.results",
+    "CommitResult": "kvbank.lender.base",
+    "FetchResult": "kvbank.results",
+    "Lease": "kvbank.lender.base",
+    "LeaseMode": "kvbank.lender.base",
+    "LeaseRow": "kvbank.lender.base",
+    "Match": "kvbank.results",
+    "MemoryKind": "kvbank.lender.base",
+    "PageLayout": "kvbank.layout",
+    "Presence": "kvbank.results",
+    "ResumeBound": "kvbank.lender.resume",
+    "Scope": "kvbank.keys",
+    "full_attention": "kvbank.layout",
+    "hybrid_mamba": "kvbank.layout",
+    "mla": "kvbank.layout",
+    "sliding_window": "kvbank.layout",
 }
 
 if TYPE_CHECKING:
-    from kvbank.bank import Bank, BankStats, FetchResult, Match
+    from kvbank.bank import Bank
     from kvbank.config import BankConfig
     from kvbank.keys import Scope
     from kvbank.layout import PageLayout, full_attention, hybrid_mamba, mla, sliding_window
-    from kvbank.lender import CommitResult, Lease, LeaseMode, LeaseRow, MemoryKind, ResumeBound
+    from kvbank.lender.base import CommitResult, Lease, LeaseMode, LeaseRow, MemoryKind
+    from kvbank.lender.resume import ResumeBound
+    from kvbank.results import BankStats, FetchResult, Match, Presence
     from kvbank.service.client import Client
-
-
-def __getattr__(name: str) -> object:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'kvbank' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value  # later lookups skip this function
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *_EXPORTS])
-
 
 __all__ = [
     "Bank",
@@ -58,6 +59,7 @@ __all__ = [
     "Match",
     "MemoryKind",
     "PageLayout",
+    "Presence",
     "ResumeBound",
     "Scope",
     "__version__",
@@ -66,3 +68,16 @@ __all__ = [
     "mla",
     "sliding_window",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kvbank' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip this hook
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

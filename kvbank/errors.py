@@ -19,7 +19,9 @@ and a broken lease are. Leaves also inherit the builtin a caller would expect, s
     ├── TierError                          a tier's own fault
     │   ├── TierFull                       no room even after eviction (budget, map full, disk full)
     │   ├── TierUnavailable                the tier cannot be reached or is closed
-    │   └── RowLocked                      a locked row cannot be deleted, moved or overwritten
+    │   ├── RowLocked                      a locked row cannot be deleted, moved or overwritten
+    │   ├── Busy                           a blocking call's deadline passed while it waited
+    │   └── PinBudgetExceeded              pinning the rows would pass the pin budget
     ├── LeaseError                         lender faults
     │   ├── LeaseNotFound(KeyError)        no such lease (released, reaped, never lent)
     │   ├── LeaseExpired                   the lease's TTL ran out before the operation finished
@@ -110,6 +112,14 @@ class TierUnavailable(TierError):
 
 class RowLocked(TierError):
     """The row is locked by a lease and cannot be deleted, moved or overwritten."""
+
+
+class Busy(TierError):
+    """A blocking call waited past its deadline (for the mover, room, or a lock)."""
+
+
+class PinBudgetExceeded(TierError):
+    """Pinning these rows would hold more bytes pinned than ``pin_bytes`` allows."""
 
 
 class LeaseError(KvbankError):

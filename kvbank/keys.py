@@ -10,6 +10,15 @@ Primitives:
 - :class:`RowName` — the 54-byte storage key of one page: ``namespace(16) ‖ page key(32)
   ‖ group(2) ‖ shard count(2) ‖ shard index(2)``, big-endian integers. The namespace is
   ``SHA-256(version ‖ scope ‖ layout id)[:16]``. Equal names mean interchangeable bytes.
+- Row-name anatomy, owned here alone: :func:`namespace_of`, :func:`group_of`,
+  :func:`shard_of`, :func:`same_chain`, :data:`shape_key` (namespace ‖ group: what fixes
+  a page's shape). Other modules never slice a name themselves.
+- :func:`engine_keys` — an engine's own page keys as kvbank page keys. A 32-byte key
+  (SGLang's SHA-256, kvbank's own) is used as it is. Any other length (vLLM's 16-byte
+  xxhash keys) is expanded to ``SHA-256(tag ‖ version ‖ scope digest ‖ layout id ‖
+  len(key) as u32 ‖ key)``: deterministic, a different length can never produce the same
+  key, and short keys are never padded with zeros (a zero-padded 16-byte key would be a
+  32-byte key another engine could send).
 
 Nothing here depends on ``PYTHONHASHSEED``, the process or the host; golden vectors in
 ``tests/data/keys_golden.json`` pin the encoding. Changing it means bumping
@@ -24,6 +33,7 @@ import struct
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from operator import itemgetter
 
 import numpy as np
 import numpy.typing as npt
@@ -35,7 +45,10 @@ ROW_NAME_BYTES = 54
 NAMESPACE_BYTES = 16
 PAGE_KEY_BYTES = 32
 
+MAX_ENGINE_KEY_BYTES = 1024  # longer engine keys are refused: a key, not a payload
+
 _ROOT_TAG = b"kvbank/page-key\x00"
+_ENGINE_TAG = b"kvbank/engine-key\x00"
 _SCOPE_TAG = b"kvbank/scope\x00"
 _NAMESPACE_TAG = b"kvbank/namespace\x00"
 _INT32_MAX = 2**31 - 1
@@ -175,6 +188,40 @@ def namespace(layout_id: bytes, scope: Scope | bytes = DEFAULT_SCOPE) -> bytes:
 
 _TAIL = struct.Struct(">HHH")
 
+NAMESPACE_SLICE = slice(0, NAMESPACE_BYTES)
+PAGE_KEY_SLICE = slice(NAMESPACE_BYTES, NAMESPACE_BYTES + PAGE_KEY_BYTES)
+GROUP_SLICE = slice(NAMESPACE_BYTES + PAGE_KEY_BYTES, NAMESPACE_BYTES + PAGE_KEY_BYTES + 2)
+_CHAIN_TAIL = slice(NAMESPACE_BYTES + PAGE_KEY_BYTES, ROW_NAME_BYTES)  # group ‖ shard count ‖ index
+
+# name -> (namespace, group bytes): rows with equal keys have the same page shape. An
+# itemgetter so a lease of 64 rows maps it at C speed.
+shape_key = itemgetter(NAMESPACE_SLICE, GROUP_SLICE)
+
+
+def namespace_of(name: bytes) -> bytes:
+    """The 16-byte namespace (scope and layout) a row name belongs to."""
+    return name[NAMESPACE_SLICE]
+
+
+def page_key_of(name: bytes) -> bytes:
+    return name[PAGE_KEY_SLICE]
+
+
+def group_of(name: bytes) -> int:
+    """The layer group index a row name's page belongs to."""
+    return int.from_bytes(name[GROUP_SLICE], "big")
+
+
+def shard_of(name: bytes) -> tuple[int, int]:
+    """``(shard_count, shard_index)`` of a row name."""
+    _, count, index = _TAIL.unpack_from(name, NAMESPACE_BYTES + PAGE_KEY_BYTES)
+    return count, index
+
+
+def same_chain(a: bytes, b: bytes) -> bool:
+    """The two rows can be links of one chain: same namespace, group and shard."""
+    return a[NAMESPACE_SLICE] == b[NAMESPACE_SLICE] and a[_CHAIN_TAIL] == b[_CHAIN_TAIL]
+
 
 @dataclass(frozen=True, slots=True)
 class RowName:
@@ -221,6 +268,28 @@ def row_name(
 ) -> bytes:
     """The raw 54-byte row name (the form tiers and indexes store)."""
     return bytes(RowName(ns, page_key, group, shard_count, shard_index))
+
+
+def engine_keys(
+    keys: Sequence[bytes], layout_id: bytes, scope: Scope | bytes = DEFAULT_SCOPE
+) -> list[bytes]:
+    """An engine's page-key chain as 32-byte kvbank page keys (see the module docstring).
+
+    Keys are expanded one by one, not re-chained: an engine's keys already chain (vLLM
+    and SGLang hash each page with its parent's key), and expanding keeps that."""
+    if isinstance(keys, (bytes, bytearray, str)) or not isinstance(keys, Sequence):
+        raise InvalidInput(f"keys: expected a sequence of page keys, got {type(keys).__name__}")
+    if not isinstance(layout_id, bytes) or len(layout_id) != 32:
+        raise InvalidInput(f"layout_id: expected 32 bytes, got {layout_id!r}")
+    prefix = _ENGINE_TAG + struct.pack("<I", KEY_VERSION) + _scope_digest(scope) + layout_id
+    sha = hashlib.sha256
+    out: list[bytes] = []
+    for i, k in enumerate(keys):
+        if type(k) is not bytes or not 0 < len(k) <= MAX_ENGINE_KEY_BYTES:
+            shown = len(k) if isinstance(k, (bytes, bytearray)) else type(k).__name__
+            raise InvalidInput(f"keys[{i}]: expected a page key of 1..{MAX_ENGINE_KEY_BYTES} bytes, got {shown}")
+        out.append(k if len(k) == PAGE_KEY_BYTES else sha(prefix + _lp(k)).digest())
+    return out
 
 
 def row_names(

@@ -39,24 +39,14 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from kvbank.dtypes import DTYPE_ITEMSIZE as DTYPE_ITEMSIZE  # re-exported
+from kvbank.dtypes import check_dtype
 from kvbank.errors import LayoutError
 
 LAYOUT_ID_VERSION = 1
 ALIGN = 64  # bytes; every buffer region starts on a cache line (and a DMA-friendly boundary)
 
-# dtype name (torch spelling) -> bytes per item. FP4 is stored packed, two values a byte.
-DTYPE_ITEMSIZE: Mapping[str, int] = {
-    "float32": 4,
-    "float16": 2,
-    "bfloat16": 2,
-    "float8_e4m3fn": 1,
-    "float8_e5m2": 1,
-    "float8_e8m0fnu": 1,
-    "float4_e2m1fn_x2": 1,
-    "int32": 4,
-    "int8": 1,
-    "uint8": 1,
-}
+# The dtype vocabulary lives in kvbank.dtypes (one table, one validator); re-exported here.
 
 
 class Role(enum.Enum):
@@ -136,11 +126,8 @@ class BufferSpec:
             object.__setattr__(self, "role", Role.parse(self.role))
         elif not isinstance(self.role, Role):
             raise LayoutError(f"buffer.role: expected a Role, got {self.role!r}")
-        if not isinstance(self.dtype, str) or self.dtype not in DTYPE_ITEMSIZE:
-            raise LayoutError(
-                f"buffer.dtype: unknown dtype {self.dtype!r} (layer {self.layer}, "
-                f"{self.role.name}); known: {sorted(DTYPE_ITEMSIZE)}"
-            )
+        check_dtype(self.dtype, "buffer.dtype", LayoutError,
+                    f" (layer {self.layer}, {self.role.name})")
         shape = tuple(self.shape) if isinstance(self.shape, (list, tuple)) else self.shape
         if not isinstance(shape, tuple) or not shape:
             raise LayoutError(f"buffer.shape: must be a non-empty tuple, got {self.shape!r}")

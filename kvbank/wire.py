@@ -47,12 +47,13 @@ from collections.abc import Callable, Mapping
 from typing import Any, NoReturn, TypeVar, Union, cast, get_args, get_origin, get_type_hints
 
 from kvbank import errors as _errors
-from kvbank.bank import BankStats, FetchResult, Match
 from kvbank.errors import InvalidInput, KvbankError
 from kvbank.keys import ROW_NAME_BYTES, Scope
 from kvbank.layout import PageLayout
 from kvbank.lender.base import CommitResult, DeviceLocation, HostLocation, Lease, LeaseRow, Region
+from kvbank.lender.ledger import FetchInfo
 from kvbank.lender.resume import ResumeBound
+from kvbank.results import BankStats, FetchResult, Match, Presence
 from kvbank.tiers.store import StoreHealth, StoreStats, TierHealth, TierStats
 
 T = TypeVar("T")
@@ -63,9 +64,9 @@ LAYOUT_ID_BYTES = 32
 # The classes from_dict builds. Anything else is refused, so a document can never name a
 # type to construct.
 WIRE_TYPES: tuple[type, ...] = (
-    PageLayout, Scope, Match, ResumeBound, FetchResult, Lease, LeaseRow, HostLocation,
-    DeviceLocation, Region, CommitResult, BankStats, StoreStats, TierStats, StoreHealth,
-    TierHealth,
+    PageLayout, Scope, Match, Presence, ResumeBound, FetchResult, FetchInfo, Lease, LeaseRow,
+    HostLocation, DeviceLocation, Region, CommitResult, BankStats, StoreStats, TierStats,
+    StoreHealth, TierHealth,
 )
 
 # Byte fields with a fixed length, by (class, field): row names and layout ids. Other byte
@@ -73,6 +74,8 @@ WIRE_TYPES: tuple[type, ...] = (
 _BYTE_LENGTHS: Mapping[tuple[type, str], int] = {
     (Match, "layout_id"): LAYOUT_ID_BYTES,
     (Match, "names"): ROW_NAME_BYTES,
+    (Presence, "layout_id"): LAYOUT_ID_BYTES,
+    (FetchInfo, "layout_id"): LAYOUT_ID_BYTES,
     (ResumeBound, "rows"): ROW_NAME_BYTES,
     (LeaseRow, "name"): ROW_NAME_BYTES,
     (CommitResult, "committed"): ROW_NAME_BYTES,

@@ -18,15 +18,20 @@ from kvbank import (
     hybrid_mamba,
     mla,
     sliding_window,
+    wire,
 )
 from kvbank.errors import (
+    Busy,
+    ConfigError,
     InvalidInput,
     InvalidTokens,
+    LeaseNotFound,
     PageSizeMismatch,
     TierUnavailable,
     UnknownLayout,
 )
 from kvbank.lender.resume import Obstacle
+from kvbank.tiers.base import TierKind
 
 FA = full_attention("bank@1", num_layers=2, num_kv_heads=4, head_dim=64)  # 16 tokens a page
 P = FA.tokens_per_page
@@ -75,7 +80,7 @@ def test_partial_fetch_resumes_from_first_undelivered_row(bank: Bank) -> None:
     assert not first.complete and first.resume.tokens == 48
     assert first.delivered == ((0, 1, 2),) and first.missing == ((3, 4, 5),)
 
-    bank.store.delete(names[4])  # a row vanishes before the resumed call reaches it
+    bank._store.delete(names[4])  # a row vanishes before the resumed call reaches it
     second = bank.fetch(m, out={0: buf}, fetch_id=first.fetch_id)
     assert second.fetch_id == first.fetch_id and second.nbytes == 2 * PAGE
     assert second.missing == ((4,),) and second.resume.tokens == 64  # a miss, never "loaded"
@@ -114,7 +119,7 @@ def test_state_snapshots_are_restored_with_the_attention_kv(bank: Bank) -> None:
     assert bank.read(lease.id, m.names[1][5]) == snap96.numpy().tobytes()
     bank.release(lease.id)
 
-    bank.store.delete(m.names[1][5])  # the snapshot at 96 is gone: resume where one exists
+    bank._store.delete(m.names[1][5])  # the snapshot at 96 is gone: resume where one exists
     m2 = bank.match(lid, tokens)
     assert m2.resume.tokens == 48 and m2.resume.pages == ((0, 1, 2), (2,))
     assert m2.resume.reason is Obstacle.NO_SNAPSHOT
@@ -276,10 +281,11 @@ def test_concurrent_workers_keep_the_bank_consistent(bank: Bank) -> None:
         try:
             for i in range(15):
                 tokens = list(range(w * 10_000 + i * 100, w * 10_000 + i * 100 + 48))
-                bank.put(lid, tokens, group=0, pages=rand(3, PAGE, w * 100 + i))
+                pages = rand(3, PAGE, w * 100 + i)
+                bank.put(lid, tokens, group=0, pages=pages)
                 m = bank.match(lid, [*tokens, 1])
                 lease = bank.lend(m)
-                bank.read(lease.id, m.needed[0])
+                assert bank.read(lease.id, m.needed[0]) == pages[0].numpy().tobytes()
                 bank.release(lease.id)
                 w_lease = bank.lend(bank.row_names(lid, [*tokens, *range(16)], group=0)[3:],
                                     mode=LeaseMode.WRITE)
@@ -305,6 +311,8 @@ def test_open_applies_overrides_and_close_is_final() -> None:
     bank.close()  # idempotent
     with pytest.raises(TierUnavailable):
         bank.match(lid, list(range(32)))
+    with pytest.raises(TierUnavailable):
+        bank.register(FA)
     with pytest.raises(InvalidInput, match="config"):
         Bank({"host_bytes": 1})  # type: ignore[arg-type]
 
@@ -355,7 +363,7 @@ def test_bank_put_skips_rows_already_stored_and_never_overwrites_a_leased_row(ba
     writer = bank.lend([absent], mode=LeaseMode.WRITE)
     stored = rand(1, PAGE, 23)
     bank.put(lid, tokens + more, group=0, pages=stored, first_page=3)
-    bank.lender.write(writer.id, absent, rand(1, PAGE, 24)[0].numpy().tobytes())
+    bank.write(writer.id, absent, rand(1, PAGE, 24)[0].numpy().tobytes())
     result = bank.commit(writer.id, [absent])
     assert result.already_present == (absent,) and not result.committed
     buf = torch.zeros(4, PAGE, dtype=torch.uint8)
@@ -365,17 +373,220 @@ def test_bank_put_skips_rows_already_stored_and_never_overwrites_a_leased_row(ba
     bank.check_invariants()
 
 
-def test_bank_namespace_table_is_bounded(bank: Bank, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_bank_namespace_table_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
     """A cache salt per request must not grow the bank's tables without bound."""
-    import kvbank.bank as bank_module
+    import kvbank.catalog as catalog_module
 
-    monkeypatch.setattr(bank_module, "MAX_NAMESPACES", 8)
+    monkeypatch.setattr(catalog_module, "MAX_NAMESPACES", 8)
+    with Bank.open(BankConfig(), host_bytes="64M", device_bytes=0) as bank:
+        lid = bank.register(FA)
+        for i in range(50):
+            bank.put(lid, list(range(16)), group=0, pages=rand(1, PAGE, i),
+                     scope=Scope(cache_salt=f"req-{i}"))
+        assert bank._catalog.namespaces == 8
+        names = bank.put(lid, list(range(16)), group=0, pages=rand(1, PAGE, 5),
+                         scope=Scope(cache_salt="req-0"))  # fell out long ago: learnt again
+        lease = bank.lend(names)
+        assert lease.rows[0].regions  # described, so the borrower knows the buffer regions
+        bank.release(lease.id)
+
+
+# ---- the service-facing surface --------------------------------------------------------------
+
+
+class TickClock:
+    """A fake monotonic clock that moves ``step`` seconds every time it is read."""
+
+    def __init__(self, step: float = 0.0) -> None:
+        self.now = 1000.0
+        self.step = step
+
+    def __call__(self) -> float:
+        self.now += self.step
+        return self.now
+
+
+def test_bank_queries_write_nothing(bank: Bank) -> None:
+    """match, row_names, presence, resume_at and locate learn no namespace, take no lock or
+    lease, and open no fetch; a command (put, lend of a match, register_scope) learns."""
     lid = bank.register(FA)
-    for i in range(50):
-        bank.match(lid, list(range(32)), scope=Scope(cache_salt=f"req-{i}"))
-    assert len(bank._namespaces) == 8
-    names = bank.put(lid, list(range(16)), group=0, pages=rand(1, PAGE, 5),
-                     scope=Scope(cache_salt="req-0"))  # fell out long ago: learnt again
+    tokens = list(range(64))
+    bank.put(lid, tokens, group=0, pages=rand(4, PAGE, 1))
+    before = (bank._catalog.namespaces, bank.stats())
+    salt = Scope(cache_salt="q")
+    m = bank.match(lid, [*tokens, 1], scope=salt)
+    bank.row_names(lid, tokens, group=0, scope=salt)
+    bank.presence(lid, tokens, scope=salt)
+    bank.resume_at(bank.match(lid, [*tokens, 1]), 16)
+    bank.locate(m.names[0])
+    assert (bank._catalog.namespaces, bank.stats()) == before
+    fresh = bank.row_names(lid, tokens, group=0, scope=salt)
+    with pytest.raises(InvalidInput, match="describes"):  # a scope the bank never learnt
+        bank.lend(fresh[:1], mode=LeaseMode.WRITE)
+    bank.register_scope(lid, salt)
+    w = bank.lend(fresh[:1], mode=LeaseMode.WRITE)
+    assert w.rows[0].regions  # now it can
+    bank.release(w.id)
+
+
+def test_bank_open_refuses_a_misspelled_setting() -> None:
+    with pytest.raises(ConfigError) as info:
+        Bank.open(host_byte="1M")
+    assert info.value.field == "host_byte" and "host_bytes" in str(info.value)
+
+
+def test_bank_put_timeout_stops_between_pages() -> None:
+    clock = TickClock(step=1.0)
+    with Bank(BankConfig(host_bytes=64 << 20, device_bytes=0), clock=clock, reaper=False) as b:
+        lid = b.register(FA)
+        tokens = list(range(64))
+        with pytest.raises(Busy) as info:
+            b.put(lid, tokens, group=0, pages=rand(4, PAGE, 2), timeout=2.5)
+        assert info.value.field == "timeout" and "stored 2 of 4" in str(info.value)
+        names = b.row_names(lid, tokens, group=0)
+        assert [t is not None for t in b.locate(names)] == [True, True, False, False]
+        with pytest.raises(InvalidInput, match="timeout"):
+            b.put(lid, tokens, group=0, pages=rand(4, PAGE, 2), timeout=-1)
+
+
+def test_bank_fetch_timeout_answers_what_arrived_and_resumes() -> None:
+    clock = TickClock()
+    with Bank(BankConfig(host_bytes=64 << 20, device_bytes=0), clock=clock, reaper=False) as b:
+        lid = b.register(FA)
+        tokens = list(range(96))
+        pages = rand(6, PAGE, 3)
+        b.put(lid, tokens, group=0, pages=pages)
+        m = b.match(lid, [*tokens, 1])
+        buf = torch.zeros(6, PAGE, dtype=torch.uint8)
+        clock.step = 1.0
+        first = b.fetch(m, out={0: buf}, timeout=3.5)
+        assert not first.complete and 0 < len(first.delivered[0]) < 6
+        assert [f.fetch_id for f in b.fetches()] == [first.fetch_id]
+        clock.step = 0.0
+        rest = b.fetch(m, out={0: buf}, fetch_id=first.fetch_id, timeout=10)
+        assert rest.complete and torch.equal(buf, pages) and b.fetches() == ()
+
+
+def test_bank_lend_past_its_timeout_is_released() -> None:
+    clock = TickClock()
+    with Bank(BankConfig(host_bytes=64 << 20, device_bytes=0), clock=clock, reaper=False) as b:
+        lid = b.register(FA)
+        names = b.put(lid, list(range(32)), group=0, pages=rand(2, PAGE, 4))
+        clock.step = 5.0  # every clock read inside lend moves past the deadline
+        with pytest.raises(Busy, match="released"):
+            b.lend(names, timeout=1.0, ttl_s=100)
+        clock.step = 0.0
+        assert b.leases() == () and b.stats().store.locked_names == 0
+        lease = b.lend(names, timeout=1.0, ttl_s=30)
+        assert [x.id for x in b.leases()] == [lease.id]
+        assert wire.to_dict(lease, now=b.clock())["ttl_s"] == 30  # against the bank's clock
+        b.release(lease.id)
+
+
+def test_bank_lease_bytes_in_place_through_the_bank(bank: Bank) -> None:
+    lid = bank.register(FA)
+    tokens = list(range(48))
+    pages = rand(3, PAGE, 5)
+    names = bank.put(lid, tokens, group=0, pages=pages)
     lease = bank.lend(names)
-    assert lease.rows[0].regions  # described, so the borrower knows the buffer regions
+    with bank.view(lease.id, names[1]) as mv:
+        assert bytes(mv) == pages[1].numpy().tobytes()
+    bank.check_live(lease.id)
+    out = bytearray(PAGE)
+    assert bank.read_into(lease.id, names[2], out) == PAGE and out == pages[2].numpy().tobytes()
     bank.release(lease.id)
+    with pytest.raises(LeaseNotFound):
+        bank.check_live("never-lent")
+    (fresh,) = bank.row_names(lid, list(range(64)), group=0)[3:]
+    w = bank.lend([fresh], mode=LeaseMode.WRITE)
+    bank.write(w.id, fresh, b"\x07" * PAGE)
+    assert bank.commit(w.id, [fresh]).committed == (fresh,)
+    bank.flush()
+    assert bank.health().ok
+    bank.check_invariants()
+
+
+def test_bank_match_by_engine_keys_of_any_length(bank: Bank) -> None:
+    """vLLM-style 16-byte keys: put and match by the engine's chain, never by zero padding."""
+    lid = bank.register(FA)
+    vllm = [bytes([i + 1]) * 16 for i in range(4)]
+    pages = rand(4, PAGE, 6)
+    names = bank.put(lid, keys=vllm, group=0, pages=pages)
+    m = bank.match(lid, keys=vllm, prompt_tokens=4 * P + 3)
+    assert m.resume.tokens == 4 * P and m.needed == names
+    assert bank.match(lid, keys=vllm).resume.tokens == 3 * P  # default T: the keyed pages
+    padded = bank.match(lid, keys=[k + bytes(16) for k in vllm])
+    assert not any(padded.tiers[0])
+    with pytest.raises(InvalidInput, match="prompt_tokens"):
+        bank.match(lid, keys=vllm, prompt_tokens=5 * P)
+    with pytest.raises(InvalidInput, match="prompt_tokens"):
+        bank.match(lid, list(range(64)), prompt_tokens=64)
+
+
+def test_bank_every_boundary_and_resume_at(bank: Bank) -> None:
+    """SGLang asks for every usable prefix length: a hole at page 2 leaves boundaries 16
+    and 32; resuming at 16 needs exactly one row and fetches it."""
+    lid = bank.register(FA)
+    tokens = list(range(96))
+    pages = rand(6, PAGE, 7)
+    names = bank.put(lid, tokens, group=0, pages=pages)
+    bank._store.delete(names[2])
+    m = bank.match(lid, [*tokens, 1])
+    assert m.boundaries == (16, 32) and m.resume.tokens == 32
+    low = bank.resume_at(m, 16)
+    assert low.resume.tokens == 16 and low.needed == names[:1] and low.resume.reason is None
+    buf = torch.zeros(1, PAGE, dtype=torch.uint8)
+    assert bank.fetch(low, out={0: buf}).complete and torch.equal(buf[0], pages[0])
+    with pytest.raises(InvalidInput, match="at:"):
+        bank.resume_at(m, 48)
+
+
+def test_bank_presence_of_every_shard_in_one_call(bank: Bank) -> None:
+    tp = full_attention("bank-tp@3", num_layers=2, num_kv_heads=4, head_dim=64, shard_count=2)
+    lid = bank.register(tp)
+    bank.register(tp.with_shard(1))
+    tokens = list(range(64))
+    size = tp.group_page_bytes[0]
+    bank.put(lid, tokens, group=0, pages=rand(4, size, 8), shard=0)
+    bank.put(lid, tokens, group=0, pages=rand(2, size, 9), shard=1)
+    p = bank.presence(lid, [*tokens, 1])
+    assert p.shards == (0, 1) and p.shard_tokens == (64, 32) and p.tokens == 32
+    assert p.held(0, 0, 3) and not p.held(1, 0, 2)
+    assert bank.presence(lid, [*tokens, 1], shards=[0]).tokens == 64
+    for bad in ([], [2], [True], "0"):
+        with pytest.raises(InvalidInput, match="shards"):
+            bank.presence(lid, tokens, shards=bad)  # type: ignore[arg-type]
+
+
+def test_bank_workers_sharing_one_prefix_see_its_bytes(bank: Bank) -> None:
+    """Workers racing to store, lend, read and fetch the same rows: equal names mean equal
+    bytes, so every read answers the one page stored under a name and no call fails."""
+    lid = bank.register(FA)
+    tokens = list(range(64))
+    pages = rand(4, PAGE, 99)
+    errors: list[BaseException] = []
+
+    def worker() -> None:
+        try:
+            for _ in range(20):
+                names = bank.put(lid, tokens, group=0, pages=pages)
+                m = bank.match(lid, [*tokens, 1])
+                lease = bank.lend(m)
+                for k, n in enumerate(m.needed):
+                    assert bank.read(lease.id, n) == pages[k].numpy().tobytes()
+                bank.release(lease.id)
+                buf = torch.zeros(4, PAGE, dtype=torch.uint8)
+                got = bank.fetch(m, out={0: buf})
+                assert got.complete and torch.equal(buf, pages)
+                assert bank.locate(names) == [TierKind.HOST] * 4
+        except BaseException as exc:  # collected and re-raised by the test thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert bank.stats().live_leases == 0 and bank.stats().store.rows == 4
+    bank.check_invariants()

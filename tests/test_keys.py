@@ -154,3 +154,54 @@ def test_row_name_round_trip_property(ns: bytes, key: bytes, group: int, count: 
     index = data.draw(st.integers(0, count - 1))
     raw = K.row_name(ns, key, group, count, index)
     assert bytes(K.RowName.parse(raw)) == raw
+
+
+# ---- row-name anatomy and engine keys ------------------------------------------------------
+
+
+@settings(max_examples=100, deadline=None)
+@given(ns=st.binary(min_size=16, max_size=16), key=st.binary(min_size=32, max_size=32),
+       group=st.integers(0, 0xFFFF), count=st.integers(1, 0xFFFF), data=st.data())
+def test_keys_anatomy_reads_back_what_row_name_wrote(ns: bytes, key: bytes, group: int, count: int,
+                                                     data: st.DataObject) -> None:
+    index = data.draw(st.integers(0, count - 1))
+    name = K.row_name(ns, key, group, count, index)
+    assert K.namespace_of(name) == ns and K.page_key_of(name) == key
+    assert K.group_of(name) == group and K.shard_of(name) == (count, index)
+    assert K.shape_key(name) == (ns, group.to_bytes(2, "big"))
+    parsed = K.RowName.parse(name)
+    assert (parsed.namespace, parsed.group, parsed.shard_count, parsed.shard_index) == (ns, group, count, index)
+
+
+def test_keys_same_chain_needs_namespace_group_and_shard_equal() -> None:
+    a = K.row_name(b"n" * 16, b"a" * 32, 1, 2, 0)
+    assert K.same_chain(a, K.row_name(b"n" * 16, b"b" * 32, 1, 2, 0))
+    assert not K.same_chain(a, K.row_name(b"m" * 16, b"b" * 32, 1, 2, 0))
+    assert not K.same_chain(a, K.row_name(b"n" * 16, b"b" * 32, 2, 2, 0))
+    assert not K.same_chain(a, K.row_name(b"n" * 16, b"b" * 32, 1, 2, 1))
+    assert not K.same_chain(a, K.row_name(b"n" * 16, b"b" * 32, 1, 4, 0))
+
+
+def test_keys_engine_keys_rule() -> None:
+    """32-byte keys pass through; any other length is SHA-256(tag, version, scope digest,
+    layout id, u32 length, key), never zero-padded; scope and layout change the expansion."""
+    import hashlib
+    import struct
+
+    lid = b"L" * 32
+    vllm = [bytes([i]) * 16 for i in range(3)]
+    full = [bytes([i]) * 32 for i in range(2)]
+    got = K.engine_keys(vllm + full, lid)
+    want = [hashlib.sha256(b"kvbank/engine-key\x00" + struct.pack("<I", K.KEY_VERSION)
+                           + K.DEFAULT_SCOPE.digest + lid + struct.pack("<I", 16) + k).digest()
+            for k in vllm]
+    assert got == want + full
+    assert got[0] != vllm[0] + bytes(16)  # not padded
+    assert K.engine_keys(vllm, lid, K.Scope("t")) != want
+    assert K.engine_keys(vllm, b"M" * 32) != want
+    assert K.engine_keys([b"\x01" * 8], lid) != K.engine_keys([b"\x01" * 9], lid)
+    for bad, field in (([b""], "keys[0]"), ([b"x" * 2000], "keys[0]"), ([b"x" * 16, "s"], "keys[1]"),
+                       (b"x" * 32, "keys")):
+        with pytest.raises(InvalidInput) as info:
+            K.engine_keys(bad, lid)  # type: ignore[arg-type]
+        assert info.value.field == field

@@ -13,7 +13,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvbank import errors, wire
-from kvbank.bank import BankStats, FetchResult, Match
 from kvbank.errors import InvalidInput, KvbankError
 from kvbank.keys import Scope, namespace, row_names
 from kvbank.layout import PageLayout, full_attention, hybrid_mamba, mla, sliding_window
@@ -29,7 +28,9 @@ from kvbank.lender.base import (
     Region,
     Selection,
 )
-from kvbank.lender.resume import ResumeBound, resume_bound
+from kvbank.lender.ledger import FetchInfo
+from kvbank.lender.resume import ResumeBound, resume_bound, resume_boundaries
+from kvbank.results import BankStats, FetchResult, Match, Presence
 from kvbank.tiers.base import TierKind
 from kvbank.tiers.store import StoreHealth, StoreStats, TierHealth, TierStats
 
@@ -78,10 +79,21 @@ def matches(draw: st.DrawFn) -> Match:
     lay, _, names = draw(bounds())
     tier = st.sampled_from([None, *TierKind])
     tiers = tuple(tuple(draw(tier) for _ in g) for g in names)
-    b = resume_bound(lay, draw(st.integers(len(names[0]) * lay.tokens_per_page,
-                                           (len(names[0]) + 1) * lay.tokens_per_page - 1)),
-                     lambda g, j: tiers[g][j] is not None, names)
-    return Match(lay.layout_id, draw(scopes), b.prompt_tokens, b, names, tiers)
+    have = lambda g, j: tiers[g][j] is not None  # noqa: E731
+    t = draw(st.integers(len(names[0]) * lay.tokens_per_page, (len(names[0]) + 1) * lay.tokens_per_page - 1))
+    b = resume_bound(lay, t, have, names)
+    return Match(lay.layout_id, draw(scopes), t, b, names, tiers, resume_boundaries(lay, t, have))
+
+
+@st.composite
+def presences(draw: st.DrawFn) -> Presence:
+    shards = tuple(sorted(draw(st.sets(small, min_size=1, max_size=3))))
+    groups, pages = draw(st.integers(1, 3)), draw(st.integers(0, 4))
+    tier = st.sampled_from([None, *TierKind])
+    tiers = tuple(tuple(tuple(draw(tier) for _ in range(pages)) for _ in range(groups)) for _ in shards)
+    per = tuple(draw(small) for _ in shards)
+    return Presence(draw(st.binary(min_size=32, max_size=32)), draw(scopes), draw(counts), shards,
+                    tiers, per, min(per))
 
 
 @st.composite
@@ -121,6 +133,9 @@ EXAMPLES: dict[type, st.SearchStrategy[Any]] = {
     Scope: scopes,
     ResumeBound: bounds().map(lambda x: x[1]),
     Match: matches(),
+    Presence: presences(),
+    FetchInfo: st.builds(FetchInfo, st.text(min_size=1, max_size=8), st.binary(min_size=32, max_size=32),
+                         counts, counts, counts, st.floats(0, 1e6)),
     FetchResult: fetch_results(),
     LeaseRow: lease_rows,
     HostLocation: host_locs,
@@ -190,6 +205,12 @@ def _paths(doc: Any, path: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
     return out
 
 
+def _get(doc: Any, path: tuple[Any, ...]) -> Any:
+    for p in path:
+        doc = doc[p]
+    return doc
+
+
 def _set(doc: Any, path: tuple[Any, ...], value: Any) -> Any:
     if not path:
         return value
@@ -215,6 +236,10 @@ def test_wire_hostile_documents_raise_only_invalid_input(cls: type) -> None:
         doc = through_json(wire.to_dict(obj))
         path = data.draw(st.sampled_from(_paths(doc)))
         bad = _set(copy.deepcopy(doc), path, data.draw(st.sampled_from(JUNK)))
+        objects = [p for p in _paths(bad) if isinstance(_get(bad, p), dict) and _get(bad, p)]
+        if objects and data.draw(st.booleans()):  # and drop a key somewhere
+            node = _get(bad, data.draw(st.sampled_from(objects)))
+            del node[data.draw(st.sampled_from(sorted(node)))]
         try:
             back = wire.from_dict(cls, bad)
         except InvalidInput as exc:
@@ -231,7 +256,7 @@ def _match_doc() -> dict[str, Any]:
     names = (tuple(row_names(ns, [bytes([i]) * 32 for i in range(2)], 0)),)
     tiers = ((TierKind.HOST, None),)
     b = resume_bound(lay, 40, lambda g, j: tiers[g][j] is not None, names)
-    return through_json(wire.to_dict(Match(lay.layout_id, Scope("t"), 40, b, names, tiers)))
+    return through_json(wire.to_dict(Match(lay.layout_id, Scope("t"), 40, b, names, tiers, (16,))))
 
 
 @pytest.mark.parametrize(

@@ -1,6 +1,6 @@
 """``kvbank bench codec``: the cold-page codec on real KV, against the libraries it replaces.
 
-Data: :func:`kvbank.testing.realkv.real_pages` — all-MiniLM-L6-v2 K/V on stdlib docstrings
+Data: :func:`kvbank.bench.realkv.real_pages` — all-MiniLM-L6-v2 K/V on stdlib docstrings
 in ``bfloat16``, ``float16`` and ``float8_e4m3fn``, cut into 256 KiB and 2 MiB canonical
 pages. One core (``torch.set_num_threads(1)``, blosc2 with one thread). Every rate is the
 median of several interleaved runs (:func:`kvbank.bench.common.paired_rates`) into
@@ -15,7 +15,7 @@ Cases, per dtype and page size (``-bf16-2MiB`` …):
 - ``entropy-bound-*`` — value: our ratio; baseline: the ratio the order-0 entropy of each
   byte plane of each page allows; ``ratio`` is the fraction of the bound reached.
 - ``*-level2`` (bf16) — level 2 (sign/exponent swap) against zstd-1 on byte planes.
-- ``split-*`` / ``merge-*`` (bf16) — :mod:`kvbank.kernels.planes` against torch's
+- ``split-*`` / ``merge-*`` (bf16) — :mod:`kvbank.codec.planes` against torch's
   transposing copy, the obvious way to write it.
 
 blosc2 is a bench/test dependency and is imported here only.
@@ -34,10 +34,10 @@ import torch
 import zstandard
 
 from kvbank.bench.common import BenchRow, paired_rates, row
+from kvbank.bench.realkv import real_pages
 from kvbank.codec import decode_into, encode, encode_into, entropy_bits, max_frame_size
-from kvbank.kernels.planes import merge_planes, split_planes
-from kvbank.layout import DTYPE_ITEMSIZE
-from kvbank.testing.realkv import real_pages
+from kvbank.codec.planes import merge_planes, split_planes
+from kvbank.dtypes import DTYPE_ITEMSIZE
 
 logger = logging.getLogger(__name__)
 

@@ -14,31 +14,38 @@ Primitives (the public API other modules code against):
   ``InvalidInput`` (``out`` too small) come out; wrong bytes never do.
 - ``frame_info(frame) -> FrameHeader``: the validated header alone.
 - ``HEADER_SIZE``, ``MAGIC``, ``FORMAT_VERSION``, ``Method``.
+- ``DEFAULT_LEVEL`` (the zstd level every encoder uses unless told otherwise),
+  ``MAX_PAGE_BYTES`` (the one page-size limit, also ``MAX_RAW_LEN``), ``DTYPE_CODES``
+  (a view of :mod:`kvbank.dtypes`, the one dtype table).
+
+No torch: the byte-plane kernels are numpy (:mod:`kvbank.codec.planes`), so a reader that
+needs only frames imports none of torch, the tiers or the bank.
 
 Lifecycle: stateless calls; per-thread zstd contexts and scratch are reused.
 """
 
 from __future__ import annotations
 
+from kvbank.codec.choice import entropy_bits
 from kvbank.codec.core import (
     DEFAULT_LEVEL,
     decode,
     decode_into,
     encode,
     encode_into,
-    entropy_bits,
     frame_info,
     max_frame_size,
 )
 from kvbank.codec.frame import (
-    DTYPE_CODES,
     FORMAT_VERSION,
     HEADER_SIZE,
     MAGIC,
+    MAX_PAGE_BYTES,
     MAX_RAW_LEN,
     FrameHeader,
     Method,
 )
+from kvbank.dtypes import DTYPE_CODES
 
 __all__ = [
     "DEFAULT_LEVEL",
@@ -46,6 +53,7 @@ __all__ = [
     "FORMAT_VERSION",
     "HEADER_SIZE",
     "MAGIC",
+    "MAX_PAGE_BYTES",
     "MAX_RAW_LEN",
     "FrameHeader",
     "Method",

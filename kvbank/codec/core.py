@@ -3,7 +3,7 @@
 Primitives:
 
 - :func:`encode` / :func:`encode_into` — raw page bytes -> one frame. The method is picked
-  per page from the dtype, the level and the bytes (see :func:`_choose`); a frame is
+  per page from the dtype, the level and the bytes (see :func:`kvbank.codec.choice.choose`); a frame is
   never larger than ``HEADER_SIZE + raw_len`` (RAW is the fallback).
 - :func:`decode_into` / :func:`decode` — a frame -> the raw bytes, into the caller's
   buffer. Raises :class:`~kvbank.errors.CorruptPage` on any fault of the frame and
@@ -30,13 +30,13 @@ import functools
 import logging
 import struct
 import threading
-from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 import xxhash
 
 from kvbank.codec import entropy
+from kvbank.codec.choice import SWAP_DTYPES, choose, plane_policy, sample_entropies, zstd_level
 from kvbank.codec.frame import (
     HEADER_SIZE,
     MAX_RAW_LEN,
@@ -47,9 +47,9 @@ from kvbank.codec.frame import (
     parse_fast,
     parse_header,
 )
+from kvbank.codec.planes import as_u8, merge_planes, merge_unchecked, split_planes
+from kvbank.dtypes import DTYPE_ITEMSIZE
 from kvbank.errors import CorruptPage, InvalidInput
-from kvbank.kernels.planes import as_u8, merge_planes, merge_unchecked, split_planes
-from kvbank.layout import DTYPE_ITEMSIZE
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +57,6 @@ BytesLike = bytes | bytearray | memoryview
 U8Array = npt.NDArray[np.uint8]
 
 DEFAULT_LEVEL = 1
-MIN_CODED_LEN = 64  # below this zstd's frame overhead eats any gain; store RAW
 
 # PLANES payload: transform u8, plane count u8, reserved u16; per plane: coding u8,
 # 3 reserved bytes, stored length u32 (see _planes_struct).
@@ -66,14 +65,6 @@ TRANSFORM_SWAP_SIGN = 1  # bit 7 of the top byte <-> bit 7 of the byte below it
 CODING_VERBATIM = 0
 CODING_ZSTD = 1
 
-# A plane is entropy-coded when a sample of it shows order-0 entropy below this
-# (bits/byte). 7.75 = a saving of at least 3 %, worth zstd's ~1 ns/byte. A 2048-byte
-# sample of uniform bytes reads ~7.91 (+-0.02), so random planes are never coded.
-_CODE_BELOW_BITS = 7.75
-_TUNED_BELOW_BITS = 4.5
-_SAMPLE = 2048
-_SWAP_DTYPES = frozenset({"bfloat16", "float32"})  # the exponent straddles the top 2 bytes
-_FLOAT_DTYPES = frozenset({"bfloat16", "float16", "float32"})
 _KEEP_SCRATCH = 64 << 20  # larger scratch is not kept between calls
 
 
@@ -114,18 +105,6 @@ def max_frame_size(raw_len: int) -> int:
 def _check_level(level: int) -> None:
     if isinstance(level, bool) or not isinstance(level, int) or not 0 <= level <= entropy.MAX_LEVEL:
         raise InvalidInput(f"level: must be an integer in 0..{entropy.MAX_LEVEL}, got {level!r}")
-
-
-def _choose(dtype: str, raw_len: int, level: int) -> Method:
-    """The method to try for a page; RAW remains the fallback when it does not shrink."""
-    itemsize = DTYPE_ITEMSIZE[dtype]
-    if level == 0 or raw_len < MIN_CODED_LEN:
-        return Method.RAW
-    if itemsize == 1 or raw_len % itemsize:
-        return Method.ZSTD  # nothing to split: code the bytes
-    if dtype in _FLOAT_DTYPES:
-        return Method.PLANES
-    return Method.PLANES_ZSTD  # integers: zstd's matches find repeats across items
 
 
 # ---- encode ------------------------------------------------------------------------------
@@ -173,17 +152,17 @@ def encode_into(
         )
     checksum = xxhash.xxh3_64_intdigest(raw.data)
     payload = dst[HEADER_SIZE:]
-    method = _choose(dtype, raw.size, level)
+    method = choose(dtype, raw.size, level)
     size: int | None = None
     if method is Method.ZSTD:
         # Always try: a flat byte histogram can still hide LZ repeats (a copied block),
         # and zstd gives up on incompressible input quickly.
-        _, tuned = _policy(_sample_entropies(raw, 1)[0], level)
-        size = _put_compressed(payload, raw, _zstd_level(level), raw.size, tuned=tuned)
+        _, tuned = plane_policy(sample_entropies(raw, 1)[0], level)
+        size = _put_compressed(payload, raw, zstd_level(level), raw.size, tuned=tuned)
     elif method is Method.PLANES_ZSTD:
         planes = _scratch.get("planes", raw.size)
         split_planes(raw, DTYPE_ITEMSIZE[dtype], planes.reshape(DTYPE_ITEMSIZE[dtype], -1))
-        size = _put_compressed(payload, planes, _zstd_level(level), raw.size, tuned=False)
+        size = _put_compressed(payload, planes, zstd_level(level), raw.size, tuned=False)
     elif method is Method.PLANES:
         size = _encode_planes(raw, payload, dtype, level)
     if size is None:  # RAW chosen, or the coded payload would not be smaller
@@ -204,59 +183,11 @@ def _put_compressed(
     return len(comp)
 
 
-# c * log2(c) for every count a sample can hold: entropy from a histogram in one take.
-_CLOG2C = np.zeros(_SAMPLE + 1)
-_CLOG2C[1:] = np.arange(1, _SAMPLE + 1) * np.log2(np.arange(1, _SAMPLE + 1))
-
-
-def _sample_entropies(raw: U8Array, itemsize: int) -> list[float]:
-    """Order-0 entropy (bits/byte) of an evenly spaced sample of each plane: the same
-    ``_SAMPLE`` items for every plane, gathered once as whole items, counted in one
-    ``bincount`` (plane ``j``'s bytes are keyed ``256 * j + byte``)."""
-    n = raw.size // itemsize
-    step = max(1, n // _SAMPLE)
-    items = raw[: n * itemsize].view(_SAMPLE_UINT[itemsize])[::step][:_SAMPLE]
-    words = items.astype(np.intp)
-    size = words.size
-    if itemsize == 1:
-        keys = words
-    else:
-        keys = np.empty(itemsize * size, dtype=np.intp)
-        for j in range(itemsize):
-            part = keys[j * size : (j + 1) * size]
-            np.right_shift(words, 8 * j, out=part)
-            np.bitwise_and(part, 0xFF, out=part)
-            if j:
-                np.add(part, 256 * j, out=part)
-    counts = np.bincount(keys, minlength=256 * itemsize).reshape(itemsize, 256)
-    sums = _CLOG2C[counts].sum(axis=1)
-    log2size = float(np.log2(size)) if size else 0.0
-    return [log2size - float(total) / size if size else 0.0 for total in sums]
-
-
-_SAMPLE_UINT: dict[int, np.dtype[Any]] = {1: np.dtype(np.uint8), 2: np.dtype("<u2"), 4: np.dtype("<u4")}
-
-
-def _policy(bits: float, level: int) -> tuple[bool, bool]:
-    """(code this plane?, with the tuned parameters?) from its sampled entropy.
-
-    Tuned parameters only on low-entropy planes (an exponent byte, ~2.9 bits on bf16):
-    there LZ matches are spurious and cost time. Planes that carry mantissa bits (fp16's
-    top byte, fp8) hold real repeats that zstd's level-1 match finder pays for: 1 % smaller
-    at 2 MiB, measured.
-    """
-    return bits < _CODE_BELOW_BITS, level <= 2 and bits < _TUNED_BELOW_BITS
-
-
-def _zstd_level(level: int) -> int:
-    return 1 if level <= 2 else level
-
-
 def _encode_planes(raw: U8Array, payload: U8Array, dtype: str, level: int) -> int | None:
     k = DTYPE_ITEMSIZE[dtype]
     n = raw.size // k
-    transform = TRANSFORM_SWAP_SIGN if level >= 2 and dtype in _SWAP_DTYPES else TRANSFORM_NONE
-    policy = [_policy(bits, level) for bits in _sample_entropies(raw, k)]
+    transform = TRANSFORM_SWAP_SIGN if level >= 2 and dtype in SWAP_DTYPES else TRANSFORM_NONE
+    policy = [plane_policy(bits, level) for bits in sample_entropies(raw, k)]
     coded = [code for code, _ in policy]
     if not any(coded):
         return None
@@ -283,7 +214,7 @@ def _encode_planes(raw: U8Array, payload: U8Array, dtype: str, level: int) -> in
     for j in range(direct, k):
         plane = targets[j]
         code, tuned = policy[j]
-        comp = entropy.compress(plane, _zstd_level(level), tuned=tuned) if code else None
+        comp = entropy.compress(plane, zstd_level(level), tuned=tuned) if code else None
         if comp is not None and len(comp) < n:
             stored, coding = np.frombuffer(comp, dtype=np.uint8), CODING_ZSTD
         else:
@@ -450,18 +381,3 @@ def _decode_planes(view: memoryview, k: int, raw_len: int, dst: U8Array) -> None
         _swap_sign_bits(planes[k - 2], planes[k - 1])
     merge16 = _scratch.get("merge", 4 * n).view(np.uint16) if k == 4 else None
     merge_unchecked(planes, dst, merge16)
-
-
-def entropy_bits(data: BytesLike | U8Array, itemsize: int) -> float:
-    """Sum over byte planes of each plane's order-0 entropy, in bits per item.
-
-    ``8 * itemsize / entropy_bits`` is the best ratio a coder that codes each plane byte
-    by byte, without context, can reach (the bench's entropy bound).
-    """
-    bits = 0.0
-    for plane in split_planes(as_u8(data), itemsize):
-        if plane.size:
-            counts = np.bincount(plane, minlength=256)
-            p = counts[counts > 0] / plane.size
-            bits += float(-(p * np.log2(p)).sum())
-    return bits

@@ -18,13 +18,17 @@ from dataclasses import dataclass
 
 import xxhash
 
-from kvbank.errors import CorruptPage, InvalidInput
-from kvbank.layout import DTYPE_ITEMSIZE
+from kvbank.dtypes import DTYPE_CODES, DTYPE_ITEMSIZE, DTYPE_NAMES, check_dtype
+from kvbank.errors import CorruptPage
 
 MAGIC = b"KVBC"
 FORMAT_VERSION = 1
 HEADER_SIZE = 40
-MAX_RAW_LEN = 1 << 32  # 4 GiB; pages are MiBs. Bounds what a crafted header can make us allocate.
+# The largest page kvbank stores, and so the largest raw length a frame may claim: the
+# store's index and the disk's meta records keep sizes as uint32. It also bounds what a
+# crafted header can make a reader allocate. Pages are MiBs.
+MAX_PAGE_BYTES = 2**32 - 1
+MAX_RAW_LEN = MAX_PAGE_BYTES  # the frame's name for the same limit
 
 # magic, version, method, dtype code, itemsize, raw_len, payload_len, checksum
 _HEAD = struct.Struct("<4sBBBBQQQ")
@@ -44,28 +48,12 @@ class Method(enum.IntEnum):
 
 _METHODS: Mapping[int, Method] = {int(m): m for m in Method}
 
-# dtype name -> code in the header's dtype byte. Fixed numbers, never reused: a code
-# names a dtype forever, whatever order kvbank.layout lists them in.
-DTYPE_CODES: Mapping[str, int] = {
-    "uint8": 0,
-    "int8": 1,
-    "float8_e4m3fn": 2,
-    "float8_e5m2": 3,
-    "float8_e8m0fnu": 4,
-    "float4_e2m1fn_x2": 5,
-    "float16": 6,
-    "bfloat16": 7,
-    "float32": 8,
-    "int32": 9,
-}
-DTYPE_NAMES: Mapping[int, str] = {code: name for name, code in DTYPE_CODES.items()}
+# The dtype codes are kvbank.dtypes' (one table with the item sizes); re-exported here.
 
 
 def dtype_code(dtype: str) -> int:
     """The header code of a kvbank dtype name; unknown names raise InvalidInput."""
-    if not isinstance(dtype, str) or dtype not in DTYPE_ITEMSIZE or dtype not in DTYPE_CODES:
-        raise InvalidInput(f"dtype: unknown dtype {dtype!r}; known: {sorted(DTYPE_ITEMSIZE)}")
-    return DTYPE_CODES[dtype]
+    return check_dtype(dtype).code
 
 
 @dataclass(frozen=True, slots=True)

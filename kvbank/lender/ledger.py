@@ -4,15 +4,20 @@ Primitives:
 
 - :class:`FetchLedger` — a table of open fetches, each under a fetch id.
 - :class:`PlannedRow` — one row a fetch means to deliver: group, key index, name and its
-  position in the caller's output buffer of that group.
+  position in the caller's output buffer of that group (``out_index``).
+- :class:`FetchInfo` — a snapshot of one open fetch, for listing (:meth:`FetchLedger.entries`).
 
 Lifecycle: ``open`` (the plan: the rows a :class:`~kvbank.lender.resume.ResumeBound`
 needs) → ``record`` each row as it arrives *whole* → ``bound`` recomputes the resume bound
 from the delivered rows alone → ``close``. A row that did not arrive whole is a miss,
 never "loaded" (dynamo#15079). A broken fetch resumes with ``pending``: the planned rows
-not yet delivered, in plan order, so the first one is the first undelivered row. An entry
-not touched for ``ttl_s`` expires (checked lazily on every call); its id then answers
-:class:`~kvbank.errors.FetchNotFound`.
+not yet delivered, in plan order, so the first one is the first undelivered row.
+
+Expiry. An entry lives ``ttl_s`` from its last ``open``, ``record`` or ``renew`` (the
+commands). Lookups (``plan``, ``pending``, ``delivered``, ``bound``, ``in``, ``len``,
+``entries``) change nothing: they neither renew an entry nor drop one, they only treat an
+entry past its deadline as gone (:class:`~kvbank.errors.FetchNotFound`). Dead entries are
+dropped by ``expire`` and by the next ``open``.
 """
 
 from __future__ import annotations
@@ -38,7 +43,19 @@ class PlannedRow:
     group: int
     index: int  # key index in the group's chain
     name: bytes
-    slot: int  # position in the caller's output buffer of this group
+    out_index: int  # position in the caller's output buffer of this group
+
+
+@dataclass(frozen=True, slots=True)
+class FetchInfo:
+    """One open fetch when it was listed."""
+
+    fetch_id: str
+    layout_id: bytes
+    prompt_tokens: int
+    planned_rows: int
+    delivered_rows: int
+    ttl_s: float  # seconds left before it expires unless renewed or recorded into
 
 
 @dataclass(slots=True)
@@ -76,9 +93,9 @@ class FetchLedger:
         if len(plan.rows) != len(layout.groups) or (plan.row_count and not plan.needed()):
             raise InvalidInput("plan: a fetch plan must carry row names for every group")
         rows = tuple(
-            PlannedRow(gi, j, name, slot)
+            PlannedRow(gi, j, name, out_index)
             for gi, (idx, nm) in enumerate(zip(plan.pages, plan.rows, strict=True))
-            for slot, (j, name) in enumerate(zip(idx, nm, strict=True))
+            for out_index, (j, name) in enumerate(zip(idx, nm, strict=True))
         )
         fid = fetch_id or uuid.uuid4().hex
         with self._lock:
@@ -93,18 +110,21 @@ class FetchLedger:
         return fid
 
     def _entry(self, fetch_id: str) -> _Entry:
-        now = self._clock()
-        self._expire_locked(now)
+        """The live entry (a lookup: renews nothing, drops nothing)."""
         entry = self._entries.get(fetch_id)
-        if entry is None:
+        if entry is None or entry.deadline <= self._clock():
             raise FetchNotFound(f"fetch_id: no open fetch {fetch_id!r} (finished, expired or never started)")
-        entry.deadline = now + self._ttl  # activity keeps a long, streamed fetch alive
         return entry
 
     def __contains__(self, fetch_id: object) -> bool:
         with self._lock:
-            self._expire_locked(self._clock())
-            return fetch_id in self._entries
+            entry = self._entries.get(fetch_id) if isinstance(fetch_id, str) else None
+            return entry is not None and entry.deadline > self._clock()
+
+    def renew(self, fetch_id: str) -> None:
+        """Keep a live fetch open ``ttl_s`` from now (a resumed fetch calls it)."""
+        with self._lock:
+            self._entry(fetch_id).deadline = self._clock() + self._ttl
 
     def plan(self, fetch_id: str) -> tuple[PlannedRow, ...]:
         with self._lock:
@@ -119,6 +139,7 @@ class FetchLedger:
                 if n not in planned:
                     raise InvalidInput(f"names[{i}]: row {bytes(n).hex()[:16]}… is not in fetch {fetch_id!r}")
             entry.delivered.update(names)
+            entry.deadline = self._clock() + self._ttl  # arriving rows keep a long fetch open
 
     def pending(self, fetch_id: str) -> tuple[PlannedRow, ...]:
         """Planned rows not yet delivered, in plan order."""
@@ -158,17 +179,29 @@ class FetchLedger:
         return len(dead)
 
     def __len__(self) -> int:
+        """Open fetches (entries past their deadline are not counted)."""
         with self._lock:
-            return len(self._entries)
+            now = self._clock()
+            return sum(1 for e in self._entries.values() if e.deadline > now)
+
+    def entries(self) -> tuple[FetchInfo, ...]:
+        """Every open fetch, oldest first (a lookup: renews and drops nothing)."""
+        with self._lock:
+            now = self._clock()
+            return tuple(
+                FetchInfo(fid, e.layout.layout_id, e.prompt_tokens, len(e.plan),
+                          len(e.delivered), e.deadline - now)
+                for fid, e in self._entries.items() if e.deadline > now
+            )
 
     def check_invariants(self) -> None:
-        """Delivered rows are planned rows; plans are in group, slot order."""
+        """Delivered rows are planned rows; plans are in group, output-buffer order."""
         with self._lock:
             for fid, e in self._entries.items():
                 planned = {r.name for r in e.plan}
                 if not e.delivered <= planned:
                     raise AssertionError(f"fetch {fid}: delivered rows outside the plan")
                 for gi in range(len(e.layout.groups)):
-                    slots = [r.slot for r in e.plan if r.group == gi]
-                    if slots != list(range(len(slots))):
-                        raise AssertionError(f"fetch {fid}: group {gi} slots {slots}")
+                    order = [r.out_index for r in e.plan if r.group == gi]
+                    if order != list(range(len(order))):
+                        raise AssertionError(f"fetch {fid}: group {gi} output order {order}")

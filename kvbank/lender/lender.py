@@ -54,7 +54,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from itertools import repeat
-from operator import is_, itemgetter
+from operator import is_
 from typing import TYPE_CHECKING, cast
 
 from kvbank.config import BankConfig
@@ -65,7 +65,7 @@ from kvbank.errors import (
     LeaseNotFound,
     TierUnavailable,
 )
-from kvbank.keys import ROW_NAME_BYTES
+from kvbank.keys import ROW_NAME_BYTES, same_chain, shape_key
 from kvbank.lender.base import (
     CommitResult,
     Delivery,
@@ -99,7 +99,7 @@ _Parts = tuple[tuple[LeaseRow, ...], tuple[bytes, ...], dict[bytes, Slot], dict[
 
 _TOMBSTONES = 4096  # ended lease ids remembered, so a late call says why (expired/released)
 _SHAPES = 4096  # (namespace, group) shapes remembered; a bank has a handful per layout
-_shape_key = itemgetter(slice(0, 16), slice(48, 50))  # namespace ‖ group: one page shape
+_shape_key = shape_key  # namespace ‖ group: one page shape (keys owns the anatomy)
 _NO_REGIONS: tuple[Region, ...] = ()
 
 
@@ -335,7 +335,7 @@ class Lender:
                     raise InvalidInput("names: undescribed row in a WRITE lease")
                 # A chain listed in order: a row's parent (for prefix-aware eviction) is the
                 # previous row of the same namespace and group in this lease.
-                parents[n] = prev if prev is not None and prev[:16] == n[:16] and prev[-6:] == n[-6:] else None
+                parents[n] = prev if prev is not None and same_chain(prev, n) else None
                 prev = n
                 if w is not None:
                     out.append(LeaseRow(n, True, None, shape.regions, Delivery.PRESENT))

@@ -21,7 +21,8 @@ need no rows. ``r = 0`` means recompute everything; the first token recomputed i
 The set of valid ``r`` is not monotone (an evicted window can block a high boundary while
 a lower one is whole; a snapshot exists only at some boundaries), so every candidate is
 checked from the top down — no binary search. Presence is read once per keyed page and
-turned into prefix sums, so each candidate costs O(groups).
+turned into prefix sums, so each candidate costs O(groups). :func:`resume_boundaries`
+lists every usable ``r``; ``resume_bound(..., at=r)`` gives the rows for one of them.
 """
 
 from __future__ import annotations
@@ -91,97 +92,125 @@ def required_pages(layout: PageLayout, group: int, r: int) -> tuple[int, ...]:
     return tuple(sorted(set(range(sink)) | set(range(lo, top))))
 
 
+class _Availability:
+    """Presence of every keyed page, read once, with prefix sums: O(groups) per boundary."""
+
+    def __init__(self, layout: PageLayout, prompt_tokens: int, present: Presence,
+                 names: Sequence[Sequence[bytes]] | None) -> None:
+        if isinstance(prompt_tokens, bool) or not isinstance(prompt_tokens, int) or prompt_tokens < 0:
+            raise InvalidInput(f"prompt_tokens: must be a non-negative integer, got {prompt_tokens!r}")
+        self.layout = layout
+        self.p = p = layout.tokens_per_page
+        self.t = t = prompt_tokens
+        self.keyed = keyed = t // p
+        n_groups = len(layout.groups)
+        if names is not None:
+            if len(names) != n_groups:
+                raise InvalidInput(f"names: {len(names)} groups given, the layout has {n_groups}")
+            for gi, gn in enumerate(names):
+                if layout.group_page_bytes[gi] and len(gn) < keyed:
+                    raise InvalidInput(f"names[{gi}]: {len(gn)} names for {keyed} keyed pages")
+        self.active = [gi for gi in range(n_groups) if layout.group_page_bytes[gi] > 0]
+        # have[g][j] for keyed pages; prefix[g][k] = number available among j < k
+        self.have = {gi: [bool(present(gi, j)) for j in range(keyed)] for gi in self.active}
+        self.prefix = {gi: [0, *accumulate(int(x) for x in self.have[gi])] for gi in self.active}
+        self.runs: dict[int, int] = {}  # full-attention group -> pages held contiguously from 0
+        for gi in self.active:
+            g = layout.groups[gi]
+            if g.kind is GroupKind.ATTENTION and g.window is None:
+                run = 0
+                while run < keyed and self.have[gi][run]:
+                    run += 1
+                self.runs[gi] = run
+        self.matched_pages = min(self.runs.values(), default=keyed)
+        # The largest boundary that leaves a prompt token to compute logits from.
+        self.best_candidate = ((t - 1) // p) * p if t > 0 else 0
+
+    def obstacle(self, r: int) -> tuple[Obstacle, int] | None:
+        """What blocks boundary ``r`` (a positive multiple of P), or None if it is usable."""
+        layout, p, top = self.layout, self.p, r // self.p
+        for gi in self.active:
+            g = layout.groups[gi]
+            if g.kind is GroupKind.STATE:
+                if not self.have[gi][top - 1]:
+                    return Obstacle.NO_SNAPSHOT, gi
+            elif g.window is None:
+                if top > self.runs[gi]:
+                    return Obstacle.MISSING_PAGE, gi
+            else:
+                sink = min(-(-g.sink_tokens // p), top)
+                if self.prefix[gi][sink] != sink:
+                    return Obstacle.SINK_EVICTED, gi
+                lo = max(0, r - g.window) // p
+                if self.prefix[gi][top] - self.prefix[gi][lo] != top - lo:
+                    return Obstacle.WINDOW_EVICTED, gi
+        return None
+
+    def above(self, r: int) -> tuple[Obstacle | None, int | None]:
+        """Why ``r + P`` is not the bound: its obstacle, LAST_TOKEN, or (None, None)."""
+        nxt = r + self.p
+        if nxt > self.best_candidate:
+            # Blocked by the last-token rule when that page is keyed (T a multiple of P);
+            # a partial last page is not a loss.
+            last = self.t > 0 and nxt <= self.keyed * self.p
+            return (Obstacle.LAST_TOKEN if last else None), None
+        hit = self.obstacle(nxt)
+        return (None, None) if hit is None else hit
+
+    def boundaries(self) -> tuple[int, ...]:
+        """Every usable boundary ``r > 0``, ascending."""
+        return tuple(r for r in range(self.p, self.best_candidate + 1, self.p) if self.obstacle(r) is None)
+
+    def bound(self, r: int, names: Sequence[Sequence[bytes]] | None) -> ResumeBound:
+        layout, n_groups = self.layout, len(self.layout.groups)
+        reason, blocking = self.above(r)
+        pages = tuple(required_pages(layout, gi, r) for gi in range(n_groups))
+        rows: tuple[tuple[bytes, ...], ...]
+        if names is None:
+            rows = tuple(() for _ in range(n_groups))
+        else:
+            rows = tuple(tuple(names[gi][j] for j in pages[gi]) for gi in range(n_groups))
+        return ResumeBound(
+            tokens=r, prompt_tokens=self.t, tokens_per_page=self.p, keyed_pages=self.keyed,
+            matched_tokens=self.matched_pages * self.p, pages=pages, rows=rows, reason=reason,
+            blocking_group=blocking,
+        )
+
+
 def resume_bound(
     layout: PageLayout,
     prompt_tokens: int,
     present: Presence,
     names: Sequence[Sequence[bytes]] | None = None,
+    *,
+    at: int | None = None,
 ) -> ResumeBound:
     """The bound for a prompt of ``prompt_tokens`` tokens given which rows are available.
 
     ``present(g, j)`` is asked once for every group ``g`` whose page carries bytes and
     every key index ``j < T // P``. ``names[g][j]``, when given, is the row name of key
-    index ``j`` of group ``g`` and fills :attr:`ResumeBound.rows`.
+    index ``j`` of group ``g`` and fills :attr:`ResumeBound.rows`. ``at`` asks for a lower
+    usable boundary than the largest (one of :func:`resume_boundaries`, or 0); its
+    ``reason`` then says why ``at + P`` is not usable (None if it is).
     """
-    if isinstance(prompt_tokens, bool) or not isinstance(prompt_tokens, int) or prompt_tokens < 0:
-        raise InvalidInput(f"prompt_tokens: must be a non-negative integer, got {prompt_tokens!r}")
-    p = layout.tokens_per_page
-    t = prompt_tokens
-    keyed = t // p
-    n_groups = len(layout.groups)
-    if names is not None:
-        if len(names) != n_groups:
-            raise InvalidInput(f"names: {len(names)} groups given, the layout has {n_groups}")
-        for gi, gn in enumerate(names):
-            if layout.group_page_bytes[gi] and len(gn) < keyed:
-                raise InvalidInput(f"names[{gi}]: {len(gn)} names for {keyed} keyed pages")
+    avail = _Availability(layout, prompt_tokens, present, names)
+    if at is None:
+        r = 0
+        for cand in range(avail.best_candidate, 0, -avail.p):
+            if avail.obstacle(cand) is None:
+                r = cand
+                break
+        return avail.bound(r, names)
+    if isinstance(at, bool) or not isinstance(at, int) or at < 0 or at % avail.p \
+            or at > avail.best_candidate or (at and avail.obstacle(at) is not None):
+        raise InvalidInput(
+            f"at: {at!r} is not a usable resume boundary of this prompt "
+            f"(usable: {[0, *avail.boundaries()]})"
+        )
+    return avail.bound(at, names)
 
-    active = [gi for gi in range(n_groups) if layout.group_page_bytes[gi] > 0]
-    # have[g][j] for keyed pages; prefix[g][k] = number available among j < k
-    have: dict[int, list[bool]] = {gi: [bool(present(gi, j)) for j in range(keyed)] for gi in active}
-    prefix = {gi: [0, *accumulate(int(x) for x in have[gi])] for gi in active}
 
-    def count(gi: int, lo: int, hi: int) -> int:
-        return prefix[gi][hi] - prefix[gi][lo]
-
-    full = [gi for gi in active if layout.groups[gi].kind is GroupKind.ATTENTION
-            and layout.groups[gi].window is None]
-    runs: dict[int, int] = {}  # full-attention group -> pages held contiguously from 0
-    for gi in full:
-        run = 0
-        while run < keyed and have[gi][run]:
-            run += 1
-        runs[gi] = run
-    matched_pages = min(runs.values(), default=keyed)
-
-    def obstacle(r: int) -> tuple[Obstacle, int] | None:
-        top = r // p
-        for gi in active:
-            g = layout.groups[gi]
-            if g.kind is GroupKind.STATE:
-                if not have[gi][top - 1]:
-                    return Obstacle.NO_SNAPSHOT, gi
-            elif g.window is None:
-                if top > runs[gi]:
-                    return Obstacle.MISSING_PAGE, gi
-            else:
-                sink = min(-(-g.sink_tokens // p), top)
-                if count(gi, 0, sink) != sink:
-                    return Obstacle.SINK_EVICTED, gi
-                lo = max(0, r - g.window) // p
-                if count(gi, lo, top) != top - lo:
-                    return Obstacle.WINDOW_EVICTED, gi
-        return None
-
-    best_candidate = ((t - 1) // p) * p if t > 0 else 0
-    r = 0
-    reason: Obstacle | None = None
-    blocking: int | None = None
-    # The boundary just above the best candidate is blocked by the last-token rule when
-    # its page is keyed (T a multiple of P); a partial last page is not a loss.
-    if t > 0 and best_candidate + p <= keyed * p:
-        reason = Obstacle.LAST_TOKEN
-    for cand in range(best_candidate, 0, -p):
-        hit = obstacle(cand)
-        if hit is None:
-            r = cand
-            break
-        reason, blocking = hit
-
-    pages = tuple(required_pages(layout, gi, r) for gi in range(n_groups))
-    rows: tuple[tuple[bytes, ...], ...]
-    if names is None:
-        rows = tuple(() for _ in range(n_groups))
-    else:
-        rows = tuple(tuple(names[gi][j] for j in pages[gi]) for gi in range(n_groups))
-    return ResumeBound(
-        tokens=r,
-        prompt_tokens=t,
-        tokens_per_page=p,
-        keyed_pages=keyed,
-        matched_tokens=matched_pages * p,
-        pages=pages,
-        rows=rows,
-        reason=reason,
-        blocking_group=blocking,
-    )
+def resume_boundaries(layout: PageLayout, prompt_tokens: int, present: Presence) -> tuple[int, ...]:
+    """Every usable boundary ``r > 0`` of the prompt, ascending (an engine that caches by
+    prefix length asks for all of them; the set is not monotone, see the module text)."""
+    return _Availability(layout, prompt_tokens, present, None).boundaries()

@@ -42,7 +42,6 @@ from pydantic import BaseModel, Field
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvbank import __version__, wire
-from kvbank.bank import Match
 from kvbank.errors import (
     FetchNotFound,
     InvalidInput,
@@ -57,7 +56,8 @@ from kvbank.errors import (
 )
 from kvbank.keys import Scope as KeyScope
 from kvbank.layout import PageLayout
-from kvbank.lender.base import LeaseMode, MemoryKind
+from kvbank.lender.base import Lease, LeaseMode, MemoryKind
+from kvbank.results import Match
 from kvbank.service.framing import PutKind, encode_fetch_prefix, fetch_stream_bytes
 from kvbank.service.node import Node
 from kvbank.service.stream import BodyTooLarge, RowStream, receive_put, receive_put_lease
@@ -170,6 +170,10 @@ def create_app(node: Node) -> FastAPI:
     app.add_middleware(_Limits, max_headers=node.config.max_headers)
     bank = node.bank
 
+    def _lease(lease: Lease) -> dict[str, Any]:
+        # ttl_s against the bank's own clock, the one the lease's deadline is on
+        return wire.to_dict(lease, now=bank.clock())
+
     @app.exception_handler(KvbankError)
     async def _typed(request: Request, exc: KvbankError) -> Response:
         return _error(exc)
@@ -212,7 +216,7 @@ def create_app(node: Node) -> FastAPI:
     async def put_lease(request: Request) -> Response:
         names, lease, fallback = await receive_put_lease(node, request)
         return _json({"names": [n.hex() for n in names], "fallback": fallback,
-                      "lease": None if lease is None else wire.to_dict(lease)})
+                      "lease": None if lease is None else _lease(lease)})
 
     @app.post("/v1/match")
     async def match(body: MatchBody) -> Response:
@@ -242,9 +246,11 @@ def create_app(node: Node) -> FastAPI:
             names = opened.names
             if names:
                 lease = await node.call(bank.lend, names, mode=LeaseMode.READ, kind=MemoryKind.HOST)
+                node.lent(opened.fetch_id, lease.id,
+                          {r.name for r in lease.rows if r.location is not None})
             return _json({"fetch_id": opened.fetch_id,
                           "rows": [[r.position, r.group, r.slot, r.size] for r in opened.rows],
-                          "lease": None if lease is None else wire.to_dict(lease)})
+                          "lease": None if lease is None else _lease(lease)})
         prefix = encode_fetch_prefix(opened.fetch_id, opened.rows)
         return RowStream(node, opened, prefix, fetch_stream_bytes(len(prefix), opened.rows))
 
@@ -265,11 +271,11 @@ def create_app(node: Node) -> FastAPI:
                 raise InvalidInput("names: a NAMED lease lists its rows (or set all=true)")
             names = [_hex(n, f"names[{i}]") for i, n in enumerate(body.names)]
             lease = await node.call(bank.lend, names, mode=mode, kind=kind, ttl_s=body.ttl_s)
-        return _json(wire.to_dict(lease))
+        return _json(_lease(lease))
 
     @app.post("/v1/leases/{lease_id}/renew")
     async def renew(lease_id: str, body: RenewBody) -> Response:
-        return _json(wire.to_dict(await node.call(bank.renew, lease_id, body.ttl_s)))
+        return _json(_lease(await node.call(bank.renew, lease_id, body.ttl_s)))
 
     @app.post("/v1/leases/{lease_id}/commit")
     async def commit(lease_id: str, body: CommitBody) -> Response:
@@ -282,7 +288,7 @@ def create_app(node: Node) -> FastAPI:
 
     @app.post("/v1/leases/{lease_id}/check")
     async def check(lease_id: str) -> Response:
-        await node.call(bank.lender.finish_read, lease_id)
+        await node.call(bank.check_live, lease_id)
         return _json({"live": True})
 
     @app.delete("/v1/leases/{lease_id}")

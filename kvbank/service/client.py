@@ -41,13 +41,14 @@ from urllib.parse import urlsplit
 import httpx
 
 from kvbank import wire
-from kvbank.bank import Bank, BankStats, FetchResult, Match, OutBuffers, Pages
+from kvbank.buffers import OutBuffers, Pages, out_views, page_views
 from kvbank.errors import InvalidInput, KvbankError, TierFull, TierUnavailable
 from kvbank.keys import DEFAULT_SCOPE, PAGE_KEY_BYTES, Scope, TokenIds, tokens_to_bytes
 from kvbank.layout import PageLayout
 from kvbank.lender.base import CommitResult, Delivery, Lease, LeaseMode, MemoryKind
 from kvbank.lender.borrow import Borrower
-from kvbank.service.client_io import fetch_stream, out_views, send_put
+from kvbank.results import BankStats, FetchResult, Match
+from kvbank.service.client_io import fetch_stream, send_put
 from kvbank.service.config import DEFAULT_BIND, DEFAULT_PORT
 from kvbank.service.framing import PutHeader, PutKind, encode_put_prefix
 from kvbank.tiers.host import SHM_DIR
@@ -253,7 +254,7 @@ class Client:
         """:meth:`Bank.put` on the node: pages of an ATTENTION group; their row names."""
         layout = self.layout(layout_id)
         size = _page_size(layout, group)
-        views = Bank._page_views(pages, size, "pages")
+        views = page_views(pages, size, "pages")
         head = self._put_head(PutKind.PAGES, layout_id, tokens, keys, scope, group, first_page,
                               shard, None, views, size)
         return self._store(PutKind.PAGES, head, views)
@@ -266,7 +267,7 @@ class Client:
         size = _page_size(layout, group)
         if hasattr(state, "dim") and state.dim() == 1:
             state = state.reshape(1, -1)
-        views = Bank._page_views(state if hasattr(state, "dim") else [state], size, "state")
+        views = page_views(state if hasattr(state, "dim") else [state], size, "state")
         if len(views) != 1:
             raise InvalidInput(f"state: expected one snapshot, got {len(views)}")
         head = self._put_head(PutKind.STATE, layout_id, tokens, keys, scope, group, 0, shard,
@@ -295,7 +296,7 @@ class Client:
         the same fetch id until ``retry_s`` has passed."""
         if not isinstance(match, Match):
             raise InvalidInput(f"match: expected a Match, got {type(match).__name__}")
-        views = out_views(self.layout(match.layout_id), match.resume, out)
+        views = out_views(self.layout(match.layout_id), match.resume.pages, out)
         req = {"match": wire.to_dict(match), "fetch_id": fetch_id, "max_rows": max_rows}
         if self.same_host:
             try:

@@ -4,8 +4,6 @@
 - :func:`fetch_stream` — a fetch stream read with ``readinto`` straight into each
   destination row; the positions of the rows that arrived whole, even when the stream
   broke off (those are what the client acknowledges).
-- :func:`out_views` — the caller's output buffers as byte views, checked as
-  :meth:`Bank.fetch` checks them.
 
 httpx is not used here: it reads a body in 64 KiB ``bytes`` chunks the caller must copy
 again, which measured 0.55–0.78× raw TCP against ``readinto``'s 1.0×.
@@ -17,13 +15,8 @@ import http.client
 import json
 from collections.abc import Mapping, Sequence
 
-import torch
-
 from kvbank import wire
-from kvbank.bank import OutBuffers
 from kvbank.errors import InvalidInput, KvbankError, TierUnavailable
-from kvbank.layout import PageLayout
-from kvbank.lender.resume import ResumeBound
 from kvbank.service.framing import (
     FETCH_MAGIC,
     FRAME,
@@ -104,39 +97,3 @@ def fetch_stream(conn: http.client.HTTPConnection, body: bytes,
     except (OSError, http.client.HTTPException, InvalidInput) as exc:
         return got, fid, exc
     return got, fid, None
-
-
-def out_views(layout: PageLayout, plan: ResumeBound, out: OutBuffers) -> dict[int, list[memoryview]]:
-    """``out[g][k]`` as writable byte views of the group's page size (InvalidInput else)."""
-    if not isinstance(out, Mapping):
-        raise InvalidInput(f"out: expected a mapping group -> buffers, got {type(out).__name__}")
-    views: dict[int, list[memoryview]] = {}
-    for g, pages in enumerate(plan.pages):
-        if not pages:
-            continue
-        size = layout.group_page_bytes[g]
-        buf = out.get(g)
-        if buf is None:
-            raise InvalidInput(f"out[{g}]: missing; group {g} needs {len(pages)} rows of {size} bytes")
-        if isinstance(buf, torch.Tensor):
-            ok = (buf.dtype == torch.uint8 and buf.dim() == 2 and buf.shape[1] == size
-                  and buf.shape[0] >= len(pages) and buf.device.type == "cpu" and buf.is_contiguous())
-            if not ok:
-                raise InvalidInput(f"out[{g}]: expected a contiguous CPU uint8 tensor [>= {len(pages)}, {size}], "
-                                   f"got {buf.dtype} {tuple(buf.shape)} on {buf.device}")
-            arr = buf.numpy()
-            views[g] = [memoryview(arr[i]) for i in range(len(pages))]
-            continue
-        if isinstance(buf, (bytes, str)) or not isinstance(buf, Sequence) or len(buf) < len(pages):
-            raise InvalidInput(f"out[{g}]: expected {len(pages)} writable buffers")
-        vs = []
-        for i in range(len(pages)):
-            try:
-                mv = memoryview(buf[i])
-            except TypeError:
-                mv = None
-            if mv is None or mv.readonly or not mv.c_contiguous or mv.nbytes < size:
-                raise InvalidInput(f"out[{g}][{i}]: expected a writable, C-contiguous buffer of >= {size} bytes")
-            vs.append(mv.cast("B"))
-        views[g] = vs
-    return views

@@ -35,11 +35,14 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from kvbank import __version__
-from kvbank.bank import Bank, FetchResult, Match
+from kvbank.bank import Bank
 from kvbank.errors import InvalidInput, KvbankError
+from kvbank.lender.base import MemoryKind
 from kvbank.lender.ledger import FetchLedger, PlannedRow
+from kvbank.results import FetchResult, Match
 from kvbank.service.config import ServiceConfig
 from kvbank.service.framing import StreamRow
+from kvbank.tiers.base import HostSlot
 from kvbank.tiers.host import SHM_DIR
 
 T = TypeVar("T")
@@ -74,6 +77,8 @@ class _Fetch:
     # write() returned (uvloop keeps a pointer, not a copy), and an acknowledgement means
     # every byte has left. Unacknowledged ones expire with their TTL.
     held: list[tuple[str, list[bytes]]] = field(default_factory=list)
+    # READ leases lent to a same-host client for this fetch -> the rows they hold
+    lent: dict[str, set[bytes]] = field(default_factory=dict)
 
 
 class Node:
@@ -89,6 +94,16 @@ class Node:
         # that outlived the send). Bounded: a client that never acknowledges leaves one.
         self._fetches: OrderedDict[str, _Fetch] = OrderedDict()
         self.identity = host_identity()
+        # The host tier's segment, from an ALL lease (which describes the pools, locks
+        # nothing): a same-host client checks it can map it before taking that path.
+        pools: tuple[object, ...] = ()
+        try:
+            everything = bank.lend_all(kind=MemoryKind.HOST)
+            pools = everything.pools
+            bank.release(everything.id)
+        except KvbankError:
+            pass  # no host tier: clients take the TCP path
+        self.segment = next((p for p in pools if isinstance(p, HostSlot)), None)
 
     async def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """``fn(*args, **kwargs)`` on the node's bounded pool."""
@@ -96,7 +111,7 @@ class Node:
         return await loop.run_in_executor(self.pool, partial(fn, *args, **kwargs))
 
     def info(self) -> dict[str, Any]:
-        segment = self.bank.store.host_segment
+        segment = self.segment
         cfg = self.config.bank
         return {
             "version": __version__,
@@ -116,9 +131,11 @@ class Node:
         if max_rows is not None and (isinstance(max_rows, bool) or max_rows < 0):
             raise InvalidInput(f"max_rows: must be a non-negative integer, got {max_rows!r}")
         want = [(g, n) for g, rows in enumerate(match.resume.rows) for n in rows]
+        self.ledger.expire()
         if fetch_id is not None and fetch_id in self.ledger:
             if [(r.group, r.name) for r in self.ledger.plan(fetch_id)] != want:
                 raise InvalidInput(f"fetch_id: {fetch_id!r} was opened for another match")
+            self.ledger.renew(fetch_id)  # a resumed fetch is activity
         else:
             fetch_id = self.ledger.open(layout, match.prompt_tokens, match.names, match.resume, fetch_id)
         plan = self.ledger.plan(fetch_id)
@@ -127,7 +144,7 @@ class Node:
         if max_rows is not None:
             todo = todo[:max_rows]
         sizes = layout.group_page_bytes
-        rows = [StreamRow(position[r], r.group, r.slot, sizes[r.group]) for r in todo]
+        rows = [StreamRow(position[r], r.group, r.out_index, sizes[r.group]) for r in todo]
         with self._lock:
             state = self._fetches.get(fetch_id)
             if state is None:
@@ -146,6 +163,13 @@ class Node:
             if state is not None:
                 state.verified.update(names)
 
+    def lent(self, fetch_id: str, lease_id: str, names: set[bytes]) -> None:
+        """A same-host client reads ``names`` in place through ``lease_id``."""
+        with self._lock:
+            state = self._fetches.get(fetch_id)
+            if state is not None:
+                state.lent[lease_id] = names
+
     def hold(self, fetch_id: str, lease_id: str, names: list[bytes]) -> None:
         """``names`` were streamed from the slots of READ lease ``lease_id``: keep it
         until the client acknowledges (or it expires)."""
@@ -160,7 +184,7 @@ class Node:
         """End the held leases; the rows of those still live count as verified."""
         for lease_id, names in held:
             try:
-                self.bank.lender.finish_read(lease_id)
+                self.bank.check_live(lease_id)
                 ok = True
             except KvbankError:
                 ok = False  # expired: what it sent may be another row's bytes by now
@@ -187,10 +211,12 @@ class Node:
                 raise InvalidInput(f"rows[{i}]: not a row position of fetch {fetch_id} (0..{len(plan) - 1})")
         acked = [plan[p].name for p in positions]
         if lease_id is not None:
-            lease = self.bank.lender.lease(lease_id)  # raises when it ended or never was
-            ready = {r.name for r in lease.rows if r.location is not None}
+            with self._lock:
+                ready = state.lent.pop(lease_id, None)
+            if ready is None:
+                raise InvalidInput(f"lease_id: {lease_id} was not lent for fetch {fetch_id}")
             try:
-                self.bank.lender.finish_read(lease_id)
+                self.bank.check_live(lease_id)
                 good = [n for n in acked if n in ready]
             finally:
                 self.bank.release(lease_id)

@@ -143,7 +143,7 @@ async def receive_put_lease(node: Node, request: Request) -> tuple[list[bytes], 
         raise InvalidInput(f"body: did not arrive within {node.config.body_timeout_s}s") from None
     except ClientDisconnect:
         raise InvalidInput("body: the client went away mid-body") from None
-    where = await node.call(node.bank.store.locate, names)
+    where = await node.call(node.bank.locate, names)
     todo = [n for n, w in zip(names, where, strict=True) if w is None]
     if not todo:
         return names, None, False
@@ -161,7 +161,7 @@ async def _put(node: Node, body: _Body, kind: PutKind, declared: str | None) -> 
         raise InvalidInput(f"header.kind: this route takes {kind.value!r} bodies, got {header.kind.value!r}")
     names, tokens, keys = await node.call(plan_put, node, header, await body.read(header.key_bytes))
     pages: list[bytearray] = []
-    where = await node.call(node.bank.store.locate, names)
+    where = await node.call(node.bank.locate, names)
     todo = [n for n, w in zip(names, where, strict=True) if w is None]
     lease = await _write_lease(node, todo) if todo else None
     if lease is None and not todo:  # every row is stored already: read and drop the pages
@@ -256,7 +256,7 @@ async def _write_lease(node: Node, names: list[bytes]) -> Lease | None:
 
 
 def _slot_views(node: Node, lease: Lease, names: list[bytes]) -> dict[bytes, memoryview]:
-    return {n: node.bank.lender.view(lease.id, n) for n in lease.names if _reserved(lease, n)}
+    return {n: node.bank.view(lease.id, n) for n in lease.names if _reserved(lease, n)}
 
 
 def _store_pages(node: Node, header: PutHeader, tokens: Any, keys: Any, pages: list[bytearray]) -> None:
@@ -365,22 +365,30 @@ async def _lend(node: Node, fetch: OpenFetch, idx: list[int]) -> Lease | None:
 
 
 def _private_copies(node: Node, fetch: OpenFetch, idx: list[int]) -> dict[bytes, memoryview]:
-    """The batch's rows copied (decoded, checked) into fresh buffers; a row that is gone
-    or fails its checksum is left out, so it streams as MISSING."""
+    """The batch's rows copied into fresh buffers through one-row leases (the host tier
+    could not hold the batch at once); a row that is gone, fails its checksum or cannot
+    be lent is left out, so it streams as MISSING."""
     out: dict[bytes, memoryview] = {}
+    bank = node.bank
     for i in idx:
         name, size = fetch.names[i], fetch.rows[i].size
-        buf = bytearray(size)
         try:
-            got = node.bank.store.get_into(name, buf)
+            lease = bank.lend([name], mode=LeaseMode.READ, kind=MemoryKind.HOST)
         except KvbankError as exc:
             logger.warning("fetch %s: row %s not served: %s", fetch.fetch_id, name.hex()[:16], exc)
             continue
-        if got == size:
-            out[name] = memoryview(buf)
+        try:
+            if lease.rows[0].delivery is Delivery.READY:
+                buf = bytearray(size)
+                if bank.read_into(lease.id, name, buf) == size:  # checks the lease outlived it
+                    out[name] = memoryview(buf)
+        except KvbankError as exc:
+            logger.warning("fetch %s: row %s not served: %s", fetch.fetch_id, name.hex()[:16], exc)
+        finally:
+            bank.release(lease.id)
     node.verified(fetch.fetch_id, list(out))  # private copies: nothing can reclaim them
     return out
 
 
 def _read_views(node: Node, lease: Lease) -> dict[bytes, memoryview]:
-    return {r.name: node.bank.lender.view(lease.id, r.name) for r in lease.rows if r.delivery is Delivery.READY}
+    return {r.name: node.bank.view(lease.id, r.name) for r in lease.rows if r.delivery is Delivery.READY}

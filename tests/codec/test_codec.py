@@ -260,7 +260,7 @@ def _reheader(frame: bytes, offset: int, fmt: str, value: int | bytes) -> bytes:
         (5, "<B", 9, "method"),
         (6, "<B", 200, "dtype"),
         (7, "<B", 4, "itemsize"),
-        (8, "<Q", (1 << 32) + 1, "raw length"),
+        (8, "<Q", 1 << 32, "raw length"),  # MAX_PAGE_BYTES is 2**32 - 1
         (16, "<Q", 5, "payload length"),
         (24, "<Q", 12345, "checksum"),
         (36, "<I", 1, "reserved"),

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from kvbank.bench.codec import run
+from kvbank.bench.realkv import real_kv, real_pages
 from kvbank.codec import Method, decode, encode, entropy_bits, frame_info
 from kvbank.errors import InvalidInput
-from kvbank.testing.realkv import real_kv, real_pages
 
 pytestmark = pytest.mark.slow
 TOKENS = 96

@@ -50,8 +50,8 @@ def test_ledger_broken_fetch_resumes_from_first_undelivered_row() -> None:
     ledger.record(fid, [NAMES[0][0], NAMES[0][1], NAMES[0][3]])  # page 2 broke mid-transfer
     pending = ledger.pending(fid)
     assert [(r.group, r.index) for r in pending][:3] == [(0, 2), (0, 4), (0, 5)]
-    assert pending[-1].group == 1 and pending[-1].slot == 0
-    assert [r.slot for r in pending if r.group == 0] == [2, 4, 5, 6, 7]
+    assert pending[-1].group == 1 and pending[-1].out_index == 0
+    assert [r.out_index for r in pending if r.group == 0] == [2, 4, 5, 6, 7]
 
 
 def test_ledger_refuses_rows_outside_the_plan_and_duplicate_ids() -> None:
@@ -77,7 +77,44 @@ def test_ledger_entries_expire_after_ttl_unless_touched() -> None:
         ledger.bound(a)
     assert a not in ledger and b in ledger
     clock.now += 10
-    assert ledger.expire() == 1
+    assert ledger.expire() == 2  # a was past its deadline, but lookups never drop an entry
     assert len(ledger) == 0
     with pytest.raises(FetchNotFound, match="fetch_id"):
         ledger.close(b)
+
+
+def test_ledger_lookups_neither_renew_nor_expire() -> None:
+    """plan, pending, delivered, bound, in, len and entries change nothing: an entry lives
+    ttl_s from its last open, record or renew however often it is looked at."""
+    clock = FakeClock()
+    ledger = FetchLedger(10.0, clock)
+    a = ledger.open(MAMBA, T, NAMES, plan_all())
+    for _ in range(3):
+        clock.now += 3
+        ledger.plan(a), ledger.pending(a), ledger.delivered(a), ledger.bound(a)
+        assert a in ledger and len(ledger) == 1
+        (info,) = ledger.entries()
+        assert info.fetch_id == a and info.planned_rows == len(ledger.plan(a))
+        assert info.delivered_rows == 0 and info.layout_id == MAMBA.layout_id
+    assert ledger.entries()[0].ttl_s == pytest.approx(1.0)
+    clock.now += 1  # 10 s after open: gone, although looked at every 3 s
+    assert a not in ledger and len(ledger) == 0 and ledger.entries() == ()
+    with pytest.raises(FetchNotFound):
+        ledger.pending(a)
+
+
+def test_ledger_renew_and_record_keep_a_fetch_open() -> None:
+    clock = FakeClock()
+    ledger = FetchLedger(10.0, clock)
+    a = ledger.open(MAMBA, T, NAMES, plan_all())
+    clock.now += 9
+    ledger.renew(a)
+    clock.now += 9
+    ledger.record(a, [NAMES[0][0]])
+    clock.now += 9
+    assert a in ledger and ledger.delivered(a) == {NAMES[0][0]}
+    clock.now += 1
+    assert a not in ledger
+    with pytest.raises(FetchNotFound):
+        ledger.renew(a)
+    assert ledger.expire() == 1

@@ -109,7 +109,7 @@ def test_read_lease_locks_rows_and_missing_rows_are_listed_not_raised(bank: Bank
     assert isinstance(loc, HostLocation) and loc.size == PAGE
     assert [(g.layer, g.role) for g in lease.rows[0].regions] == [(0, "KEY"), (0, "VALUE")]
     with pytest.raises(RowLocked):
-        bank.store.delete(names[0])
+        bank._store.delete(names[0])
     # Re-storing a leased row is a no-op (equal names, equal bytes), never an overwrite.
     bank.put(lid, toks(1), group=0, pages=pages(1, 9))
     assert bank.read(lease.id, names[0]) == pages(2)[0].numpy().tobytes()
@@ -127,10 +127,10 @@ def test_disk_only_row_is_staged_into_host_when_lent(tmp_path: Path, clock: Fake
         lid, names = stored(bank, 4)
         for k in range(60):
             bank.put(lid, toks(4, 1000 * (k + 1)), group=0, pages=pages(4, k + 1))
-        assert bank.store.locate(names) == [TierKind.DISK] * 4
+        assert bank.locate(names) == [TierKind.DISK] * 4
         lease = bank.lend(names)
         assert all(r.delivery is Delivery.READY for r in lease.rows)
-        assert bank.store.locate(names) == [TierKind.HOST] * 4
+        assert bank.locate(names) == [TierKind.HOST] * 4
         assert bank.read(lease.id, names[0]) == pages(4)[0].numpy().tobytes()
         bank.check_invariants()
 
@@ -141,18 +141,18 @@ def test_write_lease_commit_publishes_only_arrived_rows(bank: Bank) -> None:
     lease = bank.lend(chain, mode=LeaseMode.WRITE)
     assert [r.delivery for r in lease.rows] == [Delivery.PRESENT] + [Delivery.RESERVED] * 3
     for i, name in enumerate(chain[1:]):
-        view = bank.lender.view(lease.id, name)
+        view = bank.view(lease.id, name)
         view[:] = bytes([i + 1]) * PAGE
         view.release()
     with pytest.raises(PageSizeMismatch):
-        bank.lender.write(lease.id, chain[1], b"x")
+        bank.write(lease.id, chain[1], b"x")
     with pytest.raises(InvalidInput, match="arrived"):
         bank.commit(lease.id, [b"x" * 54])
     with pytest.raises(InvalidInput, match="mask"):
         bank.commit(lease.id, [True])
     res = bank.commit(lease.id, np.array([False, True, False, True]))  # a mask in row order
     assert res.committed == (chain[1], chain[3]) and res.discarded == (chain[2],)
-    assert bank.store.locate(chain) == [TierKind.HOST, TierKind.HOST, None, TierKind.HOST]
+    assert bank.locate(chain) == [TierKind.HOST, TierKind.HOST, None, TierKind.HOST]
     assert bank.match(lid, [*toks(4), 0]).resume.tokens == 16  # page 2 never arrived
     assert bank.stats().store.reserved_slots == 0
     with pytest.raises(LeaseNotFound):
@@ -164,12 +164,12 @@ def test_row_stored_meanwhile_keeps_its_bytes_at_commit(bank: Bank) -> None:
     lid = bank.register(LAYOUT)
     chain = bank.row_names(lid, toks(1), group=0)
     lease = bank.lend(chain, mode=LeaseMode.WRITE)
-    bank.lender.write(lease.id, chain[0], bytes(PAGE))
+    bank.write(lease.id, chain[0], bytes(PAGE))
     bank.put(lid, toks(1), group=0, pages=pages(1, 3))  # another writer got there first
     res = bank.commit(lease.id, chain)
     assert res.already_present == (chain[0],) and not res.committed
     out = bytearray(PAGE)
-    bank.store.get_into(chain[0], out)
+    bank._store.get_into(chain[0], out)
     assert bytes(out) == pages(1, 3)[0].numpy().tobytes()
 
 
@@ -178,7 +178,7 @@ def test_expired_lease_is_refused_everywhere_and_its_slots_return(bank: Bank, cl
     fresh = bank.row_names(lid, toks(3), group=0)[2:]
     r = bank.lend(names, ttl_s=1)
     w = bank.lend(fresh, mode=LeaseMode.WRITE, ttl_s=1)
-    bank.lender.write(w.id, fresh[0], bytes(PAGE))
+    bank.write(w.id, fresh[0], bytes(PAGE))
     clock.now += 1
     with pytest.raises(LeaseExpired):
         bank.read(r.id, names[0])
@@ -187,7 +187,7 @@ def test_expired_lease_is_refused_everywhere_and_its_slots_return(bank: Bank, cl
     with pytest.raises(LeaseExpired):
         bank.renew(r.id)
     assert bank.release(r.id) is False  # release after expiry is always safe
-    assert bank.store.locate(fresh) == [None]
+    assert bank.locate(fresh) == [None]
     stats = bank.stats()
     assert stats.store.reserved_slots == 0 and stats.store.locked_names == 0
     assert stats.leases_expired == 2
@@ -207,7 +207,7 @@ def test_renew_extends_and_release_is_final(bank: Bank, clock: FakeClock) -> Non
     with pytest.raises(LeaseNotFound, match="released"):
         bank.read(lease.id, names[0])
     with pytest.raises(LeaseNotFound):
-        bank.lender.finish_read(lease.id)
+        bank.check_live(lease.id)
 
 
 def test_reaper_thread_drops_locks_without_any_lender_call() -> None:
@@ -232,10 +232,10 @@ def test_match_and_contains_never_hold_off_eviction(clock: FakeClock) -> None:
         for k in range(40):
             for _ in range(5):
                 bank.match(lid, [*toks(4), 0])
-                bank.store.contains(probed)
+                bank._store.contains(probed)
             bank.put(lid, toks(4, 1000 * (k + 1)), group=0, pages=pages(4, k + 1))
-        assert bank.store.locate(probed) == [None] * 4
-        assert bank.store.locate(leased) == [TierKind.HOST] * 4
+        assert bank.locate(probed) == [None] * 4
+        assert bank.locate(leased) == [TierKind.HOST] * 4
         assert bank.stats().store.locked_names == 4
         bank.release(lease.id)
 
@@ -244,19 +244,19 @@ def test_device_leases_on_a_cpu_device_tier(clock: FakeClock) -> None:
     cfg = BankConfig(host_bytes="4M", device="cpu", device_bytes="4M")
     with Bank(cfg, clock=clock, reaper=False) as bank:
         lid, names = stored(bank, 2)
-        assert bank.store.locate(names) == [TierKind.DEVICE] * 2
+        assert bank.locate(names) == [TierKind.DEVICE] * 2
         lease = bank.lend(names, kind=MemoryKind.DEVICE)
         assert lease.rows[0].location is not None and lease.rows[0].location.device == "cpu"
         assert lease.rows[0].location.ipc_handle is None  # no CUDA here
-        t = bank.lender.device_view(lease.id, names[0])
+        t = bank.device_view(lease.id, names[0])
         assert bytes(t.numpy()) == pages(2)[0].numpy().tobytes()
         assert bank.read(lease.id, names[1]) == pages(2)[1].numpy().tobytes()
         with pytest.raises(InvalidInput, match="DEVICE"):
-            bank.lender.view(lease.id, names[0])
+            bank.view(lease.id, names[0])
         bank.release(lease.id)
         fresh = bank.row_names(lid, toks(3), group=0)[2:]
         w = bank.lend(fresh, kind=MemoryKind.DEVICE, mode=LeaseMode.WRITE)
-        bank.lender.device_view(w.id, fresh[0]).fill_(7)
+        bank.device_view(w.id, fresh[0]).fill_(7)
         assert bank.commit(w.id, fresh).committed == tuple(fresh)
         assert bank.match(lid, [*toks(3), 0]).resume.tokens == 24
         with pytest.raises(InvalidInput, match="DEVICE"):
@@ -270,7 +270,7 @@ def test_all_lease_describes_the_host_segment_and_locks_nothing(bank: Bank) -> N
     assert lease.selection is Selection.ALL and lease.rows == ()
     (pool,) = lease.pools
     assert isinstance(pool, HostLocation) and pool.offset == 0 and pool.size >= 4 << 20
-    assert pool == bank.store.host_segment  # no probe reservation: the store names it
+    assert pool == bank._store.host_segment  # no probe reservation: the store names it
     assert bank.stats().store.reserved_slots == 0
     assert Path("/dev/shm", pool.segment).exists()
     assert bank.stats().store.locked_names == 0
@@ -317,7 +317,7 @@ def test_row_evicted_between_locate_and_lock_is_missing_and_not_locked(clock: Fa
     cfg = BankConfig(host_bytes="4M", device_bytes=0)
     with Bank(cfg, clock=clock, reaper=False) as bank:
         _, names = stored(bank, 3)
-        store = bank.store
+        store = bank._store
         real_lock = store.lock
 
         def lock_after_eviction(rows: list[bytes], holder: str) -> None:
@@ -360,14 +360,14 @@ def test_write_through_a_lease_that_expires_mid_copy_never_lands_in_another_rows
     theirs = bank.row_names(lid, toks(1, 200), group=0)[0]
     lease = bank.lend([mine], mode=LeaseMode.WRITE, ttl_s=1)
     their_page = pages(1, 7)
-    store = bank.store
+    store = bank._store
     real_view = store.host_view
     done: list[threading.Thread] = []
 
     def expire_and_reuse() -> None:
         # What the reaper thread and another worker's put do, concurrently.
         clock.now += 2
-        bank.lender.reap()  # the lease expires: its reserved slot goes back to the store
+        bank._lender.reap()  # the lease expires: its reserved slot goes back to the store
         bank.put(lid, toks(1, 200), group=0, pages=their_page)  # ...and is taken again
 
     def racing_view(slot):  # type: ignore[no-untyped-def]
@@ -380,13 +380,13 @@ def test_write_through_a_lease_that_expires_mid_copy_never_lands_in_another_rows
 
     store.host_view = racing_view  # type: ignore[method-assign]
     try:
-        bank.lender.write(lease.id, mine, b"\xee" * PAGE)  # live when it started
+        bank.write(lease.id, mine, b"\xee" * PAGE)  # live when it started
     finally:
         store.host_view = real_view  # type: ignore[method-assign]
         done[0].join()
-    assert bank.store.locate([theirs])[0] is not None
+    assert bank.locate([theirs])[0] is not None
     out = bytearray(PAGE)
-    assert bank.store.get_into(theirs, out) == PAGE
+    assert bank._store.get_into(theirs, out) == PAGE
     assert bytes(out) == their_page[0].numpy().tobytes()
     with pytest.raises(LeaseExpired):
         bank.commit(lease.id, [mine])

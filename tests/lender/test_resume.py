@@ -19,7 +19,7 @@ from kvbank.layout import (
     mla,
     sliding_window,
 )
-from kvbank.lender.resume import Obstacle, required_pages, resume_bound
+from kvbank.lender.resume import Obstacle, required_pages, resume_bound, resume_boundaries
 
 P = 4
 FA = full_attention("m@1", 2, 4, 8, tokens_per_page=P)
@@ -184,3 +184,37 @@ def test_resume_bound_matches_the_definition(li: int, t: int, holes: set[tuple[i
         assert b.reason is Obstacle.LAST_TOKEN
     else:
         assert b.reason is None
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    li=st.integers(0, len(LAYOUTS) - 1),
+    t=st.integers(0, 60),
+    holes=st.sets(st.tuples(st.integers(0, 2), st.integers(0, 15)), max_size=12),
+)
+def test_resume_boundaries_are_every_usable_boundary(li: int, t: int, holes: set[tuple[int, int]]) -> None:
+    """Every boundary at which each group has its required rows is listed, and no other;
+    the bound at any of them needs exactly that boundary's rows; the largest is the
+    default bound."""
+    layout = LAYOUTS[li]
+    have = lambda g, j: (g, j) not in holes  # noqa: E731
+    usable = tuple(
+        c for c in range(P, t, P)
+        if all(have(g, j) for g in range(len(layout.groups)) for j in required_pages(layout, g, c))
+    )
+    assert resume_boundaries(layout, t, have) == usable
+    for r in (0, *usable):
+        b = resume_bound(layout, t, have, at=r)
+        assert b.tokens == r
+        assert b.pages == tuple(required_pages(layout, g, r) for g in range(len(layout.groups)))
+        if r + P in usable:
+            assert b.reason is None
+    assert resume_bound(layout, t, have, at=usable[-1] if usable else 0) == resume_bound(layout, t, have)
+
+
+def test_resume_bound_at_refuses_an_unusable_boundary() -> None:
+    have = lambda g, j: j != 1  # noqa: E731  page 1 gone: only r = 4 works
+    assert resume_boundaries(FA, 20, have) == (4,)
+    for bad in (8, 6, -4, 20, True, "4"):
+        with pytest.raises(InvalidInput, match="at:"):
+            resume_bound(FA, 20, have, at=bad)  # type: ignore[arg-type]

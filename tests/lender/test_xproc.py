@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from kvbank import Bank, LeaseMode, full_attention
+from kvbank.bench.borrower import BorrowerProcess, pattern
 from kvbank.errors import LeaseExpired
-from kvbank.testing.lender_borrower import BorrowerProcess, pattern
 from kvbank.tiers.base import TierKind
 
 pytestmark = pytest.mark.slow

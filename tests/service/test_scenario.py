@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from kvbank import Bank, Client, LeaseMode, MemoryKind, Scope, full_attention, hybrid_mamba
-from kvbank.bank import BankStats, FetchResult, Match
 from kvbank.errors import (
     InvalidInput,
     InvalidTokens,
@@ -20,6 +19,7 @@ from kvbank.errors import (
     UnknownLayout,
 )
 from kvbank.lender.base import CommitResult, Delivery, Lease
+from kvbank.results import BankStats, FetchResult, Match
 from kvbank.service.launch import NodeProcess
 
 FA = full_attention("svc@1", num_layers=2, num_kv_heads=4, head_dim=64)  # 16 tokens a page

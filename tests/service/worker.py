@@ -23,7 +23,6 @@ from urllib.parse import urlsplit
 import torch
 
 from kvbank import Client, full_attention
-from kvbank.service import client_io
 from kvbank.service.framing import PutHeader, PutKind, encode_put_prefix
 
 LAYOUT = full_attention("worker@1", num_layers=2, num_kv_heads=4, head_dim=64)
@@ -68,7 +67,6 @@ def halffetch(url: str, seed: int) -> None:
         m = c.match(lid, [*toks, 1])
         out = torch.zeros((8, PAGE), dtype=torch.uint8)
         first = c.fetch(m, out={0: out}, max_rows=3)
-        views = client_io.out_views(LAYOUT, m.resume, {0: out})
         parts = urlsplit(url)
         conn = http.client.HTTPConnection(parts.hostname, parts.port)
         from kvbank import wire
@@ -77,7 +75,6 @@ def halffetch(url: str, seed: int) -> None:
         conn.request("POST", "/v1/fetch", body=json.dumps(req).encode())
         resp = conn.getresponse()
         resp.readinto(memoryview(bytearray(64)))  # the prefix and a little of the stream
-        _ = views
         _say(f"fetch {first.fetch_id}")
         time.sleep(600)
 

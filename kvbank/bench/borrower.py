@@ -1,6 +1,6 @@
 """A borrowing process for cross-process lease tests and the lender benchmark.
 
-Run ``python -m kvbank.testing.lender_borrower``; it reads one JSON command per line on
+Run ``python -m kvbank.bench.borrower``; it reads one JSON command per line on
 stdin and answers one JSON line on stdout. Leases arrive as :meth:`Lease.to_dict` JSON —
 plain fields, no pickle — and the segments are mapped by name with
 :class:`~kvbank.lender.borrow.Borrower` (each segment once, for the process's life).
@@ -130,7 +130,7 @@ class BorrowerProcess:
 
     def __init__(self) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvbank.testing.lender_borrower"],
+            [sys.executable, "-m", "kvbank.bench.borrower"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,

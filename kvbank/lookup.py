@@ -1,0 +1,103 @@
+"""The bank's queries as pure functions: prompts to row names, names to tiers, tiers to
+matches, presences and resume bounds. Nothing here leases, locks, renews or records.
+
+- :func:`chain_keys` — a prompt's page keys from token ids, or from an engine's own key
+  chain (:func:`kvbank.keys.engine_keys`).
+- :func:`prompt_length` — ``T`` for the resume rules: the tokens' length, or with keys the
+  engine's ``prompt_tokens`` (default: exactly the keyed pages).
+- :func:`build_match`, :func:`resumed_at`, :func:`build_presence` — the answers, given a
+  ``locate`` function (the store's: one lookup per call).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+
+from kvbank.errors import InvalidInput
+from kvbank.keys import Scope, TokenIds, engine_keys, namespace, page_keys, row_names
+from kvbank.layout import PageLayout
+from kvbank.lender.resume import resume_bound, resume_boundaries
+from kvbank.results import Match, Presence
+from kvbank.tiers.base import TierKind
+
+Locate = Callable[[Sequence[bytes]], list[TierKind | None]]  # the store's locate
+Tiers = tuple[tuple[TierKind | None, ...], ...]  # per group, per page: where the row is
+
+
+def chain_keys(layout: PageLayout, tokens: TokenIds | None, keys: Sequence[bytes] | None,
+               scope: Scope) -> list[bytes]:
+    if not isinstance(scope, Scope):
+        raise InvalidInput(f"scope: expected a Scope, got {type(scope).__name__}")
+    if tokens is not None and keys is None:
+        return page_keys(tokens, layout.tokens_per_page, scope)
+    if keys is not None and tokens is None:
+        return engine_keys(keys, layout.layout_id, scope)
+    raise InvalidInput("tokens: give either tokens or keys (a page-key chain), not both or neither")
+
+
+def prompt_length(layout: PageLayout, tokens: TokenIds | None, chain: list[bytes],
+                  prompt_tokens: int | None) -> int:
+    p, n = layout.tokens_per_page, len(chain)
+    if tokens is not None:
+        if prompt_tokens is not None:
+            raise InvalidInput("prompt_tokens: only with keys= (tokens give their own length)")
+        return len(tokens)
+    if prompt_tokens is None:
+        return n * p
+    if isinstance(prompt_tokens, bool) or not isinstance(prompt_tokens, int) \
+            or not n * p <= prompt_tokens < (n + 1) * p:
+        raise InvalidInput(f"prompt_tokens: {n} keys of {p}-token pages cover "
+                           f"[{n * p}, {(n + 1) * p}) prompt tokens, got {prompt_tokens!r}")
+    return prompt_tokens
+
+
+def tiers_of(layout: PageLayout, names: Sequence[Sequence[bytes]], locate: Locate) -> Tiers:
+    """Where each row is, group by group, in one lookup (groups of 0-byte pages: None)."""
+    n_groups = len(layout.groups)
+    flat = [n for i, g in enumerate(names) if layout.group_page_bytes[i % n_groups] for n in g]
+    where = iter(locate(flat) if flat else [])
+    return tuple(
+        tuple(next(where) for _ in g) if layout.group_page_bytes[i % n_groups] else tuple(None for _ in g)
+        for i, g in enumerate(names)
+    )
+
+
+def _have(tiers: Tiers) -> Callable[[int, int], bool]:
+    return lambda g, j: tiers[g][j] is not None
+
+
+def build_match(layout: PageLayout, scope: Scope, prompt_tokens: int, chain: list[bytes],
+                shard_index: int, locate: Locate) -> Match:
+    ns = namespace(layout.layout_id, scope)
+    names = tuple(tuple(row_names(ns, chain, g, layout.shard_count, shard_index))
+                  for g in range(len(layout.groups)))
+    tiers = tiers_of(layout, names, locate)
+    have = _have(tiers)
+    return Match(layout.layout_id, scope, prompt_tokens, resume_bound(layout, prompt_tokens, have, names),
+                 names, tiers, resume_boundaries(layout, prompt_tokens, have))
+
+
+def resumed_at(layout: PageLayout, match: Match, tokens: int) -> Match:
+    """``match`` with its bound at ``tokens`` (one of its boundaries, or 0)."""
+    at = resume_bound(layout, match.prompt_tokens, _have(match.tiers), match.names, at=tokens)
+    return dataclasses.replace(match, resume=at)
+
+
+def build_presence(layout: PageLayout, scope: Scope, prompt_tokens: int, chain: list[bytes],
+                   shards: Sequence[int] | None, locate: Locate) -> Presence:
+    count = layout.shard_count
+    picked = tuple(range(count)) if shards is None else shards
+    if isinstance(picked, (str, bytes)) or not isinstance(picked, Sequence) or not picked:
+        raise InvalidInput(f"shards: expected a non-empty sequence of shard indices, got {shards!r}")
+    for i, s in enumerate(picked):
+        if isinstance(s, bool) or not isinstance(s, int) or not 0 <= s < count:
+            raise InvalidInput(f"shards[{i}]: expected a shard index in [0, {count}), got {s!r}")
+    order = tuple(sorted(set(picked)))
+    ns = namespace(layout.layout_id, scope)
+    n_groups = len(layout.groups)
+    names = [row_names(ns, chain, g, count, s) for s in order for g in range(n_groups)]
+    flat = tiers_of(layout, names, locate)  # every shard in one lookup
+    tiers = tuple(flat[k * n_groups : (k + 1) * n_groups] for k in range(len(order)))
+    bounds = tuple(resume_bound(layout, prompt_tokens, _have(t)).tokens for t in tiers)
+    return Presence(layout.layout_id, scope, prompt_tokens, order, tiers, bounds, min(bounds))

@@ -227,6 +227,9 @@ def plan_put(node: Node, header: PutHeader, key_bytes: bytes | bytearray) -> tup
     else:
         raw = bytes(key_bytes)
         keys = [raw[i : i + PAGE_KEY_BYTES] for i in range(0, len(raw), PAGE_KEY_BYTES)]
+    # A put is a command: the bank learns the (scope, layout) pair, so a WRITE lease on
+    # these rows can describe them (their page size and regions).
+    bank.register_scope(header.layout_id, scope)
     chain = bank.row_names(header.layout_id, tokens, group=g, scope=scope, keys=keys, shard=header.shard)
     p = layout.tokens_per_page
     if header.kind is PutKind.PAGES:

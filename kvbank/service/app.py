@@ -5,7 +5,10 @@ describes them) and binary page bodies (:mod:`kvbank.service.stream`).
 route                                    what it does
 =======================================  ==================================================
 ``GET  /v1/node``                        version, budgets, what identifies the host
-``GET  /v1/health``                      ``{"status": "ok"}`` while the node serves
+``GET  /v1/health``                      the store's health (each tier, the mover)
+``POST /v1/locate``                      row names → the tier holding each (or null)
+``GET  /v1/leases``                      every live lease
+``POST /v1/flush``                       wait until the mover is idle
 ``POST /v1/layouts``                     register a layout (wire form) → ``layout_id``
 ``GET  /v1/layouts/{layout_id}``         the registered layout
 ``POST /v1/put``, ``/v1/put_state``      binary put body (:mod:`~kvbank.service.framing`)
@@ -54,6 +57,7 @@ from kvbank.errors import (
     TierUnavailable,
     UnknownLayout,
 )
+from kvbank.keys import ROW_NAME_BYTES
 from kvbank.keys import Scope as KeyScope
 from kvbank.layout import PageLayout
 from kvbank.lender.base import Lease, LeaseMode, MemoryKind
@@ -126,6 +130,10 @@ class LendBody(BaseModel):
     ttl_s: float | None = Field(None, gt=0)
 
 
+class NamesBody(BaseModel):
+    names: list[str] = Field(description="row names (hex)")
+
+
 class RenewBody(BaseModel):
     ttl_s: float | None = Field(None, gt=0)
 
@@ -191,7 +199,22 @@ def create_app(node: Node) -> FastAPI:
 
     @app.get("/v1/health")
     async def health() -> Response:
-        return _json({"status": "ok"})
+        return _json(wire.to_dict(await node.call(bank.health)))
+
+    @app.post("/v1/locate")
+    async def locate(body: NamesBody) -> Response:
+        names = [_hex(n, f"names[{i}]", ROW_NAME_BYTES) for i, n in enumerate(body.names)]
+        tiers = await node.call(bank.locate, names)
+        return _json({"tiers": [None if t is None else t.name for t in tiers]})
+
+    @app.get("/v1/leases")
+    async def leases() -> Response:
+        return _json({"leases": [_lease(x) for x in await node.call(bank.leases)]})
+
+    @app.post("/v1/flush")
+    async def flush() -> Response:
+        await node.call(bank.flush)
+        return _json({"flushed": True})
 
     @app.post("/v1/layouts")
     async def register(doc: dict[str, Any]) -> Response:

@@ -51,7 +51,9 @@ from kvbank.results import BankStats, FetchResult, Match
 from kvbank.service.client_io import fetch_stream, send_put
 from kvbank.service.config import DEFAULT_BIND, DEFAULT_PORT
 from kvbank.service.framing import PutHeader, PutKind, encode_put_prefix
+from kvbank.tiers.base import TierKind
 from kvbank.tiers.host import SHM_DIR
+from kvbank.tiers.store import StoreHealth
 
 DEFAULT_URL = f"http://{DEFAULT_BIND}:{DEFAULT_PORT}"
 DEFAULT_TIMEOUT_S = 120.0
@@ -358,11 +360,7 @@ class Client:
         names = rows.needed if isinstance(rows, Match) else rows
         if isinstance(names, (bytes, str)) or not isinstance(names, Sequence):
             raise InvalidInput(f"names: expected a sequence of row names, got {type(names).__name__}")
-        hexed = []
-        for i, n in enumerate(names):
-            if type(n) is not bytes:
-                raise InvalidInput(f"names[{i}]: expected a row name (bytes), got {type(n).__name__}")
-            hexed.append(n.hex())
+        hexed = [_name(n, i) for i, n in enumerate(names)]
         doc = self._call("POST", "/v1/leases", body={"names": hexed, "mode": _enum(mode, LeaseMode, "mode"),
                                                      "kind": _enum(kind, MemoryKind, "kind"), "ttl_s": ttl_s})
         return wire.from_dict(Lease, doc)
@@ -394,6 +392,25 @@ class Client:
 
     def stats(self) -> BankStats:
         return wire.from_dict(BankStats, self._call("GET", "/v1/stats", idempotent=True))
+
+    def health(self) -> StoreHealth:
+        """The node store's health: each tier's state and the mover's."""
+        return wire.from_dict(StoreHealth, self._call("GET", "/v1/health", idempotent=True))
+
+    def locate(self, names: Sequence[bytes]) -> list[TierKind | None]:
+        """The fastest tier holding each row (None = a miss). A pure query."""
+        hexed = [_name(n, i) for i, n in enumerate(names)]
+        doc = self._call("POST", "/v1/locate", body={"names": hexed}, idempotent=True)
+        return [None if t is None else TierKind[t] for t in doc["tiers"]]
+
+    def leases(self) -> tuple[Lease, ...]:
+        """A snapshot of every live lease on the node."""
+        doc = self._call("GET", "/v1/leases", idempotent=True)
+        return tuple(wire.from_dict(Lease, d) for d in doc["leases"])
+
+    def flush(self) -> None:
+        """Wait until the node store's mover is idle."""
+        self._call("POST", "/v1/flush")
 
     # ---- the rest --------------------------------------------------------------------
 
@@ -427,6 +444,12 @@ def _enum(value: object, cls: type[LeaseMode] | type[MemoryKind], what: str) -> 
     if not isinstance(value, cls):
         raise InvalidInput(f"{what}: expected a {cls.__name__}, got {value!r}")
     return value.name
+
+
+def _name(name: object, i: int) -> str:
+    if type(name) is not bytes:
+        raise InvalidInput(f"names[{i}]: expected a row name (bytes), got {type(name).__name__}")
+    return name.hex()
 
 
 def _id(lease_id: object) -> str:

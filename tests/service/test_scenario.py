@@ -21,6 +21,7 @@ from kvbank.errors import (
 from kvbank.lender.base import CommitResult, Delivery, Lease
 from kvbank.results import BankStats, FetchResult, Match
 from kvbank.service.launch import NodeProcess
+from kvbank.tiers.base import TierKind
 
 FA = full_attention("svc@1", num_layers=2, num_kv_heads=4, head_dim=64)  # 16 tokens a page
 PAGE = FA.group_page_bytes[0]
@@ -93,6 +94,11 @@ def test_scenario_same_results_on_bank_and_client(api: Any, request: pytest.Fixt
 
     st = api.stats()
     assert isinstance(st, BankStats) and st.layouts >= 2
+    assert api.locate([*names[:2], b"\x00" * 54])[:2] == [TierKind.HOST, TierKind.HOST]
+    assert api.locate([b"\x00" * 54]) == [None]
+    assert api.health().ok
+    assert all(isinstance(x, Lease) for x in api.leases())
+    api.flush()
 
 
 def _names(client: Client, lid: bytes, tokens: list[int], scope: Scope) -> list[bytes]:

@@ -15,7 +15,8 @@ case                  ours                                        baseline (same
                       control calls included
 ``put-local``         ``Client.put``: WRITE lease, fill, commit   memcpy of the same bytes
 ``match-1000``        p50 ms of ``Client.match``, 1,000 pages     in-process ``Bank.match``
-``fetch-remote-16``   aggregate GB/s, 16 client processes         raw TCP, 16 connections
+``fetch-remote-16``   aggregate GB/s, 16 client processes, each   raw TCP, 16 connections
+                      fetching 16 x 2 MiB rows a call
 ====================  ==========================================  ============================
 """
 
@@ -40,6 +41,7 @@ from kvbank.bench.common import BenchRow, row
 
 SUITE = "service"
 PAGES = 64
+PAGES_16 = 16  # rows per call of each of the 16 concurrent clients
 LAYERS = 32  # 32 layers x (K+V) x 8 heads x 128 x 16 tokens x bf16 = 2 MiB pages
 REQ = struct.Struct("<BQ")  # op (1 = send me n bytes, 2 = take n bytes), n
 MATCH_PAGES = 1000
@@ -114,11 +116,14 @@ def _client(spec: dict[str, Any]) -> dict[str, Any]:
 
     layout = _layout()
     page = layout.group_page_bytes[0]
-    nbytes = PAGES * page
-    out = torch.zeros((PAGES, page), dtype=torch.uint8)  # zeroed: pre-touched, reused
-    out_views = [memoryview(out.numpy()[i]) for i in range(PAGES)]
-    src = np.full((PAGES, page), 3, dtype=np.uint8)
     case, reps = spec["case"], spec["reps"]
+    # 16 clients at once: 16 rows a call each keeps 16 processes' buffers in memory
+    n_pages = PAGES_16 if case == "fetch-remote-16" else PAGES
+    nbytes = n_pages * page
+    out = torch.zeros((n_pages, page), dtype=torch.uint8)  # zeroed: pre-touched, reused
+    out_views = [memoryview(out.numpy()[i]) for i in range(n_pages)]
+    needs_src = case in ("put-remote", "put-local", "fetch-local")
+    src = np.full((n_pages, page) if needs_src else (0, page), 3, dtype=np.uint8)
     raw = socket.create_connection(("127.0.0.1", spec["raw_port"]))
     raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
@@ -129,7 +134,7 @@ def _client(spec: dict[str, Any]) -> dict[str, Any]:
 
     def raw_put() -> None:
         raw.sendall(REQ.pack(2, nbytes))
-        for i in range(PAGES):
+        for i in range(n_pages):
             raw.sendall(memoryview(src[i]))
         raw.recv(1)
 
@@ -138,8 +143,8 @@ def _client(spec: dict[str, Any]) -> dict[str, Any]:
 
     client = Client(spec["url"], same_host=case in ("fetch-local", "put-local"))
     lid = client.register(layout)
-    pages = _pages(page)
-    m = client.match(lid, [*_tokens(0, PAGES), 1])
+    pages = _pages(page) if case in ("put-remote", "put-local") else torch.empty((0, page), dtype=torch.uint8)
+    m = client.match(lid, [*_tokens(0, n_pages), 1])
     counter = [spec["seed"] * 50]  # up to 50 puts per client before prompts overlap
 
     def fetch() -> None:
@@ -252,12 +257,12 @@ def run(quick: bool = False) -> Iterator[BenchRow]:
     from kvbank.service.client import Client
     from kvbank.service.launch import NodeProcess
 
-    reps = 3 if quick else 7
+    reps = 3 if quick else 5
     raw = _spawn("_raw")
     assert raw.stdout is not None  # PIPE was asked for
     raw_port = int(raw.stdout.readline())
     with tempfile.TemporaryDirectory(prefix="kvbank-bench-service-") as tmp:
-        node = NodeProcess.start(["--data-dir", tmp, "--host-bytes", "3G", "--disk-bytes", "1G",
+        node = NodeProcess.start(["--data-dir", tmp, "--host-bytes", "2560M", "--disk-bytes", "1G",
                                   "--device-bytes", "0", "--max-body-bytes", "512M"])
         try:
             layout = _layout()

@@ -84,3 +84,33 @@ def test_client_checks_page_sizes_before_sending(node: NodeProcess) -> None:
         lid = c.register(BIG)
         with pytest.raises(PageSizeMismatch, match="pages"):
             c.put(lid, list(range(32)), group=0, pages=[bytes(BIG_PAGE - 1)])
+
+
+def test_stream_holds_its_read_leases_until_the_ack(node: NodeProcess) -> None:
+    """The transport may still send from a slot after its last write() returned (uvloop
+    keeps a pointer, not a copy), so a streamed fetch's leases end only at the ack."""
+    from kvbank.service import client_io
+    from kvbank.service.client import Client as C
+
+    data = pages(4, 3)
+    toks = list(range(30_000, 30_000 + 4 * 16))
+    with C(node.url, same_host=False) as c:
+        lid = c.register(BIG)
+        c.put(lid, toks, group=0, pages=data)
+        m = c.match(lid, [*toks, 1])
+        before = c.stats().live_leases
+        out = torch.zeros((4, BIG_PAGE), dtype=torch.uint8)
+        views = {0: [memoryview(out.numpy()[i]) for i in range(4)]}
+        import json
+
+        from kvbank import wire
+
+        conn = c._conn()
+        body = json.dumps({"match": wire.to_dict(m), "fetch_id": None, "max_rows": None, "via": "stream"})
+        got, fid, err = client_io.fetch_stream(conn, body.encode(), views)
+        conn.close()
+        assert err is None and fid is not None and sorted(got) == [0, 1, 2, 3]
+        assert c.stats().live_leases > before  # streamed, not yet acknowledged
+        result = c._ack(fid, got, None)
+        assert result.complete and torch.equal(out, data)
+        assert c.stats().live_leases == before

@@ -73,6 +73,7 @@ from kvbank import lookup
 from kvbank.buffers import OutBuffers, Pages, out_views, page_views
 from kvbank.catalog import Catalog
 from kvbank.config import BankConfig
+from kvbank.cross_shard import CrossLocate, ReshardReader, ShardCounts
 from kvbank.errors import Busy, ConfigError, InvalidInput, RowLocked, TierUnavailable
 from kvbank.fetching import fetch_rows
 from kvbank.keys import DEFAULT_SCOPE, Scope, TokenIds, namespace
@@ -104,6 +105,7 @@ class Bank:
         self._clock = clock
         self._lock = threading.Lock()  # guards _closed
         self._catalog = Catalog()
+        self._counts = ShardCounts()  # registered shard counts by logical id
         self._store = TieredStore(self.config)
         try:
             self._lender = Lender(self._store, self.config, clock=clock, describe=self._catalog.describe,
@@ -151,6 +153,7 @@ class Bank:
         self._check_open()
         lid = self._catalog.register(layout)
         self._catalog.learn(lid, DEFAULT_SCOPE)
+        self._counts.add(layout)
         return lid
 
     def register_scope(self, layout_id: bytes, scope: Scope) -> bytes:
@@ -234,6 +237,10 @@ class Bank:
             logger.debug("put: row %s is locked by a lease; it holds these bytes already",
                          name.hex()[:16])
 
+    def _put_resharded(self, name: bytes, data: memoryview, parent: bytes | None) -> None:
+        """Keep a row a fetch built from another shard count's rows, so the next is direct."""
+        self._put_new(name, data, parent=parent)
+
     def put_state(self, layout_id: bytes, tokens: TokenIds | None = None, *, group: int,
                   state: torch.Tensor | bytes | bytearray | memoryview, at: int | None = None,
                   scope: Scope = DEFAULT_SCOPE, keys: Sequence[bytes] | None = None,
@@ -276,7 +283,9 @@ class Bank:
         last page to compute)."""
         layout, chain, index = self._chain(layout_id, tokens, keys, scope, shard)
         t = lookup.prompt_length(layout, tokens, chain, prompt_tokens)
-        return lookup.build_match(layout, scope, t, chain, index, self._store.locate)
+        # Rows missing under the caller's shard may be stored under another shard count.
+        locate = CrossLocate(self._store.locate, layout, index, scope, self._counts.others(layout))
+        return locate.annotate(lookup.build_match(layout, scope, t, chain, index, locate))
 
     def resume_at(self, match: Match, tokens: int) -> Match:
         """``match`` resumed at ``tokens``, one of ``match.boundaries`` (or 0): its bound
@@ -311,6 +320,8 @@ class Bank:
         ledger entry: call again with the same ``fetch_id`` (and ``out``) to resume from
         its first undelivered row. ``max_rows`` bounds the rows this call copies, and
         ``timeout`` the time it spends (it stops between rows and answers what arrived).
+        A row the match found under another shard count (``match.via``) is built from its
+        source rows, and counts delivered only when all of them arrived whole.
         """
         if not isinstance(match, Match):
             raise InvalidInput(f"match: expected a Match, got {type(match).__name__}")
@@ -321,7 +332,12 @@ class Bank:
         if fetch_id is not None and (not isinstance(fetch_id, str) or not fetch_id):
             raise InvalidInput(f"fetch_id: must be a non-empty string, got {fetch_id!r}")
         views = out_views(layout, match.resume.pages, out)
-        return fetch_rows(self._ledger, self._store.get_into, layout, match, views,
+        get_into = self._store.get_into
+        if any(any(v) for v in match.via):
+            self._catalog.learn(match.layout_id, match.scope)
+            keep = self._put_resharded if self.config.reshard_store else None
+            get_into = ReshardReader(match, layout, self._counts.others(layout), self._store.get_into, keep)
+        return fetch_rows(self._ledger, get_into, layout, match, views,
                           fetch_id=fetch_id, max_rows=max_rows, deadline=deadline, clock=self._clock)
 
     def fetches(self) -> tuple[FetchInfo, ...]:

@@ -20,6 +20,9 @@ write_policy                KVBANK_WRITE_POLICY        write-back (demote on evi
                                                        write-through (every put also to disk)
 disk_sync                   KVBANK_DISK_SYNC           fsync every disk commit (true) or
                                                        leave it to the OS (false)
+reshard_store               KVBANK_RESHARD_STORE       store a row a fetch built from another
+                                                       shard count's rows under the caller's
+                                                       own shard (true), or not (false)
 lease_ttl_s                 KVBANK_LEASE_TTL_S         default lease time to live
 max_lease_ttl_s             KVBANK_MAX_LEASE_TTL_S     the longest TTL a lease may ask for
 fetch_ttl_s                 KVBANK_FETCH_TTL_S         how long a fetch-ledger entry lives
@@ -106,6 +109,7 @@ class BankConfig:
     low_watermark: float = DEFAULT_LOW_WATERMARK
     write_policy: WritePolicy = WritePolicy.WRITE_BACK
     disk_sync: bool = True
+    reshard_store: bool = True  # keep rows a fetch resharded under the caller's shard
     lease_ttl_s: float = DEFAULT_LEASE_TTL_S
     max_lease_ttl_s: float = DEFAULT_MAX_LEASE_TTL_S
     fetch_ttl_s: float = DEFAULT_FETCH_TTL_S
@@ -138,6 +142,8 @@ class BankConfig:
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
                 raise ConfigError(f"{name}: must be a positive number of seconds, got {v!r}")
+        if not isinstance(self.reshard_store, bool):
+            raise ConfigError(f"reshard_store: must be a bool, got {self.reshard_store!r}")
         if self.lease_ttl_s > self.max_lease_ttl_s:
             raise ConfigError(
                 f"lease_ttl_s: {self.lease_ttl_s} exceeds max_lease_ttl_s {self.max_lease_ttl_s}"
@@ -176,6 +182,8 @@ def _from_text(name: str, raw: str) -> Any:
         return raw
     if name == "write_policy":
         return raw
+    if name == "reshard_store":
+        return _parse_bool(raw, ENV_PREFIX + name.upper())
     try:
         return float(raw)
     except ValueError:

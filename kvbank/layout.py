@@ -4,10 +4,17 @@ Primitives:
 
 - :class:`Role` — the closed set of buffer roles. An undeclared role is refused.
 - :class:`BufferSpec` — one region of a page: ``(layer, role, dtype, shape, head_axis,
-  transferred)``. For an ``ATTENTION`` group ``shape`` is per token; for a ``STATE`` group
-  it is the whole snapshot. ``head_axis`` names the axis split over tensor-parallel ranks
-  (``None`` = replicated). ``transferred=False`` buffers are rebuilt by the receiver:
-  they take no bytes in the canonical page and never block a resume bound.
+  transferred, heads, sections)``. For an ``ATTENTION`` group ``shape`` is per token; for
+  a ``STATE`` group it is the whole snapshot, and it is always one shard's shape.
+  ``transferred=False`` buffers are rebuilt by the receiver: they take no bytes in the
+  canonical page and never block a resume bound.
+- :class:`Split` — how a buffer divides over tensor-parallel ranks, derived from its
+  fields: ``REPLICATED`` (``head_axis=None``: every rank holds it all), ``HEAD``
+  (``head_axis`` names the axis of heads; ``heads`` is the head count over all ranks,
+  needed only when ranks outnumber heads and each head is then held by
+  ``shard_count / heads`` consecutive ranks) or ``SECTIONED`` (``sections`` are one
+  shard's lengths of consecutive sections along ``head_axis``, each split evenly on its
+  own: Mamba-2's conv state holds x, B and C channels).
 - :class:`LayerGroup` — layers that share a page table: ``ATTENTION`` (optional sliding
   ``window`` and ``sink_tokens``) or ``STATE`` (one snapshot per page boundary).
 - :class:`PageLayout` — model fingerprint, tokens per page, groups, buffers, quant mode,
@@ -26,6 +33,10 @@ Layout id: SHA-256 over the canonical encoding — JSON with sorted keys, no whi
 enums by name, fields equal to their default left out, ``shard_index`` left out, and
 :data:`LAYOUT_ID_VERSION` inside. Adding a defaulted field therefore keeps old ids; any
 change of the byte layout rules bumps the version so old and new builds share no pages.
+
+Logical id: ``PageLayout.logical_id`` is the layout id of :meth:`PageLayout.unsharded`
+(the TP 1 form), equal for every shard count of one model layout, so rows stored under
+any of them can be found (see :mod:`kvbank.reshard`).
 """
 
 from __future__ import annotations
@@ -63,6 +74,14 @@ class Role(enum.Enum):
     @classmethod
     def parse(cls, name: object) -> Role:
         return _parse_enum(cls, name, "role")
+
+
+class Split(enum.Enum):
+    """How a buffer's bytes divide over tensor-parallel ranks (derived, never encoded)."""
+
+    REPLICATED = "REPLICATED"
+    HEAD = "HEAD"
+    SECTIONED = "SECTIONED"
 
 
 class GroupKind(enum.Enum):
@@ -119,6 +138,8 @@ class BufferSpec:
     shape: tuple[int, ...]
     head_axis: int | None = None  # axis split over TP ranks by KV head; None = replicated
     transferred: bool = True
+    heads: int | None = None  # heads over all ranks; None = shape[head_axis] × shard_count
+    sections: tuple[int, ...] = ()  # one shard's section lengths along head_axis
 
     def __post_init__(self) -> None:
         _nonneg_int(self.layer, "buffer.layer")
@@ -143,6 +164,65 @@ class BufferSpec:
                 )
         if not isinstance(self.transferred, bool):
             raise LayoutError(f"buffer.transferred: must be a bool, got {self.transferred!r}")
+        self._check_split()
+
+    def _check_split(self) -> None:
+        where = f"(layer {self.layer}, {self.role.name})"
+        sections = tuple(self.sections) if isinstance(self.sections, (list, tuple)) else None
+        if sections is None:
+            raise LayoutError(f"buffer.sections: must be a tuple, got {self.sections!r} {where}")
+        for s in sections:
+            _positive_int(s, f"buffer.sections {where}")
+        object.__setattr__(self, "sections", sections)
+        if self.heads is not None:
+            _positive_int(self.heads, f"buffer.heads {where}")
+        if (self.heads is not None or sections) and self.head_axis is None:
+            raise LayoutError(f"buffer.head_axis: heads or sections need a split axis {where}")
+        if self.heads is not None and sections:
+            raise LayoutError(f"buffer.heads: a sectioned buffer splits its sections evenly, "
+                              f"it cannot also declare heads {where}")
+        if sections and self.head_axis is not None and sum(sections) != self.shape[self.head_axis]:
+            raise LayoutError(
+                f"buffer.sections: {sections} sum to {sum(sections)}, axis {self.head_axis} "
+                f"of shape {self.shape} is {self.shape[self.head_axis]} {where}"
+            )
+
+    @property
+    def split(self) -> Split:
+        if self.head_axis is None:
+            return Split.REPLICATED
+        return Split.SECTIONED if self.sections else Split.HEAD
+
+    def segments(self, shard_count: int) -> tuple[int, ...]:
+        """Lengths over all ranks of the runs along ``head_axis`` that split on their own:
+        the head count of a ``HEAD`` buffer, each section of a ``SECTIONED`` one."""
+        if self.head_axis is None:
+            return ()
+        if self.sections:
+            return tuple(s * shard_count for s in self.sections)
+        heads = self.heads if self.heads is not None else self.shape[self.head_axis] * shard_count
+        return (heads,)
+
+    def resplit(self, shard_count: int, to: int, what: str = "buffer") -> BufferSpec:
+        """This buffer, declared for ``shard_count`` ranks, as declared for ``to`` ranks;
+        a head count or section that neither divides over ``to`` nor (heads only) is
+        duplicated evenly is a :class:`LayoutError` naming ``what``."""
+        axis = self.head_axis
+        if axis is None or shard_count == to:
+            return self
+        where = f"{what} (layer {self.layer}, {self.role.name})"
+        if self.sections:
+            for s in self.segments(shard_count):
+                if s % to:
+                    raise LayoutError(f"{where}.sections: a section of {s} does not divide "
+                                      f"over shard_count {to}")
+            sections = tuple(s * shard_count // to for s in self.sections)
+            shape = (*self.shape[:axis], sum(sections), *self.shape[axis + 1 :])
+            return dataclasses.replace(self, shape=shape, sections=sections)
+        (heads,) = self.segments(shard_count)
+        local = _shard_heads(heads, to, f"{where}.heads")
+        shape = (*self.shape[:axis], local, *self.shape[axis + 1 :])
+        return dataclasses.replace(self, shape=shape, heads=None if heads == local * to else heads)
 
     @property
     def itemsize(self) -> int:
@@ -217,6 +297,7 @@ class PageLayout:
     )
     group_page_bytes: tuple[int, ...] = field(init=False, repr=False, compare=False)
     layout_id: bytes = field(init=False, repr=False, compare=False)
+    logical_id: bytes = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -228,6 +309,7 @@ class PageLayout:
             raise LayoutError("groups: a layout needs at least one layer group")
         if not isinstance(buffers, tuple) or not buffers:
             raise LayoutError("buffers: a layout needs at least one buffer")
+        buffers = _fit_splits(buffers, self.shard_count)
         for g in groups:
             if not isinstance(g, LayerGroup):
                 raise LayoutError(f"groups: expected LayerGroup items, got {g!r}")
@@ -291,6 +373,10 @@ class PageLayout:
         object.__setattr__(self, "regions", tuple(tuple(r) for r in per_group))
         object.__setattr__(self, "group_page_bytes", tuple(cursor))
         object.__setattr__(self, "layout_id", hashlib.sha256(self.canonical()).digest())
+        object.__setattr__(
+            self, "logical_id",
+            self.layout_id if self.shard_count == 1 else self.unsharded().layout_id,
+        )
 
     # ---- identity -------------------------------------------------------------------
 
@@ -341,6 +427,16 @@ class PageLayout:
     def with_shard(self, shard_index: int) -> PageLayout:
         """The same layout as seen by another tensor-parallel rank (same layout id)."""
         return dataclasses.replace(self, shard_index=shard_index)
+
+    def unsharded(self) -> PageLayout:
+        """The TP 1 form of this layout: every split buffer at its size over all ranks.
+        Its layout id is :attr:`logical_id`."""
+        if self.shard_count == 1:
+            return self
+        buffers = tuple(
+            b.resplit(self.shard_count, 1, f"buffers[{i}]") for i, b in enumerate(self.buffers)
+        )
+        return dataclasses.replace(self, buffers=buffers, shard_count=1, shard_index=0)
 
     # ---- derived sizes --------------------------------------------------------------
 
@@ -422,21 +518,58 @@ def _fields(cls: type, doc: object, what: str) -> dict[str, Any]:
 # ---- builders ------------------------------------------------------------------------------
 
 
-def _heads_per_shard(num_kv_heads: int, shard_count: int) -> int:
-    _positive_int(num_kv_heads, "num_kv_heads")
+def _shard_heads(heads: int, shard_count: int, what: str) -> int:
+    """Heads one rank holds: ``heads / shard_count``, or 1 when ranks outnumber heads and
+    each head is duplicated on ``shard_count / heads`` ranks (GQA with 8 KV heads at TP 16)."""
+    _positive_int(heads, what)
     _positive_int(shard_count, "shard_count")
-    if num_kv_heads % shard_count:
-        raise LayoutError(
-            f"num_kv_heads: {num_kv_heads} heads do not divide over shard_count {shard_count}"
-        )
-    return num_kv_heads // shard_count
+    if heads % shard_count == 0:
+        return heads // shard_count
+    if shard_count % heads == 0:
+        return 1
+    raise LayoutError(
+        f"{what}: {heads} heads neither divide over shard_count {shard_count} nor duplicate "
+        f"evenly onto it"
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class _Heads:
+    local: int  # heads one rank holds
+    total: int  # heads over all ranks
+
+
+def _heads_per_shard(num_kv_heads: int, shard_count: int) -> _Heads:
+    return _Heads(_shard_heads(num_kv_heads, shard_count, "num_kv_heads"), num_kv_heads)
+
+
+def _fit_splits(buffers: tuple[BufferSpec, ...], shard_count: object) -> tuple[BufferSpec, ...]:
+    """Check each declared head count against ``shard_count`` and drop the ones the
+    default already says, so one split has one encoding (and one layout id)."""
+    if isinstance(shard_count, bool) or not isinstance(shard_count, int) or shard_count <= 0:
+        return buffers  # the shard_count check reports it
+    out = []
+    for i, b in enumerate(buffers):
+        if isinstance(b, BufferSpec) and b.heads is not None and b.head_axis is not None:
+            local = _shard_heads(b.heads, shard_count, f"buffers[{i}].heads")
+            if b.shape[b.head_axis] != local:
+                raise LayoutError(
+                    f"buffers[{i}].heads: {b.heads} heads over shard_count {shard_count} "
+                    f"put {local} on a rank, shape {b.shape} holds {b.shape[b.head_axis]} "
+                    f"(layer {b.layer}, {b.role.name})"
+                )
+            if b.heads == local * shard_count:
+                b = dataclasses.replace(b, heads=None)
+        out.append(b)
+    return tuple(out)
 
 
 def _kv_buffers(
-    layers: Iterable[int], heads: int, head_dim: int, dtype: str, quant: QuantMode
+    layers: Iterable[int], kv_heads: _Heads, head_dim: int, dtype: str, quant: QuantMode
 ) -> list[BufferSpec]:
     """K and V per layer, plus the scale buffers the quant mode needs."""
     out: list[BufferSpec] = []
+    heads, total = kv_heads.local, kv_heads.total
     for layer in layers:
         if quant is QuantMode.NONE:
             kv = ((dtype, (heads, head_dim)),)
@@ -459,11 +592,11 @@ def _kv_buffers(
         else:  # pragma: no cover - enum is closed
             raise LayoutError(f"quant: unsupported {quant}")
         (kv_dtype, kv_shape), = kv
-        out.append(BufferSpec(layer, Role.KEY, kv_dtype, kv_shape, head_axis=0))
-        out.append(BufferSpec(layer, Role.VALUE, kv_dtype, kv_shape, head_axis=0))
+        out.append(BufferSpec(layer, Role.KEY, kv_dtype, kv_shape, head_axis=0, heads=total))
+        out.append(BufferSpec(layer, Role.VALUE, kv_dtype, kv_shape, head_axis=0, heads=total))
         if scale is not None:
-            out.append(BufferSpec(layer, Role.KEY_SCALE, scale[0], scale[1], head_axis=0))
-            out.append(BufferSpec(layer, Role.VALUE_SCALE, scale[0], scale[1], head_axis=0))
+            for role in (Role.KEY_SCALE, Role.VALUE_SCALE):
+                out.append(BufferSpec(layer, role, scale[0], scale[1], head_axis=0, heads=total))
     return out
 
 
@@ -587,11 +720,13 @@ def hybrid_mamba(
     quant: QuantMode = QuantMode.NONE,
     shard_count: int = 1,
     shard_index: int = 0,
+    conv_sections: Sequence[int] = (),
 ) -> PageLayout:
     """Attention layers (group 0) plus Mamba layers (group 1, STATE).
 
     ``conv_shape`` and ``ssm_shape`` are per shard; the conv state is split on its channel
-    axis 0 and the SSM state by head (axis 0).
+    axis 0 and the SSM state by head (axis 0). ``conv_sections`` (one shard's channel
+    counts of x, B and C, Mamba-2) splits each section of the conv channels on its own.
     """
     heads = _heads_per_shard(num_kv_heads, shard_count)
     attn = tuple(attention_layers)
@@ -600,7 +735,8 @@ def hybrid_mamba(
         raise LayoutError("mamba_layers: a hybrid Mamba layout needs at least one Mamba layer")
     buffers = _kv_buffers(attn, heads, head_dim, dtype, quant)
     for layer in mamba:
-        buffers.append(BufferSpec(layer, Role.CONV_STATE, dtype, conv_shape, head_axis=0))
+        buffers.append(BufferSpec(layer, Role.CONV_STATE, dtype, conv_shape, head_axis=0,
+                                  sections=tuple(conv_sections)))
         buffers.append(BufferSpec(layer, Role.SSM_STATE, state_dtype, ssm_shape, head_axis=0))
     groups = []
     if attn:

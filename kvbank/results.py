@@ -1,7 +1,8 @@
 """What the bank's queries and fetches answer: plain frozen values (no torch, no I/O).
 
 - :class:`Match` — where each row of a prompt's prefix is, the resume bound, and every
-  usable boundary (``boundaries``).
+  usable boundary (``boundaries``); ``via`` names the rows found only under another
+  shard count (fetched by resharding).
 - :class:`Presence` — where each page is for every tensor-parallel shard of a layout,
   from one store lookup, and the boundary every shard can resume at.
 - :class:`FetchResult` — what one fetch call delivered and the bound those rows allow.
@@ -31,6 +32,9 @@ class Match:
     names: tuple[tuple[bytes, ...], ...]  # per group, the row name of every keyed page
     tiers: tuple[tuple[TierKind | None, ...], ...]  # per group, where each row is (None = miss)
     boundaries: tuple[int, ...]  # every usable resume boundary r > 0, ascending
+    # per group, per page: the shard count a row is resharded from (0: the caller's own
+    # row, or a miss); empty when no row is resharded. See kvbank.cross_shard.
+    via: tuple[tuple[int, ...], ...] = ()
 
     def present(self, group: int, index: int) -> bool:
         return self.tiers[group][index] is not None

@@ -50,6 +50,35 @@ def golden_layouts() -> dict[str, L.PageLayout]:
                 L.BufferSpec(1, L.Role.INDEX_KEY, "float16", (64,), transferred=False),
             ),
         ),
+        # split declarations: duplicated heads, sections, per-buffer head counts
+        "gqa-llama3-8b-tp16-duplicated": L.full_attention(
+            "meta-llama/Meta-Llama-3-8B@main", 32, 8, 128, shard_count=16
+        ),
+        "hybrid-mamba2-sectioned-tp2": L.hybrid_mamba(
+            "nvidia/Nemotron-H-8B@main",
+            attention_layers=[3, 7],
+            mamba_layers=[0, 1, 2, 4, 5, 6],
+            num_kv_heads=8,
+            head_dim=128,
+            conv_shape=(4096 + 128 + 128, 3),
+            conv_sections=(4096, 128, 128),
+            ssm_shape=(64, 64, 128),
+            shard_count=2,
+        ),
+        "per-buffer-heads-tp4": L.PageLayout(
+            model="hand+draft",
+            tokens_per_page=16,
+            groups=(L.LayerGroup(L.GroupKind.ATTENTION, (0, 1)),),
+            buffers=(
+                L.BufferSpec(0, L.Role.KEY, "bfloat16", (2, 128), head_axis=0, heads=8),
+                L.BufferSpec(0, L.Role.VALUE, "bfloat16", (2, 128), head_axis=0),
+                L.BufferSpec(1, L.Role.KEY, "bfloat16", (1, 64), head_axis=0, heads=2),
+                L.BufferSpec(1, L.Role.VALUE, "bfloat16", (1, 64), head_axis=0, heads=2),
+                L.BufferSpec(1, L.Role.INDEX_KEY, "bfloat16", (32,)),
+            ),
+            shard_count=4,
+            shard_index=1,
+        ),
     }
 
 

@@ -201,6 +201,64 @@ def test_layout_error_is_a_value_error_and_a_kvbank_error() -> None:
     assert issubclass(LayoutError, InvalidInput) and issubclass(LayoutError, KvbankError)
 
 
+# ---- split declarations ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("make", "field"),
+    [
+        (lambda: L.BufferSpec(0, L.Role.KEY, "bfloat16", (2, 4), heads=4), "head_axis"),
+        (lambda: L.BufferSpec(0, L.Role.KEY, "bfloat16", (2, 4), sections=(1, 1)), "head_axis"),
+        (lambda: L.BufferSpec(0, L.Role.KEY, "bfloat16", (2, 4), head_axis=0, heads=0), "heads"),
+        (lambda: L.BufferSpec(0, L.Role.KEY, "bfloat16", (2, 4), head_axis=0, heads=True),  # type: ignore[arg-type]
+         "heads"),
+        (lambda: L.BufferSpec(0, L.Role.KEY, "bfloat16", (2, 4), head_axis=0, sections=(1, 2)),
+         "sections"),
+        (lambda: L.BufferSpec(0, L.Role.KEY, "bfloat16", (2, 4), head_axis=0, sections=(2, 0)),
+         "sections"),
+        (lambda: L.BufferSpec(0, L.Role.KEY, "bfloat16", (2, 4), head_axis=0, sections=5),  # type: ignore[arg-type]
+         "sections"),
+        (lambda: L.BufferSpec(0, L.Role.KEY, "bfloat16", (2, 4), head_axis=0, heads=4,
+                              sections=(1, 1)), "heads"),
+        # 2 heads a rank at TP 4 is 8 heads, not 6; 6 heads neither divide nor duplicate
+        (lambda: _layout(buffers=(L.BufferSpec(0, L.Role.KEY, "bfloat16", (2, 8), head_axis=0,
+                                               heads=6),), shard_count=4), r"buffers\[0\]\.heads"),
+        (lambda: _layout(buffers=(L.BufferSpec(0, L.Role.KEY, "bfloat16", (2, 8), head_axis=0,
+                                               heads=4),), shard_count=4), r"buffers\[0\]\.heads"),
+        (lambda: L.full_attention("m", 2, 8, 64, shard_count=12), "num_kv_heads"),
+    ],
+)
+def test_layout_split_validation_names_the_field(make: object, field: str) -> None:
+    with pytest.raises(LayoutError, match=field):
+        make()  # type: ignore[operator]
+
+
+def test_layout_split_kinds() -> None:
+    lay = golden_layouts()["hybrid-mamba2-sectioned-tp2"]
+    conv = next(b for b in lay.buffers if b.role is L.Role.CONV_STATE)
+    ssm = next(b for b in lay.buffers if b.role is L.Role.SSM_STATE)
+    assert conv.split is L.Split.SECTIONED and conv.segments(2) == (8192, 256, 256)
+    assert ssm.split is L.Split.HEAD and ssm.segments(2) == (128,)
+    assert golden_layouts()["mla-deepseek"].buffers[0].split is L.Split.REPLICATED
+    # sections from JSON lists are tuples again
+    assert L.PageLayout.from_dict(json.loads(json.dumps(lay.to_dict()))) == lay
+
+
+def test_layout_logical_id_is_the_tp1_layout_id() -> None:
+    """Rows stored at TP 2 and TP 16 of one model layout share the logical id, which is the
+    (golden) id of the same layout at TP 1."""
+    tp2 = golden_layouts()["gqa-llama3-8b-tp2"]
+    tp16 = golden_layouts()["gqa-llama3-8b-tp16-duplicated"]
+    tp1 = L.full_attention("meta-llama/Meta-Llama-3-8B@main", 32, 8, 128)
+    assert tp2.logical_id == tp16.logical_id == tp1.layout_id == tp1.logical_id
+    assert tp2.layout_id != tp16.layout_id != tp1.layout_id
+    assert tp16.with_shard(7).logical_id == tp16.logical_id
+    for name, lay in golden_layouts().items():
+        assert lay.unsharded().layout_id == lay.logical_id, name
+        if lay.shard_count == 1:
+            assert lay.logical_id == lay.layout_id, name
+
+
 # ---- properties ---------------------------------------------------------------------------
 
 _dtypes = st.sampled_from(sorted(L.DTYPE_ITEMSIZE))

@@ -14,4 +14,5 @@ SUITES: dict[str, str] = {
     "lender": "kvbank.bench.lender",
     "service": "kvbank.bench.service",
     "tiers": "kvbank.bench.tiers",
+    "reshard": "kvbank.bench.reshard",
 }

@@ -224,7 +224,7 @@ def create_app(node: Node) -> FastAPI:
 
     @app.get("/v1/layouts/{layout_id}")
     async def get_layout(layout_id: str) -> Response:
-        layout = bank.layout(_hex(layout_id, "layout_id", 32))
+        layout = await node.call(bank.layout, _hex(layout_id, "layout_id", 32))
         return _json(wire.to_dict(layout))
 
     @app.post("/v1/put", openapi_extra=_binary_doc("pages"))

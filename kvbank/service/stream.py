@@ -337,7 +337,7 @@ class RowStream(Response):
             for v in views.values():
                 v.release()  # our export only: the lease keeps the slots until the ack
             if lease is not None:
-                node.hold(fetch.fetch_id, lease.id, list(views))
+                await node.call(node.hold, fetch.fetch_id, lease.id, list(views))
         return sent
 
 

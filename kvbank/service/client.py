@@ -43,14 +43,22 @@ import httpx
 from kvbank import wire
 from kvbank.buffers import OutBuffers, Pages, out_views, page_views
 from kvbank.errors import InvalidInput, KvbankError, TierFull, TierUnavailable
-from kvbank.keys import DEFAULT_SCOPE, PAGE_KEY_BYTES, Scope, TokenIds, tokens_to_bytes
+from kvbank.keys import DEFAULT_SCOPE, Scope, TokenIds, tokens_to_bytes
 from kvbank.layout import PageLayout
 from kvbank.lender.base import CommitResult, Delivery, Lease, LeaseMode, MemoryKind
 from kvbank.lender.borrow import Borrower
 from kvbank.results import BankStats, FetchResult, Match
-from kvbank.service.client_io import fetch_stream, send_put
+from kvbank.service.client_io import (
+    enum_name,
+    fetch_stream,
+    lease_path_id,
+    name_hex,
+    page_size,
+    put_head,
+    send_put,
+)
 from kvbank.service.config import DEFAULT_BIND, DEFAULT_PORT
-from kvbank.service.framing import PutHeader, PutKind, encode_put_prefix
+from kvbank.service.framing import PutKind
 from kvbank.tiers.base import TierKind
 from kvbank.tiers.host import SHM_DIR
 from kvbank.tiers.store import StoreHealth
@@ -186,30 +194,6 @@ class Client:
 
     # ---- storing ---------------------------------------------------------------------
 
-    def _put_head(self, kind: PutKind, layout_id: bytes, tokens: TokenIds | None,
-                  keys: Sequence[bytes] | None, scope: Scope, group: int, first_page: int,
-                  shard: int | None, at: int | None, views: list[memoryview], size: int) -> bytes:
-        if (tokens is None) == (keys is None):
-            raise InvalidInput("tokens: give either tokens or keys (a page-key chain), not both or neither")
-        if not isinstance(scope, Scope):
-            raise InvalidInput(f"scope: expected a Scope, got {type(scope).__name__}")
-        if keys is not None:
-            if isinstance(keys, (bytes, str)) or not isinstance(keys, Sequence):
-                raise InvalidInput(f"keys: expected a sequence of page keys, got {type(keys).__name__}")
-            for i, k in enumerate(keys):
-                if type(k) is not bytes or len(k) != PAGE_KEY_BYTES:
-                    raise InvalidInput(f"keys[{i}]: expected a {PAGE_KEY_BYTES}-byte page key")
-            key_bytes = b"".join(keys)
-        else:
-            key_bytes = tokens_to_bytes(tokens)  # type: ignore[arg-type]  # None excluded above
-        for name, v in (("group", group), ("first_page", first_page)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise InvalidInput(f"{name}: must be a non-negative integer, got {v!r}")
-        header = PutHeader(kind, layout_id, scope.tenant, scope.cache_salt, scope.lora, group,
-                           first_page, shard, at, None if keys is not None else len(key_bytes) // 4,
-                           None if keys is None else len(keys), len(views), size)
-        return encode_put_prefix(header) + key_bytes
-
     def _store(self, kind: PutKind, head: bytes, views: list[memoryview]) -> list[bytes]:
         if self.same_host:
             doc = self._call("POST", "/v1/put/lease", content=head)
@@ -255,9 +239,9 @@ class Client:
             shard: int | None = None) -> list[bytes]:
         """:meth:`Bank.put` on the node: pages of an ATTENTION group; their row names."""
         layout = self.layout(layout_id)
-        size = _page_size(layout, group)
+        size = page_size(layout, group)
         views = page_views(pages, size, "pages")
-        head = self._put_head(PutKind.PAGES, layout_id, tokens, keys, scope, group, first_page,
+        head = put_head(PutKind.PAGES, layout_id, tokens, keys, scope, group, first_page,
                               shard, None, views, size)
         return self._store(PutKind.PAGES, head, views)
 
@@ -266,13 +250,13 @@ class Client:
                   keys: Sequence[bytes] | None = None, shard: int | None = None) -> bytes:
         """:meth:`Bank.put_state` on the node: one STATE snapshot; its row name."""
         layout = self.layout(layout_id)
-        size = _page_size(layout, group)
+        size = page_size(layout, group)
         if hasattr(state, "dim") and state.dim() == 1:
             state = state.reshape(1, -1)
         views = page_views(state if hasattr(state, "dim") else [state], size, "state")
         if len(views) != 1:
             raise InvalidInput(f"state: expected one snapshot, got {len(views)}")
-        head = self._put_head(PutKind.STATE, layout_id, tokens, keys, scope, group, 0, shard,
+        head = put_head(PutKind.STATE, layout_id, tokens, keys, scope, group, 0, shard,
                               at, views, size)
         return self._store(PutKind.STATE, head, views)[0]
 
@@ -360,35 +344,35 @@ class Client:
         names = rows.needed if isinstance(rows, Match) else rows
         if isinstance(names, (bytes, str)) or not isinstance(names, Sequence):
             raise InvalidInput(f"names: expected a sequence of row names, got {type(names).__name__}")
-        hexed = [_name(n, i) for i, n in enumerate(names)]
-        doc = self._call("POST", "/v1/leases", body={"names": hexed, "mode": _enum(mode, LeaseMode, "mode"),
-                                                     "kind": _enum(kind, MemoryKind, "kind"), "ttl_s": ttl_s})
+        hexed = [name_hex(n, i) for i, n in enumerate(names)]
+        doc = self._call("POST", "/v1/leases", body={"names": hexed, "mode": enum_name(mode, LeaseMode, "mode"),
+                                                     "kind": enum_name(kind, MemoryKind, "kind"), "ttl_s": ttl_s})
         return wire.from_dict(Lease, doc)
 
     def lend_all(self, *, kind: MemoryKind = MemoryKind.HOST, mode: LeaseMode = LeaseMode.READ,
                  ttl_s: float | None = None) -> Lease:
         """An ALL lease: the tier's pools, for a transfer engine's one-time registration."""
-        doc = self._call("POST", "/v1/leases", body={"all": True, "mode": _enum(mode, LeaseMode, "mode"),
-                                                     "kind": _enum(kind, MemoryKind, "kind"), "ttl_s": ttl_s})
+        doc = self._call("POST", "/v1/leases", body={"all": True, "mode": enum_name(mode, LeaseMode, "mode"),
+                                                     "kind": enum_name(kind, MemoryKind, "kind"), "ttl_s": ttl_s})
         return wire.from_dict(Lease, doc)
 
     def renew(self, lease_id: str, ttl_s: float | None = None) -> Lease:
-        return wire.from_dict(Lease, self._call("POST", f"/v1/leases/{_id(lease_id)}/renew", body={"ttl_s": ttl_s}))
+        return wire.from_dict(Lease, self._call("POST", f"/v1/leases/{lease_path_id(lease_id)}/renew", body={"ttl_s": ttl_s}))
 
     def release(self, lease_id: str) -> bool:
-        return bool(self._call("DELETE", f"/v1/leases/{_id(lease_id)}")["released"])
+        return bool(self._call("DELETE", f"/v1/leases/{lease_path_id(lease_id)}")["released"])
 
     def commit(self, lease_id: str, arrived: Sequence[bytes] | Sequence[bool]) -> CommitResult:
         """Publish the WRITE lease's rows that arrived whole; the rest are discarded."""
         items = list(arrived)
         body = items if items and all(isinstance(a, bool) for a in items) else [
             a.hex() if isinstance(a, bytes) else a for a in items]
-        doc = self._call("POST", f"/v1/leases/{_id(lease_id)}/commit", body={"arrived": body})
+        doc = self._call("POST", f"/v1/leases/{lease_path_id(lease_id)}/commit", body={"arrived": body})
         return wire.from_dict(CommitResult, doc)
 
     def check_live(self, lease_id: str) -> None:
         """The completion check: :class:`LeaseExpired` if the lease ended before now."""
-        self._call("POST", f"/v1/leases/{_id(lease_id)}/check")
+        self._call("POST", f"/v1/leases/{lease_path_id(lease_id)}/check")
 
     def stats(self) -> BankStats:
         return wire.from_dict(BankStats, self._call("GET", "/v1/stats", idempotent=True))
@@ -399,7 +383,7 @@ class Client:
 
     def locate(self, names: Sequence[bytes]) -> list[TierKind | None]:
         """The fastest tier holding each row (None = a miss). A pure query."""
-        hexed = [_name(n, i) for i, n in enumerate(names)]
+        hexed = [name_hex(n, i) for i, n in enumerate(names)]
         doc = self._call("POST", "/v1/locate", body={"names": hexed}, idempotent=True)
         return [None if t is None else TierKind[t] for t in doc["tiers"]]
 
@@ -432,30 +416,6 @@ class Client:
     def __exit__(self, et: type[BaseException] | None, ev: BaseException | None,
                  tb: TracebackType | None) -> None:
         self.close()
-
-
-def _page_size(layout: PageLayout, group: int) -> int:
-    if isinstance(group, bool) or not isinstance(group, int) or not 0 <= group < len(layout.groups):
-        raise InvalidInput(f"group: expected a group index in [0, {len(layout.groups)}), got {group!r}")
-    return layout.group_page_bytes[group]
-
-
-def _enum(value: object, cls: type[LeaseMode] | type[MemoryKind], what: str) -> str:
-    if not isinstance(value, cls):
-        raise InvalidInput(f"{what}: expected a {cls.__name__}, got {value!r}")
-    return value.name
-
-
-def _name(name: object, i: int) -> str:
-    if type(name) is not bytes:
-        raise InvalidInput(f"names[{i}]: expected a row name (bytes), got {type(name).__name__}")
-    return name.hex()
-
-
-def _id(lease_id: object) -> str:
-    if not isinstance(lease_id, str) or not lease_id or "/" in lease_id:
-        raise InvalidInput(f"lease_id: expected a lease id string, got {lease_id!r}")
-    return lease_id
 
 
 __all__ = ["DEFAULT_URL", "Client"]

@@ -1,6 +1,7 @@
 """The client's zero-copy page I/O over plain ``http.client`` connections.
 
 - :func:`send_put` — a put body sent from the caller's page buffers (no join, no copy).
+- :func:`put_head` — the checked prefix, header and token ids of a put body.
 - :func:`fetch_stream` — a fetch stream read with ``readinto`` straight into each
   destination row; the positions of the rows that arrived whole, even when the stream
   broke off (those are what the client acknowledges).
@@ -17,14 +18,20 @@ from collections.abc import Mapping, Sequence
 
 from kvbank import wire
 from kvbank.errors import InvalidInput, KvbankError, TierUnavailable
+from kvbank.keys import PAGE_KEY_BYTES, Scope, TokenIds, tokens_to_bytes
+from kvbank.layout import PageLayout
+from kvbank.lender.base import LeaseMode, MemoryKind
 from kvbank.service.framing import (
     FETCH_MAGIC,
     FRAME,
     PREFIX,
     FrameKind,
+    PutHeader,
+    PutKind,
     decode_fetch_header,
     decode_frame,
     decode_prefix,
+    encode_put_prefix,
 )
 
 _SCRATCH = 1 << 20
@@ -97,3 +104,52 @@ def fetch_stream(conn: http.client.HTTPConnection, body: bytes,
     except (OSError, http.client.HTTPException, InvalidInput) as exc:
         return got, fid, exc
     return got, fid, None
+
+
+def put_head(kind: PutKind, layout_id: bytes, tokens: TokenIds | None,
+              keys: Sequence[bytes] | None, scope: Scope, group: int, first_page: int,
+              shard: int | None, at: int | None, views: list[memoryview], size: int) -> bytes:
+    if (tokens is None) == (keys is None):
+        raise InvalidInput("tokens: give either tokens or keys (a page-key chain), not both or neither")
+    if not isinstance(scope, Scope):
+        raise InvalidInput(f"scope: expected a Scope, got {type(scope).__name__}")
+    if keys is not None:
+        if isinstance(keys, (bytes, str)) or not isinstance(keys, Sequence):
+            raise InvalidInput(f"keys: expected a sequence of page keys, got {type(keys).__name__}")
+        for i, k in enumerate(keys):
+            if type(k) is not bytes or len(k) != PAGE_KEY_BYTES:
+                raise InvalidInput(f"keys[{i}]: expected a {PAGE_KEY_BYTES}-byte page key")
+        key_bytes = b"".join(keys)
+    else:
+        key_bytes = tokens_to_bytes(tokens)  # type: ignore[arg-type]  # None excluded above
+    for name, v in (("group", group), ("first_page", first_page)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise InvalidInput(f"{name}: must be a non-negative integer, got {v!r}")
+    header = PutHeader(kind, layout_id, scope.tenant, scope.cache_salt, scope.lora, group,
+                       first_page, shard, at, None if keys is not None else len(key_bytes) // 4,
+                       None if keys is None else len(keys), len(views), size)
+    return encode_put_prefix(header) + key_bytes
+
+
+def page_size(layout: PageLayout, group: int) -> int:
+    if isinstance(group, bool) or not isinstance(group, int) or not 0 <= group < len(layout.groups):
+        raise InvalidInput(f"group: expected a group index in [0, {len(layout.groups)}), got {group!r}")
+    return layout.group_page_bytes[group]
+
+
+def enum_name(value: object, cls: type[LeaseMode] | type[MemoryKind], what: str) -> str:
+    if not isinstance(value, cls):
+        raise InvalidInput(f"{what}: expected a {cls.__name__}, got {value!r}")
+    return value.name
+
+
+def name_hex(name: object, i: int) -> str:
+    if type(name) is not bytes:
+        raise InvalidInput(f"names[{i}]: expected a row name (bytes), got {type(name).__name__}")
+    return name.hex()
+
+
+def lease_path_id(lease_id: object) -> str:
+    if not isinstance(lease_id, str) or not lease_id or "/" in lease_id:
+        raise InvalidInput(f"lease_id: expected a lease id string, got {lease_id!r}")
+    return lease_id

@@ -106,6 +106,8 @@ class MatchBody(BaseModel):
     layout_id: str = Field(description="hex of the 32-byte layout id")
     tokens: list[int] | None = Field(None, description="token ids")
     tokens_b64: str | None = Field(None, description="token ids as base64 of little-endian int32")
+    keys: list[str] | None = Field(None, description="an engine's page-key chain (hex), instead of tokens")
+    prompt_tokens: int | None = Field(None, ge=0, description="the prompt's length, with keys")
     scope: ScopeBody = ScopeBody()
     shard: int | None = None
 
@@ -244,8 +246,10 @@ def create_app(node: Node) -> FastAPI:
     @app.post("/v1/match")
     async def match(body: MatchBody) -> Response:
         lid = _hex(body.layout_id, "layout_id", 32)
-        if (body.tokens is None) == (body.tokens_b64 is None):
-            raise InvalidInput("tokens: give either tokens or tokens_b64")
+        given = [x is not None for x in (body.tokens, body.tokens_b64, body.keys)]
+        if sum(given) != 1:
+            raise InvalidInput("tokens: give exactly one of tokens, tokens_b64 or keys")
+        keys = None if body.keys is None else [_hex(k, f"keys[{i}]") for i, k in enumerate(body.keys)]
         tokens: Any = body.tokens
         if body.tokens_b64 is not None:
             import numpy as np
@@ -257,7 +261,8 @@ def create_app(node: Node) -> FastAPI:
             if len(raw) % 4:
                 raise InvalidInput(f"tokens_b64: {len(raw)} bytes, not whole int32 tokens")
             tokens = np.frombuffer(raw, dtype="<i4")
-        m = await node.call(bank.match, lid, tokens, scope=body.scope.scope(), shard=body.shard)
+        m = await node.call(bank.match, lid, tokens, scope=body.scope.scope(), shard=body.shard,
+                            keys=keys, prompt_tokens=body.prompt_tokens)
         return _json(wire.to_dict(m))
 
     @app.post("/v1/fetch", responses={200: {"description": "a fetch stream (framing), or a lease"}})

@@ -262,16 +262,28 @@ class Client:
 
     # ---- matching and fetching -------------------------------------------------------
 
-    def match(self, layout_id: bytes, tokens: TokenIds, *, scope: Scope = DEFAULT_SCOPE,
-              shard: int | None = None) -> Match:
-        """:meth:`Bank.match` on the node. Never leases."""
+    def match(self, layout_id: bytes, tokens: TokenIds | None = None, *, scope: Scope = DEFAULT_SCOPE,
+              shard: int | None = None, keys: Sequence[bytes] | None = None,
+              prompt_tokens: int | None = None) -> Match:
+        """:meth:`Bank.match` on the node (by tokens, or by an engine's key chain). Never leases."""
         if not isinstance(layout_id, bytes):
             raise InvalidInput(f"layout_id: expected bytes, got {type(layout_id).__name__}")
         if not isinstance(scope, Scope):
             raise InvalidInput(f"scope: expected a Scope, got {type(scope).__name__}")
-        body = {"layout_id": layout_id.hex(), "tokens_b64": base64.b64encode(tokens_to_bytes(tokens)).decode(),
-                "scope": {"tenant": scope.tenant, "cache_salt": scope.cache_salt, "lora": scope.lora},
-                "shard": shard}
+        if (tokens is None) == (keys is None):
+            raise InvalidInput("tokens: give either tokens or keys (a page-key chain), not both or neither")
+        body: dict[str, Any] = {
+            "layout_id": layout_id.hex(), "shard": shard, "prompt_tokens": prompt_tokens,
+            "scope": {"tenant": scope.tenant, "cache_salt": scope.cache_salt, "lora": scope.lora}}
+        if keys is not None:
+            if isinstance(keys, (bytes, str)) or not isinstance(keys, Sequence):
+                raise InvalidInput(f"keys: expected a sequence of page keys, got {type(keys).__name__}")
+            for i, k in enumerate(keys):
+                if type(k) is not bytes:
+                    raise InvalidInput(f"keys[{i}]: expected a page key (bytes), got {type(k).__name__}")
+            body["keys"] = [k.hex() for k in keys]
+        elif tokens is not None:
+            body["tokens_b64"] = base64.b64encode(tokens_to_bytes(tokens)).decode()
         return wire.from_dict(Match, self._call("POST", "/v1/match", body=body, idempotent=True))
 
     def fetch(self, match: Match, *, out: OutBuffers, fetch_id: str | None = None,

@@ -109,6 +109,7 @@ def fetch_stream(conn: http.client.HTTPConnection, body: bytes,
 def put_head(kind: PutKind, layout_id: bytes, tokens: TokenIds | None,
               keys: Sequence[bytes] | None, scope: Scope, group: int, first_page: int,
               shard: int | None, at: int | None, views: list[memoryview], size: int) -> bytes:
+    """A put body's prefix, header and token ids (or keys), checked as Bank checks them."""
     if (tokens is None) == (keys is None):
         raise InvalidInput("tokens: give either tokens or keys (a page-key chain), not both or neither")
     if not isinstance(scope, Scope):

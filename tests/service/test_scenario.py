@@ -56,6 +56,11 @@ def test_scenario_same_results_on_bank_and_client(api: Any, request: pytest.Fixt
 
     m = api.match(lid, [*prompt[:90], 7, 7, 7], scope=scope)
     assert isinstance(m, Match) and m.resume.tokens == 80 and m.resume.row_count == 5
+    from kvbank.keys import page_keys
+
+    by_keys = api.match(lid, keys=page_keys([*prompt[:90], 7, 7, 7], FA.tokens_per_page, scope), scope=scope,
+                        prompt_tokens=93)
+    assert by_keys.resume.tokens == 80 and by_keys.resume.rows == m.resume.rows
     assert api.match(lid, prompt, scope=Scope(tenant="other")).resume.tokens == 0
 
     buf = torch.zeros((5, PAGE), dtype=torch.uint8)

@@ -209,3 +209,25 @@ def test_transport_failure_is_tier_unavailable() -> None:
         c.stats()
     with pytest.raises(InvalidInput, match="url"):
         Client("ftp://x")
+
+
+def test_a_full_tier_is_507_with_the_reason(node: NodeProcess) -> None:
+    """A WRITE lease larger than the node's whole host tier (96M) cannot be had: 507, and
+    the client raises TierFull, as Bank.lend does."""
+    from kvbank import LeaseMode, full_attention
+    from kvbank.errors import TierFull
+    from kvbank.keys import DEFAULT_SCOPE, namespace, page_keys, row_names
+
+    big = full_attention("faults-big@1", num_layers=32, num_kv_heads=8, head_dim=128)  # 2 MiB
+    toks = list(range(64 * 16))
+    names = row_names(namespace(big.layout_id, DEFAULT_SCOPE), page_keys(toks, 16), 0, 1, 0)
+    with Client(node.url, same_host=False) as c:
+        c.register(big)
+        before = c.stats().live_leases
+        with pytest.raises(TierFull, match="host"):
+            c.lend(names, mode=LeaseMode.WRITE)
+        assert c.stats().live_leases == before  # a refused lend holds nothing
+    status, doc = _raw(node.url, "POST", "/v1/leases",
+                       json.dumps({"names": [n.hex() for n in names], "mode": "WRITE"}).encode(),
+                       {"Content-Type": "application/json"})
+    assert status == 507 and doc["type"] == "TierFull" and doc["message"]

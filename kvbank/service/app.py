@@ -46,12 +46,16 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvbank import __version__, wire
 from kvbank.errors import (
+    Busy,
+    FetchError,
     FetchNotFound,
     InvalidInput,
     KvbankError,
     LeaseConflict,
+    LeaseError,
     LeaseExpired,
     LeaseNotFound,
+    PinBudgetExceeded,
     RowLocked,
     TierFull,
     TierUnavailable,
@@ -76,7 +80,8 @@ def status_of(exc: KvbankError) -> int:
     for cls, status in (
         (BodyTooLarge, 413), (UnknownLayout, 404), (LeaseNotFound, 404), (FetchNotFound, 404),
         (LeaseExpired, 410), (LeaseConflict, 409), (RowLocked, 409), (InvalidInput, 400),
-        (TierFull, 507), (TierUnavailable, 503),
+        (TierFull, 507), (PinBudgetExceeded, 507), (TierUnavailable, 503), (Busy, 503),
+        (LeaseError, 409), (FetchError, 400),
     ):
         if isinstance(exc, cls):
             return status

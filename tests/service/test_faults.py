@@ -231,3 +231,16 @@ def test_a_full_tier_is_507_with_the_reason(node: NodeProcess) -> None:
                        json.dumps({"names": [n.hex() for n in names], "mode": "WRITE"}).encode(),
                        {"Content-Type": "application/json"})
     assert status == 507 and doc["type"] == "TierFull" and doc["message"]
+
+
+def test_every_error_class_has_a_status_and_bad_input_is_never_5xx() -> None:
+    import kvbank.errors as errors
+    from kvbank.service.app import status_of
+
+    classes = [c for c in vars(errors).values() if isinstance(c, type) and issubclass(c, errors.KvbankError)]
+    for cls in classes:
+        status = status_of(cls("x: y"))
+        if issubclass(cls, (errors.InvalidInput, errors.ConfigError, errors.UnknownLayout,
+                            errors.LeaseError, errors.FetchNotFound)):
+            assert 400 <= status < 500, cls
+    assert status_of(errors.TierFull("x")) == 507 and status_of(errors.Busy("x")) == 503

@@ -12,9 +12,11 @@ from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-# The embedded API: what a worker needs to store, match, fetch and lend pages.
+# The embedded API: what a worker needs to store, match, fetch and lend pages; and the
+# node service's client, which makes the same calls over HTTP.
 _EXPORTS = {
     "Bank": "kvbank.bank",
+    "Client": "kvbank.service.client",
     "BankConfig": "kvbank.config",
     "BankStats": "kvbank.results",
     "CommitResult": "kvbank.lender.base",
@@ -57,12 +59,14 @@ if TYPE_CHECKING:
     from kvbank.lender.base import CommitResult, Lease, LeaseMode, LeaseRow, MemoryKind
     from kvbank.lender.resume import Obstacle, ResumeBound
     from kvbank.results import BankStats, FetchResult, Match, Presence
+    from kvbank.service.client import Client
     from kvbank.tiers.base import TierKind
 
 __all__ = [
     "Bank",
     "BankConfig",
     "BankStats",
+    "Client",
     "CommitResult",
     "FetchResult",
     "GroupKind",

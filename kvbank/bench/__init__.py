@@ -14,6 +14,7 @@ SUITES: dict[str, str] = {
     "kernels": "kvbank.bench.kernels",
     "keys": "kvbank.bench.keys",
     "lender": "kvbank.bench.lender",
+    "service": "kvbank.bench.service",
     "tiers": "kvbank.bench.tiers",
     "reshard": "kvbank.bench.reshard",
 }

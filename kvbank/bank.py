@@ -71,7 +71,7 @@ from typing import Self
 import torch
 
 from kvbank import lookup
-from kvbank.buffers import OutBuffers, Pages, out_views, page_dtype, page_views
+from kvbank.buffers import OutBuffers, Pages, out_views, page_views
 from kvbank.catalog import Catalog
 from kvbank.config import BankConfig
 from kvbank.cross_shard import CrossLocate, ReshardReader, ShardCounts
@@ -221,7 +221,7 @@ class Bank:
                                f"{len(chain)} full pages of the tokens (a partial last page is never stored)")
         self._catalog.learn(layout_id, scope)
         names = chain[first_page : first_page + len(views)]
-        dtype = page_dtype(layout, group)
+        dtype = layout.page_dtype(group)
         todo = [(chain[j], mv, chain[j - 1] if j else None)
                 for j, (mv, held) in enumerate(zip(views, self._store.locate(names), strict=True),
                                                first_page) if held is None]
@@ -255,7 +255,7 @@ class Bank:
     def _put_resharded(self, layout: PageLayout, name: bytes, data: memoryview,
                        parent: bytes | None) -> None:
         """Keep a row a fetch built from another shard count's rows, so the next is direct."""
-        self._put_new(name, data, dtype=page_dtype(layout, group_of(name)), parent=parent)
+        self._put_new(name, data, dtype=layout.page_dtype(group_of(name)), parent=parent)
 
     def put_state(self, layout_id: bytes, tokens: TokenIds | None = None, *, group: int,
                   state: torch.Tensor | bytes | bytearray | memoryview, at: int | None = None,
@@ -283,7 +283,7 @@ class Bank:
         self._catalog.learn(layout_id, scope)
         name = chain[boundary // p - 1]
         if self._store.locate([name]) == [None]:
-            self._put_new(name, view, dtype=page_dtype(layout, group))
+            self._put_new(name, view, dtype=layout.page_dtype(group))
         return name
 
     # ---- queries ---------------------------------------------------------------------------

@@ -4,8 +4,6 @@
   sequence of bytes-likes), each checked against the page size
   (:class:`~kvbank.errors.PageSizeMismatch`), without copying host memory.
 - :func:`out_views` — writable views of a fetch's output buffers, one per planned row.
-- :func:`page_dtype` — the dtype the codec is told a group's pages hold (its buffers'
-  one dtype; ``uint8`` for a page of mixed dtypes), so bf16 pages get byte-plane frames.
 
 Every refusal is :class:`~kvbank.errors.InvalidInput` naming the argument and position.
 """
@@ -22,13 +20,6 @@ from kvbank.layout import PageLayout
 
 Pages = torch.Tensor | Sequence[bytes | bytearray | memoryview]  # uint8 [n, page_bytes] or n buffers
 OutBuffers = Mapping[int, torch.Tensor | Sequence[bytearray | memoryview]]  # group -> rows
-
-
-def page_dtype(layout: PageLayout, group: int) -> str:
-    """The one dtype of the group's page buffers, or ``uint8`` when they mix dtypes (the
-    codec splits byte planes by item size, which a mixed page does not have)."""
-    dtypes = {r.buffer.dtype for r in layout.regions[group]}
-    return dtypes.pop() if len(dtypes) == 1 else "uint8"
 
 
 def page_views(pages: Pages, size: int, field: str) -> list[memoryview]:

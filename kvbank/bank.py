@@ -32,7 +32,8 @@ Primitives (value objects in :mod:`kvbank.results`, JSON forms in :mod:`kvbank.w
   :meth:`~Bank.device_view`, :meth:`~Bank.write`, :meth:`~Bank.read`,
   :meth:`~Bank.read_into`; :meth:`~Bank.check_live` after reading in place (bytes read
   under an expired lease must not be used). See :mod:`kvbank.lender.lender`.
-- operations: :meth:`~Bank.leases`, :meth:`~Bank.fetches`, :meth:`~Bank.stats`,
+- operations: :attr:`~Bank.reservation` (the host budget pre-faulted since open, with
+  ``reserve_host``), :meth:`~Bank.leases`, :meth:`~Bank.fetches`, :meth:`~Bank.stats`,
   :meth:`~Bank.health`, :meth:`~Bank.flush`, :meth:`~Bank.check_invariants`,
   :meth:`~Bank.close`.
 
@@ -86,6 +87,7 @@ from kvbank.lender.lender import Lender
 from kvbank.results import BankStats, FetchResult, Match, Presence
 from kvbank.tiers.base import TierKind
 from kvbank.tiers.store import StoreHealth, TieredStore
+from kvbank.tiers.store.reserve import Reservation
 
 logger = logging.getLogger(__name__)
 
@@ -137,6 +139,12 @@ class Bank:
     def __exit__(self, et: type[BaseException] | None, ev: BaseException | None,
                  tb: TracebackType | None) -> None:
         self.close()
+
+    @property
+    def reservation(self) -> Reservation | None:
+        """With ``reserve_host``: the host budget being claimed and pre-faulted in the
+        background since open (``target_bytes``, ``done_bytes``, ``wait(timeout)``)."""
+        return self._store.reservation
 
     @property
     def clock(self) -> Clock:

@@ -19,6 +19,7 @@ from kvbank.layout import hybrid_mamba
 from kvbank.lender.base import LeaseMode
 from kvbank.tiers.disk import DiskTier, FrameWrite
 from kvbank.tiers.store.copier import Lanes
+from kvbank.tiers.store.reserve import free_memory
 
 LAYOUT = full_attention("data-path@1", num_layers=2, num_kv_heads=2, head_dim=64, tokens_per_page=16)
 PAGE = LAYOUT.group_page_bytes[0]
@@ -205,3 +206,26 @@ def test_copy_threads_setting_is_checked() -> None:
             BankConfig(copy_threads=bad)  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="COPY_THREADS"):
         BankConfig.from_env({"KVBANK_COPY_THREADS": "many"})
+
+
+def test_reserve_host_prefaults_the_budget_in_the_background() -> None:
+    with Bank.open(host_bytes="96M", device_bytes=0, reserve_host=True) as b:
+        r = b.reservation
+        assert r is not None and r.target_bytes > 0
+        assert r.wait(60) and r.error is None and r.done_bytes == r.target_bytes
+        lid = b.register(LAYOUT)
+        pages = bf16_pages(4, 6)
+        b.put(lid, tokens(4), group=0, pages=pages)
+        out = torch.zeros(4, PAGE, dtype=torch.uint8)
+        assert b.fetch(b.match(lid, [*tokens(4), 0]), out={0: out}).complete
+        assert torch.equal(out, pages)
+    with Bank.open(host_bytes="96M", device_bytes=0) as b:
+        assert b.reservation is None  # off unless asked for
+
+
+def test_reserve_larger_than_free_memory_is_a_config_error() -> None:
+    too_much = free_memory() + (1 << 30)
+    with pytest.raises(ConfigError, match=r"reserve_host.*free") as info:
+        Bank.open(host_bytes=too_much, device_bytes=0, reserve_host=True)
+    assert info.value.field == "reserve_host"
+    assert BankConfig.from_env({"KVBANK_RESERVE_HOST": "true"}).reserve_host is True

@@ -13,7 +13,8 @@ module          owns
 ``locktable``   ``store.locks``: the page-lock operations under the store lock
 ``policy``      victim choice: prefix-aware LRU as a pure function over the index
 ``placement``   which slot a row gets; making room; waiting (with a deadline)
-``copier``      every byte copy between tiers (the seam tests inject)
+``copier``      every byte copy between tiers (the seam tests inject); the copy lanes
+``reserve``     the host budget claimed and pre-faulted at open (``reserve_host``)
 ``mover``       the background thread: device→host copies, disk demotions, purges
 ``writes``      put and commit: fill a private slot, publish it (write-through to disk)
 ``reads``       get: copy out, promote a disk row into host, drop corrupt rows
@@ -74,6 +75,7 @@ from kvbank.tiers.store.events import DEFAULT_EVENT_CAPACITY
 from kvbank.tiers.store.locktable import LockTable
 from kvbank.tiers.store.memory import DeviceOps, HostOps
 from kvbank.tiers.store.mover import Mover, default_encode_workers
+from kvbank.tiers.store.reserve import Reservation, start_reservation
 from kvbank.tiers.store.state import StoreState, deadline_after
 from kvbank.tiers.store.types import (
     EventKind,
@@ -106,6 +108,8 @@ class TieredStore:
     ``flush``, ``stats``, ``health``, ``check_invariants``, ``close``; and the
     namespaces ``locks`` (page locks), ``host`` and ``device`` (in-place slots).
     """
+
+    reservation: Reservation | None  # the host budget pre-faulting (``reserve_host``)
 
     def __init__(self, config: BankConfig, *, encode_workers: int | None = None,
                  copier: Copier | None = None,
@@ -145,6 +149,9 @@ class TieredStore:
             st.notes.extend(notes)
             st.events.capacity = event_capacity
             persistence.recover(st)
+            # Last: nothing after it may fail, so the thread never outlives a failed open.
+            self.reservation = (start_reservation(host, config)
+                                if config.reserve_host and host is not None else None)
         except BaseException:
             _close_tiers(device, host, frames)
             raise
@@ -371,6 +378,8 @@ class TieredStore:
             if self._mover.encoder is not None:
                 self._mover.encoder.shutdown(wait=True)
             self._lanes.close()
+            if self.reservation is not None:
+                self.reservation.stop()  # before the segment is unmapped
             _close_tiers(st.device, st.host, st.frames)
 
     def __enter__(self) -> TieredStore:

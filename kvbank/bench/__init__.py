@@ -14,4 +14,5 @@ SUITES: dict[str, str] = {
     "lender": "kvbank.bench.lender",
     "tiers": "kvbank.bench.tiers",
     "reshard": "kvbank.bench.reshard",
+    "bank": "kvbank.bench.bank",
 }

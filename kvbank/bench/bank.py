@@ -169,8 +169,10 @@ def run(quick: bool = False) -> Iterator[BenchRow]:
     n = 16 if quick else 64
     repeat = 3 if quick else 7
     tokens = list(range(n * LAYOUT.tokens_per_page + 1))
-    for tail, pages in (("", lambda: _random_pages(n)), ("-real", lambda: _real_pages(n))):
-        p = pages()
+    sources: tuple[tuple[str, Callable[[int], torch.Tensor]], ...] = (
+        ("", _random_pages), ("-real", _real_pages))
+    for tail, make in sources:
+        p = make(n)
         yield from _host(p, tokens, repeat, tail)
         yield from _disk(p, tokens, repeat, tail)
 

@@ -314,9 +314,10 @@ class Bank:
                                    f"within the {len(chain)} full pages given, got {b!r}")
         self._catalog.learn(layout_id, scope)
         names = [chain[b // p - 1] for b in at]
-        for name, view, held in zip(names, views, self._store.locate(names), strict=True):
-            if held is None:
-                self._put_new(name, view)
+        todo = [(name, view, None) for name, view, held
+                in zip(names, views, self._store.locate(names), strict=True) if held is None]
+        if todo:  # one batch; a row a lease locked meanwhile is skipped (same bytes)
+            self._store.put_many(todo, dtype=layout.page_dtype(group))
         return names
 
     # ---- queries ---------------------------------------------------------------------------

@@ -229,3 +229,20 @@ def test_reserve_larger_than_free_memory_is_a_config_error() -> None:
         Bank.open(host_bytes=too_much, device_bytes=0, reserve_host=True)
     assert info.value.field == "reserve_host"
     assert BankConfig.from_env({"KVBANK_RESERVE_HOST": "true"}).reserve_host is True
+
+
+def test_mover_demotions_group_commit_and_keep_the_dtype(tmp_path: Path) -> None:
+    """Puts past the host budget are demoted by the mover (several per transaction):
+    every row is then readable with its bytes, and its disk frame is a bf16 frame."""
+    pages = bf16_pages(40, 8)
+    with Bank.open(host_bytes=24 * PAGE, device_bytes=0, data_dir=tmp_path) as b:
+        lid = b.register(LAYOUT)
+        names = b.put(lid, tokens(40), group=0, pages=pages)
+        b.flush()
+        on_disk = [n for n in names if b._store.read_frame(n) is not None]
+        assert len(on_disk) >= 16  # the budget holds 24 pages at most
+        assert set(_headers(b, on_disk)) == {("bfloat16", Method.PLANES)}
+        out = torch.zeros(40, PAGE, dtype=torch.uint8)
+        got = b.fetch(b.match(lid, [*tokens(40), 0]), out={0: out})
+        assert got.complete and torch.equal(out, pages)
+        b.check_invariants()

@@ -116,6 +116,7 @@ class HostSlab(AllocatorBacked):
         self._pin = _cuda_pinning() if pin else None
         self._pinned: dict[int, int] = {}  # chunk start -> bytes registered with CUDA
         self.keep_memory = False  # set by a reservation: released chunks keep their memory
+        self.prefaulted = 0  # bytes from offset 0 a reservation has made resident
         self._closed = False
         self._fd = -1
         self._mm: mmap.mmap | None = None
@@ -141,6 +142,9 @@ class HostSlab(AllocatorBacked):
     # -- chunk memory ------------------------------------------------------------------
 
     def _grow(self, start: int, nbytes: int) -> None:
+        if start + nbytes <= self.prefaulted:
+            self._pin_chunk(start, nbytes)  # reserved: allocated and faulted already
+            return
         try:
             os.posix_fallocate(self._fd, start, nbytes)
         except OSError as exc:
@@ -155,6 +159,9 @@ class HostSlab(AllocatorBacked):
             self._mm.madvise(_MADV_POPULATE_WRITE, start, nbytes)
         except OSError:
             self._arr[start : start + nbytes] = 0
+        self._pin_chunk(start, nbytes)
+
+    def _pin_chunk(self, start: int, nbytes: int) -> None:
         if self._pin is not None:
             try:
                 self._pin(int(self._arr.ctypes.data) + start, nbytes, True)
@@ -190,8 +197,12 @@ class HostSlab(AllocatorBacked):
         except OSError as exc:
             raise TierFull(f"host tier: /dev/shm has no room to reserve {nbytes} bytes: {exc}") from exc
         assert self._mm is not None
-        with contextlib.suppress(OSError):  # no MADV_POPULATE_WRITE: allocated, faulted on use
+        try:
             self._mm.madvise(_MADV_POPULATE_WRITE, start, nbytes)
+        except OSError:
+            return  # no MADV_POPULATE_WRITE: allocated now, page tables filled on first use
+        if start == self.prefaulted:
+            self.prefaulted = start + nbytes
 
     @property
     def space_bytes(self) -> int:

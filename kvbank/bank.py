@@ -234,7 +234,7 @@ class Bank:
         todo = [(chain[j], mv, chain[j - 1] if j else None)
                 for j, (mv, held) in enumerate(zip(views, self._store.locate(names), strict=True),
                                                first_page) if held is None]
-        step = max(1, min(PUT_BATCH_PAGES, self.config.host_bytes // 4 // max(1, views[0].nbytes)))
+        step = max(1, min(PUT_BATCH_PAGES, self.config.host_bytes // 4 // layout.group_page_bytes[group]))
         i = 0
         while i < len(todo):
             # The deadline is checked before each page is planned; a batch is planned whole.

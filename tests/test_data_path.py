@@ -246,3 +246,10 @@ def test_mover_demotions_group_commit_and_keep_the_dtype(tmp_path: Path) -> None
         got = b.fetch(b.match(lid, [*tokens(40), 0]), out={0: out})
         assert got.complete and torch.equal(out, pages)
         b.check_invariants()
+
+
+def test_put_of_no_pages_stores_nothing() -> None:
+    with Bank.open(host_bytes="64M", device_bytes=0) as b:
+        lid = b.register(LAYOUT)
+        assert b.put(lid, tokens(2), group=0, pages=torch.empty(0, PAGE, dtype=torch.uint8)) == []
+        assert b.stats().store.puts == 0

@@ -33,6 +33,10 @@ pin_bytes                   KVBANK_PIN_BYTES           raw bytes of rows pinned 
                                                        unset = a quarter of host_bytes
 wait_timeout_s              KVBANK_WAIT_TIMEOUT_S      how long a store call waits for the
                                                        mover or for room before ``Busy``
+remote_url                  KVBANK_REMOTE_URL          Redis remote tier below the disk:
+                                                       ``redis://…`` or cluster seeds
+                                                       ``host:port,host:port``; unset = off
+remote_bytes                KVBANK_REMOTE_BYTES        remote tier budget (0 = off)
 ==========================  =========================  =====================================
 
 Byte sizes accept a plain integer or a suffix: ``512M``, ``4G``, ``1.5GiB`` (powers of 1024).
@@ -58,6 +62,7 @@ DEFAULT_HOST_BYTES = 1 << 30
 DEFAULT_DISK_BYTES = 8 << 30
 DEFAULT_DEVICE_FRACTION = 0.10
 DEFAULT_DEVICE = "cuda"
+DEFAULT_REMOTE_BYTES = 4 << 30
 DEFAULT_HIGH_WATERMARK = 0.95
 DEFAULT_LOW_WATERMARK = 0.80
 DEFAULT_LEASE_TTL_S = 30.0
@@ -123,6 +128,8 @@ class BankConfig:
     movement_queue_bytes: int = DEFAULT_MOVEMENT_QUEUE_BYTES
     pin_bytes: int | None = None  # raw bytes of pinned rows; None = host_bytes x 0.25
     wait_timeout_s: float = DEFAULT_WAIT_TIMEOUT_S
+    remote_url: str | None = None  # the Redis remote tier (frames spilled from the disk)
+    remote_bytes: int = DEFAULT_REMOTE_BYTES
 
     def __post_init__(self) -> None:
         if self.data_dir is not None and not isinstance(self.data_dir, Path):
@@ -135,7 +142,7 @@ class BankConfig:
                     f"write_policy: expected one of {[p.value for p in WritePolicy]}, "
                     f"got {self.write_policy!r}"
                 ) from None
-        for name in ("host_bytes", "disk_bytes", "movement_queue_bytes"):
+        for name in ("host_bytes", "disk_bytes", "movement_queue_bytes", "remote_bytes"):
             object.__setattr__(self, name, parse_bytes(getattr(self, name), name))
         if self.device_bytes is not None:
             object.__setattr__(self, "device_bytes", parse_bytes(self.device_bytes, "device_bytes"))
@@ -192,11 +199,12 @@ class BankConfig:
 def _from_text(name: str, raw: str) -> Any:
     if name == "data_dir":
         return Path(raw)
-    if name in ("host_bytes", "disk_bytes", "device_bytes", "movement_queue_bytes", "pin_bytes"):
+    if name in ("host_bytes", "disk_bytes", "device_bytes", "movement_queue_bytes", "pin_bytes",
+                "remote_bytes"):
         return parse_bytes(raw, ENV_PREFIX + name.upper())
     if name == "disk_sync":
         return _parse_bool(raw, ENV_PREFIX + name.upper())
-    if name == "device":
+    if name in ("device", "remote_url"):
         return raw
     if name == "write_policy":
         return raw

@@ -50,9 +50,17 @@ from redis.backoff import EqualJitterBackoff
 from redis.retry import Retry
 
 from kvbank.codec import DTYPE_CODES, HEADER_SIZE, MAX_PAGE_BYTES, decode_into, encode, frame_info
-from kvbank.errors import CorruptPage, InvalidInput, PageSizeMismatch, TierFull, TierUnavailable
+from kvbank.config import BankConfig
+from kvbank.errors import (
+    CorruptPage,
+    InvalidInput,
+    PageSizeMismatch,
+    TierError,
+    TierFull,
+    TierUnavailable,
+)
 from kvbank.keys import ROW_NAME_BYTES
-from kvbank.tiers.base import Buffer, FrameRow, check_name
+from kvbank.tiers.base import Buffer, FrameRow, FrameStore, check_name
 
 logger = logging.getLogger(__name__)
 
@@ -109,6 +117,22 @@ def connect(url: str | None = None, *, cluster: Sequence[str] = (), timeout_s: f
         raise TierUnavailable(f"redis: cannot connect: {exc}") from exc
 
 
+def open_remote(config: BankConfig, notes: list[str]) -> FrameStore | None:
+    """The Redis remote tier when configured; unreachable at open = off, with a note
+    (the node serves its own tiers; a remote tier is an extra, never a dependency)."""
+    if not config.remote_url or config.remote_bytes <= 0:
+        return None
+    url = config.remote_url
+    seeds = [] if "://" in url else [s.strip() for s in url.split(",") if s.strip()]
+    try:
+        return RedisFrameStore(connect(None if seeds else url, cluster=seeds),
+                               config.remote_bytes, own_client=True)
+    except TierError as exc:
+        notes.append(f"remote tier off: {exc}")
+        logger.warning("remote tier off: %s", exc)
+        return None
+
+
 def bucket_tag(name: bytes) -> bytes:
     """``{bNNN}``: the row's bucket (all of a row's keys share it, so one cluster slot)."""
     return b"{b%03x}" % (zlib.crc32(name) % BUCKETS)
@@ -142,12 +166,12 @@ class RedisFrameStore:
 
     def __init__(self, client: RedisClient | str, budget: int, *,
                  ttl_s: float = DEFAULT_TTL_S, namespace: bytes = DEFAULT_NAMESPACE,
-                 level: int = DEFAULT_LEVEL) -> None:
+                 level: int = DEFAULT_LEVEL, own_client: bool = False) -> None:
         if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
             raise InvalidInput(f"remote_bytes: expected an integer >= 1, got {budget!r}")
         if not ttl_s > 0:
             raise InvalidInput(f"remote_ttl_s: expected seconds > 0, got {ttl_s!r}")
-        self._own = isinstance(client, str)
+        self._own = own_client or isinstance(client, str)
         self.client: RedisClient = connect(client) if isinstance(client, str) else client
         self._budget = budget
         self.ttl_ms = max(1, int(ttl_s * 1000))

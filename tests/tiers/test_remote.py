@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterator
 
+import numpy as np
 import pytest
 import redis
 from redis.crc import key_slot
@@ -14,8 +15,10 @@ from kvbank.errors import CorruptPage, TierFull, TierUnavailable
 from kvbank.testing.frames import FrameStoreTests
 from kvbank.testing.servers import RedisServer
 from kvbank.testing.tiers import name_of, page_of
-from kvbank.tiers.base import FrameStore
+from kvbank.tiers.base import FrameStore, TierKind
 from kvbank.tiers.remote import BUCKETS, RedisFrameStore, bucket_tag, connect
+
+from .conftest import MakeStore
 
 _ns = itertools.count()
 
@@ -119,3 +122,34 @@ def test_remote_unreachable_is_unavailable_and_counted_on_write() -> None:
     finally:
         fs.close()
         c.close()
+
+
+def test_remote_store_spills_disk_evictions_and_reads_them_on_a_miss(
+        make_store: MakeStore, redis_server: RedisServer, client: redis.Redis) -> None:
+    """A row that left the disk under pressure is in the remote tier and a read of it
+    answers its exact bytes; a row never stored is still a miss."""
+    client.flushall()
+    P = 4096
+    pages = [np.random.default_rng(i).bytes(P) for i in range(80)]  # incompressible
+    s = make_store(host_bytes=32 * 1024, disk_bytes=96 * 1024, remote_url=redis_server.url,
+                   remote_bytes=1 << 20)
+    for i, page in enumerate(pages):
+        s.put(name_of(i), page)
+    s.flush()
+    assert s.stats().tier(TierKind.DISK).evictions > 0
+    out = bytearray(P)
+    assert s.get_into(name_of(0), out) == P and bytes(out) == pages[0]
+    assert s.get_into(name_of(999), out) is None
+    assert not [n for n in s.health().notes if n.startswith("remote")]
+
+
+def test_remote_store_without_redis_serves_locally_and_says_so(
+        make_store: MakeStore) -> None:
+    from kvbank.testing.servers import free_port
+
+    s = make_store(host_bytes=32 * 1024, disk_bytes=96 * 1024,
+                   remote_url=f"redis://127.0.0.1:{free_port()}/0", remote_bytes=1 << 20)
+    s.put(name_of(1), page_of(1, 4096))
+    out = bytearray(4096)
+    assert s.get_into(name_of(1), out) == 4096
+    assert any(n.startswith("remote tier off") for n in s.health().notes)

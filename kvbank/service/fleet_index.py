@@ -1,0 +1,283 @@
+"""The fleet's state in Redis: the node registry and the prefix index.
+
+Primitives (:class:`FleetIndex`, one per node, over one redis-py client — a single Redis
+or a Redis Cluster, the same code):
+
+- **Registry.** ``<ns>{reg}n:<id>`` is a hash (name, data address, version, layouts,
+  rows published); ``<ns>{reg}hb`` a sorted set of node id → last heartbeat (unix s). A
+  node is live while its heartbeat is younger than the deadline: liveness is read by
+  score (``ZRANGEBYSCORE``), never from keyspace-expiry events (they arrive late or never
+  when many keys carry TTLs, see redis-fleet.md 3). Ids are small integers from
+  ``INCR <ns>{reg}ids``; ``<ns>{reg}names`` maps a node's name to its id, so a node that
+  re-registers after a Redis restart gets a fresh id and republishes.
+- **Prefix index.** One string per row, ``<ns>{bNNN}i<row name>``: the packed holder ids
+  (``uint16`` little-endian, sorted, no repeats), with a TTL the holders refresh by
+  republishing. Publish and withdraw run one script per bucket (all its keys in one
+  slot), so two nodes storing the same prefix at once always leave one holder set with
+  both; a withdrawal that empties an entry deletes it.
+- **Lookup.** :meth:`FleetIndex.holders` asks about a whole chain in one multi-key
+  command per Redis node: one ``MGET`` on a single Redis; on a cluster, the keys are
+  grouped by the master owning their slot and each master answers one read-only script
+  (keys in ARGV, ``allow-cross-slot-keys``), measured at ~1.3 ms per 1,000 keys on 3
+  masters against ~12 ms for a per-key cluster pipeline. A malformed entry (odd length,
+  too long) or one naming a node that is not live is ignored and counted in
+  ``forged``, never fetched from.
+
+Faults: every ``redis.RedisError`` becomes :class:`~kvbank.errors.TierUnavailable`; on a
+cluster, calls are retried with a deadline (a failover takes ~2x the cluster node
+timeout and redis-py does not wait it out) and the retries are counted.
+"""
+
+from __future__ import annotations
+
+import logging
+import struct
+import time
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import redis
+import redis.cluster
+
+from kvbank.errors import TierUnavailable
+from kvbank.tiers.remote import RedisClient, bucket_tag
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+DEFAULT_NAMESPACE = b"kvb:"
+DEFAULT_ENTRY_TTL_S = 120.0  # holders refresh well within it (every ttl / 4)
+DEFAULT_DEADLINE_S = 10.0  # a node whose heartbeat is older is dead
+MAX_HOLDERS = 256  # an entry longer than this many ids is damage, not a fleet
+DEFAULT_FAILOVER_S = 10.0  # retry window for cluster calls (>= 2 x node timeout)
+
+# KEYS: a bucket's index keys; ARGV[1] holder id (2 bytes), ARGV[2] ttl ms, ARGV[3] '1'
+# publish / '0' withdraw. Every entry is kept sorted, so equal sets are equal strings.
+_EDIT = """
+local id, ttl, add = ARGV[1], ARGV[2], ARGV[3] == '1'
+for i, k in ipairs(KEYS) do
+  local v = redis.call('GET', k) or ''
+  local out, found = {}, false
+  for j = 1, #v - 1, 2 do
+    local h = string.sub(v, j, j + 1)
+    if h == id then found = true
+      if add then table.insert(out, h) end
+    else table.insert(out, h) end
+  end
+  if add and not found then table.insert(out, id) end
+  table.sort(out)
+  if #out == 0 then redis.call('DEL', k)
+  else redis.call('SET', k, table.concat(out), 'PX', ttl) end
+end
+return #KEYS
+"""
+
+_READ = """#!lua flags=no-writes,allow-cross-slot-keys
+local out = {}
+for i, k in ipairs(ARGV) do out[i] = redis.call('GET', k) or false end
+return out
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class NodeInfo:
+    """One registered node as the registry says."""
+
+    node_id: int
+    name: str
+    address: str  # the data API's base URL
+    version: str
+    layouts: tuple[str, ...]  # layout ids (hex) the node has registered
+    rows: int  # rows it published
+    heartbeat_age_s: float
+
+
+class FleetIndex:
+    """Registry and prefix index of one node; see the module docstring."""
+
+    def __init__(self, client: RedisClient, *, namespace: bytes = DEFAULT_NAMESPACE,
+                 entry_ttl_s: float = DEFAULT_ENTRY_TTL_S, deadline_s: float = DEFAULT_DEADLINE_S,
+                 failover_s: float = DEFAULT_FAILOVER_S,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.client: Any = client  # redis-py's stubs type replies as unions; checked here
+        self.ns = namespace
+        self.ttl_ms = int(entry_ttl_s * 1000)
+        self.deadline_s = deadline_s
+        self.failover_s = failover_s
+        self.clock = clock
+        self.cluster = isinstance(client, redis.cluster.RedisCluster)
+        self.forged = 0  # entries ignored: malformed, or naming a node that is not live
+        self.retries = 0  # cluster calls retried while a failover settled
+        self._edit = client.register_script(_EDIT)
+        self._read = client.register_script(_READ)
+
+    # -- plumbing ----------------------------------------------------------------------
+
+    def _reg(self, what: bytes) -> bytes:
+        return self.ns + b"{reg}" + what
+
+    def entry_key(self, name: bytes) -> bytes:
+        return self.ns + bucket_tag(name) + b"i" + name
+
+    def call(self, fn: Callable[[], T], what: str) -> T:
+        """Run ``fn``; map Redis errors; on a cluster retry them until ``failover_s``."""
+        deadline = time.monotonic() + (self.failover_s if self.cluster else 0.0)
+        while True:
+            try:
+                return fn()
+            except (redis.ConnectionError, redis.TimeoutError,
+                    redis.exceptions.ClusterDownError, redis.exceptions.TryAgainError,
+                    redis.exceptions.SlotNotCoveredError) as exc:
+                if time.monotonic() >= deadline:
+                    raise TierUnavailable(f"fleet: {what}: {exc}") from exc
+                self.retries += 1
+                time.sleep(0.1)
+            except redis.RedisError as exc:
+                raise TierUnavailable(f"fleet: {what}: {exc}") from exc
+
+    # -- registry ----------------------------------------------------------------------
+
+    def register(self, name: str, address: str, version: str, layouts: Sequence[str]) -> int:
+        """Register (or re-register) this node; its integer id."""
+        def run() -> int:
+            c = self.client
+            got = c.hget(self._reg(b"names"), name)
+            if got is None:
+                nid = int(c.incr(self._reg(b"ids")))
+                if nid >= 1 << 16:
+                    raise TierUnavailable(f"fleet: node ids exhausted ({nid})")
+                if not c.hsetnx(self._reg(b"names"), name, nid):
+                    got = c.hget(self._reg(b"names"), name)  # a twin registered first
+            nid = int(got) if got is not None else nid
+            c.hset(self._reg(b"n:%d" % nid), mapping={
+                "name": name, "address": address, "version": version,
+                "layouts": ",".join(layouts), "rows": 0})
+            c.zadd(self._reg(b"hb"), {str(nid): self.clock()})
+            return nid
+
+        return self.call(run, "registering")
+
+    def heartbeat(self, node_id: int, rows: int, layouts: Sequence[str]) -> bool:
+        """Refresh this node's heartbeat; ``False`` when its registration is gone (Redis
+        restarted empty, or the node was declared dead): re-register and republish."""
+        def run() -> bool:
+            key = self._reg(b"n:%d" % node_id)
+            if not self.client.exists(key):
+                return False
+            self.client.hset(key, mapping={"rows": rows, "layouts": ",".join(layouts)})
+            self.client.zadd(self._reg(b"hb"), {str(node_id): self.clock()})
+            return True
+
+        return self.call(run, "heartbeat")
+
+    def live(self) -> set[int]:
+        """Ids whose heartbeat is within the deadline (dead ones are swept)."""
+        def run() -> set[int]:
+            now = self.clock()
+            hb = self._reg(b"hb")
+            self.client.zremrangebyscore(hb, "-inf", now - 3 * self.deadline_s)
+            return {int(x) for x in self.client.zrangebyscore(hb, now - self.deadline_s, "+inf")}
+
+        return self.call(run, "reading the registry")
+
+    def nodes(self) -> list[NodeInfo]:
+        """Every registered node with a heartbeat in the set (live or not yet swept)."""
+        def run() -> list[NodeInfo]:
+            now = self.clock()
+            beats = self.client.zrange(self._reg(b"hb"), 0, -1, withscores=True)
+            out: list[NodeInfo] = []
+            for raw_id, ts in beats:
+                nid = int(raw_id)
+                h = {k.decode(): v.decode() for k, v in
+                     self.client.hgetall(self._reg(b"n:%d" % nid)).items()}
+                if not h:
+                    continue
+                out.append(NodeInfo(nid, h.get("name", ""), h.get("address", ""),
+                                    h.get("version", ""),
+                                    tuple(x for x in h.get("layouts", "").split(",") if x),
+                                    int(h.get("rows", "0") or 0), max(0.0, now - float(ts))))
+            return out
+
+        return self.call(run, "listing nodes")
+
+    def address(self, node_id: int) -> str | None:
+        got = self.call(lambda: self.client.hget(self._reg(b"n:%d" % node_id), "address"),
+                        "reading a node")
+        return None if got is None else bytes(got).decode()
+
+    # -- index -------------------------------------------------------------------------
+
+    def _edit_all(self, names: Sequence[bytes], node_id: int, add: bool) -> None:
+        by_bucket: dict[bytes, list[bytes]] = defaultdict(list)
+        for n in names:
+            by_bucket[bucket_tag(n)].append(self.entry_key(n))
+        hid = struct.pack("<H", node_id)
+
+        def run() -> None:
+            pipe = self.client.pipeline(transaction=False)
+            for keys in by_bucket.values():
+                self._edit(keys=keys, args=[hid, self.ttl_ms, "1" if add else "0"], client=pipe)
+            pipe.execute()
+
+        if by_bucket:
+            self.call(run, "publishing" if add else "withdrawing")
+
+    def publish(self, names: Sequence[bytes], node_id: int) -> None:
+        """Add ``node_id`` to the holders of each row (and refresh their TTL)."""
+        self._edit_all(names, node_id, True)
+
+    def withdraw(self, names: Sequence[bytes], node_id: int) -> None:
+        """Remove ``node_id`` from the holders of each row."""
+        self._edit_all(names, node_id, False)
+
+    def _raw(self, keys: list[bytes]) -> list[Any]:
+        if not self.cluster:
+            return list(self.client.mget(keys))
+        rc = self.client
+        groups: dict[str, tuple[Any, list[int]]] = {}
+        for i, k in enumerate(keys):
+            node = rc.nodes_manager.get_node_from_slot(rc.keyslot(k))
+            groups.setdefault(node.name, (node, []))[1].append(i)
+        out: list[Any] = [None] * len(keys)
+        for node, idx in groups.values():
+            got = rc.evalsha(self._read.sha, 0, *[keys[i] for i in idx],
+                             target_nodes=node) if self._read.sha else None
+            for i, v in zip(idx, got or [], strict=False):
+                out[i] = v or None
+        return out
+
+    def _read_cluster_safe(self, keys: list[bytes]) -> list[Any]:
+        try:
+            return self._raw(keys)
+        except redis.exceptions.NoScriptError:
+            self.client.script_load(_READ)  # a promoted replica may lack the script
+            return self._raw(keys)
+
+    def holders(self, names: Sequence[bytes], live: set[int] | None = None,
+                ) -> list[tuple[int, ...]]:
+        """Per row, the live nodes holding it (``()`` = none), in one multi-key round trip
+        per Redis node. Entries that are malformed or name a node not in ``live`` are
+        ignored and counted in ``forged``."""
+        if not names:
+            return []
+        keys = [self.entry_key(n) for n in names]
+        values = self.call(lambda: self._read_cluster_safe(keys), "looking up rows")
+        out: list[tuple[int, ...]] = []
+        for v in values:
+            if v is None:
+                out.append(())
+                continue
+            raw = bytes(v)
+            if len(raw) % 2 or not raw or len(raw) > 2 * MAX_HOLDERS:
+                self.forged += 1
+                out.append(())
+                continue
+            ids = struct.unpack(f"<{len(raw) // 2}H", raw)
+            good = tuple(i for i in ids if live is None or i in live)
+            if len(good) != len(ids):
+                self.forged += 1
+            out.append(good)
+        return out

@@ -108,7 +108,7 @@ class Fleet:
                 events = self.store.take_events(None)
                 full = self.node_id is None or any(e.kind is EventKind.OVERFLOW for e in events)
                 if self.node_id is not None and not self.index.heartbeat(
-                        self.node_id, len(self._held), self._layouts()):
+                        self.node_id, self.name, len(self._held), self._layouts()):
                     full = True
                     self.node_id = None
                 if self.node_id is None:

@@ -160,12 +160,14 @@ class FleetIndex:
 
         return self.call(run, "registering")
 
-    def heartbeat(self, node_id: int, rows: int, layouts: Sequence[str]) -> bool:
-        """Refresh this node's heartbeat; ``False`` when its registration is gone (Redis
-        restarted empty, or the node was declared dead): re-register and republish."""
+    def heartbeat(self, node_id: int, name: str, rows: int, layouts: Sequence[str]) -> bool:
+        """Refresh this node's heartbeat; ``False`` when its registration is gone or names
+        another node (Redis restarted empty and ids were handed out again): re-register
+        and republish."""
         def run() -> bool:
             key = self._reg(b"n:%d" % node_id)
-            if not self.client.exists(key):
+            got = self.client.hget(key, "name")
+            if got is None or bytes(got).decode() != name:
                 return False
             self.client.hset(key, mapping={"rows": rows, "layouts": ",".join(layouts)})
             self.client.zadd(self._reg(b"hb"), {str(node_id): self.clock()})

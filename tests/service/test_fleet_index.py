@@ -46,7 +46,7 @@ def test_fleet_registry_liveness_by_heartbeat_score(client: redis.Redis) -> None
     assert a != b and ix.register("a", "http://127.0.0.1:1", "1", []) == a
     assert ix.live() == {a, b}
     clock.now += ix.deadline_s / 2
-    assert ix.heartbeat(a, rows=3, layouts=["ab"])
+    assert ix.heartbeat(a, "a", rows=3, layouts=["ab"])
     clock.now += ix.deadline_s / 2 + 0.5  # b's beat is now past the deadline, a's is not
     assert ix.live() == {a}
     nodes = {n.node_id: n for n in ix.nodes()}
@@ -60,7 +60,10 @@ def test_fleet_heartbeat_after_redis_lost_everything_asks_to_reregister(
     ix = _index(client, Clock())
     a = ix.register("a", "http://x:1", "1", [])
     client.delete(ix._reg(b"n:%d" % a))  # what a restarted, empty Redis looks like
-    assert ix.heartbeat(a, rows=0, layouts=[]) is False
+    assert ix.heartbeat(a, "a", rows=0, layouts=[]) is False
+    b = ix.register("b", "http://x:2", "1", [])  # ids handed out again: b may get a's
+    client.hset(ix._reg(b"n:%d" % a), "name", "b")
+    assert ix.heartbeat(a, "a", rows=0, layouts=[]) is False and b
 
 
 def test_fleet_lookup_is_one_mget_for_the_whole_chain(client: redis.Redis) -> None:

@@ -12,9 +12,10 @@ or a Redis Cluster, the same code):
   re-registers after a Redis restart gets a fresh id and republishes.
 - **Prefix index.** One string per row, ``<ns>{bNNN}i<row name>``: the packed holder ids
   (``uint16`` little-endian, sorted, no repeats), with a TTL the holders refresh by
-  republishing. Publish and withdraw run one script per bucket (all its keys in one
-  slot), so two nodes storing the same prefix at once always leave one holder set with
-  both; a withdrawal that empties an entry deletes it.
+  republishing. Publish and withdraw run one script per Redis node (keys in ARGV,
+  ``allow-cross-slot-keys``; atomic on that node), so two nodes storing the same prefix
+  at once always leave one holder set with both; a withdrawal that empties an entry
+  deletes it.
 - **Lookup.** :meth:`FleetIndex.holders` asks about a whole chain in one multi-key
   command per Redis node: one ``MGET`` on a single Redis; on a cluster, the keys are
   grouped by the master owning their slot and each master answers one read-only script
@@ -33,7 +34,6 @@ from __future__ import annotations
 import logging
 import struct
 import time
-from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -54,11 +54,13 @@ DEFAULT_DEADLINE_S = 10.0  # a node whose heartbeat is older is dead
 MAX_HOLDERS = 256  # an entry longer than this many ids is damage, not a fleet
 DEFAULT_FAILOVER_S = 10.0  # retry window for cluster calls (>= 2 x node timeout)
 
-# KEYS: a bucket's index keys; ARGV[1] holder id (2 bytes), ARGV[2] ttl ms, ARGV[3] '1'
-# publish / '0' withdraw. Every entry is kept sorted, so equal sets are equal strings.
-_EDIT = """
+# ARGV[1] holder id (2 bytes), ARGV[2] ttl ms, ARGV[3] '1' publish / '0' withdraw, then
+# the index keys (all on the Redis node running it: one call per master on a cluster, so
+# each edit is atomic there). Entries are kept sorted, so equal sets are equal strings.
+_EDIT = """#!lua flags=allow-cross-slot-keys
 local id, ttl, add = ARGV[1], ARGV[2], ARGV[3] == '1'
-for i, k in ipairs(KEYS) do
+for i = 4, #ARGV do
+  local k = ARGV[i]
   local v = redis.call('GET', k) or ''
   local out, found = {}, false
   for j = 1, #v - 1, 2 do
@@ -72,7 +74,7 @@ for i, k in ipairs(KEYS) do
   if #out == 0 then redis.call('DEL', k)
   else redis.call('SET', k, table.concat(out), 'PX', ttl) end
 end
-return #KEYS
+return #ARGV - 3
 """
 
 _READ = """#!lua flags=no-writes,allow-cross-slot-keys
@@ -212,19 +214,37 @@ class FleetIndex:
 
     # -- index -------------------------------------------------------------------------
 
+    def _by_node(self, keys: Sequence[bytes]) -> list[tuple[Any, list[int]]]:
+        """Key positions grouped by the Redis node owning them (one group on one Redis)."""
+        if not self.cluster:
+            return [(None, list(range(len(keys))))]
+        rc = self.client
+        groups: dict[str, tuple[Any, list[int]]] = {}
+        for i, k in enumerate(keys):
+            node = rc.nodes_manager.get_node_from_slot(rc.keyslot(k))
+            groups.setdefault(node.name, (node, []))[1].append(i)
+        return list(groups.values())
+
+    def _script(self, script: Any, source: str, node: Any, args: list[Any]) -> Any:
+        """One script call on ``node`` (or the one Redis), loading it where it is missing
+        (a promoted replica, a restarted server)."""
+        kw = {} if node is None else {"target_nodes": node}
+        run = self.client.execute_command
+        try:
+            return run("EVALSHA", script.sha, 0, *args, **kw)
+        except redis.exceptions.NoScriptError:
+            run("SCRIPT", "LOAD", source, **kw)
+            return run("EVALSHA", script.sha, 0, *args, **kw)
+
     def _edit_all(self, names: Sequence[bytes], node_id: int, add: bool) -> None:
-        by_bucket: dict[bytes, list[bytes]] = defaultdict(list)
-        for n in names:
-            by_bucket[bucket_tag(n)].append(self.entry_key(n))
-        hid = struct.pack("<H", node_id)
+        keys = [self.entry_key(n) for n in names]
+        head = [struct.pack("<H", node_id), self.ttl_ms, "1" if add else "0"]
 
         def run() -> None:
-            pipe = self.client.pipeline(transaction=False)
-            for keys in by_bucket.values():
-                self._edit(keys=keys, args=[hid, self.ttl_ms, "1" if add else "0"], client=pipe)
-            pipe.execute()
+            for node, idx in self._by_node(keys):
+                self._script(self._edit, _EDIT, node, [*head, *(keys[i] for i in idx)])
 
-        if by_bucket:
+        if keys:
             self.call(run, "publishing" if add else "withdrawing")
 
     def publish(self, names: Sequence[bytes], node_id: int) -> None:
@@ -238,25 +258,12 @@ class FleetIndex:
     def _raw(self, keys: list[bytes]) -> list[Any]:
         if not self.cluster:
             return list(self.client.mget(keys))
-        rc = self.client
-        groups: dict[str, tuple[Any, list[int]]] = {}
-        for i, k in enumerate(keys):
-            node = rc.nodes_manager.get_node_from_slot(rc.keyslot(k))
-            groups.setdefault(node.name, (node, []))[1].append(i)
         out: list[Any] = [None] * len(keys)
-        for node, idx in groups.values():
-            got = rc.evalsha(self._read.sha, 0, *[keys[i] for i in idx],
-                             target_nodes=node) if self._read.sha else None
-            for i, v in zip(idx, got or [], strict=False):
+        for node, idx in self._by_node(keys):
+            got = self._script(self._read, _READ, node, [keys[i] for i in idx])
+            for i, v in zip(idx, got, strict=True):
                 out[i] = v or None
         return out
-
-    def _read_cluster_safe(self, keys: list[bytes]) -> list[Any]:
-        try:
-            return self._raw(keys)
-        except redis.exceptions.NoScriptError:
-            self.client.script_load(_READ)  # a promoted replica may lack the script
-            return self._raw(keys)
 
     def holders(self, names: Sequence[bytes], live: set[int] | None = None,
                 ) -> list[tuple[int, ...]]:
@@ -266,7 +273,7 @@ class FleetIndex:
         if not names:
             return []
         keys = [self.entry_key(n) for n in names]
-        values = self.call(lambda: self._read_cluster_safe(keys), "looking up rows")
+        values = self.call(lambda: self._raw(keys), "looking up rows")
         out: list[tuple[int, ...]] = []
         for v in values:
             if v is None:

@@ -17,4 +17,5 @@ SUITES: dict[str, str] = {
     "service": "kvbank.bench.service",
     "tiers": "kvbank.bench.tiers",
     "reshard": "kvbank.bench.reshard",
+    "fleet": "kvbank.bench.fleet",
 }

@@ -69,6 +69,7 @@ class Fleet:
         self.peer_rows = 0  # rows fetched from peers
         self.peer_misses = 0  # rows a peer was listed for but did not deliver whole
         self._held: set[bytes] = set()  # rows this node has published (what it holds)
+        self._live: set[int] = set()  # live peers, read once a beat (not on every match)
         self._last_full = 0.0
         self._stop = threading.Event()
         self._lock = threading.Lock()
@@ -115,6 +116,7 @@ class Fleet:
                     self.node_id = self.index.register(self.name, self.address, __version__,
                                                        self._layouts())
                     logger.info("fleet: registered as node %d", self.node_id)
+                self._live = self.index.live()
                 if full or time.monotonic() - self._last_full >= self.republish_s:
                     self._republish()
                 else:
@@ -179,9 +181,14 @@ class Fleet:
                    for n, t in zip(names, tiers, strict=True) if t is None]
         if not missing:
             return False
-        try:
-            live = self.index.live()
-            holders = self.index.holders(missing, live - {self.node_id})
+        try:  # one multi-key round trip per Redis node; liveness comes from the last beat
+            listed = self.index.holders(missing)
+            if any(h not in self._live for hs in listed for h in hs):
+                self._live = self.index.live()  # a node newer than the last beat
+            peers = self._live - {self.node_id}
+            holders = [tuple(h for h in hs if h in peers) for hs in listed]
+            self.index.forged += sum(1 for hs in listed for h in hs
+                                     if h not in self._live)
         except TierUnavailable as exc:
             self.degraded, self.last_error = True, str(exc)
             return False

@@ -133,9 +133,17 @@ def open_remote(config: BankConfig, notes: list[str]) -> FrameStore | None:
         return None
 
 
+_TAGS = [b"{b%03x}" % b for b in range(BUCKETS)]
+
+
+def bucket_of(name: bytes) -> int:
+    """The row's bucket number (a hash of its name)."""
+    return zlib.crc32(name) % BUCKETS
+
+
 def bucket_tag(name: bytes) -> bytes:
     """``{bNNN}``: the row's bucket (all of a row's keys share it, so one cluster slot)."""
-    return b"{b%03x}" % (zlib.crc32(name) % BUCKETS)
+    return _TAGS[zlib.crc32(name) % BUCKETS]
 
 
 def _pack_meta(frame_len: int, raw_len: int, seq: int, expiry_ms: int, dtype: str,
@@ -334,7 +342,7 @@ class RedisFrameStore:
         if value is None:
             self._forget_expired(name)
             return None
-        return bytes(value)
+        return value if type(value) is bytes else bytes(value)  # no copy of a 2 MiB reply
 
     def _forget_expired(self, name: bytes) -> None:
         """A frame gone by TTL: drop its metadata and its bytes from ``used_bytes``."""

@@ -47,6 +47,7 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_HEARTBEAT_S = 1.0
 _SCAN_PAGE = 4096
+_NOT_YET = "not registered yet"
 
 
 class Fleet:
@@ -64,11 +65,13 @@ class Fleet:
         self.republish_s = entry_ttl_s / 4
         self.node_id: int | None = None
         self.degraded = True  # until the first registration
-        self.last_error: str | None = "not registered yet"
+        self.last_error: str | None = _NOT_YET
         self.published = 0
         self.peer_rows = 0  # rows fetched from peers
         self.peer_misses = 0  # rows a peer was listed for but did not deliver whole
         self._held: set[bytes] = set()  # rows this node has published (what it holds)
+        self._peers: dict[str, Any] = {}  # address -> a kvbank Client kept for reuse
+        self._peers_lock = threading.Lock()  # apart from _lock: a match never waits on a beat
         self._live: set[int] = set()  # live peers, read once a beat (not on every match)
         self._last_full = 0.0
         self._stop = threading.Event()
@@ -85,6 +88,10 @@ class Fleet:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(10)
+        with self._peers_lock:
+            peers, self._peers = list(self._peers.values()), {}
+        for c in peers:
+            c.close()
 
     def health(self) -> dict[str, Any]:
         return {"state": "degraded" if self.degraded else "ok", "node_id": self.node_id,
@@ -121,7 +128,7 @@ class Fleet:
                     self._republish()
                 else:
                     self._follow(events)
-                if self.degraded:
+                if self.degraded and self.last_error != _NOT_YET:
                     logger.warning("fleet: Redis answers again; node %d republished",
                                    self.node_id)
                 self.degraded, self.last_error = False, None
@@ -214,8 +221,12 @@ class Fleet:
         address = self.index.address(peer)
         if address is None:
             return 0
-        client = Client(address, timeout_s=5.0, retry_s=1.0, same_host=False)
+        with self._peers_lock:  # one client per peer: making one costs ~50 ms (TLS context)
+            client = self._peers.pop(address, None)
+        if client is None:
+            client = Client(address, timeout_s=5.0, retry_s=1.0, same_host=False)
         planned: list[bytes] = []
+        ok = False
         try:
             try:
                 client.layout(match.layout_id)
@@ -223,6 +234,7 @@ class Fleet:
                 out = self.bank.out_buffers(pm)
                 planned = pm.needed
                 res = client.fetch(pm, out=out)
+                ok = True
             except KvbankError as exc:
                 self._withdraw_peer(peer, planned or [])
                 raise TierUnavailable(f"fleet: fetch from node {peer}: {exc}") from exc
@@ -230,7 +242,14 @@ class Fleet:
                 self._withdraw_peer(peer, planned or [])
                 raise TierUnavailable(f"fleet: fetch from node {peer}: {exc}") from exc
         finally:
-            client.close()
+            if ok:
+                with self._peers_lock:
+                    old = self._peers.pop(address, None)
+                    self._peers[address] = client
+                if old is not None:
+                    old.close()
+            else:
+                client.close()
         stored = 0
         undelivered: list[bytes] = []
         for g, (keys, names) in enumerate(zip(pm.resume.pages, pm.resume.rows, strict=True)):

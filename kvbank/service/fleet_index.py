@@ -34,6 +34,7 @@ from __future__ import annotations
 import logging
 import struct
 import time
+import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -50,6 +51,7 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 _U16 = [struct.Struct(f"<{n}H") for n in range(9)]  # the common short holder lists
+_ENTRY_TAGS = [b"{b%03x}i" % b for b in range(BUCKETS)]  # what entry_key puts before a name
 _SLOTS = [key_slot(b"{b%03x}" % b) for b in range(BUCKETS)]  # bucket -> cluster slot
 
 DEFAULT_NAMESPACE = b"kvb:"
@@ -282,7 +284,8 @@ class FleetIndex:
         ignored and counted in ``forged``."""
         if not names:
             return []
-        keys = [self.entry_key(n) for n in names]
+        ns, tags, crc = self.ns, _ENTRY_TAGS, zlib.crc32  # inlined: ~1 us a key saved
+        keys = [ns + tags[crc(n) % BUCKETS] + n for n in names]
         values = self.call(lambda: self._raw(names, keys), "looking up rows")
         out: list[tuple[int, ...]] = []
         for v in values:

@@ -59,9 +59,9 @@ def _paired_ms(fn: Callable[[], object], base: Callable[[], object], reps: int) 
 
 
 def _lookup_rows(quick: bool) -> Iterator[BenchRow]:
+    from kvbank.bench.redis_procs import RedisClusterProcs
+    from kvbank.bench.redis_procs import RedisProc as RedisServer
     from kvbank.service.fleet_index import FleetIndex
-    from kvbank.testing.cluster import RedisClusterProcs
-    from kvbank.testing.servers import RedisServer
     from kvbank.tiers.remote import connect
 
     reps = 30 if quick else 200
@@ -97,7 +97,7 @@ def _lookup_rows(quick: bool) -> Iterator[BenchRow]:
 
 
 def _remote_get(quick: bool) -> BenchRow:
-    from kvbank.testing.servers import RedisServer
+    from kvbank.bench.redis_procs import RedisProc as RedisServer
     from kvbank.tiers.remote import RedisFrameStore, connect
 
     n, page = (8 if quick else 32), 2 << 20
@@ -129,8 +129,8 @@ def _remote_get(quick: bool) -> BenchRow:
 
 
 def _index_bytes(quick: bool) -> BenchRow:
+    from kvbank.bench.redis_procs import RedisProc as RedisServer
     from kvbank.service.fleet_index import FleetIndex
-    from kvbank.testing.servers import RedisServer
     from kvbank.tiers.remote import connect
 
     n = 20_000 if quick else 100_000
@@ -155,10 +155,10 @@ def _index_bytes(quick: bool) -> BenchRow:
 def _peer_fetch(quick: bool) -> BenchRow:
     import torch
 
+    from kvbank.bench.redis_procs import RedisProc as RedisServer
     from kvbank.layout import full_attention
     from kvbank.service.client import Client
     from kvbank.service.launch import NodeProcess
-    from kvbank.testing.servers import RedisServer
 
     reps, pages = (2 if quick else 5), 16
     layout = full_attention("bench-fleet@1", 32, 8, 128, tokens_per_page=16)

@@ -125,7 +125,9 @@ def open_remote(config: BankConfig, notes: list[str]) -> FrameStore | None:
     url = config.remote_url
     seeds = [] if "://" in url else [s.strip() for s in url.split(",") if s.strip()]
     try:
-        return RedisFrameStore(connect(None if seeds else url, cluster=seeds),
+        # Few retries: a read that misses locally must not wait out a Redis outage (the
+        # reference retry policy hides ~6 s); a miss is the right answer then.
+        return RedisFrameStore(connect(None if seeds else url, cluster=seeds, retries=2),
                                config.remote_bytes, own_client=True)
     except TierError as exc:
         notes.append(f"remote tier off: {exc}")

@@ -1,4 +1,7 @@
-"""A throwaway local Redis Cluster for tests and benchmarks.
+"""Throwaway local Redis processes for the fleet benchmark (and its cluster tests).
+
+``RedisProc.start()`` is one private ``redis-server`` on a free loopback port with
+persistence off; ``stop()`` ends it by pid.
 
 ``RedisClusterProcs.start(masters=3, replicas=0)`` starts ``masters * (1 + replicas)``
 ``redis-server --cluster-enabled yes`` processes on free loopback ports (each port and
@@ -20,7 +23,51 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 
-from kvbank.testing.servers import MissingBinary
+
+class MissingBinary(RuntimeError):
+    """redis-server or redis-cli is not installed."""
+
+
+@dataclass
+class RedisProc:
+    """One private redis-server on loopback."""
+
+    port: int
+    workdir: str
+    proc: subprocess.Popen[bytes]
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    @classmethod
+    def start(cls, timeout_s: float = 10) -> RedisProc:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise MissingBinary("redis-server not found on PATH")
+        workdir = tempfile.mkdtemp(prefix="kvbank-redis-")
+        port = _free_pair()
+        proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--dir",
+                                 workdir, "--save", "", "--appendonly", "no"],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self = cls(port, workdir, proc)
+        deadline = time.monotonic() + timeout_s
+        while _info(port, "PING") != "PONG":
+            if time.monotonic() > deadline or proc.poll() is not None:
+                self.stop()
+                raise RuntimeError(f"redis-server on {port} did not answer PING")
+            time.sleep(0.02)
+        return self
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                os.kill(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        shutil.rmtree(self.workdir, ignore_errors=True)
 
 NODE_TIMEOUT_MS = 2000  # a failover takes about twice this
 

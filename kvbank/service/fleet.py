@@ -40,7 +40,7 @@ from kvbank.bank import Bank
 from kvbank.errors import KvbankError, TierUnavailable
 from kvbank.results import Match
 from kvbank.service.fleet_index import DEFAULT_ENTRY_TTL_S, FleetIndex, NodeInfo
-from kvbank.tiers.remote import RedisClient
+from kvbank.tiers.redis_client import RedisClient
 from kvbank.tiers.store.types import EventKind
 
 logger = logging.getLogger(__name__)
@@ -277,7 +277,7 @@ class Fleet:
 def join_fleet(bank: Bank, config: Any) -> Fleet | None:
     """The node's fleet membership from its service config (``None`` without Redis).
     Redis unreachable at start is not fatal: the node starts degraded and joins later."""
-    from kvbank.tiers.remote import connect
+    from kvbank.tiers.redis_client import connect
 
     if config.redis is None and config.redis_cluster is None:
         return None

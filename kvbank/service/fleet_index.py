@@ -44,7 +44,7 @@ import redis.cluster
 from redis.crc import key_slot
 
 from kvbank.errors import TierUnavailable
-from kvbank.tiers.remote import BUCKETS, RedisClient, bucket_of, bucket_tag
+from kvbank.tiers.redis_client import BUCKETS, RedisClient, bucket_of, bucket_tag
 
 logger = logging.getLogger(__name__)
 

@@ -2,14 +2,8 @@
 
 Primitives:
 
-- :func:`connect` — a redis-py client for ``redis://``/``rediss://`` URLs (username and
-  password passed through) or a cluster seed list, with the retry settings measured to
-  ride out a restart (``EqualJitterBackoff``: at least 5.6 s of retries).
-- :func:`bucket_tag` — the ``{bNNN}`` hash tag of a row name: a hash of the name modulo
-  :data:`BUCKETS`. Every key of one row (its frame, its meta field) lives in one bucket,
-  so one bucket is one cluster slot and a lookup of many rows costs one multi-key
-  command per bucket group instead of one per key; 1,024 buckets spread evenly over any
-  fleet-sized cluster and are a useful resharding unit.
+- :func:`open_remote` — the tier from a bank's config (``remote_url``, ``remote_bytes``);
+  clients and buckets come from :mod:`kvbank.tiers.redis_client`.
 - :class:`RedisFrameStore` — the :class:`~kvbank.tiers.base.FrameStore` contract over
   Redis. A row is two keys in its bucket: ``<ns>{bNNN}f<name>`` holds the codec frame
   (``SET … PX ttl``) and the bucket hash ``<ns>{bNNN}m`` holds its metadata (frame and raw
@@ -40,14 +34,11 @@ import logging
 import struct
 import threading
 import time
-import zlib
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import redis
 import redis.cluster
-from redis.backoff import EqualJitterBackoff
-from redis.retry import Retry
 
 from kvbank.codec import DTYPE_CODES, HEADER_SIZE, MAX_PAGE_BYTES, decode_into, encode, frame_info
 from kvbank.config import BankConfig
@@ -61,17 +52,19 @@ from kvbank.errors import (
 )
 from kvbank.keys import ROW_NAME_BYTES
 from kvbank.tiers.base import Buffer, FrameRow, FrameStore, check_name
+from kvbank.tiers.redis_client import BUCKETS, RedisClient, bucket_of, bucket_tag, connect
+
+__all__ = ["BUCKETS", "RedisClient", "RedisFrameStore", "bucket_of", "bucket_tag", "connect",
+           "open_remote"]
 
 logger = logging.getLogger(__name__)
 
-BUCKETS = 1024  # hash-tag buckets: >= 16 x masters for an even spread (redis-fleet.md 2)
 DEFAULT_TTL_S = 24 * 3600.0
 DEFAULT_NAMESPACE = b"kvb:"
 DEFAULT_LEVEL = 1
 _INFO_EVERY_S = 1.0  # INFO memory is read at most this often (it is cheap, not free)
 _META = struct.Struct("<QQQQB")  # frame_len, raw_len, seq, expiry (unix ms), len(dtype)
 
-RedisClient = redis.Redis | redis.cluster.RedisCluster  # what every fleet call takes
 
 # KEYS[1] frame key, KEYS[2] bucket meta hash; ARGV: name, frame, meta, ttl ms, replace,
 # raw_len. Returns the old frame length (or -1) or an error naming the size mismatch.
@@ -91,32 +84,6 @@ return old_len
 """
 
 
-def connect(url: str | None = None, *, cluster: Sequence[str] = (), timeout_s: float = 1.0,
-            retries: int = 24) -> RedisClient:
-    """A client for one Redis (``url``) or a cluster (``cluster``: ``host:port`` seeds)."""
-    retry = Retry(EqualJitterBackoff(cap=0.5, base=0.05), retries)
-    common: dict[str, Any] = dict(socket_connect_timeout=0.5, socket_timeout=timeout_s,
-                                  socket_keepalive=True, health_check_interval=2)
-    try:
-        if cluster:
-            nodes = []
-            for seed in cluster:
-                host, _, port = seed.rpartition(":")
-                if not host or not port.isdigit():
-                    raise InvalidInput(f"redis_cluster: expected HOST:PORT, got {seed!r}")
-                nodes.append(redis.cluster.ClusterNode(host, int(port)))  # type: ignore[no-untyped-call]
-            return redis.cluster.RedisCluster(startup_nodes=nodes, retry=retry, **common)
-        if not url:
-            raise InvalidInput("redis: a redis:// or rediss:// URL or cluster seeds are needed")
-        if not url.startswith(("redis://", "rediss://", "unix://")):
-            raise InvalidInput(f"redis: expected a redis:// or rediss:// URL, got {url!r}")
-        return redis.Redis.from_url(url, retry=retry,
-                                    retry_on_error=[redis.ConnectionError, redis.TimeoutError],
-                                    **common)
-    except redis.RedisError as exc:
-        raise TierUnavailable(f"redis: cannot connect: {exc}") from exc
-
-
 def open_remote(config: BankConfig, notes: list[str]) -> FrameStore | None:
     """The Redis remote tier when configured; unreachable at open = off, with a note
     (the node serves its own tiers; a remote tier is an extra, never a dependency)."""
@@ -133,19 +100,6 @@ def open_remote(config: BankConfig, notes: list[str]) -> FrameStore | None:
         notes.append(f"remote tier off: {exc}")
         logger.warning("remote tier off: %s", exc)
         return None
-
-
-_TAGS = [b"{b%03x}" % b for b in range(BUCKETS)]
-
-
-def bucket_of(name: bytes) -> int:
-    """The row's bucket number (a hash of its name)."""
-    return zlib.crc32(name) % BUCKETS
-
-
-def bucket_tag(name: bytes) -> bytes:
-    """``{bNNN}``: the row's bucket (all of a row's keys share it, so one cluster slot)."""
-    return _TAGS[zlib.crc32(name) % BUCKETS]
 
 
 def _pack_meta(frame_len: int, raw_len: int, seq: int, expiry_ms: int, dtype: str,

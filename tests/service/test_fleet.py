@@ -9,6 +9,7 @@ import shutil
 import signal
 import subprocess
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -232,3 +233,37 @@ def test_fleet_dead_holder_rows_are_misses_and_its_entries_withdrawn(
             assert v is None or a_id not in np.frombuffer(bytes(v), "<u2").tolist()
     finally:
         c.close()
+
+
+BIG = full_attention("fleet-big@1", num_layers=16, num_kv_heads=8, head_dim=128)  # 1 MiB
+
+
+def test_fleet_holder_killed_mid_fetch_leaves_only_whole_rows(
+        nodes: list[NodeProcess], rds: Redis, tmp_path: Path) -> None:
+    """Whenever the holder dies (before, during or after the stream), what B answers is
+    a bound over rows that arrived whole and bit-exact; nothing partial is "loaded"."""
+    _, b = nodes
+    page = BIG.group_page_bytes[0]
+    n = 48
+    data = torch.from_numpy(np.random.default_rng(9).integers(0, 256, (n, page), dtype=np.uint8))
+    toks = list(range(20000, 20000 + n * P))
+    holder = start_node(tmp_path / "holder", "--redis", rds.url)
+    try:
+        with Client(holder.url, same_host=False) as ch:
+            lid = ch.register(BIG)
+            ch.put(lid, toks, group=0, pages=data)
+        wait_for(lambda: _published(holder, n), 10, "the holder to publish")
+        killer = threading.Timer(0.15, holder.kill)
+        with Client(b.url, same_host=False) as cb:
+            cb.register(BIG)
+            killer.start()
+            m = cb.match(lid, [*toks, 1])
+            killer.join()
+            r = m.resume.tokens // P
+            assert m.resume.tokens % P == 0 and 0 <= r <= n
+            if r:
+                out = torch.zeros((r, page), dtype=torch.uint8)
+                res = cb.fetch(m, out={0: out})
+                assert res.complete and torch.equal(out, data[:r])
+    finally:
+        holder.kill()

@@ -50,6 +50,10 @@ _SERVE_FLAGS: tuple[tuple[str, str, str], ...] = (
     ("--device-bytes", "device_bytes", "device tier budget (default: a share of free GPU memory; 0 = off)"),
     ("--write-policy", "write_policy", "write-back (rows reach disk when demoted or at shutdown) or "
                                        "write-through (every put is on disk before it is answered)"),
+    ("--redis", "redis", "join a fleet through this Redis (redis:// or rediss:// URL)"),
+    ("--redis-cluster", "redis_cluster", "join a fleet through this Redis Cluster (HOST:PORT,...)"),
+    ("--remote-url", "remote_url", "Redis remote tier below the disk (URL or HOST:PORT,... seeds)"),
+    ("--remote-bytes", "remote_bytes", "remote tier budget (default 4G)"),
     ("--threads", "threads", "threads for blocking bank calls (default 16)"),
     ("--max-body-bytes", "max_body_bytes", "largest request body (default 1G)"),
     ("--idle-timeout-s", "idle_timeout_s", "close idle connections after this (default 30)"),

@@ -37,6 +37,10 @@ copy_threads                KVBANK_COPY_THREADS        threads a batch's copies 
                                                        work run on; unset = the core count
 reserve_host                KVBANK_RESERVE_HOST        claim and pre-fault the whole host
                                                        budget at open, in the background
+remote_url                  KVBANK_REMOTE_URL          Redis remote tier below the disk:
+                                                       ``redis://…`` or cluster seeds
+                                                       ``host:port,host:port``; unset = off
+remote_bytes                KVBANK_REMOTE_BYTES        remote tier budget (0 = off)
 ==========================  =========================  =====================================
 
 Byte sizes accept a plain integer or a suffix: ``512M``, ``4G``, ``1.5GiB`` (powers of 1024).
@@ -62,6 +66,7 @@ DEFAULT_HOST_BYTES = 1 << 30
 DEFAULT_DISK_BYTES = 8 << 30
 DEFAULT_DEVICE_FRACTION = 0.10
 DEFAULT_DEVICE = "cuda"
+DEFAULT_REMOTE_BYTES = 4 << 30
 DEFAULT_HIGH_WATERMARK = 0.95
 DEFAULT_LOW_WATERMARK = 0.80
 DEFAULT_LEASE_TTL_S = 30.0
@@ -129,6 +134,8 @@ class BankConfig:
     wait_timeout_s: float = DEFAULT_WAIT_TIMEOUT_S
     copy_threads: int | None = None  # None = the core count
     reserve_host: bool = False  # pre-fault host_bytes at open (kvbank serve: on)
+    remote_url: str | None = None  # the Redis remote tier (frames spilled from the disk)
+    remote_bytes: int = DEFAULT_REMOTE_BYTES
 
     def __post_init__(self) -> None:
         if self.data_dir is not None and not isinstance(self.data_dir, Path):
@@ -141,7 +148,7 @@ class BankConfig:
                     f"write_policy: expected one of {[p.value for p in WritePolicy]}, "
                     f"got {self.write_policy!r}"
                 ) from None
-        for name in ("host_bytes", "disk_bytes", "movement_queue_bytes"):
+        for name in ("host_bytes", "disk_bytes", "movement_queue_bytes", "remote_bytes"):
             object.__setattr__(self, name, parse_bytes(getattr(self, name), name))
         if self.device_bytes is not None:
             object.__setattr__(self, "device_bytes", parse_bytes(self.device_bytes, "device_bytes"))
@@ -203,11 +210,12 @@ class BankConfig:
 def _from_text(name: str, raw: str) -> Any:
     if name == "data_dir":
         return Path(raw)
-    if name in ("host_bytes", "disk_bytes", "device_bytes", "movement_queue_bytes", "pin_bytes"):
+    if name in ("host_bytes", "disk_bytes", "device_bytes", "movement_queue_bytes", "pin_bytes",
+                "remote_bytes"):
         return parse_bytes(raw, ENV_PREFIX + name.upper())
     if name == "disk_sync":
         return _parse_bool(raw, ENV_PREFIX + name.upper())
-    if name == "device":
+    if name in ("device", "remote_url"):
         return raw
     if name == "write_policy":
         return raw

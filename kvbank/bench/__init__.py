@@ -18,4 +18,5 @@ SUITES: dict[str, str] = {
     "tiers": "kvbank.bench.tiers",
     "reshard": "kvbank.bench.reshard",
     "bank": "kvbank.bench.bank",
+    "fleet": "kvbank.bench.fleet",
 }

@@ -207,7 +207,24 @@ def create_app(node: Node) -> FastAPI:
 
     @app.get("/v1/health")
     async def health() -> Response:
-        return _json(wire.to_dict(await node.call(bank.health)))
+        doc = wire.to_dict(await node.call(bank.health))
+        if node.fleet is not None:
+            doc["fleet"] = node.fleet.health()
+            if node.fleet.degraded:
+                doc["degraded"] = "fleet"
+        return _json(doc)
+
+    @app.get("/v1/fleet")
+    async def fleet_nodes() -> Response:
+        if node.fleet is None:
+            raise InvalidInput("fleet: this node runs without Redis (--redis)")
+        nodes = await node.call(node.fleet.nodes)
+        return _json({"self": node.fleet.node_id, "nodes": [
+            {"node_id": n.node_id, "name": n.name, "address": n.address, "version": n.version,
+             "layouts": list(n.layouts), "rows": n.rows,
+             "heartbeat_age_s": round(n.heartbeat_age_s, 3),
+             "state": "live" if n.heartbeat_age_s <= node.fleet.index.deadline_s else "dead"}
+            for n in nodes]})
 
     @app.post("/v1/locate")
     async def locate(body: NamesBody) -> Response:
@@ -267,8 +284,11 @@ def create_app(node: Node) -> FastAPI:
             if len(raw) % 4:
                 raise InvalidInput(f"tokens_b64: {len(raw)} bytes, not whole int32 tokens")
             tokens = np.frombuffer(raw, dtype="<i4")
-        m = await node.call(bank.match, lid, tokens, scope=body.scope.scope(), shard=body.shard,
-                            keys=keys, prompt_tokens=body.prompt_tokens)
+        args = dict(tokens=tokens, scope=body.scope.scope(), shard=body.shard, keys=keys,
+                    prompt_tokens=body.prompt_tokens)
+        m = await node.call(bank.match, lid, **args)
+        if node.fleet is not None and await node.call(node.fleet.complete, m, args):
+            m = await node.call(bank.match, lid, **args)  # now with the rows a peer sent
         return _json(wire.to_dict(m))
 
     @app.post("/v1/fetch", responses={200: {"description": "a fetch stream (framing), or a lease"}})

@@ -18,6 +18,8 @@ max_connections      KVBANK_MAX_CONNECTIONS      concurrent connections (503 abo
 idle_timeout_s       KVBANK_IDLE_TIMEOUT_S       an idle keep-alive connection is closed
 body_timeout_s       KVBANK_BODY_TIMEOUT_S       a request body must arrive within this
 shutdown_timeout_s   KVBANK_SHUTDOWN_TIMEOUT_S   SIGTERM: in-flight requests get this long
+redis                KVBANK_REDIS                join a fleet through this Redis URL
+redis_cluster        KVBANK_REDIS_CLUSTER        or through this cluster (HOST:PORT,...)
 ===================  ==========================  =========================================
 
 The bank's own fields (``data_dir``, ``host_bytes``, ``disk_bytes``, ...) keep their
@@ -121,6 +123,8 @@ class ServiceConfig:
     idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S
     body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
     shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S
+    redis: str | None = None  # the fleet's Redis (registry and prefix index)
+    redis_cluster: str | None = None  # or its Redis Cluster seeds, HOST:PORT,...
 
     def __post_init__(self) -> None:
         if not isinstance(self.bank, BankConfig):
@@ -139,6 +143,8 @@ class ServiceConfig:
                 raise ConfigError(f"{name}: must be >= 1, got {getattr(self, name)}")
         if self.max_body_bytes < 1 << 20:
             raise ConfigError(f"max_body_bytes: must be >= 1 MiB, got {self.max_body_bytes}")
+        if self.redis is not None and self.redis_cluster is not None:
+            raise ConfigError("redis: give --redis or --redis-cluster, not both")
         for name in _SECONDS:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
@@ -217,7 +223,8 @@ class ServiceConfig:
     def to_toml(self) -> str:
         """The effective settings in the form :meth:`load` reads back."""
         lines = [f"{f.name} = {_toml_value(getattr(self, f.name))}"
-                 for f in dataclasses.fields(self) if f.name != "bank"]
+                 for f in dataclasses.fields(self)
+                 if f.name != "bank" and getattr(self, f.name) is not None]
         lines += ["", "[bank]"]
         for f in dataclasses.fields(self.bank):
             v = getattr(self.bank, f.name)
@@ -238,7 +245,7 @@ def _read_toml(path: Path) -> dict[str, Any]:
 
 def _service_from_text(name: str, raw: str) -> Any:
     var = ENV_PREFIX + name.upper()
-    if name == "bind":
+    if name in ("bind", "redis", "redis_cluster"):
         return raw
     if name in _SIZES:
         return parse_bytes(raw, var)

@@ -46,6 +46,7 @@ from kvbank.lender.base import MemoryKind
 from kvbank.lender.ledger import FetchLedger, PlannedRow
 from kvbank.results import FetchResult, Match
 from kvbank.service.config import ServiceConfig
+from kvbank.service.fleet import Fleet
 from kvbank.service.framing import StreamRow
 from kvbank.tiers.base import HostSlot
 from kvbank.tiers.host import SHM_DIR
@@ -105,6 +106,7 @@ class Node:
         # never acknowledges leaves one.
         self._fetches: OrderedDict[str, _Fetch] = OrderedDict()
         self.identity = host_identity()
+        self.fleet: Fleet | None = None  # set by the server when the node joins a fleet
         # The host tier's segment, from an ALL lease (which describes the pools, locks
         # nothing): a same-host client checks it can map it before taking that path.
         pools: tuple[object, ...] = ()
@@ -274,4 +276,6 @@ class Node:
         return FetchResult(fetch_id, delivered, missing, bound, moved, complete)
 
     def close(self) -> None:
+        if self.fleet is not None:
+            self.fleet.close()
         self.pool.shutdown(wait=True, cancel_futures=True)

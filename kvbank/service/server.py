@@ -32,6 +32,7 @@ from kvbank.bank import Bank
 from kvbank.errors import ConfigError, TierUnavailable
 from kvbank.service.app import create_app
 from kvbank.service.config import ServiceConfig
+from kvbank.service.fleet import join_fleet
 from kvbank.service.node import Node
 
 logger = logging.getLogger(__name__)
@@ -74,6 +75,7 @@ def serve(config: ServiceConfig, *, out: TextIO = sys.stdout) -> int:
     bank = Bank(config.bank)
     node = Node(bank, config)
     try:
+        node.fleet = join_fleet(bank, config)
         app = create_app(node)
         uv = uvicorn.Config(
             app, loop="uvloop", http="httptools", lifespan="off", access_log=False,

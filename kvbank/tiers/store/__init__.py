@@ -144,6 +144,11 @@ class TieredStore:
                 from kvbank.tiers.disk import DiskTier
 
                 frames.append(DiskTier(config.data_dir, config.disk_bytes, sync=config.disk_sync))
+                from kvbank.tiers.remote import open_remote
+
+                remote = open_remote(config, notes)  # the coldest frame store, below the disk
+                if remote is not None:
+                    frames.append(remote)
             st = StoreState(config, device=device, host=host, frames=frames,
                             copier=copier or Copier(), clock=clock)
             st.notes.extend(notes)
@@ -330,7 +335,12 @@ class TieredStore:
                 else:
                     tiers.append(TierHealth(kind, True, HealthState.OK, ""))
             ok = mover and all(t.state is not HealthState.DEGRADED for t in tiers)
-            return StoreHealth(ok, tuple(tiers), mover, tuple(st.notes))
+            notes = list(st.notes)
+            failed = getattr(st.remote, "failed_writes", 0)  # the remote tier's own count
+            if failed:
+                notes.append(f"remote tier: {failed} failed writes; last: "
+                             f"{getattr(st.remote, 'last_error', '')}")
+            return StoreHealth(ok, tuple(tiers), mover, tuple(notes))
 
     @property
     def closed(self) -> bool:

@@ -28,7 +28,8 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import numpy as np
 
-from kvbank.errors import Busy, TierError
+from kvbank.codec import frame_info
+from kvbank.errors import Busy, CorruptPage, TierError
 from kvbank.tiers.index import DEV, DISK, HOST, MOVING
 from kvbank.tiers.store.placement import reclaim
 from kvbank.tiers.store.state import StoreState
@@ -133,7 +134,28 @@ class Mover:
         with st.lock:
             names = self.evict_disk(over + band)
         if names:
+            self.spill(names)
             disk.delete_many(names)
+
+    def spill(self, names: list[bytes]) -> None:
+        """Copy the frames of rows leaving the disk to the remote tier, as stored (no
+        re-encode), before the disk deletes them. A failed write is the remote tier's to
+        count and show in health; the disk eviction goes on (the caller holds disk_lock)."""
+        remote, disk = self.st.remote, self.st.disk
+        if remote is None or disk is None:
+            return
+        for name in names:
+            try:
+                frame = disk.read_frame(name)
+                if frame is None:
+                    continue
+                info = frame_info(frame)
+                remote.write_frame(name, frame, raw_len=info.raw_len, dtype=info.dtype,
+                                   replace=True)
+            except CorruptPage:
+                continue  # damaged bytes are never spilled; the disk drops them anyway
+            except TierError as exc:
+                logger.debug("store: remote spill of %s… failed: %s", name.hex()[:16], exc)
 
     # -- the thread --------------------------------------------------------------------
 
@@ -340,6 +362,8 @@ class Mover:
                          if (rid := ids.get(n)) is None or not int(where[rid]) & DISK]
             try:
                 if names:
+                    if job.evict:
+                        self.spill(names)
                     disk.delete_many(names)
             finally:
                 if job.evict:

@@ -16,7 +16,7 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvbank.errors import CorruptPage, InvalidInput
+from kvbank.errors import CorruptPage, InvalidInput, TierError
 from kvbank.tiers.base import as_out_view, check_name
 from kvbank.tiers.index import DEV, DISK, HOST
 from kvbank.tiers.store.copier import Lanes
@@ -27,6 +27,17 @@ logger = logging.getLogger("kvbank.tiers.store")
 
 
 def get_into(st: StoreState, name: bytes, out: memoryview | bytearray) -> int | None:
+    """The local tiers, then (on a miss, when configured) the remote tier."""
+    n = _get_local(st, name, out)
+    if n is None and st.remote is not None:
+        with st.lock:
+            known = name in st.ix.ids  # a local row purged meanwhile is a miss, not remote
+        if not known:
+            n = _read_remote(st, name, as_out_view(out))
+    return n
+
+
+def _get_local(st: StoreState, name: bytes, out: memoryview | bytearray) -> int | None:
     check_name(name)
     dst = as_out_view(out)
     ix = st.ix
@@ -155,6 +166,29 @@ def _read_disk(st: StoreState, name: bytes, rid: int, stamp: int, size: int,
         st.hits += 1
         st.counters[DISK].hits += 1
     _promote(st, name, rid, stamp, size, dst)
+    return n
+
+
+def _read_remote(st: StoreState, name: bytes, dst: memoryview) -> int | None:
+    """A miss in every local tier, read from the remote tier (not promoted: the fleet
+    index, not this read, decides what a node keeps). A damaged frame is dropped and a
+    miss; an unreachable remote tier is a miss too (its health says why)."""
+    remote = st.remote
+    assert remote is not None
+    try:
+        n = remote.read_into(name, dst)
+    except CorruptPage as exc:
+        logger.warning("store: row %s… failed its checks in the remote tier, dropped: %s",
+                       name.hex()[:16], exc)
+        remote.drop_corrupt(name)
+        n = None
+    except TierError as exc:
+        logger.debug("store: remote read of %s… failed: %s", name.hex()[:16], exc)
+        n = None
+    if n is not None:
+        with st.lock:  # the local miss was answered after all
+            st.misses -= 1
+            st.hits += 1
     return n
 
 

@@ -69,6 +69,7 @@ class StoreState:
             self.pools[HOST] = host
         self.frames = frames
         self.disk: FrameStore | None = frames[0] if frames else None
+        self.remote: FrameStore | None = frames[1] if len(frames) > 1 else None  # below disk
         max_off = max((p.allocator.space_bytes for p in self.pools.values()), default=0)
         self.ix = RowIndex(max_off, clock)
         self.locks = PageLocks()

@@ -1,0 +1,66 @@
+"""Redis clients for the remote tier and the fleet: how to connect, and how row names map
+to hash-tag buckets.
+
+- :func:`connect` — a redis-py client for ``redis://``/``rediss://`` URLs (username and
+  password passed through) or a cluster seed list, with the retry settings measured to
+  ride out a restart (``EqualJitterBackoff``: at least 5.6 s of retries at the default 24).
+- :func:`bucket_tag` — the ``{bNNN}`` hash tag of a row name: a hash of the name modulo
+  :data:`BUCKETS`. Every key of one row lives in one bucket, so one bucket is one cluster
+  slot; 1,024 buckets spread evenly over any fleet-sized cluster and are a useful
+  resharding unit (redis-fleet.md 2).
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Sequence
+from typing import Any
+
+import redis
+import redis.cluster
+from redis.backoff import EqualJitterBackoff
+from redis.retry import Retry
+
+from kvbank.errors import InvalidInput, TierUnavailable
+
+BUCKETS = 1024  # hash-tag buckets: >= 16 x masters for an even spread (redis-fleet.md 2)
+RedisClient = redis.Redis | redis.cluster.RedisCluster  # what every fleet call takes
+
+
+def connect(url: str | None = None, *, cluster: Sequence[str] = (), timeout_s: float = 1.0,
+            retries: int = 24) -> RedisClient:
+    """A client for one Redis (``url``) or a cluster (``cluster``: ``host:port`` seeds)."""
+    retry = Retry(EqualJitterBackoff(cap=0.5, base=0.05), retries)
+    common: dict[str, Any] = dict(socket_connect_timeout=0.5, socket_timeout=timeout_s,
+                                  socket_keepalive=True, health_check_interval=2)
+    try:
+        if cluster:
+            nodes = []
+            for seed in cluster:
+                host, _, port = seed.rpartition(":")
+                if not host or not port.isdigit():
+                    raise InvalidInput(f"redis_cluster: expected HOST:PORT, got {seed!r}")
+                nodes.append(redis.cluster.ClusterNode(host, int(port)))  # type: ignore[no-untyped-call]
+            return redis.cluster.RedisCluster(startup_nodes=nodes, retry=retry, **common)
+        if not url:
+            raise InvalidInput("redis: a redis:// or rediss:// URL or cluster seeds are needed")
+        if not url.startswith(("redis://", "rediss://", "unix://")):
+            raise InvalidInput(f"redis: expected a redis:// or rediss:// URL, got {url!r}")
+        return redis.Redis.from_url(url, retry=retry,
+                                    retry_on_error=[redis.ConnectionError, redis.TimeoutError],
+                                    **common)
+    except redis.RedisError as exc:
+        raise TierUnavailable(f"redis: cannot connect: {exc}") from exc
+
+
+_TAGS = [b"{b%03x}" % b for b in range(BUCKETS)]
+
+
+def bucket_of(name: bytes) -> int:
+    """The row's bucket number (a hash of its name)."""
+    return zlib.crc32(name) % BUCKETS
+
+
+def bucket_tag(name: bytes) -> bytes:
+    """``{bNNN}``: the row's bucket (all of a row's keys share it, so one cluster slot)."""
+    return _TAGS[zlib.crc32(name) % BUCKETS]

@@ -1,0 +1,155 @@
+"""The remote tier: conformance on a real redis-server, TTL, checksums, budget, faults."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import redis
+from redis.crc import key_slot
+
+from kvbank.codec import HEADER_SIZE
+from kvbank.errors import CorruptPage, TierFull, TierUnavailable
+from kvbank.testing.frames import FrameStoreTests
+from kvbank.testing.servers import RedisServer
+from kvbank.testing.tiers import name_of, page_of
+from kvbank.tiers.base import FrameStore, TierKind
+from kvbank.tiers.remote import BUCKETS, RedisFrameStore, bucket_tag, connect
+
+from .conftest import MakeStore
+
+_ns = itertools.count()
+
+
+@pytest.fixture
+def client(redis_server: RedisServer) -> Iterator[redis.Redis]:
+    c = connect(redis_server.url)
+    assert isinstance(c, redis.Redis)
+    yield c
+    c.close()
+
+
+class TestRedisFrames(FrameStoreTests):
+    @pytest.fixture(autouse=True)
+    def _redis(self, client: redis.Redis) -> None:
+        self.client = client
+        self.ns = b"t%d:" % next(_ns)  # a fresh namespace per test: an empty store
+
+    def make_frames(self, budget: int) -> FrameStore:
+        return RedisFrameStore(self.client, budget, namespace=self.ns)
+
+    def reopen(self, fs: FrameStore) -> FrameStore:
+        fs.close()
+        return RedisFrameStore(self.client, self.budget, namespace=self.ns)
+
+
+def _store(client: redis.Redis, budget: int = 1 << 20, **kw: object) -> RedisFrameStore:
+    return RedisFrameStore(client, budget, namespace=b"u%d:" % next(_ns), **kw)  # type: ignore[arg-type]
+
+
+def _write(fs: RedisFrameStore, i: int, size: int = 4096) -> bytes:
+    frame = fs.frame(page_of(i, size), "uint8")
+    fs.write_frame(name_of(i), frame, raw_len=size, dtype="uint8")
+    return frame
+
+
+def test_remote_bucket_tag_spreads_names_and_keeps_a_row_in_one_slot() -> None:
+    tags = {bucket_tag(name_of(i)) for i in range(5000)}
+    assert len(tags) > BUCKETS * 0.9
+    name = name_of(3)
+    fs_key, meta_suffix = b"kvb:" + bucket_tag(name) + b"f" + name, bucket_tag(name) + b"m"
+    assert key_slot(fs_key) == key_slot(b"kvb:" + meta_suffix)
+
+
+def test_remote_frame_has_a_ttl(client: redis.Redis) -> None:
+    fs = _store(client, ttl_s=30)
+    _write(fs, 1)
+    ttl = client.pttl(fs.frame_key(name_of(1)))
+    assert 0 < ttl <= 30_000
+
+
+def test_remote_expired_frame_is_a_miss_and_leaves_the_accounting(client: redis.Redis) -> None:
+    fs = _store(client)
+    _write(fs, 1)
+    frame2 = _write(fs, 2)
+    client.delete(fs.frame_key(name_of(1)))  # what the TTL does when it runs out
+    assert fs.read_into(name_of(1), bytearray(4096)) is None
+    assert fs.used_bytes == len(frame2)
+    fs.check()
+
+
+def test_remote_checksum_failure_is_corrupt_never_bytes(client: redis.Redis) -> None:
+    fs = _store(client)
+    frame = bytearray(_write(fs, 1))
+    frame[HEADER_SIZE + 5] ^= 0x5A  # damage the payload, keep the length
+    client.set(fs.frame_key(name_of(1)), bytes(frame))
+    out = bytearray(4096)
+    with pytest.raises(CorruptPage):
+        fs.read_into(name_of(1), out)
+    fs.drop_corrupt(name_of(1))
+    assert fs.corrupt_rows == 1 and fs.read_frame(name_of(1)) is None
+    fs.check()
+
+
+def test_remote_budget_follows_redis_maxmemory(client: redis.Redis) -> None:
+    fs = _store(client, budget=1 << 30)
+    used = int(client.info("memory")["used_memory"])
+    client.config_set("maxmemory", used + 6000)
+    try:
+        fs._headroom = (-1e9, None)  # forget the cached figure
+        with pytest.raises(TierFull):
+            for i in range(8):
+                _write(fs, i, size=4096)
+        assert fs.failed_writes == 1 and fs.last_error is not None
+        assert fs.health()["failed_writes"] == 1
+    finally:
+        client.config_set("maxmemory", 0)
+
+
+def test_remote_unreachable_is_unavailable_and_counted_on_write() -> None:
+    server = RedisServer.start()
+    c = connect(server.url, retries=0)
+    fs = RedisFrameStore(c, 1 << 20, namespace=b"gone:")
+    server.stop()
+    try:
+        with pytest.raises(TierUnavailable):
+            _write(fs, 1)
+        assert fs.failed_writes == 1
+        with pytest.raises(TierUnavailable):
+            fs.read_frame(name_of(1))
+    finally:
+        fs.close()
+        c.close()
+
+
+def test_remote_store_spills_disk_evictions_and_reads_them_on_a_miss(
+        make_store: MakeStore, redis_server: RedisServer, client: redis.Redis) -> None:
+    """A row that left the disk under pressure is in the remote tier and a read of it
+    answers its exact bytes; a row never stored is still a miss."""
+    client.flushall()
+    P = 4096
+    pages = [np.random.default_rng(i).bytes(P) for i in range(80)]  # incompressible
+    s = make_store(host_bytes=32 * 1024, disk_bytes=96 * 1024, remote_url=redis_server.url,
+                   remote_bytes=1 << 20)
+    for i, page in enumerate(pages):
+        s.put(name_of(i), page)
+    s.flush()
+    assert s.stats().tier(TierKind.DISK).evictions > 0
+    out = bytearray(P)
+    assert s.get_into(name_of(0), out) == P and bytes(out) == pages[0]
+    assert s.get_into(name_of(999), out) is None
+    assert not [n for n in s.health().notes if n.startswith("remote")]
+
+
+def test_remote_store_without_redis_serves_locally_and_says_so(
+        make_store: MakeStore) -> None:
+    from kvbank.testing.servers import free_port
+
+    s = make_store(host_bytes=32 * 1024, disk_bytes=96 * 1024,
+                   remote_url=f"redis://127.0.0.1:{free_port()}/0", remote_bytes=1 << 20)
+    s.put(name_of(1), page_of(1, 4096))
+    out = bytearray(4096)
+    assert s.get_into(name_of(1), out) == 4096
+    assert any(n.startswith("remote tier off") for n in s.health().notes)

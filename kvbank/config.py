@@ -20,6 +20,11 @@ write_policy                KVBANK_WRITE_POLICY        write-back (demote on evi
                                                        write-through (every put also to disk)
 disk_sync                   KVBANK_DISK_SYNC           fsync every disk commit (true) or
                                                        leave it to the OS (false)
+disk_salvage                KVBANK_DISK_SALVAGE        at open, if the LMDB environment is
+                                                       damaged or truncated, set it aside and
+                                                       copy every row that can still be read
+                                                       into a fresh one (true); refuse to
+                                                       start (false, the default)
 reshard_store               KVBANK_RESHARD_STORE       store a row a fetch built from another
                                                        shard count's rows under the caller's
                                                        own shard (true), or not (false)
@@ -115,6 +120,7 @@ class BankConfig:
     low_watermark: float = DEFAULT_LOW_WATERMARK
     write_policy: WritePolicy = WritePolicy.WRITE_BACK
     disk_sync: bool = True
+    disk_salvage: bool = False  # salvage a damaged disk tier at open instead of refusing
     reshard_store: bool = True  # keep rows a fetch resharded under the caller's shard
     lease_ttl_s: float = DEFAULT_LEASE_TTL_S
     max_lease_ttl_s: float = DEFAULT_MAX_LEASE_TTL_S
@@ -159,8 +165,9 @@ class BankConfig:
             raise ConfigError(
                 f"lease_ttl_s: {self.lease_ttl_s} exceeds max_lease_ttl_s {self.max_lease_ttl_s}"
             )
-        if not isinstance(self.disk_sync, bool):
-            raise ConfigError(f"disk_sync: must be a bool, got {self.disk_sync!r}")
+        for name in ("disk_sync", "disk_salvage"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name}: must be a bool, got {getattr(self, name)!r}")
 
     @property
     def pin_budget(self) -> int:
@@ -194,7 +201,7 @@ def _from_text(name: str, raw: str) -> Any:
         return Path(raw)
     if name in ("host_bytes", "disk_bytes", "device_bytes", "movement_queue_bytes", "pin_bytes"):
         return parse_bytes(raw, ENV_PREFIX + name.upper())
-    if name == "disk_sync":
+    if name in ("disk_sync", "disk_salvage"):
         return _parse_bool(raw, ENV_PREFIX + name.upper())
     if name == "device":
         return raw

@@ -138,7 +138,11 @@ class TieredStore:
             if config.data_dir is not None and config.disk_bytes > 0:
                 from kvbank.tiers.disk import DiskTier
 
-                frames.append(DiskTier(config.data_dir, config.disk_bytes, sync=config.disk_sync))
+                disk = DiskTier(config.data_dir, config.disk_bytes, sync=config.disk_sync,
+                                salvage=config.disk_salvage)
+                frames.append(disk)
+                if disk.salvaged is not None:
+                    notes.append(disk.salvaged.summary())
             st = StoreState(config, device=device, host=host, frames=frames,
                             copier=copier or Copier(), clock=clock)
             st.notes.extend(notes)
@@ -302,8 +306,9 @@ class TieredStore:
                     tiers.append(TierHealth(kind, False, HealthState.OFF, why))
                 elif bit == DISK and st.disk_error is not None:
                     tiers.append(TierHealth(kind, True, HealthState.DEGRADED, st.disk_error))
-                else:
-                    tiers.append(TierHealth(kind, True, HealthState.OK, ""))
+                else:  # a salvage at open is said here until the next open
+                    said = next((n for n in st.notes if n.startswith(kind.value)), "")
+                    tiers.append(TierHealth(kind, True, HealthState.OK, said))
             ok = mover and all(t.state is not HealthState.DEGRADED for t in tiers)
             return StoreHealth(ok, tuple(tiers), mover, tuple(st.notes))
 

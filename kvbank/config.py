@@ -46,6 +46,7 @@ Byte sizes accept a plain integer or a suffix: ``512M``, ``4G``, ``1.5GiB`` (pow
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import enum
 import math
 import os
@@ -91,10 +92,38 @@ def parse_bytes(value: str | int, name: str = "size") -> int:
         if value < 0:
             raise ConfigError(f"{name}: must be >= 0, got {value}")
         return value
+    if not isinstance(value, str):
+        raise ConfigError(f"{name}: expected a byte size (an int, or a string like 512M), "
+                          f"got {value!r}", field=name)
     m = _SIZE.match(value)
     if not m:
         raise ConfigError(f"{name}: not a byte size: {value!r} (try 512M, 4G)")
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def _number(value: object, name: str) -> float:
+    """A real number (bool and strings refused: ``"0.5"`` is a typo in code, not a value)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ConfigError(f"{name}: expected a finite number, got {value!r}", field=name)
+    return float(value)
+
+
+_DEVICE = re.compile(r"^(cpu|cuda)(:\d+)?$")
+
+
+def _check_device(device: object) -> None:
+    """A torch device string; the common ones without importing torch."""
+    if not isinstance(device, str):
+        raise ConfigError(f"device: expected a torch device string, got {device!r}", field="device")
+    if _DEVICE.match(device):
+        return
+    import torch
+
+    try:
+        torch.device(device)
+    except (RuntimeError, ValueError, TypeError) as exc:
+        raise ConfigError(f"device: not a torch device: {device!r} ({exc})".split("\n")[0],
+                          field="device") from None
 
 
 def _parse_bool(value: str, name: str) -> bool:
@@ -132,7 +161,17 @@ class BankConfig:
 
     def __post_init__(self) -> None:
         if self.data_dir is not None and not isinstance(self.data_dir, Path):
+            if not isinstance(self.data_dir, str):
+                raise ConfigError(f"data_dir: expected a path, got {self.data_dir!r}")
+            if not self.data_dir.strip():  # Path("") is ".": a silent ./lmdb
+                raise ConfigError("data_dir: empty; give a directory, or None for no disk tier")
             object.__setattr__(self, "data_dir", Path(self.data_dir))
+        if not isinstance(self.write_policy, (str, WritePolicy)):
+            raise ConfigError(f"write_policy: expected one of {[p.value for p in WritePolicy]}, "
+                              f"got {self.write_policy!r}")
+        _check_device(self.device)
+        for name in ("device_fraction", "high_watermark", "low_watermark"):
+            object.__setattr__(self, name, _number(getattr(self, name), name))
         if isinstance(self.write_policy, str):
             try:
                 object.__setattr__(self, "write_policy", WritePolicy(self.write_policy))
@@ -177,6 +216,9 @@ class BankConfig:
         return int(self.host_bytes * DEFAULT_PIN_FRACTION)
 
     def replace(self, **changes: Any) -> BankConfig:
+        """A copy with ``changes``; a key that is not a setting is ``ConfigError`` naming
+        it (with the closest setting's name)."""
+        check_settings(changes)
         return dataclasses.replace(self, **changes)
 
     @classmethod
@@ -190,10 +232,18 @@ class BankConfig:
                 continue
             values[f.name] = _from_text(f.name, raw)
         values.update({k: v for k, v in overrides.items() if v is not None})
-        try:
-            return cls(**values)
-        except TypeError as exc:
-            raise ConfigError(str(exc)) from exc
+        check_settings(values)
+        return cls(**values)
+
+
+def check_settings(keys: Mapping[str, object]) -> None:
+    """``ConfigError`` naming the first key that is not a BankConfig setting."""
+    settings = sorted(f.name for f in dataclasses.fields(BankConfig))
+    for key in keys:
+        if key not in settings:
+            near = difflib.get_close_matches(key, settings, n=1)
+            hint = f"; did you mean {near[0]!r}?" if near else f"; settings: {settings}"
+            raise ConfigError(f"{key}: not a BankConfig setting{hint}", field=key)
 
 
 def _from_text(name: str, raw: str) -> Any:

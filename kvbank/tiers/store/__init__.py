@@ -61,12 +61,12 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from kvbank.config import BankConfig
-from kvbank.errors import InvalidInput, RowLocked
+from kvbank.errors import ConfigError, InvalidInput, RowLocked
 from kvbank.tiers.base import Buffer, FrameStore, TierKind, check_name
 from kvbank.tiers.device import DevicePool, device_budget
 from kvbank.tiers.host import HostSlab
 from kvbank.tiers.index import DEV, DISK, HOST, KIND_OF_BIT
-from kvbank.tiers.store import admin, reads, writes
+from kvbank.tiers.store import admin, placement, reads, writes
 from kvbank.tiers.store import persist as persistence
 from kvbank.tiers.store.check import check
 from kvbank.tiers.store.copier import Copier
@@ -143,6 +143,11 @@ class TieredStore:
                 frames.append(disk)
                 if disk.salvaged is not None:
                     notes.append(disk.salvaged.summary())
+            if device is None and host is None and not frames:
+                raise ConfigError(
+                    "host_bytes: the store has no tier: host_bytes is 0, the device tier is "
+                    f"off ({notes[0] if notes else 'device_bytes 0'}) and there is no disk "
+                    "tier (data_dir unset or disk_bytes 0)", field="host_bytes")
             st = StoreState(config, device=device, host=host, frames=frames,
                             copier=copier or Copier(), clock=clock)
             st.notes.extend(notes)
@@ -258,6 +263,12 @@ class TieredStore:
         return admin.read_frame(self._st, name)
 
     # -- the mover, introspection ------------------------------------------------------
+
+    def refuses(self, size: int) -> str | None:
+        """Why no tier could ever hold a row of ``size`` bytes, or None (layouts are
+        checked against this when registered)."""
+        with self._st.lock:
+            return placement.refuses(self._st, size)
 
     def flush(self, timeout_s: float | None = None) -> None:
         """Wait until the mover is idle (``Busy`` at the deadline)."""

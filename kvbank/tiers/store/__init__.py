@@ -328,8 +328,11 @@ class TieredStore:
         return self._st.closed
 
     def check_invariants(self) -> None:
-        """Raise AssertionError naming the first broken invariant (see ``.check``)."""
-        with self._st.lock:
+        """Raise AssertionError naming the first broken invariant (see ``.check``).
+
+        Takes the disk lock first: a write-through put holds it from its disk commit to
+        its index update, and between the two the disk has a row the index does not."""
+        with self._st.disk_lock, self._st.lock:
             problems = check(self._st)
         if problems:
             raise AssertionError(problems[0])

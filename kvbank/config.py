@@ -20,6 +20,10 @@ write_policy                KVBANK_WRITE_POLICY        write-back (demote on evi
                                                        write-through (every put also to disk)
 disk_sync                   KVBANK_DISK_SYNC           fsync every disk commit (true) or
                                                        leave it to the OS (false)
+dirty_expire_s              KVBANK_DIRTY_EXPIRE_S      write-back: a memory row not on disk
+                                                       this long is written there (its memory
+                                                       copy kept), so a crash loses at most
+                                                       this many seconds of puts; 0 = never
 disk_salvage                KVBANK_DISK_SALVAGE        at open, if the LMDB environment is
                                                        damaged or truncated, set it aside and
                                                        copy every row that can still be read
@@ -72,6 +76,7 @@ DEFAULT_FETCH_TTL_S = 120.0
 DEFAULT_REAPER_INTERVAL_S = 0.25
 DEFAULT_MOVEMENT_QUEUE_BYTES = 256 << 20
 DEFAULT_PIN_FRACTION = 0.25  # pin_bytes when unset: this share of host_bytes
+DEFAULT_DIRTY_EXPIRE_S = 30.0  # the kernel's dirty_expire_centisecs default
 DEFAULT_WAIT_TIMEOUT_S = 60.0  # how long a store call may wait for the mover or for room
 
 
@@ -149,6 +154,7 @@ class BankConfig:
     low_watermark: float = DEFAULT_LOW_WATERMARK
     write_policy: WritePolicy = WritePolicy.WRITE_BACK
     disk_sync: bool = True
+    dirty_expire_s: float = DEFAULT_DIRTY_EXPIRE_S  # write-back: 0 = rows reach disk on demotion only
     disk_salvage: bool = False  # salvage a damaged disk tier at open instead of refusing
     reshard_store: bool = True  # keep rows a fetch resharded under the caller's shard
     lease_ttl_s: float = DEFAULT_LEASE_TTL_S
@@ -170,6 +176,8 @@ class BankConfig:
             raise ConfigError(f"write_policy: expected one of {[p.value for p in WritePolicy]}, "
                               f"got {self.write_policy!r}")
         _check_device(self.device)
+        if _number(self.dirty_expire_s, "dirty_expire_s") < 0:
+            raise ConfigError(f"dirty_expire_s: must be >= 0 seconds, got {self.dirty_expire_s!r}")
         for name in ("device_fraction", "high_watermark", "low_watermark"):
             object.__setattr__(self, name, _number(getattr(self, name), name))
         if isinstance(self.write_policy, str):

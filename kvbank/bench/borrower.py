@@ -111,7 +111,7 @@ def serve(stdin: Any = None, stdout: Any = None) -> None:
                 break
             try:
                 if op == "ping":  # ready: imports done, the command loop running
-                    reply = {"ok": True}
+                    reply: dict[str, Any] = {"ok": True}
                 elif op == "read":
                     reply = _read(b, Lease.from_dict(cmd["lease"]))
                 elif op == "fill":

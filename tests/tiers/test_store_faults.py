@@ -115,3 +115,19 @@ def test_dirty_age_zero_leaves_write_back_as_it_was(make_store: MakeStore) -> No
     store.put(name_of(0), page_of(0, P))
     store.flush()
     assert store.residency([name_of(0)]) == [frozenset({TierKind.HOST})]
+
+
+def test_a_put_over_a_pinned_row_is_refused_and_the_row_stays(make_store: MakeStore) -> None:
+    """Found by the device state machine: re-putting a pinned row with the device full
+    put the new copy in host and dropped the pinned device copy."""
+    store = make_store(host_bytes=1 << 20, disk_bytes=1 << 22)
+    store.put(name_of(0), page_of(0, P))
+    before = store.residency([name_of(0)])
+    store.pin([name_of(0)])
+    with pytest.raises(RowLocked, match="pinned"):
+        store.put(name_of(0), page_of(1, P))
+    assert store.residency([name_of(0)]) == before
+    out = bytearray(P)
+    assert store.get_into(name_of(0), out) == P and bytes(out) == page_of(0, P)
+    store.unpin([name_of(0)])
+    store.put(name_of(0), page_of(1, P))  # unpinned: overwritable again

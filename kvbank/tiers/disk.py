@@ -81,6 +81,11 @@ DEFAULT_LEVEL = 1  # zstd-1 on byte planes: ratio ~1.44 at ~0.7 GB/s (machine-li
 
 DiskRow = FrameRow  # one committed row as its meta record says
 
+# The one table of what LMDB (and the file system under it) raises here: every call into
+# lmdb catches exactly these and maps them through DiskTier._mapped (TierFull for a full
+# map or file system, TierUnavailable otherwise), so only KvbankError leaves this module.
+LMDB_ERRORS: tuple[type[Exception], ...] = (lmdb.Error, OSError)
+
 
 def _pack_meta(name: bytes, raw_len: int, frame_len: int, seq: int, dtype: str,
                parent: bytes | None) -> bytes:
@@ -241,7 +246,7 @@ class DiskTier(Tier):
                                   lock=True, max_readers=254)
             self._frames = self._env.open_db(b"frames")
             self._meta = self._env.open_db(b"meta")
-        except (lmdb.Error, OSError) as exc:
+        except LMDB_ERRORS as exc:
             raise TierUnavailable(f"disk tier: cannot open {self.path}: {exc}") from exc
 
     # -- capabilities ------------------------------------------------------------------
@@ -332,7 +337,7 @@ class DiskTier(Tier):
                                        f"(used {self._used} of {self._budget})")
                     txn.put(name, frame, db=self._frames)
                     txn.put(name, meta, db=self._meta)
-            except (lmdb.Error, OSError) as exc:
+            except LMDB_ERRORS as exc:
                 raise self._mapped(f"writing {name.hex()[:16]}…", exc) from exc
             self._used += flen - old_len
             self.seq = max(self.seq, seq)
@@ -366,7 +371,7 @@ class DiskTier(Tier):
                 # The buffer is LMDB's mapped page, valid only inside this transaction:
                 # decode straight from it into the caller's memory, no copy in between.
                 return decode_into(buf, out)
-        except lmdb.Error as exc:
+        except LMDB_ERRORS as exc:
             raise TierUnavailable(f"disk tier: reading {name.hex()[:16]}…: {exc}") from exc
 
     def read_frame(self, name: bytes) -> bytes | None:
@@ -384,7 +389,7 @@ class DiskTier(Tier):
                 _check_row(_unpack_meta(name, rec), buf)
                 assert buf is not None  # _check_row raised otherwise
                 return bytes(buf)
-        except lmdb.Error as exc:
+        except LMDB_ERRORS as exc:
             raise TierUnavailable(f"disk tier: reading {name.hex()[:16]}…: {exc}") from exc
 
     def drop_corrupt(self, name: bytes) -> None:
@@ -427,7 +432,7 @@ class DiskTier(Tier):
                         if bytes(key) not in known:
                             bad.append(bytes(key))
                             used += len(value)
-        except lmdb.Error as exc:
+        except LMDB_ERRORS as exc:
             raise TierUnavailable(f"disk tier: scanning {self.path}: {exc}") from exc
         if first is not None:
             logger.warning("disk tier: %d rows failed their metadata checks (first: %s)",
@@ -448,7 +453,7 @@ class DiskTier(Tier):
                         for db in (self._frames, self._meta):
                             n = _delete_exact(txn, db, name)
                             freed += n if db is self._frames else 0
-            except (lmdb.Error, OSError) as exc:
+            except LMDB_ERRORS as exc:
                 raise self._mapped("deleting damaged rows", exc) from exc
             self._used -= freed
             self._opened = None
@@ -475,7 +480,7 @@ class DiskTier(Tier):
         try:
             with self._env.begin(db=self._meta) as txn:
                 return [bytes(k) for k in txn.cursor().iternext(keys=True, values=False)]
-        except lmdb.Error as exc:
+        except LMDB_ERRORS as exc:
             raise TierUnavailable(f"disk tier: listing names: {exc}") from exc
 
     def check(self) -> None:
@@ -547,7 +552,7 @@ class DiskTier(Tier):
                         txn.delete(name, db=self._frames)
                     meta_gone = txn.delete(name, db=self._meta)
                     found.append(meta_gone or frame is not None)
-        except (lmdb.Error, OSError) as exc:
+        except LMDB_ERRORS as exc:
             raise self._mapped("deleting rows", exc) from exc
         self._used -= freed
         self._opened = None
@@ -558,7 +563,7 @@ class DiskTier(Tier):
         try:
             with self._env.begin(db=self._meta, buffers=True) as txn:
                 return [txn.get(check_name(n)) is not None for n in names]
-        except lmdb.Error as exc:
+        except LMDB_ERRORS as exc:
             raise TierUnavailable(f"disk tier: lookup: {exc}") from exc
 
     def close(self) -> None:

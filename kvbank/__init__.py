@@ -12,56 +12,82 @@ from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-# The embedded API: what a worker needs to store, match, fetch and lend pages.
+# The embedded API: what a worker needs to store, match, fetch and lend pages; and the
+# node service's client, which makes the same calls over HTTP.
 _EXPORTS = {
     "Bank": "kvbank.bank",
+    "Client": "kvbank.service.client",
     "BankConfig": "kvbank.config",
     "BankStats": "kvbank.results",
     "CommitResult": "kvbank.lender.base",
     "FetchResult": "kvbank.results",
+    "GroupKind": "kvbank.layout",
     "Lease": "kvbank.lender.base",
     "LeaseMode": "kvbank.lender.base",
     "LeaseRow": "kvbank.lender.base",
     "Match": "kvbank.results",
     "MemoryKind": "kvbank.lender.base",
+    "Obstacle": "kvbank.lender.resume",
     "PageLayout": "kvbank.layout",
     "Presence": "kvbank.results",
+    "QuantMode": "kvbank.layout",
     "ResumeBound": "kvbank.lender.resume",
+    "Role": "kvbank.layout",
     "Scope": "kvbank.keys",
+    "TierKind": "kvbank.tiers.base",
     "full_attention": "kvbank.layout",
     "hybrid_mamba": "kvbank.layout",
     "mla": "kvbank.layout",
+    "page_keys": "kvbank.keys",
     "sliding_window": "kvbank.layout",
 }
 
 if TYPE_CHECKING:
     from kvbank.bank import Bank
     from kvbank.config import BankConfig
-    from kvbank.keys import Scope
-    from kvbank.layout import PageLayout, full_attention, hybrid_mamba, mla, sliding_window
+    from kvbank.keys import Scope, page_keys
+    from kvbank.layout import (
+        GroupKind,
+        PageLayout,
+        QuantMode,
+        Role,
+        full_attention,
+        hybrid_mamba,
+        mla,
+        sliding_window,
+    )
     from kvbank.lender.base import CommitResult, Lease, LeaseMode, LeaseRow, MemoryKind
-    from kvbank.lender.resume import ResumeBound
+    from kvbank.lender.resume import Obstacle, ResumeBound
     from kvbank.results import BankStats, FetchResult, Match, Presence
+    from kvbank.service.client import Client
+    from kvbank.tiers.base import TierKind
 
 __all__ = [
     "Bank",
     "BankConfig",
     "BankStats",
+    "Client",
     "CommitResult",
     "FetchResult",
+    "GroupKind",
     "Lease",
     "LeaseMode",
     "LeaseRow",
     "Match",
     "MemoryKind",
+    "Obstacle",
     "PageLayout",
     "Presence",
+    "QuantMode",
     "ResumeBound",
+    "Role",
     "Scope",
+    "TierKind",
     "__version__",
     "full_attention",
     "hybrid_mamba",
     "mla",
+    "page_keys",
     "sliding_window",
 ]
 

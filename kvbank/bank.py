@@ -16,15 +16,16 @@ Primitives (value objects in :mod:`kvbank.results`, JSON forms in :mod:`kvbank.w
 - layouts and names: :meth:`~Bank.register` (idempotent; returns the 32-byte layout id),
   :meth:`~Bank.register_scope`, :meth:`~Bank.layout`, :meth:`~Bank.row_names`.
 - storing: :meth:`~Bank.put` (pages of an ATTENTION group), :meth:`~Bank.put_state` (a
-  STATE group's snapshot at a page boundary). Sizes are checked before anything is stored.
+  STATE group's snapshot at a page boundary) and :meth:`~Bank.put_states` (several of
+  them, the chain hashed once). Sizes are checked before anything is stored.
 - queries, which change nothing (no lease, lock, renewal, recency or table write):
   :meth:`~Bank.match` (per-row tiers, the resume bound, every usable boundary),
   :meth:`~Bank.resume_at` (the same match resumed at a lower boundary),
   :meth:`~Bank.presence` (every shard of a layout in one lookup), :meth:`~Bank.locate`.
   Prompts are given as token ids or as an engine's own page-key chain (``keys=``; see
   :func:`kvbank.keys.engine_keys` for keys that are not 32 bytes).
-- :meth:`~Bank.fetch` — copy a match's needed rows into caller buffers through the fetch
-  ledger; the bound is recomputed from the rows that arrived whole, and a broken fetch
+- :meth:`~Bank.fetch` — copy a match's needed rows into caller buffers (sized by
+  :meth:`~Bank.out_buffers`, or the caller's own) through the fetch ledger; the bound is recomputed from the rows that arrived whole, and a broken fetch
   resumes (same ``fetch_id``) from its first undelivered row.
 - leases for in-place reads and fills (host shared memory, other processes too, or device
   memory): :meth:`~Bank.lend`, :meth:`~Bank.lend_all`, :meth:`~Bank.renew`,
@@ -269,6 +270,30 @@ class Bank:
             self._put_new(name, view)
         return name
 
+    def put_states(self, layout_id: bytes, tokens: TokenIds | None = None, *, group: int,
+                   states: Pages, at: Sequence[int], scope: Scope = DEFAULT_SCOPE,
+                   keys: Sequence[bytes] | None = None, shard: int | None = None) -> list[bytes]:
+        """:meth:`put_state` for several snapshots of one prompt: ``states[i]`` after
+        ``at[i]`` tokens. The chain is hashed once; every snapshot and boundary is checked
+        before any is stored. Returns their row names, in the order given."""
+        layout = self.layout(layout_id)
+        self._group(layout, group, GroupKind.STATE)
+        views = page_views(states, layout.group_page_bytes[group], "states")
+        if isinstance(at, (str, bytes)) or not isinstance(at, Sequence) or len(at) != len(views):
+            raise InvalidInput(f"at: expected one boundary per snapshot ({len(views)}), got {at!r}")
+        chain = self.row_names(layout_id, tokens, group=group, scope=scope, keys=keys, shard=shard)
+        p = layout.tokens_per_page
+        for i, b in enumerate(at):
+            if isinstance(b, bool) or not isinstance(b, int) or b <= 0 or b % p or b // p > len(chain):
+                raise InvalidInput(f"at[{i}]: must be a positive multiple of tokens_per_page {p} "
+                                   f"within the {len(chain)} full pages given, got {b!r}")
+        self._catalog.learn(layout_id, scope)
+        names = [chain[b // p - 1] for b in at]
+        for name, view, held in zip(names, views, self._store.locate(names), strict=True):
+            if held is None:
+                self._put_new(name, view)
+        return names
+
     # ---- queries ---------------------------------------------------------------------------
 
     def match(self, layout_id: bytes, tokens: TokenIds | None = None, *, scope: Scope = DEFAULT_SCOPE,
@@ -339,6 +364,16 @@ class Bank:
         return fetch_rows(self._ledger, get_into, layout, match, views,
                           fetch_id=fetch_id, max_rows=max_rows, deadline=deadline, clock=self._clock)
 
+    def out_buffers(self, match: Match) -> dict[int, torch.Tensor]:
+        """Buffers for :meth:`fetch` sized from the layout: ``uint8 [len(pages[g]), page
+        bytes of g]`` for every group the match's bound needs rows of (not zeroed: a
+        fetch writes each row that arrives whole, and only those may be read)."""
+        if not isinstance(match, Match):
+            raise InvalidInput(f"match: expected a Match, got {type(match).__name__}")
+        layout = self.layout(match.layout_id)
+        return {g: torch.empty((len(want), layout.group_page_bytes[g]), dtype=torch.uint8)
+                for g, want in enumerate(match.resume.pages) if want}
+
     def fetches(self) -> tuple[FetchInfo, ...]:
         """Open fetch-ledger entries (a pure query)."""
         return self._ledger.entries()
@@ -402,6 +437,13 @@ class Bank:
     def read(self, lease_id: str, name: bytes) -> bytes:
         """A leased row's bytes, only if the lease outlived the copy (else LeaseExpired)."""
         return self._lender.read(lease_id, name)
+
+    def get_into(self, name: bytes, out: memoryview | bytearray) -> int | None:
+        """Copy one stored row into ``out`` without a lease; its size, or ``None`` on a miss
+        (absent, or dropped because its frame failed the checksum). Needs no free host
+        slot: a disk row decodes straight into ``out``. Records recency like a read."""
+        self._check_open()
+        return self._store.get_into(name, out)
 
     def read_into(self, lease_id: str, name: bytes, out: memoryview | bytearray) -> int:
         """Copy a leased row into ``out``; its size, only if the lease outlived the copy."""

@@ -16,9 +16,24 @@ Primitives:
   shard's lengths of consecutive sections along ``head_axis``, each split evenly on its
   own: Mamba-2's conv state holds x, B and C channels).
 - :class:`LayerGroup` — layers that share a page table: ``ATTENTION`` (optional sliding
-  ``window`` and ``sink_tokens``) or ``STATE`` (one snapshot per page boundary).
+  ``window`` and ``sink_tokens``) or ``STATE`` (one snapshot per page boundary). A layer
+  is in at most one group of each kind, so a layer that is both attention and recurrent
+  (FalconH1-style) sits in one ``ATTENTION`` and one ``STATE`` group; each buffer goes to
+  the group of its role's kind (:func:`role_kind`), and ``(layer, role)`` is unique.
 - :class:`PageLayout` — model fingerprint, tokens per page, groups, buffers, quant mode,
-  shard count and index. Derived: each group's page size and each buffer's region.
+  shard count and index. Derived: each group's page size and each buffer's region;
+  :meth:`PageLayout.views` gives typed zero-copy tensor views of a group's pages.
+
+``window`` (exactly): the number of tokens *before* a position whose keys and values the
+query at that position needs, not counting the position itself. Resuming at ``r`` needs
+the pages covering ``[max(0, r - window), r)``. transformers' ``sliding_window`` counts
+the query's own token (the query at ``q`` attends to keys in ``(q - sliding_window, q]``,
+and its cache keeps ``sliding_window - 1`` tokens), so a transformers layer with
+``sliding_window = S`` declares ``window = S - 1``.
+
+Dtypes are named as torch spells them (``"bfloat16"``); builders and :class:`BufferSpec`
+also take a ``torch.dtype``, and builders take ``quant`` as a :class:`QuantMode` or its
+name (``"FP8"``).
 
 Lifecycle: a worker builds a layout (by hand or with a builder such as
 :func:`full_attention`), registers it, and from then on every page it stores or fetches is
@@ -48,11 +63,14 @@ import json
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvbank.dtypes import DTYPE_ITEMSIZE as DTYPE_ITEMSIZE  # re-exported
 from kvbank.dtypes import check_dtype
-from kvbank.errors import LayoutError
+from kvbank.errors import InvalidInput, LayoutError, PageSizeMismatch
+
+if TYPE_CHECKING:
+    import torch
 
 LAYOUT_ID_VERSION = 1
 ALIGN = 64  # bytes; every buffer region starts on a cache line (and a DMA-friendly boundary)
@@ -105,6 +123,14 @@ class QuantMode(enum.Enum):
         return _parse_enum(cls, name, "quant")
 
 
+STATE_ROLES = frozenset({Role.CONV_STATE, Role.SSM_STATE})
+
+
+def role_kind(role: Role) -> GroupKind:
+    """The kind of group a buffer of ``role`` belongs to."""
+    return GroupKind.STATE if role in STATE_ROLES else GroupKind.ATTENTION
+
+
 _E = TypeVar("_E", bound=enum.Enum)
 
 
@@ -114,6 +140,18 @@ def _parse_enum(cls: type[_E], name: object, what: str) -> _E:
         return cls[name]
     raise LayoutError(f"{what}: unknown {cls.__name__} {name!r}; expected one of "
                       f"{list(cls.__members__)}")
+
+
+def dtype_name(dtype: object, what: str = "dtype", context: str = "") -> str:
+    """The kvbank name of ``dtype``: a name from :mod:`kvbank.dtypes` (torch spelling,
+    ``"bfloat16"``) or a ``torch.dtype`` (``torch.bfloat16``). Anything else is a
+    :class:`LayoutError` naming ``what``. torch is recognised without importing it, so
+    layouts stay usable where torch is not installed."""
+    if type(dtype).__module__ == "torch" and type(dtype).__name__ == "dtype":
+        name = str(dtype).removeprefix("torch.")
+        if name in DTYPE_ITEMSIZE:
+            return name
+    return check_dtype(dtype, what, LayoutError, context).name
 
 
 def _positive_int(value: object, what: str) -> int:
@@ -147,8 +185,10 @@ class BufferSpec:
             object.__setattr__(self, "role", Role.parse(self.role))
         elif not isinstance(self.role, Role):
             raise LayoutError(f"buffer.role: expected a Role, got {self.role!r}")
-        check_dtype(self.dtype, "buffer.dtype", LayoutError,
-                    f" (layer {self.layer}, {self.role.name})")
+        object.__setattr__(
+            self, "dtype", dtype_name(self.dtype, "buffer.dtype",
+                                      f" (layer {self.layer}, {self.role.name})")
+        )
         shape = tuple(self.shape) if isinstance(self.shape, (list, tuple)) else self.shape
         if not isinstance(shape, tuple) or not shape:
             raise LayoutError(f"buffer.shape: must be a non-empty tuple, got {self.shape!r}")
@@ -240,7 +280,9 @@ class LayerGroup:
 
     kind: GroupKind
     layers: tuple[int, ...]
-    window: int | None = None  # sliding-window length in tokens; None = full attention
+    # tokens before a position that its query attends to (excluding itself; transformers'
+    # sliding_window - 1, see the module docstring); None = full attention
+    window: int | None = None
     sink_tokens: int = 0  # leading tokens always attended (attention sinks)
 
     def __post_init__(self) -> None:
@@ -332,14 +374,19 @@ class PageLayout:
                 f"{self.shard_count}"
             )
 
-        group_of_layer: dict[int, int] = {}
+        # A layer is in at most one group of each kind: a FalconH1-style layer that is both
+        # attention and recurrent sits in one ATTENTION and one STATE group, and its
+        # buffers go to the group of their role's kind.
+        group_of_layer: dict[tuple[int, GroupKind], int] = {}
         for gi, g in enumerate(groups):
             for layer in g.layers:
-                if layer in group_of_layer:
+                other = group_of_layer.get((layer, g.kind))
+                if other is not None:
                     raise LayoutError(
-                        f"groups: layer {layer} is in group {group_of_layer[layer]} and group {gi}"
+                        f"groups: layer {layer} is in {g.kind.name} group {other} and "
+                        f"{g.kind.name} group {gi} (a layer has at most one group per kind)"
                     )
-                group_of_layer[layer] = gi
+                group_of_layer[(layer, g.kind)] = gi
         seen: set[tuple[int, Role]] = set()
         per_group: list[list[BufferRegion]] = [[] for _ in groups]
         cursor = [0] * len(groups)
@@ -347,19 +394,20 @@ class PageLayout:
             if (b.layer, b.role) in seen:
                 raise LayoutError(f"buffers: duplicate (layer, role) ({b.layer}, {b.role.name})")
             seen.add((b.layer, b.role))
-            gi_or_none = group_of_layer.get(b.layer)
+            kind = role_kind(b.role)
+            gi_or_none = group_of_layer.get((b.layer, kind))
             if gi_or_none is None:
+                kinds = sorted(k.name for layer, k in group_of_layer if layer == b.layer)
+                if kinds:
+                    raise LayoutError(
+                        f"buffers: role {b.role.name} (layer {b.layer}) does not belong in a "
+                        f"{' or '.join(kinds)} group; it needs a {kind.name} group holding "
+                        f"layer {b.layer}"
+                    )
                 raise LayoutError(
                     f"buffers: buffer (layer {b.layer}, {b.role.name}) is in no layer group"
                 )
             gi = gi_or_none
-            kind = groups[gi].kind
-            state_role = b.role in (Role.CONV_STATE, Role.SSM_STATE)
-            if state_role != (kind is GroupKind.STATE):
-                raise LayoutError(
-                    f"buffers: role {b.role.name} (layer {b.layer}) does not belong in a "
-                    f"{kind.name} group"
-                )
             if not b.transferred:
                 continue
             count = self.tokens_per_page if kind is GroupKind.ATTENTION else 1
@@ -368,7 +416,7 @@ class PageLayout:
             per_group[gi].append(BufferRegion(b, offset, nbytes))
             cursor[gi] = -(-(offset + nbytes) // ALIGN) * ALIGN
         for gi, g in enumerate(groups):
-            if not any(b.layer in g.layers for b in buffers):
+            if not any(b.layer in g.layers and role_kind(b.role) is g.kind for b in buffers):
                 raise LayoutError(f"groups: group {gi} ({g.kind.name}) has no buffers")
         object.__setattr__(self, "regions", tuple(tuple(r) for r in per_group))
         object.__setattr__(self, "group_page_bytes", tuple(cursor))
@@ -450,11 +498,72 @@ class PageLayout:
             raise LayoutError(f"group: {group} is out of range for {len(self.groups)} groups")
         return self.group_page_bytes[group]
 
-    def group_of(self, layer: int) -> int:
-        for gi, g in enumerate(self.groups):
-            if layer in g.layers:
-                return gi
-        raise LayoutError(f"layer: {layer} is in no group of this layout")
+    def group_of(self, layer: int, role: Role | None = None) -> int:
+        """The group holding ``layer``'s buffers of ``role`` (any role: the layer's only
+        group; a layer in an ATTENTION and a STATE group needs the role)."""
+        hits = [
+            gi for gi, g in enumerate(self.groups)
+            if layer in g.layers and (role is None or g.kind is role_kind(role))
+        ]
+        if len(hits) == 1:
+            return hits[0]
+        if not hits:
+            what = f"layer {layer}" if role is None else f"(layer {layer}, {role.name})"
+            raise LayoutError(f"layer: {what} is in no group of this layout")
+        raise LayoutError(
+            f"role: layer {layer} is in groups {hits}; name the role to pick one"
+        )
+
+    def views(self, pages: torch.Tensor, group: int) -> dict[tuple[int, Role], torch.Tensor]:
+        """Typed, zero-copy views of ``group``'s buffers inside canonical ``pages``.
+
+        ``pages`` is ``uint8 [n, group_page_bytes]`` (or one page, ``[group_page_bytes]``).
+        The answer maps each transferred buffer's ``(layer, role)`` to a tensor of the
+        buffer's dtype sharing ``pages``'s memory: ``[n, tokens_per_page, *shape]`` for an
+        ``ATTENTION`` group, ``[n, *shape]`` for a ``STATE`` group (without the ``n`` axis
+        for one page). Writing a view writes the page. Regions start on :data:`ALIGN`
+        bytes, so every view is aligned for its dtype when ``pages`` is.
+        """
+        import torch  # here, not at module level: layouts are usable without torch
+
+        size = self.group_bytes(group)
+        if not isinstance(pages, torch.Tensor):
+            raise InvalidInput(f"pages: expected a uint8 tensor, got {type(pages).__name__}")
+        one = pages.dim() == 1
+        rows = pages.unsqueeze(0) if one else pages
+        if pages.dtype != torch.uint8 or rows.dim() != 2:
+            raise InvalidInput(
+                f"pages: expected uint8 [n, {size}] or [{size}], got {pages.dtype} "
+                f"{tuple(pages.shape)}"
+            )
+        if rows.shape[1] != size:
+            raise PageSizeMismatch(
+                f"pages: pages of {rows.shape[1]} bytes, group {group}'s page is {size} bytes"
+            )
+        if rows.stride(1) != 1 or (rows.shape[0] > 1 and rows.stride(0) % ALIGN):
+            raise InvalidInput(
+                f"pages: each page must be contiguous and pages {ALIGN}-byte strided "
+                f"(strides {tuple(rows.stride())})"
+            )
+        per_token = self.groups[group].kind is GroupKind.ATTENTION
+        out: dict[tuple[int, Role], torch.Tensor] = {}
+        for r in self.regions[group]:
+            b = r.buffer
+            dtype = getattr(torch, b.dtype, None)
+            if not isinstance(dtype, torch.dtype):
+                raise InvalidInput(f"dtype: torch {torch.__version__} has no dtype {b.dtype!r}")
+            block = rows[:, r.offset : r.offset + r.nbytes]
+            try:
+                typed = block.view(dtype)
+            except RuntimeError as exc:  # a base pointer not aligned for the dtype
+                raise InvalidInput(
+                    f"pages: region (layer {b.layer}, {b.role.name}) cannot be viewed as "
+                    f"{b.dtype}: {exc}"
+                ) from exc
+            shape = (self.tokens_per_page, *b.shape) if per_token else b.shape
+            view = typed.view(rows.shape[0], *shape)
+            out[(b.layer, b.role)] = view[0] if one else view
+        return out
 
     def region(self, group: int, layer: int, role: Role) -> BufferRegion:
         for r in self.regions[group]:
@@ -516,6 +625,11 @@ def _fields(cls: type, doc: object, what: str) -> dict[str, Any]:
 
 
 # ---- builders ------------------------------------------------------------------------------
+
+
+def _quant(quant: object) -> QuantMode:
+    """A builder's ``quant``: a :class:`QuantMode` or its name as the docs spell it ("FP8")."""
+    return quant if isinstance(quant, QuantMode) else QuantMode.parse(quant)
 
 
 def _shard_heads(heads: int, shard_count: int, what: str) -> int:
@@ -607,12 +721,13 @@ def full_attention(
     head_dim: int,
     *,
     tokens_per_page: int = 16,
-    dtype: str = "bfloat16",
-    quant: QuantMode = QuantMode.NONE,
+    dtype: str | torch.dtype = "bfloat16",
+    quant: QuantMode | str = QuantMode.NONE,
     shard_count: int = 1,
     shard_index: int = 0,
 ) -> PageLayout:
     """MHA or GQA: one ATTENTION group, K and V per layer split by KV head."""
+    dt, qm = dtype_name(dtype), _quant(quant)
     _positive_int(num_layers, "num_layers")
     heads = _heads_per_shard(num_kv_heads, shard_count)
     layers = tuple(range(num_layers))
@@ -620,8 +735,8 @@ def full_attention(
         model=model,
         tokens_per_page=tokens_per_page,
         groups=(LayerGroup(GroupKind.ATTENTION, layers),),
-        buffers=tuple(_kv_buffers(layers, heads, head_dim, dtype, quant)),
-        quant=quant,
+        buffers=tuple(_kv_buffers(layers, heads, head_dim, dt, qm)),
+        quant=qm,
         shard_count=shard_count,
         shard_index=shard_index,
     )
@@ -633,7 +748,7 @@ def mla(
     latent_dim: int,
     *,
     tokens_per_page: int = 64,
-    dtype: str = "bfloat16",
+    dtype: str | torch.dtype = "bfloat16",
     index_key_dim: int | None = None,
     shard_count: int = 1,
     shard_index: int = 0,
@@ -643,14 +758,15 @@ def mla(
     ``index_key_dim`` adds a replicated ``INDEX_KEY`` buffer (sparse-attention indexers),
     declared not transferred: the receiver rebuilds it from the latent.
     """
+    dt = dtype_name(dtype)
     _positive_int(num_layers, "num_layers")
     layers = tuple(range(num_layers))
     buffers: list[BufferSpec] = []
     for layer in layers:
-        buffers.append(BufferSpec(layer, Role.KEY, dtype, (latent_dim,)))
+        buffers.append(BufferSpec(layer, Role.KEY, dt, (latent_dim,)))
         if index_key_dim is not None:
             buffers.append(
-                BufferSpec(layer, Role.INDEX_KEY, dtype, (index_key_dim,), transferred=False)
+                BufferSpec(layer, Role.INDEX_KEY, dt, (index_key_dim,), transferred=False)
             )
     return PageLayout(
         model=model,
@@ -672,8 +788,8 @@ def sliding_window(
     sink_tokens: int = 0,
     full_layers: Sequence[int] = (),
     tokens_per_page: int = 16,
-    dtype: str = "bfloat16",
-    quant: QuantMode = QuantMode.NONE,
+    dtype: str | torch.dtype = "bfloat16",
+    quant: QuantMode | str = QuantMode.NONE,
     shard_count: int = 1,
     shard_index: int = 0,
 ) -> PageLayout:
@@ -682,6 +798,7 @@ def sliding_window(
     Group 0 holds the windowed layers, group 1 (when ``full_layers`` is given) the
     full-attention ones.
     """
+    dt, qm = dtype_name(dtype), _quant(quant)
     _positive_int(num_layers, "num_layers")
     heads = _heads_per_shard(num_kv_heads, shard_count)
     full = tuple(sorted(set(full_layers)))
@@ -698,8 +815,8 @@ def sliding_window(
         model=model,
         tokens_per_page=tokens_per_page,
         groups=tuple(groups),
-        buffers=tuple(_kv_buffers(range(num_layers), heads, head_dim, dtype, quant)),
-        quant=quant,
+        buffers=tuple(_kv_buffers(range(num_layers), heads, head_dim, dt, qm)),
+        quant=qm,
         shard_count=shard_count,
         shard_index=shard_index,
     )
@@ -715,9 +832,9 @@ def hybrid_mamba(
     conv_shape: tuple[int, ...],
     ssm_shape: tuple[int, ...],
     tokens_per_page: int = 16,
-    dtype: str = "bfloat16",
-    state_dtype: str = "float32",
-    quant: QuantMode = QuantMode.NONE,
+    dtype: str | torch.dtype = "bfloat16",
+    state_dtype: str | torch.dtype = "float32",
+    quant: QuantMode | str = QuantMode.NONE,
     shard_count: int = 1,
     shard_index: int = 0,
     conv_sections: Sequence[int] = (),
@@ -728,16 +845,18 @@ def hybrid_mamba(
     axis 0 and the SSM state by head (axis 0). ``conv_sections`` (one shard's channel
     counts of x, B and C, Mamba-2) splits each section of the conv channels on its own.
     """
+    dt, qm = dtype_name(dtype), _quant(quant)
+    state_dt = dtype_name(state_dtype, "state_dtype")
     heads = _heads_per_shard(num_kv_heads, shard_count)
     attn = tuple(attention_layers)
     mamba = tuple(mamba_layers)
     if not mamba:
         raise LayoutError("mamba_layers: a hybrid Mamba layout needs at least one Mamba layer")
-    buffers = _kv_buffers(attn, heads, head_dim, dtype, quant)
+    buffers = _kv_buffers(attn, heads, head_dim, dt, qm)
     for layer in mamba:
-        buffers.append(BufferSpec(layer, Role.CONV_STATE, dtype, conv_shape, head_axis=0,
+        buffers.append(BufferSpec(layer, Role.CONV_STATE, dt, conv_shape, head_axis=0,
                                   sections=tuple(conv_sections)))
-        buffers.append(BufferSpec(layer, Role.SSM_STATE, state_dtype, ssm_shape, head_axis=0))
+        buffers.append(BufferSpec(layer, Role.SSM_STATE, state_dt, ssm_shape, head_axis=0))
     groups = []
     if attn:
         groups.append(LayerGroup(GroupKind.ATTENTION, attn))
@@ -747,7 +866,7 @@ def hybrid_mamba(
         tokens_per_page=tokens_per_page,
         groups=tuple(groups),
         buffers=tuple(buffers),
-        quant=quant,
+        quant=qm,
         shard_count=shard_count,
         shard_index=shard_index,
     )

@@ -11,11 +11,12 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvbank import layout as L
-from kvbank.errors import InvalidInput, KvbankError, LayoutError
+from kvbank.errors import InvalidInput, KvbankError, LayoutError, PageSizeMismatch
 from tests.golden_specs import DATA, golden_layouts
 
 GOLDEN = json.loads((DATA / "layout_ids_golden.json").read_text())
@@ -354,3 +355,173 @@ def test_layout_from_dict_refuses_junk_with_layout_error(doc: dict[str, object])
     """Whatever a client sends, a bad declaration is a LayoutError, never a crash."""
     with contextlib.suppress(LayoutError):
         L.PageLayout.from_dict(doc)
+
+
+# ---- builders take torch dtypes and quant names; layers in two groups; typed views ----------
+
+
+def test_builders_take_quant_names_as_the_docs_spell_them() -> None:
+    """quant="FP8" builds the FP8 layout (it used to fail with "unsupported FP8")."""
+    for name in ("FP8", "INT8", "NVFP4", "MXFP4", "NONE"):
+        by_name = L.full_attention("m", 2, 8, 64, quant=name)
+        by_enum = L.full_attention("m", 2, 8, 64, quant=L.QuantMode[name])
+        assert by_name.layout_id == by_enum.layout_id
+        assert by_name.quant is L.QuantMode[name]
+    assert {b.role for b in L.full_attention("m", 1, 8, 64, quant="FP8").buffers} == {
+        L.Role.KEY, L.Role.VALUE, L.Role.KEY_SCALE, L.Role.VALUE_SCALE
+    }
+    with pytest.raises(LayoutError, match="quant"):
+        L.sliding_window("m", 2, 8, 64, window=8, quant="fp9")
+
+
+def test_builders_and_buffers_take_torch_dtypes_with_the_same_id() -> None:
+    assert (
+        L.full_attention("m", 2, 8, 64, dtype=torch.float16).layout_id
+        == L.full_attention("m", 2, 8, 64, dtype="float16").layout_id
+    )
+    mamba_t = L.hybrid_mamba("m", [1], [0], 2, 8, conv_shape=(4, 3), ssm_shape=(2, 4, 8),
+                             dtype=torch.bfloat16, state_dtype=torch.float32)
+    mamba_s = L.hybrid_mamba("m", [1], [0], 2, 8, conv_shape=(4, 3), ssm_shape=(2, 4, 8))
+    assert mamba_t.layout_id == mamba_s.layout_id
+    spec = L.BufferSpec(0, L.Role.KEY, torch.float8_e4m3fn, (2, 4))  # type: ignore[arg-type]
+    assert spec.dtype == "float8_e4m3fn"
+    for bad in (torch.complex64, "torch.float16", 16):
+        with pytest.raises(LayoutError, match="dtype"):
+            L.full_attention("m", 2, 8, 64, dtype=bad)  # type: ignore[arg-type]
+
+
+def _both_kinds_layout() -> L.PageLayout:
+    """Layer 0 is attention and recurrent (FalconH1-style); layer 1 is attention only."""
+    return L.PageLayout(
+        model="falcon-h1-like",
+        tokens_per_page=16,
+        groups=(
+            L.LayerGroup(L.GroupKind.ATTENTION, (0, 1)),
+            L.LayerGroup(L.GroupKind.STATE, (0,)),
+        ),
+        buffers=(
+            L.BufferSpec(0, L.Role.KEY, "float32", (2, 8)),
+            L.BufferSpec(0, L.Role.VALUE, "float32", (2, 8)),
+            L.BufferSpec(0, L.Role.CONV_STATE, "float32", (24, 4)),
+            L.BufferSpec(0, L.Role.SSM_STATE, "float32", (4, 8, 16)),
+            L.BufferSpec(1, L.Role.KEY, "float32", (2, 8)),
+            L.BufferSpec(1, L.Role.VALUE, "float32", (2, 8)),
+        ),
+    )
+
+
+def test_layout_layer_in_an_attention_and_a_state_group() -> None:
+    lay = _both_kinds_layout()
+    assert [(r.buffer.layer, r.buffer.role) for r in lay.regions[0]] == [
+        (0, L.Role.KEY), (0, L.Role.VALUE), (1, L.Role.KEY), (1, L.Role.VALUE)
+    ]
+    assert [(r.buffer.layer, r.buffer.role) for r in lay.regions[1]] == [
+        (0, L.Role.CONV_STATE), (0, L.Role.SSM_STATE)
+    ]
+    assert lay.group_bytes(1) == 24 * 4 * 4 + 4 * 8 * 16 * 4
+    assert lay.group_of(0, L.Role.KEY) == 0
+    assert lay.group_of(0, L.Role.SSM_STATE) == 1
+    assert lay.group_of(1) == 0
+    with pytest.raises(LayoutError, match="name the role"):
+        lay.group_of(0)
+    with pytest.raises(LayoutError, match="no group"):
+        lay.group_of(1, L.Role.CONV_STATE)
+    # The same layout spelled through to_dict/from_dict keeps its id.
+    assert L.PageLayout.from_dict(lay.to_dict()).layout_id == lay.layout_id
+
+
+@pytest.mark.parametrize(
+    ("groups", "buffers", "field"),
+    [
+        (  # one layer in two ATTENTION groups
+            (L.LayerGroup(L.GroupKind.ATTENTION, (0,)), L.LayerGroup(L.GroupKind.ATTENTION, (0,))),
+            (L.BufferSpec(0, L.Role.KEY, "float32", (1,)),),
+            "at most one group per kind",
+        ),
+        (  # a state role for a layer that is only in an ATTENTION group
+            (L.LayerGroup(L.GroupKind.ATTENTION, (0,)),),
+            (L.BufferSpec(0, L.Role.KEY, "float32", (1,)),
+             L.BufferSpec(0, L.Role.SSM_STATE, "float32", (1,))),
+            "SSM_STATE",
+        ),
+        (  # a STATE group whose layer only has attention buffers
+            (L.LayerGroup(L.GroupKind.ATTENTION, (0,)), L.LayerGroup(L.GroupKind.STATE, (0,))),
+            (L.BufferSpec(0, L.Role.KEY, "float32", (1,)),),
+            "no buffers",
+        ),
+        (  # (layer, role) stays unique even across groups
+            (L.LayerGroup(L.GroupKind.ATTENTION, (0,)), L.LayerGroup(L.GroupKind.STATE, (0,))),
+            (L.BufferSpec(0, L.Role.CONV_STATE, "float32", (1,)),
+             L.BufferSpec(0, L.Role.CONV_STATE, "float32", (2,)),
+             L.BufferSpec(0, L.Role.KEY, "float32", (1,))),
+            "duplicate",
+        ),
+    ],
+)
+def test_layout_two_kind_membership_refusals(
+    groups: tuple[L.LayerGroup, ...], buffers: tuple[L.BufferSpec, ...], field: str
+) -> None:
+    with pytest.raises(LayoutError, match=field):
+        L.PageLayout("m", 16, groups, buffers)
+
+
+def test_layout_views_are_typed_zero_copy_and_match_the_kernels() -> None:
+    """views() reads exactly the bytes gather_pages wrote, and writes land in the page."""
+    from kvbank.kernels.pages import gather_pages
+
+    lay = _both_kinds_layout()
+    gen = torch.Generator().manual_seed(3)
+    pool = {
+        (b.layer, b.role): torch.randn((5, 16, *b.shape), generator=gen)
+        for b in lay.buffers if b.role not in L.STATE_ROLES
+    }
+    pages = torch.empty((3, lay.group_bytes(0)), dtype=torch.uint8)
+    gather_pages(pool, [4, 0, 2], lay, 0, pages)
+    views = lay.views(pages, 0)
+    assert set(views) == set(pool)
+    for key, view in views.items():
+        assert view.dtype == torch.float32
+        assert view.shape == (3, 16, *pool[key].shape[2:])
+        assert torch.equal(view, pool[key][[4, 0, 2]])
+        start = view.data_ptr() - pages.data_ptr()
+        assert 0 <= start < pages.numel() and start % L.ALIGN == 0  # a view, not a copy
+    views[(1, L.Role.VALUE)][1].fill_(7.0)
+    assert torch.equal(lay.views(pages, 0)[(1, L.Role.VALUE)][1], torch.full((16, 2, 8), 7.0))
+
+    state = torch.zeros(lay.group_bytes(1), dtype=torch.uint8)
+    one = lay.views(state, 1)
+    assert one[(0, L.Role.CONV_STATE)].shape == (24, 4)
+    assert one[(0, L.Role.SSM_STATE)].shape == (4, 8, 16)
+    one[(0, L.Role.SSM_STATE)].fill_(1.5)
+    region = lay.region(1, 0, L.Role.SSM_STATE)
+    assert torch.equal(
+        state[region.offset : region.offset + region.nbytes].view(torch.float32),
+        torch.full((4 * 8 * 16,), 1.5),
+    )
+
+
+def test_layout_views_refuse_bad_pages() -> None:
+    lay = _both_kinds_layout()
+    size = lay.group_bytes(0)
+    with pytest.raises(PageSizeMismatch, match="pages"):
+        lay.views(torch.zeros((2, size - 64), dtype=torch.uint8), 0)
+    with pytest.raises(InvalidInput, match="uint8"):
+        lay.views(torch.zeros((2, size // 4), dtype=torch.float32), 0)
+    with pytest.raises(InvalidInput, match="strided"):
+        lay.views(torch.zeros((2, size + 8), dtype=torch.uint8)[:, :size], 0)
+    with pytest.raises(InvalidInput, match="uint8 tensor"):
+        lay.views(bytearray(size), 0)  # type: ignore[arg-type]
+    with pytest.raises(LayoutError, match="group"):
+        lay.views(torch.zeros((1, size), dtype=torch.uint8), 2)
+
+
+@pytest.mark.parametrize("quant", ["FP8", "NVFP4", "MXFP4", "INT8"])
+def test_layout_views_of_quantized_pages_have_the_declared_dtypes(quant: str) -> None:
+    lay = L.full_attention("m", 1, 2, 64, quant=quant)
+    pages = torch.zeros((2, lay.group_bytes(0)), dtype=torch.uint8)
+    views = lay.views(pages, 0)
+    for b in lay.buffers:
+        v = views[(b.layer, b.role)]
+        assert str(v.dtype) == f"torch.{b.dtype}"
+        assert v.shape == (2, lay.tokens_per_page, *b.shape)
+        assert v.untyped_storage().data_ptr() == pages.untyped_storage().data_ptr()

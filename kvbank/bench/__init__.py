@@ -10,8 +10,11 @@ from __future__ import annotations
 
 SUITES: dict[str, str] = {
     "codec": "kvbank.bench.codec",
+    "e2e": "kvbank.bench.e2e",
+    "kernels": "kvbank.bench.kernels",
     "keys": "kvbank.bench.keys",
     "lender": "kvbank.bench.lender",
+    "service": "kvbank.bench.service",
     "tiers": "kvbank.bench.tiers",
     "reshard": "kvbank.bench.reshard",
 }

@@ -1,0 +1,152 @@
+"""``kvbank bench e2e``: time to first token of a real transformers model through kvbank.
+
+The model is :func:`~kvbank.integrations.scenario.tiny_llama` (4 layers, GQA, float32,
+random weights) on 4,096-token prompts of 16-token pages. Cases:
+
+- ``ttft-hit-4k`` — seconds to the first token of a prompt whose first 4,032 tokens
+  another process stored (a spawned worker, then its bank closed to disk): match, fetch,
+  a fresh ``DynamicCache`` built from the pages, and the last 64 tokens computed.
+  Baseline: the same model reusing a cache of those 4,032 tokens in process (cropped back
+  after each run), the floor any cache reuse can reach. Until the node service lands the
+  pages come through an embedded :class:`~kvbank.Bank` on the shared data dir, not
+  ``kvbank serve``.
+- ``ttft-miss-4k`` — seconds to the first token when nothing is stored (the match misses,
+  the whole prompt is computed). Baseline: the plain prefill.
+- ``store-overhead-4k`` — seconds for a prefill that stores every page (a new scope per
+  run, so every row is really written). Baseline: the same prefill without kvbank.
+
+Runs are interleaved with their baseline and the medians reported.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvbank.bank import Bank
+from kvbank.bench.common import BenchRow, row
+from kvbank.keys import Scope
+
+SUITE = "e2e"
+PROMPT = 4096
+STORED = 4032
+PAGE = 16
+
+
+def _prompts() -> tuple[list[int], list[int]]:
+    """Worker A's prompt and the bench's: the same first 4,032 tokens."""
+    g = torch.Generator().manual_seed(7)
+    shared = torch.randint(0, 1024, (STORED,), generator=g).tolist()
+    a = shared + torch.randint(0, 1024, (PROMPT - STORED,), generator=g).tolist()
+    b = shared + torch.randint(0, 1024, (PROMPT - STORED,), generator=g).tolist()
+    return a, b
+
+
+def _bank(root: Path) -> Bank:
+    return Bank.open(data_dir=root, host_bytes="512M", device_bytes=0)
+
+
+def _store_worker(root: str) -> None:
+    """Worker A, in its own process: store prompt A, close (rows go to disk)."""
+    from kvbank.integrations import transformers as kt
+    from kvbank.integrations.scenario import tiny_llama
+
+    model = tiny_llama()
+    a, _ = _prompts()
+    with _bank(Path(root)) as bank:
+        kt.store(bank, kt.layout_for(model, tokens_per_page=PAGE), model, a)
+
+
+def _paired_seconds(
+    fn: Callable[[], object], base: Callable[[], object], repeat: int
+) -> tuple[float, float]:
+    fn()
+    base()
+    ours: list[float] = []
+    theirs: list[float] = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        t1 = time.perf_counter()
+        base()
+        t2 = time.perf_counter()
+        ours.append(t1 - t0)
+        theirs.append(t2 - t1)
+    return statistics.median(ours), statistics.median(theirs)
+
+
+def _first_token(model: Any, ids: torch.Tensor, cache: Any) -> int:
+    with torch.inference_mode():
+        return int(model(input_ids=ids, cache=cache, use_cache=True).logits[0, -1].argmax())
+
+
+def run(quick: bool = False) -> Iterator[BenchRow]:
+    try:
+        import transformers  # noqa: F401  (only to say what is missing)
+    except ImportError as exc:
+        raise ImportError("bench e2e needs transformers: pip install 'kvbank[transformers]'") from exc
+    from kvbank.integrations import transformers as kt
+    from kvbank.integrations.scenario import tiny_llama
+
+    repeat = 3 if quick else 7
+    model = tiny_llama()
+    hl = kt.layout_for(model, tokens_per_page=PAGE)
+    _, b = _prompts()
+    ids = torch.tensor([b])
+    with tempfile.TemporaryDirectory(prefix="kvbank-bench-e2e-") as tmp:
+        worker = multiprocessing.get_context("spawn").Process(target=_store_worker, args=(tmp,))
+        worker.start()
+        worker.join()
+        if worker.exitcode != 0:
+            raise RuntimeError(f"e2e: the storing worker exited with {worker.exitcode}")
+        with _bank(Path(tmp)) as bank:
+            yield from _cases(bank, hl, model, b, ids, repeat)
+
+
+def _cases(bank: Bank, hl: Any, model: Any, b: list[int], ids: torch.Tensor,
+           repeat: int) -> Iterator[BenchRow]:
+    from kvbank.integrations import transformers as kt
+
+    reused = kt.fresh_cache(model)
+    with torch.inference_mode():
+        model(input_ids=ids[:, :STORED], cache=reused, use_cache=True)
+
+    def hit() -> None:
+        got = kt.load(bank, hl, model, b)
+        if got.tokens != STORED:
+            raise RuntimeError(f"ttft-hit-4k: resumed at {got.tokens}, expected {STORED}")
+        _first_token(model, got.rest, got.cache)
+
+    def in_process() -> None:
+        _first_token(model, ids[:, STORED:], reused)
+        reused.crop(-(PROMPT - STORED))
+
+    ours, base = _paired_seconds(hit, in_process, repeat)
+    yield row(SUITE, "ttft-hit-4k", "s", ours, "the same model reusing a cache in process", base)
+
+    cold = Scope(tenant="bench-e2e-cold")  # nothing is ever stored under it
+
+    def miss() -> None:
+        got = kt.load(bank, hl, model, b, scope=cold)
+        _first_token(model, got.rest, got.cache)
+
+    def plain() -> None:
+        _first_token(model, ids, kt.fresh_cache(model))
+
+    ours, base = _paired_seconds(miss, plain, repeat)
+    yield row(SUITE, "ttft-miss-4k", "s", ours, "plain recompute", base)
+
+    runs = iter(range(1 << 30))
+
+    def stores() -> None:
+        kt.store(bank, hl, model, b, scope=Scope(tenant=f"bench-e2e-store-{next(runs)}"))
+
+    ours, base = _paired_seconds(stores, plain, repeat)
+    yield row(SUITE, "store-overhead-4k", "s", ours, "the same prefill without kvbank", base)

@@ -1,0 +1,299 @@
+"""``kvbank bench service``: a served node against raw TCP and memcpy, across processes.
+
+The node runs as ``kvbank serve`` in its own process; a raw TCP server (a thread per
+connection, ``sendall`` / ``recv_into`` of preallocated 2 MiB pages) runs in another; the
+clients run in further processes (``python -m kvbank.bench.service _client SPEC``), each
+timing ours and its baseline in turns, medians of several runs, into preallocated and
+pre-touched buffers.
+
+====================  ==========================================  ============================
+case                  ours                                        baseline (same run)
+====================  ==========================================  ============================
+``fetch-remote``      ``Client.fetch`` of 64 x 2 MiB rows, TCP    raw TCP, same bytes
+``put-remote``        ``Client.put`` of 64 x 2 MiB pages, TCP     raw TCP, same bytes
+``fetch-local``       ``Client.fetch``, same-host lease path,      memcpy of the same bytes
+                      control calls included
+``put-local``         ``Client.put``: WRITE lease, fill, commit   memcpy of the same bytes
+``match-1000``        p50 ms of ``Client.match``, 1,000 pages     in-process ``Bank.match``
+``fetch-remote-16``   aggregate GB/s, 16 client processes, each   raw TCP, 16 connections
+                      fetching 16 x 2 MiB rows a call
+====================  ==========================================  ============================
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import statistics
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from kvbank.bench.common import BenchRow, row
+
+SUITE = "service"
+PAGES = 64
+PAGES_16 = 16  # rows per call of each of the 16 concurrent clients
+LAYERS = 32  # 32 layers x (K+V) x 8 heads x 128 x 16 tokens x bf16 = 2 MiB pages
+REQ = struct.Struct("<BQ")  # op (1 = send me n bytes, 2 = take n bytes), n
+MATCH_PAGES = 1000
+
+
+def _layout(layers: int = LAYERS) -> Any:
+    from kvbank.layout import full_attention
+
+    return full_attention("bench-service@1", layers, 8, 128, tokens_per_page=16)
+
+
+def _tokens(base: int, pages: int) -> list[int]:
+    """Token ids of a distinct prompt per ``base`` (at most 1,250 pages; ids stay int32)."""
+    return list(range(base * 20_000, base * 20_000 + pages * 16))
+
+
+def _pages(page: int) -> Any:
+    import torch
+
+    src = (np.arange(PAGES * page, dtype=np.uint64) % 251).astype(np.uint8).reshape(PAGES, page)
+    return torch.from_numpy(src)
+
+
+# ---- the raw TCP baseline server ---------------------------------------------------------
+
+
+def _raw_server() -> None:
+    page = _layout().group_page_bytes[0]
+    src = np.full(PAGES * page, 7, dtype=np.uint8)
+    flat = memoryview(src.data)
+    views = [flat[i * page : (i + 1) * page] for i in range(PAGES)]
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(64)
+    print(sock.getsockname()[1], flush=True)
+
+    def handle(conn: socket.socket) -> None:
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sink = memoryview(bytearray(page))
+        head = bytearray(REQ.size)
+        with conn:
+            while True:
+                if conn.recv_into(head, REQ.size, socket.MSG_WAITALL) != REQ.size:
+                    return
+                op, n = REQ.unpack(head)
+                if op == 1:
+                    for i in range(n // page):
+                        conn.sendall(views[i % PAGES])
+                else:
+                    left = n
+                    while left:
+                        k = conn.recv_into(sink, min(left, page), socket.MSG_WAITALL)
+                        if not k:
+                            return
+                        left -= k
+                    conn.sendall(b"\x01")
+
+    while True:
+        c, _ = sock.accept()
+        threading.Thread(target=handle, args=(c,), daemon=True).start()
+
+
+# ---- a client process ----------------------------------------------------------------------
+
+
+def _client(spec: dict[str, Any]) -> dict[str, Any]:
+    import torch
+
+    from kvbank.bank import Bank
+    from kvbank.service.client import Client
+
+    layout = _layout()
+    page = layout.group_page_bytes[0]
+    case, reps = spec["case"], spec["reps"]
+    # 16 clients at once: 16 rows a call each keeps 16 processes' buffers in memory
+    n_pages = PAGES_16 if case == "fetch-remote-16" else PAGES
+    nbytes = n_pages * page
+    out = torch.zeros((n_pages, page), dtype=torch.uint8)  # zeroed: pre-touched, reused
+    out_views = [memoryview(out.numpy()[i]) for i in range(n_pages)]
+    needs_src = case in ("put-remote", "put-local", "fetch-local")
+    src = np.full((n_pages, page) if needs_src else (0, page), 3, dtype=np.uint8)
+    raw = socket.create_connection(("127.0.0.1", spec["raw_port"]))
+    raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def raw_fetch() -> None:
+        raw.sendall(REQ.pack(1, nbytes))
+        for v in out_views:
+            raw.recv_into(v, page, socket.MSG_WAITALL)
+
+    def raw_put() -> None:
+        raw.sendall(REQ.pack(2, nbytes))
+        for i in range(n_pages):
+            raw.sendall(memoryview(src[i]))
+        raw.recv(1)
+
+    def memcpy() -> None:
+        np.copyto(out.numpy(), src)
+
+    client = Client(spec["url"], same_host=case in ("fetch-local", "put-local"))
+    lid = client.register(layout)
+    pages = _pages(page) if case in ("put-remote", "put-local") else torch.empty((0, page), dtype=torch.uint8)
+    m = client.match(lid, [*_tokens(0, n_pages), 1])
+    counter = [spec["seed"] * 50]  # up to 50 puts per client before prompts overlap
+
+    def fetch() -> None:
+        got = client.fetch(m, out={0: out})
+        if not got.complete:
+            raise RuntimeError(f"fetch incomplete: {got.missing}")
+
+    def put() -> None:
+        counter[0] += 1  # new rows every time: a stored row would be skipped, not sent
+        client.put(lid, _tokens(counter[0], PAGES), group=0, pages=pages)
+
+    if case == "match-1000":
+        small = _layout(1)
+        slid = client.register(small)
+        toks = _tokens(99_000, MATCH_PAGES)
+        client.put(slid, toks, group=0, pages=torch.zeros((MATCH_PAGES, small.group_page_bytes[0]), dtype=torch.uint8))
+        with Bank.open(host_bytes="256M", device_bytes=0) as bank:
+            bank.register(small)
+            bank.put(slid, toks, group=0, pages=torch.zeros((MATCH_PAGES, small.group_page_bytes[0]), dtype=torch.uint8))
+            q = [*toks, 1]
+            ours, base = [], []
+            for _ in range(5):
+                client.match(slid, q)
+                bank.match(slid, q)
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                client.match(slid, q)
+                t1 = time.perf_counter()
+                bank.match(slid, q)
+                t2 = time.perf_counter()
+                ours.append(t1 - t0)
+                base.append(t2 - t1)
+        return {"ours": ours, "base": base}
+    fn, baseline = {
+        "fetch-remote": (fetch, raw_fetch), "put-remote": (put, raw_put),
+        "fetch-local": (fetch, memcpy), "put-local": (put, memcpy),
+        "fetch-remote-16": (fetch, raw_fetch),
+    }[case]
+    for _ in range(2):
+        fn()
+        baseline()
+    if case == "fetch-remote-16":  # aggregate: start together, time each side alone
+        times: dict[str, Any] = {}
+        for side, f in (("ours", fn), ("base", baseline)):
+            print("ready", flush=True)
+            sys.stdin.readline()
+            t0 = time.monotonic()
+            for _ in range(reps):
+                f()
+            times[side] = [t0, time.monotonic()]
+        return {**times, "bytes": reps * nbytes}
+    ours, base = [], []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        t1 = time.perf_counter()
+        baseline()
+        t2 = time.perf_counter()
+        ours.append(t1 - t0)
+        base.append(t2 - t1)
+    client.close()
+    return {"ours": ours, "base": base, "bytes": nbytes}
+
+
+# ---- the orchestrator ----------------------------------------------------------------------
+
+
+def _spawn(*args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-m", "kvbank.bench.service", *args],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+
+def _one(spec: dict[str, Any]) -> dict[str, Any]:
+    p = _spawn("_client", json.dumps(spec))
+    out, _ = p.communicate(timeout=900)
+    if p.returncode:
+        raise RuntimeError(f"bench client {spec['case']} failed (rc {p.returncode})")
+    result: dict[str, Any] = json.loads(out.strip().splitlines()[-1])
+    return result
+
+
+def _many(spec: dict[str, Any], n: int) -> dict[str, float]:
+    procs = [_spawn("_client", json.dumps({**spec, "seed": spec["seed"] + i})) for i in range(n)]
+    for side in ("ours", "base"):
+        for p in procs:
+            assert p.stdout is not None and p.stdin is not None  # PIPEs were asked for
+            if p.stdout.readline().strip() != "ready":
+                raise RuntimeError("bench client did not get ready")
+        for p in procs:
+            assert p.stdin is not None
+            p.stdin.write("go\n")
+            p.stdin.flush()
+        _ = side
+    results = []
+    for p in procs:
+        out, _ = p.communicate(timeout=900)
+        if p.returncode:
+            raise RuntimeError(f"bench client failed (rc {p.returncode})")
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    total = sum(r["bytes"] for r in results)
+    rate = {}
+    for side in ("ours", "base"):
+        t0 = min(r[side][0] for r in results)
+        t1 = max(r[side][1] for r in results)
+        rate[side] = total / (t1 - t0) / 1e9
+    return rate
+
+
+def run(quick: bool = False) -> Iterator[BenchRow]:
+    from kvbank.service.client import Client
+    from kvbank.service.launch import NodeProcess
+
+    reps = 3 if quick else 5
+    raw = _spawn("_raw")
+    assert raw.stdout is not None  # PIPE was asked for
+    raw_port = int(raw.stdout.readline())
+    with tempfile.TemporaryDirectory(prefix="kvbank-bench-service-") as tmp:
+        node = NodeProcess.start(["--data-dir", tmp, "--host-bytes", "2560M", "--disk-bytes", "1G",
+                                  "--device-bytes", "0", "--max-body-bytes", "512M"])
+        try:
+            layout = _layout()
+            with Client(node.url) as c:
+                lid = c.register(layout)
+                c.put(lid, _tokens(0, PAGES), group=0, pages=_pages(layout.group_page_bytes[0]))
+            spec = {"url": node.url, "raw_port": raw_port, "reps": reps, "seed": 1}
+            for case, base in (("fetch-remote", "raw TCP socket"), ("put-remote", "raw TCP socket"),
+                               ("fetch-local", "memcpy"), ("put-local", "memcpy")):
+                r = _one({**spec, "case": case, "seed": len(case)})
+                gb = r["bytes"] / 1e9
+                yield row(SUITE, case, "GB/s", gb / statistics.median(r["ours"]), base,
+                          gb / statistics.median(r["base"]))
+            r = _one({**spec, "case": "match-1000", "reps": 15 if quick else 50, "seed": 99})
+            yield row(SUITE, "match-1000", "ms p50", statistics.median(r["ours"]) * 1e3,
+                      "in-process Bank.match", statistics.median(r["base"]) * 1e3)
+            n = 4 if quick else 16
+            agg = _many({**spec, "case": "fetch-remote-16", "reps": 2 if quick else 4, "seed": 200}, n)
+            yield row(SUITE, "fetch-remote-16", "GB/s", agg["ours"], f"raw TCP, {n} connections", agg["base"])
+        finally:
+            node.stop()
+            raw.kill()
+            raw.wait()
+            raw.stdout.close()
+            if raw.stdin is not None:
+                raw.stdin.close()
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "_raw":
+        _raw_server()
+    elif sys.argv[1] == "_client":
+        print(json.dumps(_client(json.loads(sys.argv[2]))), flush=True)
+    os._exit(0)

@@ -1,0 +1,15 @@
+"""The node service: one ``kvbank serve`` per node owns one :class:`~kvbank.bank.Bank`.
+
+Modules:
+
+- :mod:`kvbank.service.config` — :class:`ServiceConfig` (flags, ``KVBANK_*``, TOML).
+- :mod:`kvbank.service.framing` — the binary put body and fetch stream forms.
+- :mod:`kvbank.service.app` — the data API under ``/v1/`` (FastAPI for JSON control
+  routes, raw streamed bodies for pages).
+- :mod:`kvbank.service.server` — the uvicorn lifecycle: ready line, graceful shutdown,
+  the bounded thread pool blocking bank calls run on.
+- :mod:`kvbank.service.client` — :class:`Client`, the same calls as ``Bank`` over HTTP
+  and, on the node's own host, through shared memory.
+
+Nothing here is imported by ``import kvbank``: the HTTP stack loads only when asked for.
+"""

@@ -1,0 +1,341 @@
+"""The node's data API under ``/v1/``: JSON control routes (FastAPI, so ``/openapi.json``
+describes them) and binary page bodies (:mod:`kvbank.service.stream`).
+
+=======================================  ==================================================
+route                                    what it does
+=======================================  ==================================================
+``GET  /v1/node``                        version, budgets, what identifies the host
+``GET  /v1/health``                      the store's health (each tier, the mover)
+``POST /v1/locate``                      row names → the tier holding each (or null)
+``GET  /v1/leases``                      every live lease
+``POST /v1/flush``                       wait until the mover is idle
+``POST /v1/layouts``                     register a layout (wire form) → ``layout_id``
+``GET  /v1/layouts/{layout_id}``         the registered layout
+``POST /v1/put``, ``/v1/put_state``      binary put body (:mod:`~kvbank.service.framing`)
+``POST /v1/put/lease``                   same body without pages → names + a WRITE lease
+``POST /v1/match``                       layout id, tokens (or keys), scope → a Match
+``POST /v1/fetch``                       a Match → streamed rows (or, ``via="lease"``, a
+                                         READ lease on them)
+``POST /v1/fetch/{fetch_id}/ack``        rows that arrived whole → the FetchResult
+``POST /v1/leases``                      lend (NAMED or ALL, HOST or DEVICE, READ or WRITE)
+``POST /v1/leases/{id}/renew``           renew → the lease
+``POST /v1/leases/{id}/commit``          commit a WRITE lease → the CommitResult
+``POST /v1/leases/{id}/check``           the completion check (``finish_read``)
+``DELETE /v1/leases/{id}``               release → ``{"released": bool}``
+``GET  /v1/stats``                       BankStats
+=======================================  ==================================================
+
+Errors: every :class:`~kvbank.errors.KvbankError` answers its wire document
+``{type, field, message}`` (:func:`kvbank.wire.error_to_dict`) with the status of
+:func:`status_of` — bad input 4xx, never 5xx; a full tier 507; an unavailable one 503.
+Every blocking bank call runs on the node's bounded pool (:meth:`Node.call`).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+from typing import Any, Literal
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import Response
+from pydantic import BaseModel, Field
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from kvbank import __version__, wire
+from kvbank.errors import (
+    Busy,
+    FetchError,
+    FetchNotFound,
+    InvalidInput,
+    KvbankError,
+    LeaseConflict,
+    LeaseError,
+    LeaseExpired,
+    LeaseNotFound,
+    PinBudgetExceeded,
+    RowLocked,
+    TierFull,
+    TierUnavailable,
+    UnknownLayout,
+)
+from kvbank.keys import ROW_NAME_BYTES
+from kvbank.keys import Scope as KeyScope
+from kvbank.layout import PageLayout
+from kvbank.lender.base import Lease, LeaseMode, MemoryKind
+from kvbank.results import Match
+from kvbank.service.framing import PutKind, encode_fetch_prefix, fetch_stream_bytes
+from kvbank.service.node import Node
+from kvbank.service.stream import BodyTooLarge, RowStream, receive_put, receive_put_lease
+
+logger = logging.getLogger(__name__)
+
+JSON = "application/json"
+
+
+def status_of(exc: KvbankError) -> int:
+    """The HTTP status a typed error answers with."""
+    for cls, status in (
+        (BodyTooLarge, 413), (UnknownLayout, 404), (LeaseNotFound, 404), (FetchNotFound, 404),
+        (LeaseExpired, 410), (LeaseConflict, 409), (RowLocked, 409), (InvalidInput, 400),
+        (TierFull, 507), (PinBudgetExceeded, 507), (TierUnavailable, 503), (Busy, 503),
+        (LeaseError, 409), (FetchError, 400),
+    ):
+        if isinstance(exc, cls):
+            return status
+    return 400 if isinstance(exc, ValueError) else 500
+
+
+def _json(doc: Any, status: int = 200) -> Response:
+    # Pre-encoded: FastAPI's generic encoder walks every value, which dominates a
+    # 1,000-row match answer.
+    return Response(json.dumps(doc, separators=(",", ":")), status_code=status, media_type=JSON)
+
+
+def _error(exc: KvbankError) -> Response:
+    return _json(wire.error_to_dict(exc), status_of(exc))
+
+
+class ScopeBody(BaseModel):
+    tenant: str = ""
+    cache_salt: str = ""
+    lora: str = ""
+
+    def scope(self) -> KeyScope:
+        return KeyScope(self.tenant, self.cache_salt, self.lora)
+
+
+class MatchBody(BaseModel):
+    layout_id: str = Field(description="hex of the 32-byte layout id")
+    tokens: list[int] | None = Field(None, description="token ids")
+    tokens_b64: str | None = Field(None, description="token ids as base64 of little-endian int32")
+    keys: list[str] | None = Field(None, description="an engine's page-key chain (hex), instead of tokens")
+    prompt_tokens: int | None = Field(None, ge=0, description="the prompt's length, with keys")
+    scope: ScopeBody = ScopeBody()
+    shard: int | None = None
+
+
+class FetchBody(BaseModel):
+    match: dict[str, Any] = Field(description="a Match in its wire form")
+    fetch_id: str | None = None
+    max_rows: int | None = Field(None, ge=0)
+    via: Literal["stream", "lease"] = "stream"
+
+
+class AckBody(BaseModel):
+    rows: list[int] = Field(description="plan positions of the rows that arrived whole")
+    lease_id: str | None = Field(None, description="the READ lease a same-host fetch read through")
+
+
+class LendBody(BaseModel):
+    names: list[str] | None = Field(None, description="row names (hex); omit with all=true")
+    all: bool = False
+    mode: Literal["READ", "WRITE"] = "READ"
+    kind: Literal["HOST", "DEVICE"] = "HOST"
+    ttl_s: float | None = Field(None, gt=0)
+
+
+class NamesBody(BaseModel):
+    names: list[str] = Field(description="row names (hex)")
+
+
+class RenewBody(BaseModel):
+    ttl_s: float | None = Field(None, gt=0)
+
+
+class CommitBody(BaseModel):
+    arrived: list[str] | list[bool] = Field(description="row names (hex) or one bool per row")
+
+
+def _hex(value: str, field: str, nbytes: int | None = None) -> bytes:
+    try:
+        out = bytes.fromhex(value)
+    except ValueError:
+        raise InvalidInput(f"{field}: not hex: {value[:80]!r}") from None
+    if nbytes is not None and len(out) != nbytes:
+        raise InvalidInput(f"{field}: expected {nbytes} bytes, got {len(out)}")
+    return out
+
+
+class _Limits:
+    """ASGI middleware: bounded header count (431)."""
+
+    def __init__(self, app: ASGIApp, max_headers: int) -> None:
+        self.app = app
+        self.max_headers = max_headers
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and len(scope["headers"]) > self.max_headers:
+            body = json.dumps({"type": "InvalidInput", "field": "headers",
+                               "message": f"headers: more than {self.max_headers}"}).encode()
+            await send({"type": "http.response.start", "status": 431,
+                        "headers": [(b"content-type", JSON.encode()),
+                                    (b"content-length", str(len(body)).encode())]})
+            await send({"type": "http.response.body", "body": body})
+            return
+        await self.app(scope, receive, send)
+
+
+def create_app(node: Node) -> FastAPI:
+    """The FastAPI application serving ``node``."""
+    app = FastAPI(title="kvbank node", version=__version__,
+                  description="Data API of one kvbank node: layouts, pages, matches, fetches, leases.")
+    app.add_middleware(_Limits, max_headers=node.config.max_headers)
+    bank = node.bank
+
+    def _lease(lease: Lease) -> dict[str, Any]:
+        # ttl_s against the bank's own clock, the one the lease's deadline is on
+        return wire.to_dict(lease, now=bank.clock())
+
+    @app.exception_handler(KvbankError)
+    async def _typed(request: Request, exc: KvbankError) -> Response:
+        return _error(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> Response:
+        errs = exc.errors()
+        loc = ".".join(str(p) for p in errs[0]["loc"][1:]) if errs else "body"
+        msg = errs[0]["msg"] if errs else "invalid request"
+        return _error(InvalidInput(f"{loc or 'body'}: {msg}", field=loc or "body"))
+
+    @app.get("/v1/node")
+    async def node_info() -> Response:
+        return _json(node.info())
+
+    @app.get("/v1/health")
+    async def health() -> Response:
+        return _json(wire.to_dict(await node.call(bank.health)))
+
+    @app.post("/v1/locate")
+    async def locate(body: NamesBody) -> Response:
+        names = [_hex(n, f"names[{i}]", ROW_NAME_BYTES) for i, n in enumerate(body.names)]
+        tiers = await node.call(bank.locate, names)
+        return _json({"tiers": [None if t is None else t.name for t in tiers]})
+
+    @app.get("/v1/leases")
+    async def leases() -> Response:
+        return _json({"leases": [_lease(x) for x in await node.call(bank.leases)]})
+
+    @app.post("/v1/flush")
+    async def flush() -> Response:
+        await node.call(bank.flush)
+        return _json({"flushed": True})
+
+    @app.post("/v1/layouts")
+    async def register(doc: dict[str, Any]) -> Response:
+        layout = wire.from_dict(PageLayout, doc.get("layout", doc))
+        lid = await node.call(bank.register, layout)
+        return _json({"layout_id": lid.hex()})
+
+    @app.get("/v1/layouts/{layout_id}")
+    async def get_layout(layout_id: str) -> Response:
+        layout = await node.call(bank.layout, _hex(layout_id, "layout_id", 32))
+        return _json(wire.to_dict(layout))
+
+    @app.post("/v1/put", openapi_extra=_binary_doc("pages"))
+    async def put(request: Request) -> Response:
+        return _json(await receive_put(node, request, PutKind.PAGES))
+
+    @app.post("/v1/put_state", openapi_extra=_binary_doc("state"))
+    async def put_state(request: Request) -> Response:
+        return _json(await receive_put(node, request, PutKind.STATE))
+
+    @app.post("/v1/put/lease", openapi_extra=_binary_doc("pages or state, without page bytes"))
+    async def put_lease(request: Request) -> Response:
+        names, lease, fallback = await receive_put_lease(node, request)
+        return _json({"names": [n.hex() for n in names], "fallback": fallback,
+                      "lease": None if lease is None else _lease(lease)})
+
+    @app.post("/v1/match")
+    async def match(body: MatchBody) -> Response:
+        lid = _hex(body.layout_id, "layout_id", 32)
+        given = [x is not None for x in (body.tokens, body.tokens_b64, body.keys)]
+        if sum(given) != 1:
+            raise InvalidInput("tokens: give exactly one of tokens, tokens_b64 or keys")
+        keys = None if body.keys is None else [_hex(k, f"keys[{i}]") for i, k in enumerate(body.keys)]
+        tokens: Any = body.tokens
+        if body.tokens_b64 is not None:
+            import numpy as np
+
+            try:
+                raw = base64.b64decode(body.tokens_b64, validate=True)
+            except ValueError:
+                raise InvalidInput("tokens_b64: not base64") from None
+            if len(raw) % 4:
+                raise InvalidInput(f"tokens_b64: {len(raw)} bytes, not whole int32 tokens")
+            tokens = np.frombuffer(raw, dtype="<i4")
+        m = await node.call(bank.match, lid, tokens, scope=body.scope.scope(), shard=body.shard,
+                            keys=keys, prompt_tokens=body.prompt_tokens)
+        return _json(wire.to_dict(m))
+
+    @app.post("/v1/fetch", responses={200: {"description": "a fetch stream (framing), or a lease"}})
+    async def fetch(body: FetchBody) -> Response:
+        m = wire.from_dict(Match, body.match)
+        opened = await node.call(node.open_fetch, m, body.fetch_id, body.max_rows)
+        if body.via == "lease":
+            lease = None
+            names = opened.names
+            if names:
+                lease = await node.call(bank.lend, names, mode=LeaseMode.READ, kind=MemoryKind.HOST)
+                node.lent(opened.fetch_id, lease.id,
+                          {r.name for r in lease.rows if r.location is not None})
+            return _json({"fetch_id": opened.fetch_id,
+                          "rows": [[r.position, r.group, r.slot, r.size] for r in opened.rows],
+                          "lease": None if lease is None else _lease(lease)})
+        prefix = encode_fetch_prefix(opened.fetch_id, opened.rows)
+        return RowStream(node, opened, prefix, fetch_stream_bytes(len(prefix), opened.rows))
+
+    @app.post("/v1/fetch/{fetch_id}/ack")
+    async def ack(fetch_id: str, body: AckBody) -> Response:
+        result = await node.call(node.acknowledge, fetch_id, body.rows, body.lease_id)
+        return _json(wire.to_dict(result))
+
+    @app.post("/v1/leases")
+    async def lend(body: LendBody) -> Response:
+        mode, kind = LeaseMode[body.mode], MemoryKind[body.kind]
+        if body.all:
+            if body.names is not None:
+                raise InvalidInput("names: an ALL lease names no rows")
+            lease = await node.call(bank.lend_all, kind=kind, mode=mode, ttl_s=body.ttl_s)
+        else:
+            if body.names is None:
+                raise InvalidInput("names: a NAMED lease lists its rows (or set all=true)")
+            names = [_hex(n, f"names[{i}]") for i, n in enumerate(body.names)]
+            lease = await node.call(bank.lend, names, mode=mode, kind=kind, ttl_s=body.ttl_s)
+        return _json(_lease(lease))
+
+    @app.post("/v1/leases/{lease_id}/renew")
+    async def renew(lease_id: str, body: RenewBody) -> Response:
+        return _json(_lease(await node.call(bank.renew, lease_id, body.ttl_s)))
+
+    @app.post("/v1/leases/{lease_id}/commit")
+    async def commit(lease_id: str, body: CommitBody) -> Response:
+        arrived: list[bytes] | list[bool] = (
+            [a for a in body.arrived if isinstance(a, bool)]
+            if body.arrived and isinstance(body.arrived[0], bool)
+            else [_hex(str(a), f"arrived[{i}]") for i, a in enumerate(body.arrived)]
+        )
+        return _json(wire.to_dict(await node.call(bank.commit, lease_id, arrived)))
+
+    @app.post("/v1/leases/{lease_id}/check")
+    async def check(lease_id: str) -> Response:
+        await node.call(bank.check_live, lease_id)
+        return _json({"live": True})
+
+    @app.delete("/v1/leases/{lease_id}")
+    async def release(lease_id: str) -> Response:
+        return _json({"released": await node.call(bank.release, lease_id)})
+
+    @app.get("/v1/stats")
+    async def stats() -> Response:
+        return _json(wire.to_dict(await node.call(bank.stats)))
+
+    return app
+
+
+def _binary_doc(what: str) -> dict[str, Any]:
+    return {"requestBody": {"required": True, "description": f"a put body ({what}): see docs/service.md",
+                            "content": {"application/octet-stream": {"schema": {"type": "string",
+                                                                                "format": "binary"}}}}}

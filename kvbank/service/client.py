@@ -1,0 +1,433 @@
+"""``kvbank.Client(url)``: the calls of :class:`~kvbank.bank.Bank`, made on a served node.
+
+Same names, same arguments, same result types, same exceptions: the server answers a
+typed error as ``{type, field, message}`` and the client raises that
+:class:`~kvbank.errors.KvbankError` class (:func:`kvbank.wire.error_from_dict`); a
+transport failure is :class:`~kvbank.errors.TierUnavailable`. Switching a worker from
+``Bank.open(...)`` to ``Client(url)`` is a one-line change.
+
+Paths, chosen per client (``same_host=None``: automatically):
+
+- **shared memory** — the node runs on this host (same boot id and uid, and its host
+  segment maps here): ``fetch`` takes a READ HOST lease on the rows, copies them from the
+  node's segment straight into ``out``, and acknowledges them with the lease, which the
+  node checks is still live (bytes read after expiry are refused). ``put`` takes a WRITE
+  HOST lease, fills the reserved slots in place and commits what arrived whole.
+- **TCP** — page bodies go over a plain ``http.client`` connection: a fetch stream is
+  read with ``readinto`` straight into each destination row, a put body is sent from the
+  caller's page buffers. JSON control calls go through a pooled ``httpx`` client.
+
+Retries only where a call is idempotent (``match``, GETs, ``fetch`` — which resumes under
+its fetch id), until ``retry_s`` has passed.
+
+Lifecycle: ``Client(url)`` (no connection yet) → calls → ``close()`` (or ``with``).
+"""
+
+from __future__ import annotations
+
+import base64
+import http.client
+import json
+import os
+import socket
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Self
+from urllib.parse import urlsplit
+
+import httpx
+
+from kvbank import wire
+from kvbank.buffers import OutBuffers, Pages, out_views, page_views
+from kvbank.errors import InvalidInput, KvbankError, TierFull, TierUnavailable
+from kvbank.keys import DEFAULT_SCOPE, Scope, TokenIds, tokens_to_bytes
+from kvbank.layout import PageLayout
+from kvbank.lender.base import CommitResult, Delivery, Lease, LeaseMode, MemoryKind
+from kvbank.lender.borrow import Borrower
+from kvbank.results import BankStats, FetchResult, Match
+from kvbank.service.client_io import (
+    enum_name,
+    fetch_stream,
+    lease_path_id,
+    name_hex,
+    page_size,
+    put_head,
+    send_put,
+)
+from kvbank.service.config import DEFAULT_BIND, DEFAULT_PORT
+from kvbank.service.framing import PutKind
+from kvbank.tiers.base import TierKind
+from kvbank.tiers.host import SHM_DIR
+from kvbank.tiers.store import StoreHealth
+
+DEFAULT_URL = f"http://{DEFAULT_BIND}:{DEFAULT_PORT}"
+DEFAULT_TIMEOUT_S = 120.0
+DEFAULT_RETRY_S = 5.0
+
+
+def _raise_for(status: int, body: bytes) -> None:
+    try:
+        exc = wire.error_from_dict(json.loads(body))
+    except (ValueError, KvbankError):
+        exc = TierUnavailable(f"server: answered {status} without an error document: {body[:200]!r}")
+    raise exc
+
+
+class Client:
+    """A served node, called like a :class:`~kvbank.bank.Bank`. See the module docstring."""
+
+    def __init__(
+        self,
+        url: str = DEFAULT_URL,
+        *,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        retry_s: float = DEFAULT_RETRY_S,
+        same_host: bool | None = None,
+    ) -> None:
+        parts = urlsplit(url)
+        if parts.scheme != "http" or not parts.hostname:
+            raise InvalidInput(f"url: expected http://HOST:PORT, got {url!r}")
+        self.url = url.rstrip("/")
+        self._host, self._port = parts.hostname, parts.port or 80
+        self._timeout = float(timeout_s)
+        self._retry = float(retry_s)
+        self._http = httpx.Client(base_url=self.url, timeout=timeout_s,
+                                  limits=httpx.Limits(max_keepalive_connections=16))
+        self._layouts: dict[bytes, PageLayout] = {}
+        self._want_local = same_host
+        self._local: bool | None = None if same_host is None else same_host
+        self._lock = threading.Lock()
+        self._conns: list[http.client.HTTPConnection] = []
+        self._reader: Borrower | None = None
+        self._writer: Borrower | None = None
+
+    # ---- plumbing --------------------------------------------------------------------
+
+    def _call(self, method: str, path: str, *, body: Any = None, content: bytes | None = None,
+              idempotent: bool = False) -> Any:
+        deadline = time.monotonic() + self._retry
+        delay = 0.05
+        while True:
+            try:
+                r = self._http.request(method, path, json=body, content=content)
+            except httpx.TransportError as exc:
+                if idempotent and time.monotonic() + delay < deadline:
+                    time.sleep(delay)
+                    delay = min(delay * 2, 1.0)
+                    continue
+                raise TierUnavailable(f"node: {self.url} unreachable: {exc}") from exc
+            if r.status_code >= 400:
+                _raise_for(r.status_code, r.content)
+            return r.json()
+
+    def _conn(self) -> http.client.HTTPConnection:
+        with self._lock:
+            if self._conns:
+                return self._conns.pop()
+        conn = http.client.HTTPConnection(self._host, self._port, timeout=self._timeout)
+        try:
+            conn.connect()
+        except OSError as exc:
+            raise TierUnavailable(f"node: {self.url} unreachable: {exc}") from exc
+        if conn.sock is not None:  # requests are small: do not wait to coalesce them
+            conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return conn
+
+    def _give_back(self, conn: http.client.HTTPConnection) -> None:
+        with self._lock:
+            self._conns.append(conn)
+
+    @property
+    def same_host(self) -> bool:
+        """Whether page bodies take the shared-memory path (decided on first use)."""
+        if self._local is None:
+            self._local = self._detect()
+        return self._local
+
+    def _detect(self) -> bool:
+        info = self._call("GET", "/v1/node", idempotent=True)["host"]
+        try:
+            boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        except OSError:
+            return False
+        seg = info.get("segment")
+        if not boot or info.get("boot_id") != boot or info.get("uid") != os.getuid() or not seg:
+            return False
+        if info.get("shm_dir") != str(SHM_DIR):
+            return False
+        try:  # another mount namespace can share the boot id but not /dev/shm
+            return bool((SHM_DIR / seg).stat().st_size == info.get("segment_bytes"))
+        except OSError:
+            return False
+
+    def _borrower(self, writable: bool) -> Borrower:
+        with self._lock:
+            if writable:
+                self._writer = self._writer or Borrower(writable=True)
+                return self._writer
+            self._reader = self._reader or Borrower()
+            return self._reader
+
+    # ---- layouts ---------------------------------------------------------------------
+
+    def register(self, layout: PageLayout) -> bytes:
+        """Declare a layout on the node; returns its layout id."""
+        if not isinstance(layout, PageLayout):
+            raise InvalidInput(f"layout: expected a PageLayout, got {type(layout).__name__}")
+        doc = self._call("POST", "/v1/layouts", body={"layout": wire.to_dict(layout)}, idempotent=True)
+        lid = bytes.fromhex(doc["layout_id"])
+        self._layouts[lid] = layout
+        return lid
+
+    def layout(self, layout_id: bytes) -> PageLayout:
+        """The registered layout ``layout_id`` (:class:`UnknownLayout` otherwise)."""
+        if not isinstance(layout_id, bytes):
+            raise InvalidInput(f"layout_id: expected bytes, got {type(layout_id).__name__}")
+        got = self._layouts.get(layout_id)
+        if got is None:
+            doc = self._call("GET", f"/v1/layouts/{layout_id.hex()}", idempotent=True)
+            got = self._layouts[layout_id] = wire.from_dict(PageLayout, doc)
+        return got
+
+    # ---- storing ---------------------------------------------------------------------
+
+    def _store(self, kind: PutKind, head: bytes, views: list[memoryview]) -> list[bytes]:
+        if self.same_host:
+            doc = self._call("POST", "/v1/put/lease", content=head)
+            names = [bytes.fromhex(n) for n in doc["names"]]
+            if doc["lease"] is not None:
+                lease = wire.from_dict(Lease, doc["lease"])
+                self._fill(lease, names, views)
+                return names
+            if not doc["fallback"]:
+                return names  # every row was stored already
+        path = "/v1/put" if kind is PutKind.PAGES else "/v1/put_state"
+        conn = self._conn()
+        try:
+            status, body = send_put(conn, path, head, views)
+        except (OSError, http.client.HTTPException) as exc:
+            conn.close()
+            raise TierUnavailable(f"node: put to {self.url} broke off: {exc}; nothing was stored") from exc
+        self._give_back(conn)
+        if status >= 400:
+            _raise_for(status, body)
+        return [bytes.fromhex(n) for n in json.loads(body)["names"]]
+
+    def _fill(self, lease: Lease, names: list[bytes], views: list[memoryview]) -> None:
+        b = self._borrower(writable=True)
+        arrived: list[bytes] = []
+        try:
+            for name, page in zip(names, views, strict=True):
+                try:
+                    row = lease.row(name)
+                except KeyError:
+                    continue  # stored already: not in the lease
+                if row.delivery is Delivery.RESERVED:
+                    b.view(lease, name)[:] = page
+                    arrived.append(name)
+            b.check(lease)
+        except BaseException:
+            self.release(lease.id)
+            raise
+        self.commit(lease.id, arrived)
+
+    def put(self, layout_id: bytes, tokens: TokenIds | None = None, *, group: int, pages: Pages,
+            scope: Scope = DEFAULT_SCOPE, keys: Sequence[bytes] | None = None, first_page: int = 0,
+            shard: int | None = None) -> list[bytes]:
+        """:meth:`Bank.put` on the node: pages of an ATTENTION group; their row names."""
+        layout = self.layout(layout_id)
+        size = page_size(layout, group)
+        views = page_views(pages, size, "pages")
+        head = put_head(PutKind.PAGES, layout_id, tokens, keys, scope, group, first_page,
+                              shard, None, views, size)
+        return self._store(PutKind.PAGES, head, views)
+
+    def put_state(self, layout_id: bytes, tokens: TokenIds | None = None, *, group: int,
+                  state: Any, at: int | None = None, scope: Scope = DEFAULT_SCOPE,
+                  keys: Sequence[bytes] | None = None, shard: int | None = None) -> bytes:
+        """:meth:`Bank.put_state` on the node: one STATE snapshot; its row name."""
+        layout = self.layout(layout_id)
+        size = page_size(layout, group)
+        if hasattr(state, "dim") and state.dim() == 1:
+            state = state.reshape(1, -1)
+        views = page_views(state if hasattr(state, "dim") else [state], size, "state")
+        if len(views) != 1:
+            raise InvalidInput(f"state: expected one snapshot, got {len(views)}")
+        head = put_head(PutKind.STATE, layout_id, tokens, keys, scope, group, 0, shard,
+                              at, views, size)
+        return self._store(PutKind.STATE, head, views)[0]
+
+    # ---- matching and fetching -------------------------------------------------------
+
+    def match(self, layout_id: bytes, tokens: TokenIds | None = None, *, scope: Scope = DEFAULT_SCOPE,
+              shard: int | None = None, keys: Sequence[bytes] | None = None,
+              prompt_tokens: int | None = None) -> Match:
+        """:meth:`Bank.match` on the node (by tokens, or by an engine's key chain). Never leases."""
+        if not isinstance(layout_id, bytes):
+            raise InvalidInput(f"layout_id: expected bytes, got {type(layout_id).__name__}")
+        if not isinstance(scope, Scope):
+            raise InvalidInput(f"scope: expected a Scope, got {type(scope).__name__}")
+        if (tokens is None) == (keys is None):
+            raise InvalidInput("tokens: give either tokens or keys (a page-key chain), not both or neither")
+        body: dict[str, Any] = {
+            "layout_id": layout_id.hex(), "shard": shard, "prompt_tokens": prompt_tokens,
+            "scope": {"tenant": scope.tenant, "cache_salt": scope.cache_salt, "lora": scope.lora}}
+        if keys is not None:
+            if isinstance(keys, (bytes, str)) or not isinstance(keys, Sequence):
+                raise InvalidInput(f"keys: expected a sequence of page keys, got {type(keys).__name__}")
+            for i, k in enumerate(keys):
+                if type(k) is not bytes:
+                    raise InvalidInput(f"keys[{i}]: expected a page key (bytes), got {type(k).__name__}")
+            body["keys"] = [k.hex() for k in keys]
+        elif tokens is not None:
+            body["tokens_b64"] = base64.b64encode(tokens_to_bytes(tokens)).decode()
+        return wire.from_dict(Match, self._call("POST", "/v1/match", body=body, idempotent=True))
+
+    def fetch(self, match: Match, *, out: OutBuffers, fetch_id: str | None = None,
+              max_rows: int | None = None) -> FetchResult:
+        """:meth:`Bank.fetch` on the node: ``out[g][k]`` receives ``match.resume.pages[g][k]``.
+
+        A broken TCP stream is acknowledged up to its last whole row and resumed under
+        the same fetch id until ``retry_s`` has passed."""
+        if not isinstance(match, Match):
+            raise InvalidInput(f"match: expected a Match, got {type(match).__name__}")
+        views = out_views(self.layout(match.layout_id), match.resume.pages, out)
+        req = {"match": wire.to_dict(match), "fetch_id": fetch_id, "max_rows": max_rows}
+        if self.same_host:
+            try:
+                return self._fetch_local(req, views)
+            except TierUnavailable:
+                if self._want_local:
+                    raise
+                self._local = False  # segments cannot be mapped here after all
+            except TierFull:
+                pass  # the host tier cannot hold every row at once: stream them in batches
+        deadline = time.monotonic() + self._retry
+        while True:
+            conn = self._conn()
+            got, fid, err = fetch_stream(conn, json.dumps({**req, "via": "stream"}).encode(), views)
+            if err is None:
+                self._give_back(conn)
+            else:
+                conn.close()
+            if fid is None:  # refused before any stream began
+                if err is not None and isinstance(err, KvbankError):
+                    raise err
+                if time.monotonic() < deadline:
+                    time.sleep(0.05)
+                    continue
+                raise TierUnavailable(f"node: fetch from {self.url} failed: {err}") from err
+            result = self._ack(fid, got, None)
+            if err is None or result.complete or time.monotonic() >= deadline:
+                return result
+            req["fetch_id"] = fid  # resume from the first undelivered row
+
+    def _ack(self, fetch_id: str, rows: list[int], lease_id: str | None) -> FetchResult:
+        doc = self._call("POST", f"/v1/fetch/{fetch_id}/ack", body={"rows": rows, "lease_id": lease_id},
+                         idempotent=True)
+        return wire.from_dict(FetchResult, doc)
+
+    def _fetch_local(self, req: dict[str, Any], views: dict[int, list[memoryview]]) -> FetchResult:
+        doc = self._call("POST", "/v1/fetch", body={**req, "via": "lease"})
+        fid = doc["fetch_id"]
+        if doc["lease"] is None:
+            return self._ack(fid, [], None)
+        lease = wire.from_dict(Lease, doc["lease"])
+        b = self._borrower(writable=False)
+        got: list[int] = []
+        try:
+            for (pos, g, slot, size), name in zip(doc["rows"], lease.names, strict=True):
+                if lease.row(name).delivery is Delivery.READY:
+                    b.read_into(lease, name, views[g][slot][:size])
+                    got.append(pos)
+        except BaseException:
+            self.release(lease.id)
+            raise
+        return self._ack(fid, got, lease.id)  # the node checks the lease outlived the copies
+
+    # ---- leases ----------------------------------------------------------------------
+
+    def lend(self, rows: Match | Sequence[bytes], *, mode: LeaseMode = LeaseMode.READ,
+             kind: MemoryKind = MemoryKind.HOST, ttl_s: float | None = None) -> Lease:
+        """A NAMED lease on rows (a Match lends the rows its resume bound needs)."""
+        names = rows.needed if isinstance(rows, Match) else rows
+        if isinstance(names, (bytes, str)) or not isinstance(names, Sequence):
+            raise InvalidInput(f"names: expected a sequence of row names, got {type(names).__name__}")
+        hexed = [name_hex(n, i) for i, n in enumerate(names)]
+        doc = self._call("POST", "/v1/leases", body={"names": hexed, "mode": enum_name(mode, LeaseMode, "mode"),
+                                                     "kind": enum_name(kind, MemoryKind, "kind"), "ttl_s": ttl_s})
+        return wire.from_dict(Lease, doc)
+
+    def lend_all(self, *, kind: MemoryKind = MemoryKind.HOST, mode: LeaseMode = LeaseMode.READ,
+                 ttl_s: float | None = None) -> Lease:
+        """An ALL lease: the tier's pools, for a transfer engine's one-time registration."""
+        doc = self._call("POST", "/v1/leases", body={"all": True, "mode": enum_name(mode, LeaseMode, "mode"),
+                                                     "kind": enum_name(kind, MemoryKind, "kind"), "ttl_s": ttl_s})
+        return wire.from_dict(Lease, doc)
+
+    def renew(self, lease_id: str, ttl_s: float | None = None) -> Lease:
+        return wire.from_dict(Lease, self._call("POST", f"/v1/leases/{lease_path_id(lease_id)}/renew", body={"ttl_s": ttl_s}))
+
+    def release(self, lease_id: str) -> bool:
+        return bool(self._call("DELETE", f"/v1/leases/{lease_path_id(lease_id)}")["released"])
+
+    def commit(self, lease_id: str, arrived: Sequence[bytes] | Sequence[bool]) -> CommitResult:
+        """Publish the WRITE lease's rows that arrived whole; the rest are discarded."""
+        items = list(arrived)
+        body = items if items and all(isinstance(a, bool) for a in items) else [
+            a.hex() if isinstance(a, bytes) else a for a in items]
+        doc = self._call("POST", f"/v1/leases/{lease_path_id(lease_id)}/commit", body={"arrived": body})
+        return wire.from_dict(CommitResult, doc)
+
+    def check_live(self, lease_id: str) -> None:
+        """The completion check: :class:`LeaseExpired` if the lease ended before now."""
+        self._call("POST", f"/v1/leases/{lease_path_id(lease_id)}/check")
+
+    def stats(self) -> BankStats:
+        return wire.from_dict(BankStats, self._call("GET", "/v1/stats", idempotent=True))
+
+    def health(self) -> StoreHealth:
+        """The node store's health: each tier's state and the mover's."""
+        return wire.from_dict(StoreHealth, self._call("GET", "/v1/health", idempotent=True))
+
+    def locate(self, names: Sequence[bytes]) -> list[TierKind | None]:
+        """The fastest tier holding each row (None = a miss). A pure query."""
+        hexed = [name_hex(n, i) for i, n in enumerate(names)]
+        doc = self._call("POST", "/v1/locate", body={"names": hexed}, idempotent=True)
+        return [None if t is None else TierKind[t] for t in doc["tiers"]]
+
+    def leases(self) -> tuple[Lease, ...]:
+        """A snapshot of every live lease on the node."""
+        doc = self._call("GET", "/v1/leases", idempotent=True)
+        return tuple(wire.from_dict(Lease, d) for d in doc["leases"])
+
+    def flush(self) -> None:
+        """Wait until the node store's mover is idle."""
+        self._call("POST", "/v1/flush")
+
+    # ---- the rest --------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Close every connection and unmap the node's segments. Idempotent."""
+        self._http.close()
+        with self._lock:
+            conns, self._conns = self._conns, []
+            borrowers = [b for b in (self._reader, self._writer) if b is not None]
+            self._reader = self._writer = None
+        for c in conns:
+            c.close()
+        for b in borrowers:
+            b.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+
+__all__ = ["DEFAULT_URL", "Client"]

@@ -1,0 +1,156 @@
+"""The client's zero-copy page I/O over plain ``http.client`` connections.
+
+- :func:`send_put` — a put body sent from the caller's page buffers (no join, no copy).
+- :func:`put_head` — the checked prefix, header and token ids of a put body.
+- :func:`fetch_stream` — a fetch stream read with ``readinto`` straight into each
+  destination row; the positions of the rows that arrived whole, even when the stream
+  broke off (those are what the client acknowledges).
+
+httpx is not used here: it reads a body in 64 KiB ``bytes`` chunks the caller must copy
+again, which measured 0.55–0.78× raw TCP against ``readinto``'s 1.0×.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+from collections.abc import Mapping, Sequence
+
+from kvbank import wire
+from kvbank.errors import InvalidInput, KvbankError, TierUnavailable
+from kvbank.keys import PAGE_KEY_BYTES, Scope, TokenIds, tokens_to_bytes
+from kvbank.layout import PageLayout
+from kvbank.lender.base import LeaseMode, MemoryKind
+from kvbank.service.framing import (
+    FETCH_MAGIC,
+    FRAME,
+    PREFIX,
+    FrameKind,
+    PutHeader,
+    PutKind,
+    decode_fetch_header,
+    decode_frame,
+    decode_prefix,
+    encode_put_prefix,
+)
+
+_SCRATCH = 1 << 20
+
+
+def send_put(conn: http.client.HTTPConnection, path: str, head: bytes,
+             pages: Sequence[memoryview]) -> tuple[int, bytes]:
+    """POST ``head`` then every page; the status and body of the answer."""
+    conn.putrequest("POST", path, skip_accept_encoding=True)
+    conn.putheader("Content-Type", "application/octet-stream")
+    conn.putheader("Content-Length", str(len(head) + sum(len(p) for p in pages)))
+    conn.endheaders(head)
+    for p in pages:
+        conn.send(p)
+    resp = conn.getresponse()
+    return resp.status, resp.read()
+
+
+def _read_exact(resp: http.client.HTTPResponse, view: memoryview) -> None:
+    got, n = 0, len(view)
+    while got < n:
+        k = resp.readinto(view[got:])
+        if not k:
+            raise http.client.IncompleteRead(bytes(view[:0]), n - got)
+        got += k
+
+
+def fetch_stream(conn: http.client.HTTPConnection, body: bytes,
+                 views: Mapping[int, list[memoryview]]) -> tuple[list[int], str | None, BaseException | None]:
+    """``(positions received whole, fetch id, error)``. The fetch id is None when the
+    node refused the request (the error is then its typed error, or the transport's)."""
+    try:
+        conn.request("POST", "/v1/fetch", body=body, headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+    except (OSError, http.client.HTTPException) as exc:
+        return [], None, exc
+    if resp.status != 200:
+        try:
+            return [], None, wire.error_from_dict(json.loads(resp.read()))
+        except (ValueError, KvbankError, OSError, http.client.HTTPException) as exc:
+            return [], None, TierUnavailable(f"node: fetch answered {resp.status}: {exc}")
+    got: list[int] = []
+    fid: str | None = None
+    try:
+        head = bytearray(PREFIX.size)
+        _read_exact(resp, memoryview(head))
+        header = bytearray(decode_prefix(head, FETCH_MAGIC))
+        _read_exact(resp, memoryview(header))
+        fid, rows = decode_fetch_header(header)
+        where = {r.position: r for r in rows}
+        frame = bytearray(FRAME.size)
+        while True:
+            _read_exact(resp, memoryview(frame))
+            kind, pos, length = decode_frame(frame)
+            if kind is FrameKind.END:
+                scratch = memoryview(bytearray(min(length, _SCRATCH) or 1))
+                while length:
+                    k = min(length, len(scratch))
+                    _read_exact(resp, scratch[:k])
+                    length -= k
+                break
+            row = where.get(pos)
+            if row is None or (kind is FrameKind.ROW and length != row.size):
+                raise InvalidInput(f"stream.frame: position {pos} / length {length} is not in the plan")
+            if kind is FrameKind.ROW:
+                _read_exact(resp, views[row.group][row.slot][: row.size])
+                got.append(pos)
+        if resp.read(1):
+            raise InvalidInput("stream: bytes after the END frame")
+    except (OSError, http.client.HTTPException, InvalidInput) as exc:
+        return got, fid, exc
+    return got, fid, None
+
+
+def put_head(kind: PutKind, layout_id: bytes, tokens: TokenIds | None,
+              keys: Sequence[bytes] | None, scope: Scope, group: int, first_page: int,
+              shard: int | None, at: int | None, views: list[memoryview], size: int) -> bytes:
+    """A put body's prefix, header and token ids (or keys), checked as Bank checks them."""
+    if (tokens is None) == (keys is None):
+        raise InvalidInput("tokens: give either tokens or keys (a page-key chain), not both or neither")
+    if not isinstance(scope, Scope):
+        raise InvalidInput(f"scope: expected a Scope, got {type(scope).__name__}")
+    if keys is not None:
+        if isinstance(keys, (bytes, str)) or not isinstance(keys, Sequence):
+            raise InvalidInput(f"keys: expected a sequence of page keys, got {type(keys).__name__}")
+        for i, k in enumerate(keys):
+            if type(k) is not bytes or len(k) != PAGE_KEY_BYTES:
+                raise InvalidInput(f"keys[{i}]: expected a {PAGE_KEY_BYTES}-byte page key")
+        key_bytes = b"".join(keys)
+    else:
+        key_bytes = tokens_to_bytes(tokens)  # type: ignore[arg-type]  # None excluded above
+    for name, v in (("group", group), ("first_page", first_page)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise InvalidInput(f"{name}: must be a non-negative integer, got {v!r}")
+    header = PutHeader(kind, layout_id, scope.tenant, scope.cache_salt, scope.lora, group,
+                       first_page, shard, at, None if keys is not None else len(key_bytes) // 4,
+                       None if keys is None else len(keys), len(views), size)
+    return encode_put_prefix(header) + key_bytes
+
+
+def page_size(layout: PageLayout, group: int) -> int:
+    if isinstance(group, bool) or not isinstance(group, int) or not 0 <= group < len(layout.groups):
+        raise InvalidInput(f"group: expected a group index in [0, {len(layout.groups)}), got {group!r}")
+    return layout.group_page_bytes[group]
+
+
+def enum_name(value: object, cls: type[LeaseMode] | type[MemoryKind], what: str) -> str:
+    if not isinstance(value, cls):
+        raise InvalidInput(f"{what}: expected a {cls.__name__}, got {value!r}")
+    return value.name
+
+
+def name_hex(name: object, i: int) -> str:
+    if type(name) is not bytes:
+        raise InvalidInput(f"names[{i}]: expected a row name (bytes), got {type(name).__name__}")
+    return name.hex()
+
+
+def lease_path_id(lease_id: object) -> str:
+    if not isinstance(lease_id, str) or not lease_id or "/" in lease_id:
+        raise InvalidInput(f"lease_id: expected a lease id string, got {lease_id!r}")
+    return lease_id

@@ -1,0 +1,258 @@
+"""Settings of one ``kvbank serve`` node: a frozen :class:`ServiceConfig` holding a
+:class:`~kvbank.config.BankConfig`.
+
+Sources, later ones winning: built-in defaults (with budgets sized from the machine, see
+below) → a TOML file (``--config FILE``, read with :mod:`tomllib`) → ``KVBANK_*``
+environment variables → command-line flags. ``kvbank serve --print-config`` prints the
+effective result in the TOML form ``--config`` reads back.
+
+===================  ==========================  =========================================
+field                environment                 meaning
+===================  ==========================  =========================================
+bind                 KVBANK_BIND                 address to listen on (127.0.0.1)
+port                 KVBANK_PORT                 TCP port (7410; 0 = a free one)
+threads              KVBANK_THREADS              bounded pool for blocking bank calls
+max_body_bytes       KVBANK_MAX_BODY_BYTES       largest request body (413 above it)
+max_headers          KVBANK_MAX_HEADERS          most request headers (431 above it)
+max_connections      KVBANK_MAX_CONNECTIONS      concurrent connections (503 above it)
+idle_timeout_s       KVBANK_IDLE_TIMEOUT_S       an idle keep-alive connection is closed
+body_timeout_s       KVBANK_BODY_TIMEOUT_S       a request body must arrive within this
+shutdown_timeout_s   KVBANK_SHUTDOWN_TIMEOUT_S   SIGTERM: in-flight requests get this long
+===================  ==========================  =========================================
+
+The bank's own fields (``data_dir``, ``host_bytes``, ``disk_bytes``, ...) keep their
+``KVBANK_*`` names (:mod:`kvbank.config`) and sit under ``[bank]`` in the TOML file.
+
+**The embedded default.** With nothing set, the node binds 127.0.0.1:7410, keeps its disk
+tier under ``$XDG_CACHE_HOME/kvbank`` (``~/.cache/kvbank``), and sizes its budgets from
+the machine at start: the host tier gets a quarter of available memory, capped by half of
+what ``/dev/shm`` has free (the tier lives there) and by 64 GiB; the disk tier gets half
+of the free space of the data dir's file system, capped at 1 TiB. No Redis.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+import os
+import shutil
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvbank.config import ENV_PREFIX, BankConfig, parse_bytes
+from kvbank.errors import ConfigError
+
+DEFAULT_BIND = "127.0.0.1"
+DEFAULT_PORT = 7410
+DEFAULT_THREADS = 16
+DEFAULT_MAX_BODY_BYTES = 1 << 30
+DEFAULT_MAX_HEADERS = 64
+DEFAULT_MAX_CONNECTIONS = 512
+DEFAULT_IDLE_TIMEOUT_S = 30.0
+DEFAULT_BODY_TIMEOUT_S = 60.0
+DEFAULT_SHUTDOWN_TIMEOUT_S = 10.0
+
+MIN_BUDGET = 64 << 20
+HOST_SHARE, HOST_CAP = 0.25, 64 << 30  # of MemAvailable; /dev/shm's free half caps it too
+DISK_SHARE, DISK_CAP = 0.50, 1 << 40  # of the data dir file system's free space
+
+_INTS = ("port", "threads", "max_headers", "max_connections")
+_SIZES = ("max_body_bytes",)
+_SECONDS = ("idle_timeout_s", "body_timeout_s", "shutdown_timeout_s")
+
+
+def default_data_dir(env: Mapping[str, str] | None = None) -> Path:
+    """``$XDG_CACHE_HOME/kvbank``, else ``~/.cache/kvbank``."""
+    env = os.environ if env is None else env
+    base = env.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "kvbank"
+
+
+def _mem_available() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 4 << 30  # not Linux, or an unreadable /proc: a modest guess
+
+
+def _free_bytes(path: Path) -> int:
+    probe = path
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent  # the data dir may not exist yet: ask its nearest parent
+    try:
+        return shutil.disk_usage(probe).free
+    except OSError:
+        return 0
+
+
+def sized_host_bytes() -> int:
+    """The host tier budget the embedded default picks on this machine now."""
+    want = int(_mem_available() * HOST_SHARE)
+    shm = _free_bytes(Path("/dev/shm"))
+    if shm:
+        want = min(want, shm // 2)
+    return max(MIN_BUDGET, min(want, HOST_CAP))
+
+
+def sized_disk_bytes(data_dir: Path) -> int:
+    """The disk tier budget the embedded default picks for ``data_dir`` now."""
+    return max(MIN_BUDGET, min(int(_free_bytes(data_dir) * DISK_SHARE), DISK_CAP))
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceConfig:
+    """Settings of one node. Validated on construction; build it with :meth:`load`."""
+
+    bank: BankConfig = field(default_factory=BankConfig)
+    bind: str = DEFAULT_BIND
+    port: int = DEFAULT_PORT
+    threads: int = DEFAULT_THREADS
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    max_headers: int = DEFAULT_MAX_HEADERS
+    max_connections: int = DEFAULT_MAX_CONNECTIONS
+    idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S
+    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
+    shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.bank, BankConfig):
+            raise ConfigError(f"bank: expected a BankConfig, got {type(self.bank).__name__}")
+        if not isinstance(self.bind, str) or not self.bind:
+            raise ConfigError(f"bind: expected an address, got {self.bind!r}")
+        object.__setattr__(self, "max_body_bytes", parse_bytes(self.max_body_bytes, "max_body_bytes"))
+        for name in _INTS:
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise ConfigError(f"{name}: expected an integer, got {v!r}")
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"port: must be in [0, 65535], got {self.port}")
+        for name in ("threads", "max_headers", "max_connections"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if self.max_body_bytes < 1 << 20:
+            raise ConfigError(f"max_body_bytes: must be >= 1 MiB, got {self.max_body_bytes}")
+        for name in _SECONDS:
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+                raise ConfigError(f"{name}: must be a positive number of seconds, got {v!r}")
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.bind}]" if ":" in self.bind else self.bind
+        return f"http://{host}:{self.port}"
+
+    def replace(self, **changes: Any) -> ServiceConfig:
+        unknown = set(changes) - {f.name for f in dataclasses.fields(self)}
+        if unknown:
+            raise ConfigError(f"{sorted(unknown)[0]}: not a service setting")
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def load(
+        cls,
+        config_file: Path | str | None = None,
+        *,
+        env: Mapping[str, str] | None = None,
+        flags: Mapping[str, Any] | None = None,
+    ) -> ServiceConfig:
+        """Defaults → ``config_file`` (TOML) → ``KVBANK_*`` in ``env`` → ``flags``.
+
+        ``flags`` hold service and bank field names alike (``None`` values are unset).
+        Budgets nobody set are sized from the machine (see the module docstring).
+        """
+        env = os.environ if env is None else env
+        doc = _read_toml(Path(config_file)) if config_file is not None else {}
+        bank_doc = doc.pop("bank", {})
+        if not isinstance(bank_doc, dict):
+            raise ConfigError("bank: expected a [bank] table")
+        service_names = {f.name for f in dataclasses.fields(cls)} - {"bank"}
+        bank_names = {f.name for f in dataclasses.fields(BankConfig)}
+        for key in doc:
+            if key not in service_names:
+                raise ConfigError(f"{key}: not a service setting (bank settings go under [bank])")
+        for key in bank_doc:
+            if key not in bank_names:
+                raise ConfigError(f"bank.{key}: not a bank setting")
+        service: dict[str, Any] = dict(doc)
+        bank: dict[str, Any] = dict(bank_doc)
+        for name in service_names:
+            raw = env.get(ENV_PREFIX + name.upper())
+            if raw:
+                service[name] = _service_from_text(name, raw)
+        # BankConfig parses its own variables; take only the ones the environment sets.
+        bank_env = {k: v for k, v in env.items()
+                    if k.startswith(ENV_PREFIX) and k[len(ENV_PREFIX):].lower() in bank_names and v}
+        parsed = BankConfig.from_env(bank_env)
+        for key in bank_env:
+            bank[key[len(ENV_PREFIX):].lower()] = getattr(parsed, key[len(ENV_PREFIX):].lower())
+        for key, value in (flags or {}).items():
+            if value is None:
+                continue
+            if key in service_names:
+                service[key] = value
+            elif key in bank_names:
+                bank[key] = value
+            else:
+                raise ConfigError(f"{key}: not a setting")
+        bank.setdefault("data_dir", default_data_dir(env))
+        data_dir = Path(bank["data_dir"])
+        if "host_bytes" not in bank:
+            bank["host_bytes"] = sized_host_bytes()
+        if "disk_bytes" not in bank:
+            bank["disk_bytes"] = sized_disk_bytes(data_dir)
+        try:
+            return cls(BankConfig(**bank), **service)
+        except TypeError as exc:
+            raise ConfigError(str(exc)) from exc
+
+    def to_toml(self) -> str:
+        """The effective settings in the form :meth:`load` reads back."""
+        lines = [f"{f.name} = {_toml_value(getattr(self, f.name))}"
+                 for f in dataclasses.fields(self) if f.name != "bank"]
+        lines += ["", "[bank]"]
+        for f in dataclasses.fields(self.bank):
+            v = getattr(self.bank, f.name)
+            if v is not None:  # TOML has no null: an unset field is left out
+                lines.append(f"{f.name} = {_toml_value(v)}")
+        return "\n".join(lines) + "\n"
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    try:
+        with path.open("rb") as f:
+            return tomllib.load(f)
+    except OSError as exc:
+        raise ConfigError(f"config: cannot read {path}: {exc}") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config: {path} is not valid TOML: {exc}") from exc
+
+
+def _service_from_text(name: str, raw: str) -> Any:
+    var = ENV_PREFIX + name.upper()
+    if name == "bind":
+        return raw
+    if name in _SIZES:
+        return parse_bytes(raw, var)
+    try:
+        return int(raw) if name in _INTS else float(raw)
+    except ValueError:
+        raise ConfigError(f"{var}: expected a number, got {raw!r}") from None
+
+
+def _toml_value(v: object) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, enum.Enum):
+        v = v.value
+    s = str(v)
+    return '"' + s.replace("\\", "\\\\").replace('"', '\\"') + '"'

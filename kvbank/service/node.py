@@ -1,0 +1,250 @@
+"""The served node's state: one bank, the bounded pool its blocking calls run on, the
+remote fetch ledger, and what identifies the node's host.
+
+Primitives:
+
+- :class:`Node` — ``await node.call(fn, ...)`` runs a blocking bank call on the node's
+  thread pool (never on the event loop; at most ``config.threads`` at once).
+- :meth:`Node.open_fetch` / :meth:`Node.acknowledge` — a remote fetch's lifecycle. The
+  server cannot know which streamed rows reached the client whole, so a fetch is two
+  calls: the stream (or, on the same host, a READ lease) and then the client's
+  acknowledgement of the rows that arrived whole. Only an acknowledged row that the
+  server also *verified* (its lease was still live once its bytes had left, the
+  completion check) is recorded in the ledger; a fetch id resumes from the first row not
+  recorded. A client killed mid-fetch acknowledges nothing, so its resume starts where
+  its last acknowledged call ended.
+- :func:`host_identity` — boot id, shared-memory dir, uid: a client whose host answers
+  the same (and that can map the node's segment) takes the shared-memory path.
+
+The remote ledger is the service's own :class:`~kvbank.lender.ledger.FetchLedger`, apart
+from the bank's, because a streamed fetch never copies into caller buffers in this
+process (``Bank.fetch`` does); ``Bank.stats().open_fetches`` counts only in-process ones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any, TypeVar
+
+from kvbank import __version__
+from kvbank.bank import Bank
+from kvbank.errors import InvalidInput, KvbankError
+from kvbank.lender.base import MemoryKind
+from kvbank.lender.ledger import FetchLedger, PlannedRow
+from kvbank.results import FetchResult, Match
+from kvbank.service.config import ServiceConfig
+from kvbank.service.framing import StreamRow
+from kvbank.tiers.base import HostSlot
+from kvbank.tiers.host import SHM_DIR
+
+T = TypeVar("T")
+
+_FETCHES = 4096  # open remote fetches whose verified rows the node remembers
+
+
+def host_identity() -> dict[str, Any]:
+    """What a client compares to decide it runs on this node's host."""
+    try:
+        boot_id = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        boot_id = ""
+    return {"boot_id": boot_id, "shm_dir": str(SHM_DIR), "uid": os.getuid()}
+
+
+@dataclass(frozen=True, slots=True)
+class OpenFetch:
+    """The rows one fetch call will move, in plan order."""
+
+    fetch_id: str
+    rows: list[StreamRow]
+    names: list[bytes]  # row name of each entry of ``rows``
+
+
+@dataclass(slots=True)
+class _Fetch:
+    layout_id: bytes
+    verified: set[bytes]
+    # READ leases a stream sent rows under, with those rows. Held until the client's
+    # acknowledgement: the transport may still be sending from the slots after the last
+    # write() returned (uvloop keeps a pointer, not a copy), and an acknowledgement means
+    # every byte has left. Unacknowledged ones expire with their TTL.
+    held: list[tuple[str, list[bytes]]] = field(default_factory=list)
+    # READ leases lent to a same-host client for this fetch -> the rows they hold
+    lent: dict[str, set[bytes]] = field(default_factory=dict)
+
+
+class Node:
+    """One bank behind a service. See the module docstring."""
+
+    def __init__(self, bank: Bank, config: ServiceConfig) -> None:
+        self.bank = bank
+        self.config = config
+        self.pool = ThreadPoolExecutor(max_workers=config.threads, thread_name_prefix="kvbank-bank")
+        self.ledger = FetchLedger(config.bank.fetch_ttl_s)
+        self._lock = threading.Lock()
+        # fetch id -> its layout id and the names the server verified (sent under a lease
+        # that outlived the send). Bounded: a client that never acknowledges leaves one.
+        self._fetches: OrderedDict[str, _Fetch] = OrderedDict()
+        self.identity = host_identity()
+        # The host tier's segment, from an ALL lease (which describes the pools, locks
+        # nothing): a same-host client checks it can map it before taking that path.
+        pools: tuple[object, ...] = ()
+        try:
+            everything = bank.lend_all(kind=MemoryKind.HOST)
+            pools = everything.pools
+            bank.release(everything.id)
+        except KvbankError:
+            pass  # no host tier: clients take the TCP path
+        self.segment = next((p for p in pools if isinstance(p, HostSlot)), None)
+
+    async def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """``fn(*args, **kwargs)`` on the node's bounded pool."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.pool, partial(fn, *args, **kwargs))
+
+    def info(self) -> dict[str, Any]:
+        segment = self.segment
+        cfg = self.config.bank
+        return {
+            "version": __version__,
+            "host": {**self.identity, "segment": None if segment is None else segment.segment,
+                     "segment_bytes": None if segment is None else segment.size},
+            "data_dir": None if cfg.data_dir is None else str(cfg.data_dir),
+            "host_bytes": cfg.host_bytes,
+            "disk_bytes": cfg.disk_bytes,
+            "max_body_bytes": self.config.max_body_bytes,
+        }
+
+    # ---- remote fetches --------------------------------------------------------------
+
+    def open_fetch(self, match: Match, fetch_id: str | None, max_rows: int | None) -> OpenFetch:
+        """Open (or resume) ``fetch_id`` for ``match``; the rows this call moves."""
+        layout = self.bank.layout(match.layout_id)
+        if max_rows is not None and (isinstance(max_rows, bool) or max_rows < 0):
+            raise InvalidInput(f"max_rows: must be a non-negative integer, got {max_rows!r}")
+        want = [(g, n) for g, rows in enumerate(match.resume.rows) for n in rows]
+        self.ledger.expire()
+        if fetch_id is not None and fetch_id in self.ledger:
+            if [(r.group, r.name) for r in self.ledger.plan(fetch_id)] != want:
+                raise InvalidInput(f"fetch_id: {fetch_id!r} was opened for another match")
+            self.ledger.renew(fetch_id)  # a resumed fetch is activity
+        else:
+            fetch_id = self.ledger.open(layout, match.prompt_tokens, match.names, match.resume, fetch_id)
+        plan = self.ledger.plan(fetch_id)
+        position = {row: i for i, row in enumerate(plan)}
+        todo: tuple[PlannedRow, ...] = self.ledger.pending(fetch_id)
+        if max_rows is not None:
+            todo = todo[:max_rows]
+        sizes = layout.group_page_bytes
+        rows = [StreamRow(position[r], r.group, r.out_index, sizes[r.group]) for r in todo]
+        with self._lock:
+            state = self._fetches.get(fetch_id)
+            if state is None:
+                state = self._fetches[fetch_id] = _Fetch(match.layout_id, set())
+            self._fetches.move_to_end(fetch_id)
+            while len(self._fetches) > _FETCHES:
+                self._fetches.popitem(last=False)
+            stale, state.held = state.held, []
+        self._settle(state, stale)  # an earlier stream of this fetch broke off unacknowledged
+        return OpenFetch(fetch_id, rows, [r.name for r in todo])
+
+    def verified(self, fetch_id: str, names: list[bytes]) -> None:
+        """Rows of ``fetch_id`` sent from private copies: nothing can reclaim them."""
+        with self._lock:
+            state = self._fetches.get(fetch_id)
+            if state is not None:
+                state.verified.update(names)
+
+    def lent(self, fetch_id: str, lease_id: str, names: set[bytes]) -> None:
+        """A same-host client reads ``names`` in place through ``lease_id``."""
+        with self._lock:
+            state = self._fetches.get(fetch_id)
+            if state is not None:
+                state.lent[lease_id] = names
+
+    def hold(self, fetch_id: str, lease_id: str, names: list[bytes]) -> None:
+        """``names`` were streamed from the slots of READ lease ``lease_id``: keep it
+        until the client acknowledges (or it expires)."""
+        with self._lock:
+            state = self._fetches.get(fetch_id)
+            if state is not None:
+                state.held.append((lease_id, names))
+                return
+        self.bank.release(lease_id)
+
+    def _settle(self, state: _Fetch, held: list[tuple[str, list[bytes]]]) -> None:
+        """End the held leases; the rows of those still live count as verified."""
+        for lease_id, names in held:
+            try:
+                self.bank.check_live(lease_id)
+                ok = True
+            except KvbankError:
+                ok = False  # expired: what it sent may be another row's bytes by now
+            finally:
+                self.bank.release(lease_id)
+            if ok:
+                with self._lock:
+                    state.verified.update(names)
+
+    def acknowledge(self, fetch_id: str, positions: list[int], lease_id: str | None) -> FetchResult:
+        """Record the acknowledged rows that were verified; the fetch's result so far.
+
+        With ``lease_id`` (the same-host path) the rows were read in place by the client:
+        they count only if that lease is still live now (the completion check), and the
+        lease is released either way.
+        """
+        plan = self.ledger.plan(fetch_id)
+        with self._lock:
+            state = self._fetches.get(fetch_id)
+        if state is None:
+            raise InvalidInput(f"fetch_id: {fetch_id} was not opened on this node")
+        for i, p in enumerate(positions):
+            if isinstance(p, bool) or not isinstance(p, int) or not 0 <= p < len(plan):
+                raise InvalidInput(f"rows[{i}]: not a row position of fetch {fetch_id} (0..{len(plan) - 1})")
+        acked = [plan[p].name for p in positions]
+        if lease_id is not None:
+            with self._lock:
+                ready = state.lent.pop(lease_id, None)
+            if ready is None:
+                raise InvalidInput(f"lease_id: {lease_id} was not lent for fetch {fetch_id}")
+            try:
+                self.bank.check_live(lease_id)
+                good = [n for n in acked if n in ready]
+            finally:
+                self.bank.release(lease_id)
+        else:
+            with self._lock:
+                held, state.held = state.held, []
+            self._settle(state, held)
+            with self._lock:
+                good = [n for n in acked if n in state.verified]
+        done = self.ledger.delivered(fetch_id)
+        fresh = [n for n in dict.fromkeys(good) if n not in done]
+        self.ledger.record(fetch_id, fresh)
+        layout = self.bank.layout(state.layout_id)
+        sizes = {r.name: layout.group_page_bytes[r.group] for r in plan}
+        return self._result(fetch_id, len(layout.groups), sum(sizes[n] for n in fresh))
+
+    def _result(self, fetch_id: str, n_groups: int, moved: int) -> FetchResult:
+        plan = self.ledger.plan(fetch_id)
+        got = self.ledger.delivered(fetch_id)
+        bound = self.ledger.bound(fetch_id)
+        delivered = tuple(tuple(r.index for r in plan if r.group == g and r.name in got) for g in range(n_groups))
+        missing = tuple(tuple(r.index for r in plan if r.group == g and r.name not in got) for g in range(n_groups))
+        complete = not any(missing)
+        if complete:
+            self.ledger.close(fetch_id)
+            with self._lock:
+                self._fetches.pop(fetch_id, None)
+        return FetchResult(fetch_id, delivered, missing, bound, moved, complete)
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)

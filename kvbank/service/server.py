@@ -1,0 +1,137 @@
+"""``kvbank serve``: the uvicorn lifecycle around one node.
+
+Lifecycle::
+
+    serve(config)
+      ├─ bind 127.0.0.1:port (0 = a free port) ── open the Bank (disk tier recovered)
+      ├─ uvicorn (uvloop + httptools) starts ──► one ready line on stdout:
+      │     "kvbank serve: ready on http://127.0.0.1:7410 (data dir …, host tier …, …)"
+      ├─ requests: blocking bank calls on the node's bounded pool, never on the loop
+      └─ SIGTERM / SIGINT: stop accepting, let in-flight requests finish (at most
+         ``shutdown_timeout_s``), close the bank (host rows persisted to disk, as
+         ``Bank.close`` does), exit 0
+
+The socket is bound before the bank opens so that a taken port fails at once, and the
+ready line is printed only once uvicorn accepts: a script may start the node and wait for
+that line.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import sys
+import threading
+from collections.abc import Callable
+from types import FrameType
+from typing import TextIO
+
+import uvicorn
+
+from kvbank.bank import Bank
+from kvbank.errors import ConfigError, TierUnavailable
+from kvbank.service.app import create_app
+from kvbank.service.config import ServiceConfig
+from kvbank.service.node import Node
+
+logger = logging.getLogger(__name__)
+
+READY = "kvbank serve: ready on"
+
+
+def _size(n: int) -> str:
+    for unit, shift in (("TiB", 40), ("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift:
+            return f"{n / (1 << shift):.1f} {unit}"
+    return f"{n} B"
+
+
+def _bind(config: ServiceConfig) -> socket.socket:
+    family = socket.AF_INET6 if ":" in config.bind else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((config.bind, config.port))
+    except OSError as exc:
+        sock.close()
+        raise ConfigError(f"port: cannot bind {config.bind}:{config.port}: {exc}") from exc
+    sock.listen(1024)
+    sock.set_inheritable(True)
+    return sock
+
+
+def serve(config: ServiceConfig, *, out: TextIO = sys.stdout) -> int:
+    """Run the node until SIGTERM/SIGINT; 0 after a clean shutdown."""
+    sock = _bind(config)
+    port = sock.getsockname()[1]
+    config = config.replace(port=port)
+    if config.bank.data_dir is not None:
+        try:
+            config.bank.data_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            sock.close()
+            raise ConfigError(f"data_dir: cannot create {config.bank.data_dir}: {exc}") from exc
+    bank = Bank(config.bank)
+    node = Node(bank, config)
+    try:
+        app = create_app(node)
+        uv = uvicorn.Config(
+            app, loop="uvloop", http="httptools", lifespan="off", access_log=False,
+            log_level="warning", timeout_keep_alive=int(max(1, config.idle_timeout_s)),
+            limit_concurrency=config.max_connections,
+            timeout_graceful_shutdown=int(max(1, config.shutdown_timeout_s)),
+        )
+        server = _Server(uv, lambda: _ready(config, out))
+        server.run(sockets=[sock])
+    finally:
+        sock.close()
+        node.close()
+        _close_bank(bank, config.shutdown_timeout_s)
+    logger.debug("kvbank serve: stopped")
+    return 0
+
+
+def _ready(config: ServiceConfig, out: TextIO) -> None:
+    b = config.bank
+    disk = "off" if b.data_dir is None else f"{_size(b.disk_bytes)} in {b.data_dir}"
+    print(f"{READY} {config.url} (data dir {b.data_dir}, host tier {_size(b.host_bytes)}, "
+          f"disk tier {disk})", file=out, flush=True)
+
+
+def _close_bank(bank: Bank, deadline_s: float) -> None:
+    """``bank.close()`` within a deadline (it persists host rows to disk)."""
+    err: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            bank.close()
+        except BaseException as exc:  # reported below, on the serving thread
+            err.append(exc)
+
+    t = threading.Thread(target=run, name="kvbank-close", daemon=True)
+    t.start()
+    t.join(max(deadline_s, 1.0) * 3)  # the store's own persist deadline comes first
+    if t.is_alive():
+        raise TierUnavailable(f"shutdown: the bank did not close within {deadline_s * 3:.0f}s")
+    if err:
+        raise err[0]
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, printing the ready line once it accepts connections."""
+
+    def __init__(self, config: uvicorn.Config, on_ready: Callable[[], None]) -> None:
+        super().__init__(config)
+        self._on_ready = on_ready
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        super().handle_exit(sig, frame)
+        # uvicorn re-raises a captured signal once it has stopped, which would kill the
+        # process before the bank closes (host rows unpersisted) and exit -15. The node
+        # closes its bank and exits 0 instead.
+        self._captured_signals.clear()
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if self.started:
+            self._on_ready()

@@ -1,0 +1,392 @@
+"""Page bodies on the wire: receiving a put body, streaming a fetch, without extra copies.
+
+**Put** (:func:`receive_put`): the prefix, header and token ids are read and checked
+first (layout known, group and page size right, the body's declared length exactly what
+the header implies, under ``max_body_bytes``), so a wrong page size is refused before a
+page is read. The pages then land straight in host slots: a ``WRITE`` lease on the rows
+not yet stored, each body chunk copied once into its slot, and a commit once the body has
+arrived whole. A short body, a disconnect or a timeout releases the lease: nothing becomes
+visible. Where no lease can be had (no host tier, a full one, another writer filling the
+same rows) the pages are read into private buffers and stored with ``Bank.put``.
+
+**Fetch** (:class:`RowStream`): an ASGI response with a fixed content-length whose body
+is memoryviews of the host slots themselves (uvicorn + httptools hands them to the
+transport without a copy). Rows are lent in batches of about :data:`BATCH_BYTES`, so rows
+held on disk are decoded into host slots a batch ahead of the socket instead of the whole
+body being built first. The batches' leases are held until the client acknowledges the
+rows (the transport may still be sending from a slot after its last ``write`` returned:
+uvloop keeps a pointer, not a copy, and holds no buffer export one could test); then
+:meth:`Lender.finish_read` confirms each lease outlived the send, and only then are its
+rows *verified* (see :mod:`kvbank.service.node`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import numpy as np
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
+
+from kvbank.errors import (
+    InvalidInput,
+    KvbankError,
+    LeaseConflict,
+    PageSizeMismatch,
+    TierError,
+)
+from kvbank.keys import PAGE_KEY_BYTES
+from kvbank.keys import Scope as KeyScope
+from kvbank.layout import GroupKind
+from kvbank.lender.base import Delivery, Lease, LeaseMode, MemoryKind
+from kvbank.service.framing import (
+    PREFIX,
+    PUT_MAGIC,
+    FrameKind,
+    PutHeader,
+    PutKind,
+    decode_prefix,
+    decode_put_header,
+    encode_frame,
+)
+from kvbank.service.node import Node, OpenFetch
+
+logger = logging.getLogger(__name__)
+
+BATCH_BYTES = 32 << 20  # rows lent (and staged) per lease while streaming a fetch
+
+
+class BodyTooLarge(InvalidInput):
+    """A request body over ``max_body_bytes`` (answered 413)."""
+
+
+class _Body:
+    """Reads a request body exactly: ``read(n)`` for small parts, ``into(view)`` for pages."""
+
+    def __init__(self, chunks: AsyncIterator[bytes]) -> None:
+        self._chunks = chunks
+        self._left = memoryview(b"")
+        self.received = 0
+
+    async def _next(self) -> bool:
+        async for chunk in self._chunks:
+            if chunk:
+                self._left = memoryview(chunk)
+                self.received += len(chunk)
+                return True
+        return False
+
+    async def into(self, view: memoryview) -> None:
+        pos, n = 0, len(view)
+        while pos < n:
+            if not self._left and not await self._next():
+                raise InvalidInput(f"body: ended {n - pos} bytes short of what its header declares")
+            k = min(n - pos, len(self._left))
+            view[pos : pos + k] = self._left[:k]
+            self._left = self._left[k:]
+            pos += k
+
+    async def read(self, n: int) -> bytearray:
+        buf = bytearray(n)
+        await self.into(memoryview(buf))
+        return buf
+
+    async def at_end(self) -> bool:
+        return not self._left and not await self._next()
+
+
+async def receive_put(node: Node, request: Request, kind: PutKind) -> dict[str, Any]:
+    """Read, check and store one put body; ``{"names": [...]}`` (hex) of its rows."""
+    cfg = node.config
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > cfg.max_body_bytes:
+        raise BodyTooLarge(f"body: {declared} bytes, over the {cfg.max_body_bytes}-byte limit")
+    body = _Body(request.stream())
+    try:
+        async with asyncio.timeout(cfg.body_timeout_s):
+            return await _put(node, body, kind, declared)
+    except TimeoutError:
+        raise InvalidInput(f"body: did not arrive within {cfg.body_timeout_s}s") from None
+    except ClientDisconnect:
+        raise InvalidInput("body: the client went away mid-body; nothing was stored") from None
+
+
+async def _head(node: Node, body: _Body, declared: str | None, with_pages: bool) -> tuple[PutHeader, int]:
+    """The checked header of a put body, and the body's exact length."""
+    header_len = decode_prefix(await body.read(PREFIX.size), PUT_MAGIC)
+    header = decode_put_header(await body.read(header_len))
+    total = header.body_bytes(header_len) - (0 if with_pages else header.pages * header.page_bytes)
+    if total > node.config.max_body_bytes:
+        raise BodyTooLarge(f"body: {total} bytes, over the {node.config.max_body_bytes}-byte limit")
+    if declared is not None and declared != str(total):
+        raise InvalidInput(f"body: content-length {declared}, the header implies {total} bytes")
+    return header, total
+
+
+async def receive_put_lease(node: Node, request: Request) -> tuple[list[bytes], Lease | None, bool]:
+    """The same-host put: a put body without its pages → the row names, a WRITE HOST
+    lease on those not yet stored, and whether the client must put over TCP instead
+    (no lease could be had: no host tier, a full one, another writer on the rows)."""
+    declared = request.headers.get("content-length")
+    body = _Body(request.stream())
+    try:
+        async with asyncio.timeout(node.config.body_timeout_s):
+            header, total = await _head(node, body, declared, with_pages=False)
+            names, _, _ = await node.call(plan_put, node, header, await body.read(header.key_bytes))
+            if not await body.at_end():
+                raise InvalidInput(f"body: longer than the {total} bytes its header declares")
+    except TimeoutError:
+        raise InvalidInput(f"body: did not arrive within {node.config.body_timeout_s}s") from None
+    except ClientDisconnect:
+        raise InvalidInput("body: the client went away mid-body") from None
+    where = await node.call(node.bank.locate, names)
+    todo = [n for n, w in zip(names, where, strict=True) if w is None]
+    if not todo:
+        return names, None, False
+    try:
+        lease = await node.call(node.bank.lend, todo, mode=LeaseMode.WRITE, kind=MemoryKind.HOST)
+    except (LeaseConflict, TierError) as exc:
+        logger.debug("put lease: none (%s); the client puts over TCP", exc)
+        return names, None, True
+    return names, lease, False
+
+
+async def _put(node: Node, body: _Body, kind: PutKind, declared: str | None) -> dict[str, Any]:
+    header, total = await _head(node, body, declared, with_pages=True)
+    if header.kind is not kind:
+        raise InvalidInput(f"header.kind: this route takes {kind.value!r} bodies, got {header.kind.value!r}")
+    names, tokens, keys = await node.call(plan_put, node, header, await body.read(header.key_bytes))
+    pages: list[bytearray] = []
+    where = await node.call(node.bank.locate, names)
+    todo = [n for n, w in zip(names, where, strict=True) if w is None]
+    lease = await _write_lease(node, todo) if todo else None
+    if lease is None and not todo:  # every row is stored already: read and drop the pages
+        scratch = memoryview(bytearray(header.page_bytes))
+        for _ in names:
+            await body.into(scratch)
+        if not await body.at_end():
+            raise InvalidInput(f"body: longer than the {total} bytes its header declares")
+        return {"names": [n.hex() for n in names]}
+    views: dict[bytes, memoryview] = {}
+    try:
+        if lease is not None:
+            views = await node.call(_slot_views, node, lease, names)
+            scratch = memoryview(bytearray(header.page_bytes))
+            for name in names:
+                # A row stored before the lease (PRESENT) already holds these bytes.
+                await body.into(views.get(name, scratch))
+        else:
+            pages = [await body.read(header.page_bytes) for _ in range(header.pages)]
+        if not await body.at_end():
+            raise InvalidInput(f"body: longer than the {total} bytes its header declares")
+    except BaseException:
+        _release_views(views)
+        if lease is not None:
+            await node.call(node.bank.release, lease.id)
+        raise
+    _release_views(views)  # before the commit: the slab must never outlive an export
+    if lease is not None:
+        await node.call(node.bank.commit, lease.id, [n for n in todo if _reserved(lease, n)])
+    else:
+        await node.call(_store_pages, node, header, tokens, keys, pages)
+    return {"names": [n.hex() for n in names]}
+
+
+def _release_views(views: dict[bytes, memoryview]) -> None:
+    for v in views.values():
+        v.release()
+
+
+def _reserved(lease: Lease, name: bytes) -> bool:
+    return lease.row(name).delivery is Delivery.RESERVED
+
+
+def plan_put(node: Node, header: PutHeader, key_bytes: bytes | bytearray) -> tuple[list[bytes], Any, Any]:
+    """Check a put header against its layout; the row names it will store, and the
+    tokens or keys it named (for ``Bank.put`` on the fallback path)."""
+    bank = node.bank
+    layout = bank.layout(header.layout_id)
+    g = header.group
+    if not 0 <= g < len(layout.groups):
+        raise InvalidInput(f"header.group: expected a group index in [0, {len(layout.groups)}), got {g}")
+    want = GroupKind.STATE if header.kind is PutKind.STATE else GroupKind.ATTENTION
+    if layout.groups[g].kind is not want:
+        raise InvalidInput(f"header.group: group {g} is a {layout.groups[g].kind.name} group; "
+                           f"this route takes {want.name} groups")
+    size = layout.group_page_bytes[g]
+    if header.page_bytes != size:
+        raise PageSizeMismatch(f"header.page_bytes: {header.page_bytes}, the layout's page is {size} bytes")
+    scope = KeyScope(header.tenant, header.cache_salt, header.lora)
+    tokens = keys = None
+    if header.tokens is not None:
+        tokens = np.frombuffer(bytes(key_bytes), dtype="<i4").astype(np.int64)
+    else:
+        raw = bytes(key_bytes)
+        keys = [raw[i : i + PAGE_KEY_BYTES] for i in range(0, len(raw), PAGE_KEY_BYTES)]
+    # A put is a command: the bank learns the (scope, layout) pair, so a WRITE lease on
+    # these rows can describe them (their page size and regions).
+    bank.register_scope(header.layout_id, scope)
+    chain = bank.row_names(header.layout_id, tokens, group=g, scope=scope, keys=keys, shard=header.shard)
+    p = layout.tokens_per_page
+    if header.kind is PutKind.PAGES:
+        if header.first_page + header.pages > len(chain):
+            raise InvalidInput(f"header.pages: {header.pages} pages from page {header.first_page} "
+                               f"exceed the {len(chain)} full pages of the tokens")
+        names = chain[header.first_page : header.first_page + header.pages]
+    else:
+        boundary = len(chain) * p if header.at is None else header.at
+        if boundary <= 0 or boundary % p or boundary // p > len(chain):
+            raise InvalidInput(f"header.at: must be a positive multiple of {p} within the "
+                               f"{len(chain)} full pages given, got {boundary}")
+        names = [chain[boundary // p - 1]]
+    return names, tokens, keys
+
+
+async def _write_lease(node: Node, names: list[bytes]) -> Lease | None:
+    """A WRITE HOST lease on the rows not yet stored, or None (use the fallback path)."""
+    ttl = min(node.config.bank.max_lease_ttl_s, 2 * node.config.body_timeout_s)
+    try:
+        # The lease outlives the body deadline, so it cannot expire (and its slots go to
+        # another row) while chunks are still being copied into them outside its lock.
+        return await node.call(node.bank.lend, names, mode=LeaseMode.WRITE, kind=MemoryKind.HOST, ttl_s=ttl)
+    except (LeaseConflict, TierError) as exc:
+        logger.debug("put: no write lease (%s); storing through Bank.put", exc)
+        return None
+
+
+def _slot_views(node: Node, lease: Lease, names: list[bytes]) -> dict[bytes, memoryview]:
+    return {n: node.bank.view(lease.id, n) for n in lease.names if _reserved(lease, n)}
+
+
+def _store_pages(node: Node, header: PutHeader, tokens: Any, keys: Any, pages: list[bytearray]) -> None:
+    scope = KeyScope(header.tenant, header.cache_salt, header.lora)
+    if header.kind is PutKind.PAGES:
+        node.bank.put(header.layout_id, tokens, group=header.group, pages=pages, scope=scope,
+                      keys=keys, first_page=header.first_page, shard=header.shard)
+    else:
+        node.bank.put_state(header.layout_id, tokens, group=header.group, state=pages[0],
+                            at=header.at, scope=scope, keys=keys, shard=header.shard)
+
+
+class RowStream(Response):
+    """The streamed body of one fetch call (see the module docstring)."""
+
+    media_type = "application/octet-stream"
+
+    def __init__(self, node: Node, fetch: OpenFetch, prefix: bytes, length: int) -> None:
+        super().__init__(headers={"content-length": str(length), "x-kvbank-fetch-id": fetch.fetch_id})
+        self._node = node
+        self._fetch = fetch
+        self._prefix = prefix
+        self._length = length
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        await send({"type": "http.response.body", "body": self._prefix, "more_body": True})
+        sent = len(self._prefix)
+        node, fetch = self._node, self._fetch
+        batches = _batches(fetch)
+        # Lend (and stage) batch k+1 while batch k is on the wire.
+        ahead = [asyncio.ensure_future(_lend(node, fetch, batches[0]))] if batches else []
+        done = 0
+        try:
+            for b, idx in enumerate(batches):
+                lease = await ahead[b]
+                done = b + 1
+                if b + 1 < len(batches):
+                    ahead.append(asyncio.ensure_future(_lend(node, fetch, batches[b + 1])))
+                sent += await self._send_batch(send, lease, idx)
+        finally:
+            for task in ahead[done:]:  # lent ahead but never sent (an error or a disconnect)
+                left = await task
+                if left is not None:
+                    await node.call(node.bank.release, left.id)
+        pad = self._length - sent - 16
+        await send({"type": "http.response.body", "more_body": False,
+                    "body": encode_frame(FrameKind.END, 0, pad) + bytes(pad)})
+
+    async def _send_batch(self, send: Send, lease: Lease | None, idx: list[int]) -> int:
+        node, fetch = self._node, self._fetch
+        if lease is not None:
+            try:
+                views = await node.call(_read_views, node, lease)
+            except KvbankError:
+                await node.call(node.bank.release, lease.id)
+                raise
+        else:
+            views = await node.call(_private_copies, node, fetch, idx)
+        sent = 0
+        try:
+            for i in idx:
+                row, name = fetch.rows[i], fetch.names[i]
+                view = views.get(name)
+                if view is None:
+                    await send({"type": "http.response.body", "more_body": True,
+                                "body": encode_frame(FrameKind.MISSING, row.position, 0)})
+                    sent += 16
+                    continue
+                await send({"type": "http.response.body", "more_body": True,
+                            "body": encode_frame(FrameKind.ROW, row.position, row.size)})
+                await send({"type": "http.response.body", "body": view, "more_body": True})
+                sent += 16 + row.size
+        finally:
+            for v in views.values():
+                v.release()  # our export only: the lease keeps the slots until the ack
+            if lease is not None:
+                await node.call(node.hold, fetch.fetch_id, lease.id, list(views))
+        return sent
+
+
+def _batches(fetch: OpenFetch) -> list[list[int]]:
+    out: list[list[int]] = []
+    cur: list[int] = []
+    size = 0
+    for i, r in enumerate(fetch.rows):
+        cur.append(i)
+        size += r.size
+        if size >= BATCH_BYTES:
+            out.append(cur)
+            cur, size = [], 0
+    if cur:
+        out.append(cur)
+    return out
+
+
+async def _lend(node: Node, fetch: OpenFetch, idx: list[int]) -> Lease | None:
+    """A READ HOST lease on a batch (staging its rows into host slots), or None when the
+    host tier cannot hold it (the batch is then copied out row by row)."""
+    try:
+        return await node.call(node.bank.lend, [fetch.names[i] for i in idx],
+                               mode=LeaseMode.READ, kind=MemoryKind.HOST)
+    except TierError as exc:
+        logger.debug("fetch %s: no read lease (%s); copying rows out", fetch.fetch_id, exc)
+        return None
+
+
+def _private_copies(node: Node, fetch: OpenFetch, idx: list[int]) -> dict[bytes, memoryview]:
+    """The batch's rows copied into fresh buffers (the host tier could not hold the batch
+    at once): ``Bank.get_into`` needs no host slot, so a disk row decodes straight into its
+    buffer however full the host tier is with other readers' leases. A row that is gone or
+    fails its checksum is left out, so it streams as MISSING."""
+    out: dict[bytes, memoryview] = {}
+    bank = node.bank
+    for i in idx:
+        name, size = fetch.names[i], fetch.rows[i].size
+        buf = bytearray(size)
+        try:
+            got = bank.get_into(name, buf)
+        except KvbankError as exc:
+            logger.warning("fetch %s: row %s not served: %s", fetch.fetch_id, name.hex()[:16], exc)
+            continue
+        if got == size:
+            out[name] = memoryview(buf)
+    node.verified(fetch.fetch_id, list(out))  # private copies: nothing can reclaim them
+    return out
+
+
+def _read_views(node: Node, lease: Lease) -> dict[bytes, memoryview]:
+    return {r.name: node.bank.view(lease.id, r.name) for r in lease.rows if r.delivery is Delivery.READY}

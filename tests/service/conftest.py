@@ -1,0 +1,29 @@
+"""A real ``kvbank serve`` subprocess on a free loopback port, stopped by pid."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvbank.service.launch import NodeProcess
+
+NODE_ARGS = ["--host-bytes", "96M", "--disk-bytes", "512M", "--device-bytes", "0",
+             "--max-body-bytes", "64M", "--body-timeout-s", "5"]
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeProcess]:
+    """One node per test module (starting one costs seconds: torch loads)."""
+    data = tmp_path_factory.mktemp("node")
+    proc = NodeProcess.start(["--data-dir", str(data), *NODE_ARGS])
+    try:
+        yield proc
+    finally:
+        code = proc.stop()
+        assert code == 0, "".join(proc.lines)[-3000:]
+
+
+def start_node(data: Path, *extra: str) -> NodeProcess:
+    return NodeProcess.start(["--data-dir", str(data), *NODE_ARGS, *extra])

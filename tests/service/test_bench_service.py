@@ -1,0 +1,23 @@
+"""``kvbank bench service``: the issue's case names, exactly, each with its same-run baseline."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+CASES = ["fetch-remote", "put-remote", "fetch-local", "put-local", "match-1000", "fetch-remote-16"]
+
+
+@pytest.mark.slow
+def test_bench_service_prints_one_row_per_case_with_its_baseline() -> None:
+    res = subprocess.run([sys.executable, "-m", "kvbank.cli", "bench", "service", "--json", "--quick"],
+                         capture_output=True, text=True, timeout=600, check=False)
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = [json.loads(line) for line in res.stdout.splitlines()]
+    assert [r["case"] for r in rows] == CASES
+    for r in rows:
+        assert r["suite"] == "service" and r["value"] > 0 and r["baseline_value"] > 0
+        assert abs(r["ratio"] - r["value"] / r["baseline_value"]) < 1e-3

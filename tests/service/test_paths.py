@@ -1,0 +1,138 @@
+"""The same-host (shared memory) and TCP paths forced each way and compared byte for
+byte, with 2 MiB pages, rows staged back from disk, and many clients at once."""
+
+from __future__ import annotations
+
+import hashlib
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from kvbank import Client, full_attention
+from kvbank.errors import PageSizeMismatch
+from kvbank.service.launch import NodeProcess
+
+# 2 MiB pages: 32 layers x (K+V) x 8 heads x 128 dims x 16 tokens x 2 bytes
+BIG = full_attention("paths@1", num_layers=32, num_kv_heads=8, head_dim=128)
+BIG_PAGE = BIG.group_page_bytes[0]
+
+
+def pages(n: int, seed: int) -> torch.Tensor:
+    return torch.from_numpy(np.random.default_rng(seed).integers(0, 256, (n, BIG_PAGE), dtype=np.uint8))
+
+
+@pytest.fixture(scope="module")
+def small_node(tmp_path_factory: pytest.TempPathFactory) -> NodeProcess:
+    """A node whose host tier holds 24 of the 2 MiB pages: the rest live on disk."""
+    data: Path = tmp_path_factory.mktemp("paths")
+    proc = NodeProcess.start(["--data-dir", str(data), "--host-bytes", "48M", "--disk-bytes", "1G",
+                              "--device-bytes", "0", "--max-body-bytes", "256M"])
+    yield proc  # type: ignore[misc]
+    assert proc.stop() == 0, "".join(proc.lines)[-3000:]
+
+
+def test_paths_agree_byte_for_byte_with_2mib_pages(node: NodeProcess) -> None:
+    assert BIG_PAGE == 2 << 20
+    data = pages(16, 1)
+    toks = list(range(100, 100 + 16 * 16))
+    with Client(node.url, same_host=True) as shm, Client(node.url, same_host=False) as tcp:
+        lid = shm.register(BIG)
+        names = shm.put(lid, toks[: 8 * 16], group=0, pages=data[:8])  # WRITE lease, in place
+        assert tcp.put(lid, toks, group=0, pages=data[8:], first_page=8) == tcp.put(
+            lid, toks, group=0, pages=data[8:], first_page=8)
+        m = tcp.match(lid, [*toks, 1])
+        assert m.resume.tokens == 256 and len(names) == 8
+        a = torch.zeros((16, BIG_PAGE), dtype=torch.uint8)
+        b = torch.ones((16, BIG_PAGE), dtype=torch.uint8)
+        ra = shm.fetch(m, out={0: a})
+        rb = tcp.fetch(m, out={0: b})
+    assert ra.complete and rb.complete and ra.nbytes == rb.nbytes == 16 * BIG_PAGE
+    assert torch.equal(a, data) and torch.equal(b, data)
+
+
+def test_paths_through_the_disk_tier_and_many_clients(small_node: NodeProcess) -> None:
+    """64 pages on a node whose host tier holds 24: fetches stage rows back from disk in
+    batches while earlier batches are on the wire; slots are reused under the stream, so
+    a view released before the transport sent it would show here as wrong bytes."""
+    data = pages(64, 2)
+    toks = list(range(9000, 9000 + 64 * 16))
+    digest = [hashlib.sha256(data[i].numpy().tobytes()).hexdigest() for i in range(64)]
+    with Client(small_node.url, same_host=False) as c:
+        lid = c.register(BIG)
+        for k in range(0, 64, 8):
+            c.put(lid, toks, group=0, pages=data[k : k + 8], first_page=k)
+        m = c.match(lid, [*toks, 1])
+        assert m.resume.tokens == 64 * 16
+
+    def fetch(i: int) -> list[str]:
+        with Client(small_node.url, same_host=bool(i % 2)) as cl:
+            out = torch.zeros((64, BIG_PAGE), dtype=torch.uint8)
+            got = cl.fetch(m, out={0: out})
+            assert got.complete, got.missing
+            return [hashlib.sha256(out[j].numpy().tobytes()).hexdigest() for j in range(64)]
+
+    with ThreadPoolExecutor(4) as pool:
+        for result in pool.map(fetch, range(4)):
+            assert result == digest
+
+
+def test_fetch_of_disk_rows_completes_while_other_readers_hold_the_host_tier(
+        small_node: NodeProcess) -> None:
+    """Rows on disk are still served whole when another client's READ leases hold every
+    host slot: the stream copies them out without needing a host slot, never as MISSING."""
+    data = pages(40, 4)
+    toks = list(range(50_000, 50_000 + 40 * 16))
+    with Client(small_node.url, same_host=False) as c:
+        lid = c.register(BIG)
+        for k in range(0, 40, 8):
+            c.put(lid, toks, group=0, pages=data[k : k + 8], first_page=k)
+        m = c.match(lid, [*toks, 1])
+        assert m.resume.tokens == 40 * 16
+        held = c.lend(m.needed[-24:])  # every host slot, held by a reader
+        try:
+            out = torch.zeros((40, BIG_PAGE), dtype=torch.uint8)
+            got = c.fetch(m, out={0: out})
+            assert got.complete, got.missing
+            assert torch.equal(out, data)
+        finally:
+            c.release(held.id)
+
+
+def test_client_checks_page_sizes_before_sending(node: NodeProcess) -> None:
+    with Client(node.url, same_host=False) as c:
+        lid = c.register(BIG)
+        with pytest.raises(PageSizeMismatch, match="pages"):
+            c.put(lid, list(range(32)), group=0, pages=[bytes(BIG_PAGE - 1)])
+
+
+def test_stream_holds_its_read_leases_until_the_ack(node: NodeProcess) -> None:
+    """The transport may still send from a slot after its last write() returned (uvloop
+    keeps a pointer, not a copy), so a streamed fetch's leases end only at the ack."""
+    from kvbank.service import client_io
+    from kvbank.service.client import Client as C
+
+    data = pages(4, 3)
+    toks = list(range(30_000, 30_000 + 4 * 16))
+    with C(node.url, same_host=False) as c:
+        lid = c.register(BIG)
+        c.put(lid, toks, group=0, pages=data)
+        m = c.match(lid, [*toks, 1])
+        before = c.stats().live_leases
+        out = torch.zeros((4, BIG_PAGE), dtype=torch.uint8)
+        views = {0: [memoryview(out.numpy()[i]) for i in range(4)]}
+        import json
+
+        from kvbank import wire
+
+        conn = c._conn()
+        body = json.dumps({"match": wire.to_dict(m), "fetch_id": None, "max_rows": None, "via": "stream"})
+        got, fid, err = client_io.fetch_stream(conn, body.encode(), views)
+        conn.close()
+        assert err is None and fid is not None and sorted(got) == [0, 1, 2, 3]
+        assert c.stats().live_leases > before  # streamed, not yet acknowledged
+        result = c._ack(fid, got, None)
+        assert result.complete and torch.equal(out, data)
+        assert c.stats().live_leases == before

@@ -1,0 +1,132 @@
+"""One worker scenario run against the embedded Bank and against a served node through
+kvbank.Client on both paths: same calls, same results, same exceptions."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from kvbank import Bank, Client, LeaseMode, MemoryKind, Scope, full_attention, hybrid_mamba
+from kvbank.errors import (
+    InvalidInput,
+    InvalidTokens,
+    LeaseNotFound,
+    PageSizeMismatch,
+    UnknownLayout,
+)
+from kvbank.lender.base import CommitResult, Delivery, Lease
+from kvbank.results import BankStats, FetchResult, Match
+from kvbank.service.launch import NodeProcess
+from kvbank.tiers.base import TierKind
+
+FA = full_attention("svc@1", num_layers=2, num_kv_heads=4, head_dim=64)  # 16 tokens a page
+PAGE = FA.group_page_bytes[0]
+MAMBA = hybrid_mamba("svc-mamba@1", [0, 2], [1], 2, 32, conv_shape=(64, 3), ssm_shape=(4, 16))
+
+
+def rand(n: int, size: int, seed: int) -> torch.Tensor:
+    return torch.from_numpy(np.random.default_rng(seed).integers(0, 256, (n, size), dtype=np.uint8))
+
+
+@pytest.fixture(params=["bank", "client-shm", "client-tcp"])
+def api(request: pytest.FixtureRequest, node: NodeProcess, tmp_path: Any) -> Iterator[Any]:
+    if request.param == "bank":
+        with Bank.open(host_bytes="64M", data_dir=tmp_path, device_bytes=0) as bank:
+            yield bank
+        return
+    with Client(node.url, same_host=request.param == "client-shm") as client:
+        assert client.same_host is (request.param == "client-shm")
+        yield client
+
+
+def test_scenario_same_results_on_bank_and_client(api: Any, request: pytest.FixtureRequest) -> None:
+    salt = request.node.callspec.id  # rows of one run never satisfy another's
+    scope = Scope(tenant="t", cache_salt=salt)
+    lid = api.register(FA)
+    assert lid == FA.layout_id and api.register(FA) == lid
+    prompt = list(range(5000, 5100))
+    pages = rand(6, PAGE, seed=len(salt))
+    names = api.put(lid, prompt, group=0, pages=pages, scope=scope)
+    assert len(names) == 6 and all(len(n) == 54 for n in names)
+    assert api.put(lid, prompt, group=0, pages=pages[:2], scope=scope) == names[:2]  # already stored
+
+    m = api.match(lid, [*prompt[:90], 7, 7, 7], scope=scope)
+    assert isinstance(m, Match) and m.resume.tokens == 80 and m.resume.row_count == 5
+    from kvbank.keys import page_keys
+
+    by_keys = api.match(lid, keys=page_keys([*prompt[:90], 7, 7, 7], FA.tokens_per_page, scope), scope=scope,
+                        prompt_tokens=93)
+    assert by_keys.resume.tokens == 80 and by_keys.resume.rows == m.resume.rows
+    assert api.match(lid, prompt, scope=Scope(tenant="other")).resume.tokens == 0
+
+    buf = torch.zeros((5, PAGE), dtype=torch.uint8)
+    part = api.fetch(m, out={0: buf}, max_rows=2)
+    assert isinstance(part, FetchResult) and not part.complete and part.delivered == ((0, 1),)
+    assert part.resume.tokens == 32 and part.nbytes == 2 * PAGE
+    rest = api.fetch(m, out={0: buf}, fetch_id=part.fetch_id)
+    assert rest.complete and rest.fetch_id == part.fetch_id and rest.nbytes == 3 * PAGE
+    assert rest.resume.tokens == 80 and torch.equal(buf, pages[:5])
+
+    lease = api.lend(m, mode=LeaseMode.READ, kind=MemoryKind.HOST, ttl_s=30)
+    assert isinstance(lease, Lease) and [r.delivery for r in lease.rows] == [Delivery.READY] * 5
+    assert api.renew(lease.id, 20).id == lease.id
+    assert api.release(lease.id) is True and api.release(lease.id) is False
+    with pytest.raises(LeaseNotFound):
+        api.renew(lease.id)
+
+    more = prompt + list(range(7000, 7032))
+    new = api.row_names(lid, more, group=0, scope=scope)[6:] if isinstance(api, Bank) else None
+    wl = api.lend(new if new is not None else _names(api, lid, more, scope)[6:], mode=LeaseMode.WRITE)
+    assert [r.delivery for r in wl.rows] == [Delivery.RESERVED] * 2
+    done = api.commit(wl.id, [wl.rows[0].name])
+    assert isinstance(done, CommitResult) and done.committed == (wl.rows[0].name,)
+    assert done.discarded == (wl.rows[1].name,)
+
+    mid = api.register(MAMBA)
+    toks = list(range(64))
+    api.put(mid, toks, group=0, pages=rand(4, MAMBA.group_page_bytes[0], 1), scope=scope)
+    state = rand(1, MAMBA.group_page_bytes[1], 2)[0]
+    api.put_state(mid, toks[:32], group=1, state=state, scope=scope)
+    hm = api.match(mid, toks, scope=scope)
+    assert hm.resume.tokens == 32 and hm.resume.reason is not None and hm.resume.reason.name == "NO_SNAPSHOT"
+    sbuf = [bytearray(MAMBA.group_page_bytes[g]) for g in range(2)]
+    got = api.fetch(hm, out={0: [bytearray(MAMBA.group_page_bytes[0]) for _ in range(2)], 1: [sbuf[1]]})
+    assert got.complete and bytes(sbuf[1]) == state.numpy().tobytes()
+
+    st = api.stats()
+    assert isinstance(st, BankStats) and st.layouts >= 2
+    assert api.locate([*names[:2], b"\x00" * 54])[:2] == [TierKind.HOST, TierKind.HOST]
+    assert api.locate([b"\x00" * 54]) == [None]
+    assert api.health().ok
+    assert all(isinstance(x, Lease) for x in api.leases())
+    api.flush()
+
+
+def _names(client: Client, lid: bytes, tokens: list[int], scope: Scope) -> list[bytes]:
+    from kvbank.keys import namespace, page_keys, row_names
+
+    keys = page_keys(tokens, FA.tokens_per_page, scope)
+    return row_names(namespace(lid, scope), keys, 0, FA.shard_count, FA.shard_index)
+
+
+def test_scenario_same_exceptions_on_bank_and_client(api: Any) -> None:
+    lid = api.register(FA)
+    with pytest.raises(UnknownLayout):
+        api.match(b"\x01" * 32, [1, 2, 3])
+    with pytest.raises(PageSizeMismatch, match="pages"):
+        api.put(lid, list(range(32)), group=0, pages=rand(2, PAGE - 1, 0))
+    with pytest.raises(InvalidTokens):
+        api.match(lid, [1, -5, 3])
+    with pytest.raises(InvalidInput, match="group"):
+        api.put(lid, list(range(32)), group=3, pages=rand(2, PAGE, 0))
+    with pytest.raises(InvalidInput, match="pages"):
+        api.put(lid, list(range(32)), group=0, pages=rand(3, PAGE, 0))  # 3 pages for 2 keys
+    with pytest.raises(LeaseNotFound):
+        api.release("00" * 16)
+    with pytest.raises(InvalidInput, match="fetch_id"):
+        m = api.match(lid, list(range(64)))
+        api.fetch(m, out={0: torch.zeros((0, PAGE), dtype=torch.uint8)}, fetch_id="")

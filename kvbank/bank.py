@@ -59,8 +59,6 @@ the ledger and the store each guard their own state; the bank's tables sit behin
 
 from __future__ import annotations
 
-import dataclasses
-import difflib
 import functools
 import logging
 import math
@@ -75,9 +73,9 @@ import torch
 from kvbank import lookup
 from kvbank.buffers import OutBuffers, Pages, out_views, page_views
 from kvbank.catalog import Catalog
-from kvbank.config import BankConfig
+from kvbank.config import BankConfig, check_settings
 from kvbank.cross_shard import CrossLocate, ReshardReader, ShardCounts
-from kvbank.errors import Busy, ConfigError, InvalidInput, RowLocked, TierUnavailable
+from kvbank.errors import Busy, InvalidInput, LayoutError, RowLocked, TierUnavailable
 from kvbank.fetching import GetMany, fetch_rows, one_by_one
 from kvbank.keys import DEFAULT_SCOPE, Scope, TokenIds, group_of, namespace
 from kvbank.keys import row_names as _row_names
@@ -95,7 +93,6 @@ logger = logging.getLogger(__name__)
 __all__ = ["Bank", "BankStats", "FetchResult", "Match", "Presence"]
 
 Clock = Callable[[], float]  # monotonic seconds
-_SETTINGS = frozenset(f.name for f in dataclasses.fields(BankConfig))
 PUT_BATCH_PAGES = 64  # pages per store batch (and disk transaction) of a put
 
 
@@ -126,11 +123,7 @@ class Bank:
         """A bank from ``config`` (default: defaults + ``KVBANK_*`` environment) with
         ``overrides`` applied, e.g. ``Bank.open(host_bytes="256M", data_dir=path)``. A key
         that is not a setting is :class:`ConfigError` naming it."""
-        for key in overrides:
-            if key not in _SETTINGS:
-                near = difflib.get_close_matches(key, sorted(_SETTINGS), n=1)
-                hint = f"; did you mean {near[0]!r}?" if near else f"; settings: {sorted(_SETTINGS)}"
-                raise ConfigError(f"{key}: not a BankConfig setting{hint}", field=key)
+        check_settings(overrides)
         base = config if config is not None else BankConfig.from_env()
         return cls(base.replace(**overrides) if overrides else base)
 
@@ -162,6 +155,12 @@ class Bank:
     def register(self, layout: PageLayout) -> bytes:
         """Declare a layout; returns its layout id. Registering it again is a no-op."""
         self._check_open()
+        if not isinstance(layout, PageLayout):
+            raise LayoutError(f"layout: expected a PageLayout, got {type(layout).__name__}")
+        for g, size in enumerate(layout.group_page_bytes):
+            why = self._store.refuses(size) if size else None
+            if why is not None:  # refused now, not at the first put
+                raise LayoutError(f"groups[{g}]: {why}", field=f"groups[{g}]")
         lid = self._catalog.register(layout)
         self._catalog.learn(lid, DEFAULT_SCOPE)
         self._counts.add(layout)
@@ -221,7 +220,7 @@ class Bank:
         deadline = self._deadline(timeout)
         layout = self.layout(layout_id)
         self._group(layout, group, GroupKind.ATTENTION)
-        views = page_views(pages, layout.group_page_bytes[group], "pages")
+        views = page_views(_host_pages(pages, "pages"), layout.group_page_bytes[group], "pages")
         chain = self.row_names(layout_id, tokens, group=group, scope=scope, keys=keys, shard=shard)
         if isinstance(first_page, bool) or not isinstance(first_page, int) or first_page < 0:
             raise InvalidInput(f"first_page: must be a non-negative integer, got {first_page!r}")
@@ -279,7 +278,7 @@ class Bank:
             state = state.reshape(1, -1) if state.dim() == 1 else state
             if state.dim() != 2 or state.shape[0] != 1:
                 raise InvalidInput(f"state: expected one snapshot, got shape {tuple(state.shape)}")
-            (view,) = page_views(state, size, "state")
+            (view,) = page_views(_host_pages(state, "state"), size, "state")
         else:
             (view,) = page_views([state], size, "state")
         chain = self.row_names(layout_id, tokens, group=group, scope=scope, keys=keys, shard=shard)
@@ -521,3 +520,12 @@ class Bank:
             self._lender.close()
         finally:
             self._store.close()
+
+
+def _host_pages(pages: Pages, field: str) -> Pages:
+    """A tensor whose bytes can be copied to the host (a CPU or CUDA tensor); a ``meta``
+    tensor (no storage) or another device's is ``InvalidInput`` naming the field."""
+    if isinstance(pages, torch.Tensor) and pages.device.type not in ("cpu", "cuda"):
+        raise InvalidInput(f"{field}: a tensor on {pages.device} has no bytes to store; "
+                           "give a CPU or CUDA tensor", field=field)
+    return pages

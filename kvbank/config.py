@@ -20,6 +20,15 @@ write_policy                KVBANK_WRITE_POLICY        write-back (demote on evi
                                                        write-through (every put also to disk)
 disk_sync                   KVBANK_DISK_SYNC           fsync every disk commit (true) or
                                                        leave it to the OS (false)
+dirty_expire_s              KVBANK_DIRTY_EXPIRE_S      write-back: a memory row not on disk
+                                                       this long is written there (its memory
+                                                       copy kept), so a crash loses at most
+                                                       this many seconds of puts; 0 = never
+disk_salvage                KVBANK_DISK_SALVAGE        at open, if the LMDB environment is
+                                                       damaged or truncated, set it aside and
+                                                       copy every row that can still be read
+                                                       into a fresh one (true); refuse to
+                                                       start (false, the default)
 reshard_store               KVBANK_RESHARD_STORE       store a row a fetch built from another
                                                        shard count's rows under the caller's
                                                        own shard (true), or not (false)
@@ -49,6 +58,7 @@ Byte sizes accept a plain integer or a suffix: ``512M``, ``4G``, ``1.5GiB`` (pow
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import enum
 import math
 import os
@@ -75,6 +85,7 @@ DEFAULT_FETCH_TTL_S = 120.0
 DEFAULT_REAPER_INTERVAL_S = 0.25
 DEFAULT_MOVEMENT_QUEUE_BYTES = 256 << 20
 DEFAULT_PIN_FRACTION = 0.25  # pin_bytes when unset: this share of host_bytes
+DEFAULT_DIRTY_EXPIRE_S = 30.0  # the kernel's dirty_expire_centisecs default
 DEFAULT_WAIT_TIMEOUT_S = 60.0  # how long a store call may wait for the mover or for room
 
 
@@ -95,10 +106,38 @@ def parse_bytes(value: str | int, name: str = "size") -> int:
         if value < 0:
             raise ConfigError(f"{name}: must be >= 0, got {value}")
         return value
+    if not isinstance(value, str):
+        raise ConfigError(f"{name}: expected a byte size (an int, or a string like 512M), "
+                          f"got {value!r}", field=name)
     m = _SIZE.match(value)
     if not m:
         raise ConfigError(f"{name}: not a byte size: {value!r} (try 512M, 4G)")
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def _number(value: object, name: str) -> float:
+    """A real number (bool and strings refused: ``"0.5"`` is a typo in code, not a value)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ConfigError(f"{name}: expected a finite number, got {value!r}", field=name)
+    return float(value)
+
+
+_DEVICE = re.compile(r"^(cpu|cuda)(:\d+)?$")
+
+
+def _check_device(device: object) -> None:
+    """A torch device string; the common ones without importing torch."""
+    if not isinstance(device, str):
+        raise ConfigError(f"device: expected a torch device string, got {device!r}", field="device")
+    if _DEVICE.match(device):
+        return
+    import torch
+
+    try:
+        torch.device(device)
+    except (RuntimeError, ValueError, TypeError) as exc:
+        raise ConfigError(f"device: not a torch device: {device!r} ({exc})".split("\n")[0],
+                          field="device") from None
 
 
 def _parse_bool(value: str, name: str) -> bool:
@@ -124,6 +163,8 @@ class BankConfig:
     low_watermark: float = DEFAULT_LOW_WATERMARK
     write_policy: WritePolicy = WritePolicy.WRITE_BACK
     disk_sync: bool = True
+    dirty_expire_s: float = DEFAULT_DIRTY_EXPIRE_S  # write-back: 0 = rows reach disk on demotion only
+    disk_salvage: bool = False  # salvage a damaged disk tier at open instead of refusing
     reshard_store: bool = True  # keep rows a fetch resharded under the caller's shard
     lease_ttl_s: float = DEFAULT_LEASE_TTL_S
     max_lease_ttl_s: float = DEFAULT_MAX_LEASE_TTL_S
@@ -139,7 +180,19 @@ class BankConfig:
 
     def __post_init__(self) -> None:
         if self.data_dir is not None and not isinstance(self.data_dir, Path):
+            if not isinstance(self.data_dir, str):
+                raise ConfigError(f"data_dir: expected a path, got {self.data_dir!r}")
+            if not self.data_dir.strip():  # Path("") is ".": a silent ./lmdb
+                raise ConfigError("data_dir: empty; give a directory, or None for no disk tier")
             object.__setattr__(self, "data_dir", Path(self.data_dir))
+        if not isinstance(self.write_policy, (str, WritePolicy)):
+            raise ConfigError(f"write_policy: expected one of {[p.value for p in WritePolicy]}, "
+                              f"got {self.write_policy!r}")
+        _check_device(self.device)
+        if _number(self.dirty_expire_s, "dirty_expire_s") < 0:
+            raise ConfigError(f"dirty_expire_s: must be >= 0 seconds, got {self.dirty_expire_s!r}")
+        for name in ("device_fraction", "high_watermark", "low_watermark"):
+            object.__setattr__(self, name, _number(getattr(self, name), name))
         if isinstance(self.write_policy, str):
             try:
                 object.__setattr__(self, "write_policy", WritePolicy(self.write_policy))
@@ -172,8 +225,9 @@ class BankConfig:
             raise ConfigError(
                 f"lease_ttl_s: {self.lease_ttl_s} exceeds max_lease_ttl_s {self.max_lease_ttl_s}"
             )
-        if not isinstance(self.disk_sync, bool):
-            raise ConfigError(f"disk_sync: must be a bool, got {self.disk_sync!r}")
+        for name in ("disk_sync", "disk_salvage"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name}: must be a bool, got {getattr(self, name)!r}")
         if self.copy_threads is not None and (isinstance(self.copy_threads, bool) or not isinstance(
                 self.copy_threads, int) or not 1 <= self.copy_threads <= 256):
             raise ConfigError(f"copy_threads: must be an integer in [1, 256], got {self.copy_threads!r}")
@@ -188,6 +242,9 @@ class BankConfig:
         return int(self.host_bytes * DEFAULT_PIN_FRACTION)
 
     def replace(self, **changes: Any) -> BankConfig:
+        """A copy with ``changes``; a key that is not a setting is ``ConfigError`` naming
+        it (with the closest setting's name)."""
+        check_settings(changes)
         return dataclasses.replace(self, **changes)
 
     @classmethod
@@ -201,10 +258,18 @@ class BankConfig:
                 continue
             values[f.name] = _from_text(f.name, raw)
         values.update({k: v for k, v in overrides.items() if v is not None})
-        try:
-            return cls(**values)
-        except TypeError as exc:
-            raise ConfigError(str(exc)) from exc
+        check_settings(values)
+        return cls(**values)
+
+
+def check_settings(keys: Mapping[str, object]) -> None:
+    """``ConfigError`` naming the first key that is not a BankConfig setting."""
+    settings = sorted(f.name for f in dataclasses.fields(BankConfig))
+    for key in keys:
+        if key not in settings:
+            near = difflib.get_close_matches(key, settings, n=1)
+            hint = f"; did you mean {near[0]!r}?" if near else f"; settings: {settings}"
+            raise ConfigError(f"{key}: not a BankConfig setting{hint}", field=key)
 
 
 def _from_text(name: str, raw: str) -> Any:
@@ -213,7 +278,7 @@ def _from_text(name: str, raw: str) -> Any:
     if name in ("host_bytes", "disk_bytes", "device_bytes", "movement_queue_bytes", "pin_bytes",
                 "remote_bytes"):
         return parse_bytes(raw, ENV_PREFIX + name.upper())
-    if name == "disk_sync":
+    if name in ("disk_sync", "disk_salvage"):
         return _parse_bool(raw, ENV_PREFIX + name.upper())
     if name in ("device", "remote_url"):
         return raw

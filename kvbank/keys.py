@@ -105,8 +105,10 @@ def tokens_to_bytes(tokens: TokenIds) -> bytes:
             packed = array.array("i", tokens)
         except (TypeError, OverflowError) as exc:
             raise InvalidTokens(f"tokens: every id must be an int in [0, {_INT32_MAX}]: {exc}") from None
-        if packed and int(np.frombuffer(packed, dtype="<i4").min()) < 0:
+        ids = np.frombuffer(packed, dtype="<i4")
+        if packed and int(ids.min()) < 0:
             raise InvalidTokens(f"tokens: negative id {min(packed)}; ids must be in [0, {_INT32_MAX}]")
+        _refuse_bools(tokens, ids)
         return packed.tobytes()
     try:
         arr = np.asarray(tokens)
@@ -119,13 +121,25 @@ def tokens_to_bytes(tokens: TokenIds) -> bytes:
         raise InvalidTokens(f"tokens: must be 1-D, got shape {arr.shape}")
     if arr.size == 0:
         return b""
-    if not np.issubdtype(arr.dtype, np.integer):
+    if not np.issubdtype(arr.dtype, np.integer):  # bool arrays included: not ids
         raise InvalidTokens(f"tokens: must be integers, got dtype {arr.dtype}")
     lo, hi = int(arr.min()), int(arr.max())
     if lo < 0 or hi > _INT32_MAX:
         bad = lo if lo < 0 else hi
         raise InvalidTokens(f"tokens: id {bad} is outside the int32 range [0, {_INT32_MAX}]")
+    if isinstance(tokens, (list, tuple)):
+        _refuse_bools(tokens, arr)
     return arr.astype("<i4", copy=False).tobytes()
+
+
+def _refuse_bools(tokens: list[int] | tuple[int, ...], ids: np.ndarray) -> None:
+    """array('i') and numpy both take True/False as 1/0: a bug upstream, not an id. Only
+    the positions holding 0 or 1 can be bools, so only those are looked at."""
+    if ids.size and int(ids.min()) <= 1:
+        for i in np.flatnonzero(ids <= 1).tolist():
+            if type(tokens[i]) is bool:
+                raise InvalidTokens(f"tokens[{i}]: {tokens[i]!r} is a bool, not a token id",
+                                    field=f"tokens[{i}]")
 
 
 def root_key(scope: Scope | bytes = DEFAULT_SCOPE) -> bytes:

@@ -110,7 +110,9 @@ def serve(stdin: Any = None, stdout: Any = None) -> None:
             if op == "exit":
                 break
             try:
-                if op == "read":
+                if op == "ping":  # ready: imports done, the command loop running
+                    reply: dict[str, Any] = {"ok": True}
+                elif op == "read":
                     reply = _read(b, Lease.from_dict(cmd["lease"]))
                 elif op == "fill":
                     reply = _fill(b, Lease.from_dict(cmd["lease"]), cmd["rows"], int(cmd["seed"]))
@@ -135,6 +137,12 @@ class BorrowerProcess:
             stdout=subprocess.PIPE,
             text=True,
         )
+
+    def wait_ready(self) -> None:
+        """Return once the borrower answers (a fresh interpreter imports torch first:
+        5-9 s on a loaded machine), so a lease lent next is not spent on its start."""
+        if not self.call("ping")["ok"]:
+            raise RuntimeError("borrower: no answer to ping")
 
     def call(self, op: str, **fields: Any) -> dict[str, Any]:
         """Send one command, wait for its answer."""

@@ -118,7 +118,7 @@ class StoreMachine(RuleBasedStateMachine):
         try:
             self.store.put(name, data, parent=parent)
         except RowLocked:
-            assert self._locked(name), "RowLocked for an unlocked name"
+            assert self._locked(name) or name in self.pinned, "RowLocked for a free name"
             return
         except PageSizeMismatch:
             assert present and held != size, f"PageSizeMismatch: held {held}, put {size}"

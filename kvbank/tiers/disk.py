@@ -65,6 +65,8 @@ from kvbank.tiers.base import (
     as_out_view,
     check_name,
 )
+from kvbank.tiers.diskfile import DirLock, SalvageReport, check_file
+from kvbank.tiers.diskfile import salvage as run_salvage
 from kvbank.tiers.lockorder import Rank, make_lock
 
 logger = logging.getLogger(__name__)
@@ -79,6 +81,11 @@ DEFAULT_LEVEL = 1  # zstd-1 on byte planes: ratio ~1.44 at ~0.7 GB/s (machine-li
 
 
 DiskRow = FrameRow  # one committed row as its meta record says
+
+# The one table of what LMDB (and the file system under it) raises here: every call into
+# lmdb catches exactly these and maps them through DiskTier._mapped (TierFull for a full
+# map or file system, TierUnavailable otherwise), so only KvbankError leaves this module.
+LMDB_ERRORS: tuple[type[Exception], ...] = (lmdb.Error, OSError)
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,6 +150,48 @@ def _check_row(row: DiskRow, frame: memoryview | bytes | None) -> None:
                           f"{header.dtype}, meta says {row.raw_len} of {row.dtype}")
 
 
+def _check_salvaged(name: bytes, frame: bytes | None, meta: bytes | None) -> bytes:
+    """The meta record to keep for a row worth salvaging: a row name and a frame that
+    decodes (its checksum included); its own record if that passes and agrees, else one
+    rebuilt from the frame's header (no parent, the oldest write clock). ``CorruptPage``
+    when the frame cannot be trusted."""
+    if len(name) != ROW_NAME_BYTES:
+        raise CorruptPage(f"key of {len(name)} bytes is no row name")
+    if frame is None:
+        raise CorruptPage(f"row {name.hex()[:16]}…: meta has no frame")
+    header = frame_info(frame)
+    try:
+        decode_into(frame, bytearray(header.raw_len))
+    except CorruptPage:
+        raise
+    except ValueError as exc:  # a payload at odds with its header (numpy's split says so)
+        raise CorruptPage(f"row {name.hex()[:16]}…: {exc}") from exc
+    if meta is not None:
+        try:
+            _check_row(_unpack_meta(name, meta), frame)
+            return meta
+        except CorruptPage:
+            pass
+    return _pack_meta(name, header.raw_len, len(frame), 0, header.dtype, None)
+
+
+def _delete_exact(txn: lmdb.Transaction, db: lmdb._Database, key: bytes) -> int:
+    """Delete ``key`` from ``db``; the bytes its value held (0 if absent). By lookup
+    first; when that misses, by a walk (a damaged key is out of order)."""
+    value = txn.get(key, db=db)
+    if value is not None:
+        n = len(value)
+        txn.delete(key, db=db)
+        return n
+    cur = txn.cursor(db=db)
+    for k, v in cur:
+        if bytes(k) == key:
+            n = len(v)
+            cur.delete()
+            return n
+    return 0
+
+
 def check_dtype(dtype: str) -> None:
     """Refuse a dtype the codec cannot name (before anything is stored)."""
     if not isinstance(dtype, str) or dtype not in DTYPE_CODES:
@@ -162,6 +211,7 @@ class DiskTier(Tier):
         sync: bool = True,
         level: int = DEFAULT_LEVEL,
         map_size: int | None = None,
+        salvage: bool = False,
     ) -> None:
         self.path = Path(path) / "lmdb"
         self._budget = budget
@@ -169,32 +219,47 @@ class DiskTier(Tier):
         self._lock = make_lock(Rank.DISK_TIER, "DiskTier._lock")  # one writer; the counters
         self._closed = False
         self.corrupt_rows = 0
+        self.salvaged: SalvageReport | None = None  # what a salvage at open found
+        size = map_size or budget * MAP_FACTOR + MAP_SLACK
         try:
             self.path.mkdir(parents=True, exist_ok=True)
-            self._env = lmdb.open(
-                str(self.path),
-                map_size=map_size or budget * MAP_FACTOR + MAP_SLACK,
-                subdir=True,
-                max_dbs=2,
-                sync=sync,
-                metasync=sync,
-                readahead=True,
-                writemap=False,
-                lock=True,
-                max_readers=254,
-            )
-            self._frames = self._env.open_db(b"frames")
-            self._meta = self._env.open_db(b"meta")
-        except (lmdb.Error, OSError) as exc:
-            raise TierUnavailable(f"disk tier: cannot open {self.path}: {exc}") from exc
-        # Every frame counts until the rows that failed their checks are deleted (which
-        # subtracts what they really hold), so used_bytes is exact whatever meta claimed.
-        rows, bad, self._used = self._scan_checked()
+        except OSError as exc:
+            raise TierUnavailable(f"disk tier: cannot create {self.path}: {exc}") from exc
+        self._dirlock = DirLock(Path(path))
+        try:
+            try:
+                # Before LMDB maps the file: a truncated one would be SIGBUS on first touch.
+                check_file(self.path)
+                self._open_env(size, sync)
+                rows, bad, self._used = self._scan_checked()
+            except TierUnavailable as exc:
+                if not salvage:
+                    raise
+                if hasattr(self, "_env"):
+                    self._env.close()
+                self.salvaged = run_salvage(self.path, str(exc), _check_salvaged, map_size=size)
+                self._open_env(size, sync)
+                rows, bad, self._used = self._scan_checked()
+        except BaseException:
+            if hasattr(self, "_env"):
+                self._env.close()
+            self._dirlock.release()
+            raise
         self.seq = max((r.seq for r in rows), default=0)  # the highest write clock on disk
         self._opened: list[DiskRow] | None = rows  # what scan() answers until a write
         if bad:  # the row cannot be trusted: drop it, never fail the open for it
             self._drop_bad(bad)
         logger.debug("disk tier %s: opened, %d bytes in rows", self.path, self._used)
+
+    def _open_env(self, map_size: int, sync: bool) -> None:
+        try:
+            self._env = lmdb.open(str(self.path), map_size=map_size, subdir=True, max_dbs=2,
+                                  sync=sync, metasync=sync, readahead=True, writemap=False,
+                                  lock=True, max_readers=254)
+            self._frames = self._env.open_db(b"frames")
+            self._meta = self._env.open_db(b"meta")
+        except LMDB_ERRORS as exc:
+            raise TierUnavailable(f"disk tier: cannot open {self.path}: {exc}") from exc
 
     # -- capabilities ------------------------------------------------------------------
 
@@ -294,7 +359,7 @@ class DiskTier(Tier):
                         txn.put(r.name, r.frame, db=self._frames)
                         txn.put(r.name, meta, db=self._meta)
                         grow += change
-            except (lmdb.Error, OSError) as exc:
+            except LMDB_ERRORS as exc:
                 what = rows[0].name.hex()[:16] + "…" + (f" and {len(rows) - 1} more" if len(rows) > 1 else "")
                 raise self._mapped(f"writing {what}", exc) from exc
             self._used += grow
@@ -327,7 +392,7 @@ class DiskTier(Tier):
                 # The buffer is LMDB's mapped page, valid only inside this transaction:
                 # decode straight from it into the caller's memory, no copy in between.
                 return decode_into(buf, out)
-        except lmdb.Error as exc:
+        except LMDB_ERRORS as exc:
             raise TierUnavailable(f"disk tier: reading {name.hex()[:16]}…: {exc}") from exc
 
     def read_frame(self, name: bytes) -> bytes | None:
@@ -345,7 +410,7 @@ class DiskTier(Tier):
                 _check_row(_unpack_meta(name, rec), buf)
                 assert buf is not None  # _check_row raised otherwise
                 return bytes(buf)
-        except lmdb.Error as exc:
+        except LMDB_ERRORS as exc:
             raise TierUnavailable(f"disk tier: reading {name.hex()[:16]}…: {exc}") from exc
 
     def drop_corrupt(self, name: bytes) -> None:
@@ -365,10 +430,12 @@ class DiskTier(Tier):
         first: str | None = None
         try:
             with self._env.begin(buffers=True) as txn:
+                with_frame = 0
                 for key, value in txn.cursor(db=self._meta):
                     name, rec = bytes(key), bytes(value)
                     frame = txn.get(name, db=self._frames)
                     used += 0 if frame is None else len(frame)
+                    with_frame += frame is not None
                     try:
                         if len(name) != ROW_NAME_BYTES:
                             raise CorruptPage(f"meta key of {len(name)} bytes is no row name")
@@ -380,13 +447,13 @@ class DiskTier(Tier):
                         continue
                     rows.append(row)
                 n_frames = txn.stat(self._frames)["entries"]
-                if n_frames > len(rows) + len(bad):  # frames with no meta record
+                if n_frames > with_frame:  # frames with no meta record (or a damaged key)
                     known = {r.name for r in rows}.union(bad)
                     for key, value in txn.cursor(db=self._frames):
                         if bytes(key) not in known:
                             bad.append(bytes(key))
                             used += len(value)
-        except lmdb.Error as exc:
+        except LMDB_ERRORS as exc:
             raise TierUnavailable(f"disk tier: scanning {self.path}: {exc}") from exc
         if first is not None:
             logger.warning("disk tier: %d rows failed their metadata checks (first: %s)",
@@ -394,10 +461,23 @@ class DiskTier(Tier):
         return rows, bad, used
 
     def _drop_bad(self, names: list[bytes]) -> None:
-        """Delete rows that failed their checks at a scan, and count them."""
+        """Delete rows that failed their checks at a scan, and count them. A key whose
+        stored bytes are damaged sits out of B-tree order, where a lookup by key never
+        finds it: such an entry is found by walking the database and deleted through the
+        cursor, and ``used_bytes`` drops by the frame bytes really freed."""
         with self._lock:
             self._check_open()
-            self._delete_locked(names)
+            freed = 0
+            try:
+                with self._env.begin(write=True, buffers=True) as txn:
+                    for name in names:
+                        for db in (self._frames, self._meta):
+                            n = _delete_exact(txn, db, name)
+                            freed += n if db is self._frames else 0
+            except LMDB_ERRORS as exc:
+                raise self._mapped("deleting damaged rows", exc) from exc
+            self._used -= freed
+            self._opened = None
             self.corrupt_rows += len(names)
         logger.warning("disk tier: dropped %d rows whose metadata failed its checks", len(names))
 
@@ -421,7 +501,7 @@ class DiskTier(Tier):
         try:
             with self._env.begin(db=self._meta) as txn:
                 return [bytes(k) for k in txn.cursor().iternext(keys=True, values=False)]
-        except lmdb.Error as exc:
+        except LMDB_ERRORS as exc:
             raise TierUnavailable(f"disk tier: listing names: {exc}") from exc
 
     def check(self) -> None:
@@ -493,7 +573,7 @@ class DiskTier(Tier):
                         txn.delete(name, db=self._frames)
                     meta_gone = txn.delete(name, db=self._meta)
                     found.append(meta_gone or frame is not None)
-        except (lmdb.Error, OSError) as exc:
+        except LMDB_ERRORS as exc:
             raise self._mapped("deleting rows", exc) from exc
         self._used -= freed
         self._opened = None
@@ -504,7 +584,7 @@ class DiskTier(Tier):
         try:
             with self._env.begin(db=self._meta, buffers=True) as txn:
                 return [txn.get(check_name(n)) is not None for n in names]
-        except lmdb.Error as exc:
+        except LMDB_ERRORS as exc:
             raise TierUnavailable(f"disk tier: lookup: {exc}") from exc
 
     def close(self) -> None:
@@ -513,4 +593,5 @@ class DiskTier(Tier):
                 return
             self._closed = True
             self._env.close()
+            self._dirlock.release()
             logger.debug("disk tier %s: closed", self.path)

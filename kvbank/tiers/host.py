@@ -14,7 +14,8 @@ Primitives:
   the one name check); :func:`attach` / :class:`SlotMapping` map just one slot given a
   :class:`~kvbank.tiers.base.HostSlot` (segment name, offset, size), and the borrower
   (:mod:`kvbank.lender.borrow`) maps whole segments through it.
-- :func:`cleanup_stale` — unlinks segments left by dead processes (``kill -9``).
+- :func:`cleanup_stale` — unlinks segments left by dead processes (``kill -9``); every
+  new slab calls it for its prefix, so a restarted bank reclaims its predecessor's memory.
 
 Why not :class:`multiprocessing.shared_memory.SharedMemory`: on Python < 3.13 every
 process that *attaches* registers the segment with its resource tracker, which unlinks
@@ -111,6 +112,9 @@ class HostSlab(AllocatorBacked):
     def __init__(self, budget: int, *, prefix: str = DEFAULT_PREFIX, pin: bool = True) -> None:
         if "/" in prefix or not prefix:
             raise InvalidInput(f"prefix: not usable in a shared-memory name: {prefix!r}")
+        # A bank killed with SIGKILL never unlinks its segment: reclaim those of dead
+        # owners here, at the one moment a new owner starts (they hold memory forever).
+        self.reclaimed = tuple(cleanup_stale(prefix))
         self.segment = f"{prefix}-{os.getpid()}-{secrets.token_hex(6)}"
         self._alloc = SlotAllocator(budget, on_grow=self._grow, on_release=self._release)
         self._pin = _cuda_pinning() if pin else None

@@ -94,3 +94,56 @@ def test_lender_stages_with_no_lender_lock_held(tmp_path: Path) -> None:
         gate.set()
         lender.close()
         store.close()
+
+
+def test_a_slow_lend_never_delays_expiry_release_or_read(tmp_path: Path) -> None:
+    """Regression (issue 9): with 2 s of staging a 0.5 s lease unlocked only at 2.11 s,
+    because the lend held the lender lock while it staged from disk. Deterministic: the
+    staging blocks on an event (the Copier seam) and the clock is fake. On code that
+    holds the lock, ``reap`` waits for the watchdog to open the gate, and the lend has
+    finished by then: the assertion on ``done`` fails instead of the suite hanging."""
+    first = TieredStore(_config(tmp_path, write_policy="write-through"))
+    cold = [name_of(i, b"c") for i in range(2)]
+    for i, n in enumerate(cold):
+        first.put(n, page_of(i, P))
+    first.close(persist=False)
+    entered, gate, done = threading.Event(), threading.Event(), threading.Event()
+
+    class SlowDisk(Copier):
+        def from_frames(self, frames, name, pool, off, size):  # type: ignore[no-untyped-def]
+            entered.set()
+            assert gate.wait(60)
+            return super().from_frames(frames, name, pool, off, size)
+
+    clock = FakeClock()
+    store = TieredStore(_config(tmp_path), copier=SlowDisk(), encode_workers=1)
+    lender = Lender(store, store.config, clock=clock, reaper=False)
+    watchdog = threading.Timer(30, gate.set)
+    try:
+        hot = [name_of(i, b"h") for i in range(3)]
+        for i, n in enumerate(hot):
+            store.put(n, page_of(10 + i, P))
+        short = lender.lend(hot[:1], ttl_s=0.5)
+        kept = lender.lend(hot[1:2], ttl_s=30)
+        t = threading.Thread(target=lambda: (lender.lend(cold), done.set()))
+        t.start()
+        assert entered.wait(30), "the cold lend never reached the disk"
+        watchdog.start()
+        clock.now += 1.0
+        assert lender.reap() == 1  # the short lease, while the cold lend still stages
+        assert not done.is_set(), "expiry waited for the slow lend to finish"
+        assert not store.locks.is_locked(hot[0])
+        assert lender.read(kept.id, hot[1]) == page_of(11, P)
+        assert lender.release(kept.id) is True
+        assert not done.is_set()
+        with pytest.raises(LeaseExpired):
+            lender.read(short.id, hot[0])
+        gate.set()
+        t.join(60)
+        assert done.is_set()
+        lender.check_invariants()
+    finally:
+        watchdog.cancel()
+        gate.set()
+        lender.close()
+        store.close()

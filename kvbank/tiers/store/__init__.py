@@ -62,12 +62,12 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from kvbank.config import BankConfig
-from kvbank.errors import InvalidInput, RowLocked
+from kvbank.errors import ConfigError, InvalidInput, RowLocked
 from kvbank.tiers.base import Buffer, FrameStore, TierKind, as_bytes_view, check_name
 from kvbank.tiers.device import DevicePool, device_budget
 from kvbank.tiers.host import HostSlab
 from kvbank.tiers.index import DEV, DISK, HOST, KIND_OF_BIT
-from kvbank.tiers.store import admin, reads, writes
+from kvbank.tiers.store import admin, placement, reads, writes
 from kvbank.tiers.store import persist as persistence
 from kvbank.tiers.store.check import check
 from kvbank.tiers.store.copier import Copier, Lanes, default_copy_threads
@@ -143,12 +143,21 @@ class TieredStore:
             if config.data_dir is not None and config.disk_bytes > 0:
                 from kvbank.tiers.disk import DiskTier
 
-                frames.append(DiskTier(config.data_dir, config.disk_bytes, sync=config.disk_sync))
+                disk = DiskTier(config.data_dir, config.disk_bytes, sync=config.disk_sync,
+                                salvage=config.disk_salvage)
+                frames.append(disk)
+                if disk.salvaged is not None:
+                    notes.append(disk.salvaged.summary())
                 from kvbank.tiers.remote import open_remote
 
                 remote = open_remote(config, notes)  # the coldest frame store, below the disk
                 if remote is not None:
                     frames.append(remote)
+            if device is None and host is None and not frames:
+                raise ConfigError(
+                    "host_bytes: the store has no tier: host_bytes is 0, the device tier is "
+                    f"off ({notes[0] if notes else 'device_bytes 0'}) and there is no disk "
+                    "tier (data_dir unset or disk_bytes 0)", field="host_bytes")
             st = StoreState(config, device=device, host=host, frames=frames,
                             copier=copier or Copier(), clock=clock)
             st.notes.extend(notes)
@@ -285,6 +294,12 @@ class TieredStore:
 
     # -- the mover, introspection ------------------------------------------------------
 
+    def refuses(self, size: int) -> str | None:
+        """Why no tier could ever hold a row of ``size`` bytes, or None (layouts are
+        checked against this when registered)."""
+        with self._st.lock:
+            return placement.refuses(self._st, size)
+
     def flush(self, timeout_s: float | None = None) -> None:
         """Wait until the mover is idle (``Busy`` at the deadline)."""
         self._mover.flush(self._deadline(timeout_s))
@@ -332,8 +347,9 @@ class TieredStore:
                     tiers.append(TierHealth(kind, False, HealthState.OFF, why))
                 elif bit == DISK and st.disk_error is not None:
                     tiers.append(TierHealth(kind, True, HealthState.DEGRADED, st.disk_error))
-                else:
-                    tiers.append(TierHealth(kind, True, HealthState.OK, ""))
+                else:  # a salvage at open is said here until the next open
+                    said = next((n for n in st.notes if n.startswith(kind.value)), "")
+                    tiers.append(TierHealth(kind, True, HealthState.OK, said))
             ok = mover and all(t.state is not HealthState.DEGRADED for t in tiers)
             notes = list(st.notes)
             failed = getattr(st.remote, "failed_writes", 0)  # the remote tier's own count
@@ -347,8 +363,11 @@ class TieredStore:
         return self._st.closed
 
     def check_invariants(self) -> None:
-        """Raise AssertionError naming the first broken invariant (see ``.check``)."""
-        with self._st.lock:
+        """Raise AssertionError naming the first broken invariant (see ``.check``).
+
+        Takes the disk lock first: a write-through put holds it from its disk commit to
+        its index update, and between the two the disk has a row the index does not."""
+        with self._st.disk_lock, self._st.lock:
             problems = check(self._st)
         if problems:
             raise AssertionError(problems[0])

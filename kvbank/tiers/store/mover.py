@@ -25,21 +25,35 @@ import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from kvbank.codec import frame_info
+from kvbank.config import WritePolicy
 from kvbank.errors import Busy, CorruptPage, TierError
 from kvbank.tiers.index import DEV, DISK, HOST, MOVING
 from kvbank.tiers.store.placement import reclaim
 from kvbank.tiers.store.state import StoreState
 from kvbank.tiers.store.types import Job, JobKind
 
+if TYPE_CHECKING:
+    from kvbank.tiers.store.dirty import DirtySweep
+
 logger = logging.getLogger("kvbank.tiers.store")
 
 WINDOW_PER_WORKER = 2  # encodes in flight per worker: one running, one ready to write
 GROUP_COMMIT = 16  # most encoded demotions written in one transaction
 Window = collections.deque[tuple[Job, "Future[bytes]"]]  # demotions being encoded, FIFO
+
+
+def _dirty_sweep(st: StoreState) -> DirtySweep | None:
+    expire = st.config.dirty_expire_s
+    if st.disk is None or not expire or st.config.write_policy is not WritePolicy.WRITE_BACK:
+        return None
+    from kvbank.tiers.store.dirty import DirtySweep  # imports admin, which needs no mover
+
+    return DirtySweep(st, expire)
 
 
 def default_encode_workers() -> int:
@@ -56,6 +70,7 @@ class Mover:
         if st.disk is not None:
             self.encoder = ThreadPoolExecutor(workers, thread_name_prefix="kvbank-codec")
         self._seen = -1  # st.changes at the last pressure test that found nothing to do
+        self.dirty = _dirty_sweep(st)
         self.thread = threading.Thread(target=self._run, name="kvbank-mover", daemon=True)
 
     def start(self) -> None:
@@ -162,16 +177,23 @@ class Mover:
     def _run(self) -> None:
         st = self.st
         window: Window = collections.deque()
+        dirty = self.dirty
         while True:
+            if dirty is not None and not window and dirty.due():
+                dirty.run()  # write-back's bounded dirty age (see .dirty)
             fut: Future[bytes] | None = None
             with st.lock:
-                st.cond.wait_for(lambda: bool(window) or self._has_work())
+                st.cond.wait_for(lambda: bool(window) or self._has_work()
+                                 or (dirty is not None and dirty.due()),
+                                 timeout=None if dirty is None else dirty.wait_s())
                 if st.closed:
                     self._cancel_jobs(window)
                     st.busy = False
                     st.cond.notify_all()
                     return
                 if not st.jobs and not window:
+                    if dirty is not None and dirty.due():
+                        continue  # the sweep runs at the top, with no lock held
                     self._plan()
                     if not st.jobs:
                         # Done at once (clean drops), or pressure without a plan (victims

@@ -17,6 +17,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+from kvbank.codec import MAX_PAGE_BYTES
 from kvbank.errors import Busy, TierFull
 from kvbank.tiers.index import DEV, DISK, HOST, KIND_OF_BIT, MOVING
 from kvbank.tiers.slots import slot_class
@@ -146,6 +147,18 @@ def alloc_memory(st: StoreState, size: int, deadline: float) -> tuple[int, int |
         + ", ".join(f"{KIND_OF_BIT[b].value} {p.used_bytes}/{p.budget} bytes"
                     for b, p in st.pools.items())
         + "; nothing evictable (locked, pinned, reserved or being read)")
+
+
+def refuses(st: StoreState, size: int) -> str | None:
+    """Why no tier could ever hold a row of ``size`` bytes (even empty), or None."""
+    if any(pool.fits(size) for pool in st.pools.values()):
+        return None
+    if st.disk is not None and size <= MAX_PAGE_BYTES:
+        return None
+    tiers = [f"{KIND_OF_BIT[b].value} (budget {p.budget})" for b, p in st.pools.items()]
+    if st.disk is not None:
+        tiers.append(f"disk (at most {MAX_PAGE_BYTES} bytes a row)")
+    return f"a {size}-byte row fits no tier: " + (", ".join(tiers) or "none is enabled")
 
 
 def alloc_for_stage(st: StoreState, bit: int, size: int, deadline: float, what: str) -> int:

@@ -114,6 +114,10 @@ class StoreState:
     def check_writable(self, name: bytes, size: int, holder: str | None) -> None:
         if self.locks.locked_by_other(name, holder):
             raise RowLocked(f"row {name.hex()[:16]}…: locked by {sorted(self.locks.holders(name))}")
+        if name in self.pins:
+            # A pinned row stays where it is; a new copy would go wherever there is room
+            # (host while the device is full) and the old tiers' copies would go.
+            raise RowLocked(f"row {name.hex()[:16]}…: pinned; unpin it to overwrite")
         rid = self.ix.ids.get(name)
         if rid is not None and int(self.ix.size[rid]) != size:
             raise PageSizeMismatch(

@@ -1,0 +1,231 @@
+"""Opening a data dir: one bank per dir, truncated and empty files, salvage, damaged keys.
+
+Regression tests for issue 9's open-time faults. Each was run against the landed code
+(5ba5ecc's disk tier, which had no lock, no size check and no salvage) and failed there.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import lmdb
+import pytest
+
+from kvbank.config import BankConfig
+from kvbank.errors import TierUnavailable
+from kvbank.testing.tiers import name_of, page_of
+from kvbank.tiers.base import TierKind
+from kvbank.tiers.disk import DiskTier
+from kvbank.tiers.store import TieredStore
+
+PAGE = 4096
+
+
+def _fill(data_dir: Path, n: int, *, page: int = PAGE) -> None:
+    tier = DiskTier(data_dir, 64 << 20, sync=False)
+    try:
+        for i in range(n):
+            tier.put(name_of(i), page_of(i, page))
+    finally:
+        tier.close()
+
+
+def _readable(tier: DiskTier, n: int, *, page: int = PAGE) -> list[int]:
+    """The indexes of rows that read back, each checked byte for byte."""
+    out = bytearray(page)
+    got = []
+    for i in range(n):
+        if tier.read_into(name_of(i), out) is not None:
+            assert bytes(out) == page_of(i, page), f"row {i} read back wrong bytes"
+            got.append(i)
+    return got
+
+
+def test_second_opener_of_a_data_dir_is_refused_naming_the_holders_pid(tmp_path: Path) -> None:
+    """Two tiers on one dir each enforced the budget over their own rows only."""
+    first = DiskTier(tmp_path, 1 << 20, sync=False)
+    try:
+        with pytest.raises(TierUnavailable, match=f"pid {os.getpid()}") as err:
+            DiskTier(tmp_path, 1 << 20, sync=False)
+        assert err.value.field == "data_dir"
+    finally:
+        first.close()
+    DiskTier(tmp_path, 1 << 20, sync=False).close()  # closed: the dir is free again
+
+
+def test_second_bank_process_on_a_data_dir_is_refused(tmp_path: Path) -> None:
+    first = TieredStore(BankConfig(data_dir=tmp_path, device_bytes=0, host_bytes=1 << 20,
+                                   disk_sync=False))
+    try:
+        code = ("import sys\nfrom kvbank.config import BankConfig\n"
+                "from kvbank.errors import TierUnavailable\n"
+                "from kvbank.tiers.store import TieredStore\n"
+                "try:\n"
+                f"    TieredStore(BankConfig(data_dir={str(tmp_path)!r}, device_bytes=0,"
+                " host_bytes=1 << 20))\n"
+                "except TierUnavailable as exc:\n    print(exc); sys.exit(3)\n")
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                              check=False)
+        assert done.returncode == 3, done.stderr
+        assert f"pid {os.getpid()}" in done.stdout
+    finally:
+        first.close()
+
+
+_OPEN_TRUNCATED = """
+import sys
+from kvbank.errors import TierUnavailable
+from kvbank.tiers.disk import DiskTier
+try:
+    DiskTier(sys.argv[1], 64 << 20, sync=False)
+except TierUnavailable as exc:
+    print(exc)
+    sys.exit(3)
+"""
+
+
+@pytest.mark.parametrize("keep", ["half", "8KiB", "0"])
+def test_truncated_data_file_is_tier_unavailable_naming_it_not_sigbus(
+        tmp_path: Path, keep: str) -> None:
+    """The open-time scan read mapped pages past the end of the file: exit 135 (SIGBUS).
+    A 0-byte file opened as an empty tier, a silent loss. Run in a child process so that
+    a SIGBUS fails this test instead of killing the suite."""
+    _fill(tmp_path, 200)
+    data = tmp_path / "lmdb" / "data.mdb"
+    size = data.stat().st_size
+    os.truncate(data, {"half": size // 2, "8KiB": 8192, "0": 0}[keep])
+    done = subprocess.run([sys.executable, "-c", _OPEN_TRUNCATED, str(tmp_path)],
+                          capture_output=True, text=True, check=False)
+    assert done.returncode == 3, (done.returncode, done.stderr[-2000:])
+    assert str(data) in done.stdout
+    assert ("truncated" if keep != "0" else "empty") in done.stdout
+
+
+@pytest.mark.parametrize("keep", ["half", "8KiB", "0"])
+def test_salvage_copies_the_readable_rows_of_a_truncated_file_and_reports_the_rest(
+        tmp_path: Path, keep: str) -> None:
+    _fill(tmp_path, 200)
+    data = tmp_path / "lmdb" / "data.mdb"
+    os.truncate(data, {"half": data.stat().st_size // 2, "8KiB": 8192, "0": 0}[keep])
+    tier = DiskTier(tmp_path, 64 << 20, sync=False, salvage=True)
+    try:
+        report = tier.salvaged
+        assert report is not None
+        got = _readable(tier, 200)
+        assert report.copied == len(got)
+        if keep == "half":
+            assert report.copied + report.dropped == 200
+            assert report.copied > 0
+        else:  # nothing left to read: said, not silent
+            assert report.copied == 0
+            assert report.first_error or "empty" in report.reason
+        assert report.kept_at.is_dir() and report.kept_at != tier.path  # never wiped
+        assert tier.used_bytes == sum(len(tier.read_frame(name_of(i)) or b"") for i in got)
+        tier.check()
+    finally:
+        tier.close()
+    again = DiskTier(tmp_path, 64 << 20, sync=False)  # the fresh environment stands alone
+    try:
+        assert again.salvaged is None
+        assert _readable(again, 200) == got
+    finally:
+        again.close()
+
+
+def _flip_in_file(path: Path, needle: bytes, delta: int) -> None:
+    """Flip a byte at ``delta`` into every copy of ``needle`` (freed pages hold old ones)."""
+    raw = bytearray(path.read_bytes())
+    at = raw.find(needle)
+    assert at >= 0, "the bytes to damage are not in the file"
+    while at >= 0:
+        raw[at + delta] ^= 0xFF
+        at = raw.find(needle, at + 1)
+    path.write_bytes(bytes(raw))
+
+
+def test_store_salvage_of_a_damaged_btree_page_is_said_in_health(tmp_path: Path) -> None:
+    """One damaged byte in a B-tree page refused the start with no way back."""
+    _fill(tmp_path, 200, page=512)
+    data = tmp_path / "lmdb" / "data.mdb"
+    page = os.sysconf("SC_PAGE_SIZE")
+    raw = bytearray(data.read_bytes())
+    # Damage the page header (flags) of the leaf page holding row 0's meta record (its
+    # key then its record, inline): the B-tree cannot be walked through it.
+    env = lmdb.open(str(tmp_path / "lmdb"), max_dbs=2, subdir=True)
+    with env.begin(db=env.open_db(b"meta")) as txn:
+        needle = name_of(0) + bytes(txn.get(name_of(0)))
+    env.close()
+    at = raw.rfind(needle)
+    assert at > 0
+    raw[at // page * page + 10] = 0x40  # mp_flags: no longer a leaf
+    data.write_bytes(bytes(raw))
+    cfg = BankConfig(data_dir=tmp_path, device_bytes=0, host_bytes=1 << 20, disk_sync=False,
+                     disk_bytes=64 << 20)
+    with pytest.raises(TierUnavailable, match=r"disk_salvage|MDB|corrupt|Corrupt"):
+        TieredStore(cfg).close()
+    store = TieredStore(cfg.replace(disk_salvage=True))
+    try:
+        disk = next(t for t in store.health().tiers if t.kind is TierKind.DISK)
+        assert "salvaged" in disk.detail and "dropped" in disk.detail
+        # The frames database is whole: every row comes back from it, byte for byte.
+        out = bytearray(512)
+        for i in range(200):
+            assert store.get_into(name_of(i), out) == 512
+            assert bytes(out) == page_of(i, 512)
+        store.check_invariants()
+    finally:
+        store.close()
+
+
+def test_a_row_with_damaged_key_bytes_is_deleted_at_open_and_used_bytes_stay_exact(
+        tmp_path: Path) -> None:
+    """Found at open, never deletable by key lookup: recounted as corrupt at every open."""
+    _fill(tmp_path, 8, page=512)
+    name = name_of(3)
+    env = lmdb.open(str(tmp_path / "lmdb"), max_dbs=2, subdir=True)
+    with env.begin(db=env.open_db(b"meta")) as txn:
+        rec = bytes(txn.get(name))
+    env.close()
+    # The meta node holds the key then its record: damage the key's first byte there,
+    # which also puts it out of B-tree order.
+    _flip_in_file(tmp_path / "lmdb" / "data.mdb", name + rec, 0)
+    first = DiskTier(tmp_path, 64 << 20, sync=False)
+    try:
+        assert first.corrupt_rows >= 1
+        first.check()
+        assert first.used_bytes == sum(len(first.read_frame(name_of(i)) or b"")
+                                       for i in range(8))
+    finally:
+        first.close()
+    second = DiskTier(tmp_path, 64 << 20, sync=False)
+    try:
+        assert second.corrupt_rows == 0  # deleted for good, not recounted
+        second.check()
+    finally:
+        second.close()
+
+
+def test_a_new_host_slab_reclaims_segments_of_dead_owners(tmp_path: Path) -> None:
+    from kvbank.tiers.host import SHM_DIR, HostSlab
+
+    child = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                           capture_output=True, text=True, check=True)
+    dead = int(child.stdout)
+    stale = SHM_DIR / f"kvbank-{dead}-0123456789ab"
+    live = SHM_DIR / f"kvbank-{os.getpid()}-ba9876543210"
+    stale.write_bytes(b"x" * 4096)
+    live.write_bytes(b"y")
+    try:
+        slab = HostSlab(1 << 20)
+        try:
+            assert not stale.exists()
+            assert stale.name in slab.reclaimed
+            assert live.exists()  # its owner is alive
+        finally:
+            slab.close()
+    finally:
+        for p in (stale, live):
+            p.unlink(missing_ok=True)

@@ -20,6 +20,7 @@ Every call on a kind whose tier is off raises ``TierUnavailable``.
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Sequence
 from typing import Generic, TypeVar
 
@@ -40,7 +41,7 @@ from kvbank.tiers.store.writes import publish
 SlotT = TypeVar("SlotT", HostSlot, DeviceSlot)
 
 
-class MemoryOps(Generic[SlotT]):
+class MemoryOps(Generic[SlotT], abc.ABC):
     bit: int
 
     def __init__(self, st: StoreState, mover: Mover) -> None:
@@ -54,11 +55,13 @@ class MemoryOps(Generic[SlotT]):
     def _deadline(self, timeout_s: float | None) -> float:
         return deadline_after(timeout_s, self._st.config.wait_timeout_s)
 
+    @abc.abstractmethod
     def _offset(self, slot: SlotT) -> int:
-        raise NotImplementedError
+        """Implemented per memory kind."""
 
+    @abc.abstractmethod
     def _slot(self, off: int, size: int) -> SlotT:
-        raise NotImplementedError
+        """Implemented per memory kind."""
 
     def reserve(self, size: int, holder: str, *, timeout_s: float | None = None) -> SlotT:
         if isinstance(size, bool) or not isinstance(size, int) or not 0 < size <= MAX_PAGE:
@@ -84,8 +87,9 @@ class MemoryOps(Generic[SlotT]):
             raise InvalidInput(f"slot.size: {slot.size}, reserved {hit[1]}")
         return off, hit[0]
 
+    @abc.abstractmethod
     def _source(self, off: int, size: int) -> memoryview:
-        raise NotImplementedError
+        """Implemented per memory kind."""
 
     def commit(self, name: bytes, slot: SlotT, *, dtype: str = "uint8",
                parent: bytes | None = None) -> None:
@@ -131,8 +135,9 @@ class MemoryOps(Generic[SlotT]):
         return [None if (s := staging.stage(self._st, n, self.bit, deadline)) is None
                 else self._typed(s) for n in names]
 
+    @abc.abstractmethod
     def _typed(self, slot: HostSlot | DeviceSlot) -> SlotT:
-        raise NotImplementedError
+        """Implemented per memory kind."""
 
 
 class HostOps(MemoryOps[HostSlot]):

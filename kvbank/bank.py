@@ -35,7 +35,8 @@ Primitives (value objects in :mod:`kvbank.results`, JSON forms in :mod:`kvbank.w
   under an expired lease must not be used). See :mod:`kvbank.lender.lender`.
 - operations: :meth:`~Bank.leases`, :meth:`~Bank.fetches`, :meth:`~Bank.stats`,
   :meth:`~Bank.health`, :meth:`~Bank.flush`, :meth:`~Bank.check_invariants`,
-  :meth:`~Bank.close`.
+  :meth:`~Bank.close`; admin and fleet calls (rows, evict, pin, unpin, touch, the change
+  feed, a row's encoded frame) in :mod:`kvbank.admin_ops`.
 
 Namespaces. A row name starts with ``SHA-256(scope, layout id)[:16]``, a one-way digest:
 to describe a row (its page size and buffer regions, for a lease) the bank must have
@@ -71,6 +72,7 @@ from typing import Self
 import torch
 
 from kvbank import lookup
+from kvbank.admin_ops import AdminOps
 from kvbank.buffers import OutBuffers, Pages, out_views, page_views
 from kvbank.catalog import Catalog
 from kvbank.config import BankConfig
@@ -95,7 +97,7 @@ Clock = Callable[[], float]  # monotonic seconds
 _SETTINGS = frozenset(f.name for f in dataclasses.fields(BankConfig))
 
 
-class Bank:
+class Bank(AdminOps):
     """A worker's KV-cache bank over a tiered store. See the module docstring."""
 
     def __init__(self, config: BankConfig | None = None, *, clock: Clock = time.monotonic,
@@ -468,9 +470,10 @@ class Bank:
         """The store's health: each tier's state and the mover's."""
         return self._store.health()
 
-    def flush(self) -> None:
-        """Wait until the store's mover is idle (demotions written, watermarks met)."""
-        self._store.flush()
+    def flush(self, timeout_s: float | None = None) -> None:
+        """Wait until the store's mover is idle (demotions written, watermarks met);
+        ``Busy`` after ``timeout_s`` (default: the store's ``wait_timeout_s``)."""
+        self._store.flush(timeout_s)
 
     def check_invariants(self) -> None:
         """The lender's tables, the ledger and the store agree (for tests)."""

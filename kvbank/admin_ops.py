@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from kvbank.catalog import Catalog
 from kvbank.errors import InvalidInput
 from kvbank.keys import ROW_NAME_BYTES, Scope, namespace
+from kvbank.layout import PageLayout
 from kvbank.tiers.store import EvictResult, RowEvent, RowInfo, TieredStore
 
 MAX_PAGE_ROWS = 10_000  # the store's own scan bound
@@ -63,6 +64,10 @@ class AdminOps:
             elif ns.startswith(prefix):
                 out.add(ns)
         return sorted(out)
+
+    def layouts(self) -> list[PageLayout]:
+        """Every registered layout."""
+        return [self._catalog.layout(i) for i in self._catalog.layout_ids()]
 
     def rows(self, layout_id: bytes | None = None, *, scope: Scope | None = None,
              prefix: bytes = b"", after: bytes | None = None,

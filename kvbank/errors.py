@@ -150,3 +150,15 @@ class FetchNotFound(FetchError, KeyError):
 
     def __str__(self) -> str:
         return str(self.args[0]) if self.args else "fetch not found"
+
+
+class AccessError(KvbankError):
+    """A served node refused the caller (its admin or tenant token)."""
+
+
+class Unauthorized(AccessError):
+    """No bearer token where one is required (a service answers 401)."""
+
+
+class Forbidden(AccessError):
+    """A wrong token, or a tenant reaching for another tenant's rows (answered 403)."""

@@ -25,18 +25,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvbank.errors import KvbankError
+from kvbank.errors import Forbidden, Unauthorized
 
 TOKEN_FILE = "admin.token"
 TOKEN_BYTES = 32
 
-
-class Unauthorized(KvbankError):
-    """No bearer token where one is required (answered 401)."""
-
-
-class Forbidden(KvbankError):
-    """A wrong token, or a tenant reaching for another tenant's rows (answered 403)."""
+__all__ = ["Forbidden", "TenantTokens", "Unauthorized", "bearer", "resolve_admin_token", "same"]
 
 
 def same(given: str, want: str) -> bool:

@@ -30,12 +30,12 @@ from collections.abc import Iterable, Sequence
 from starlette.requests import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from kvbank.errors import KvbankError
+from kvbank.errors import Forbidden, KvbankError, Unauthorized
 from kvbank.keys import Scope as KeyScope
 from kvbank.keys import namespace, namespace_of
 from kvbank.lender.base import Lease
 from kvbank.results import Match
-from kvbank.service.auth import Forbidden, TenantTokens
+from kvbank.service.auth import TenantTokens
 from kvbank.service.framing import PutHeader
 
 MAX_OWNED = 65_536  # namespaces, leases and fetches remembered per node (LRU)
@@ -186,7 +186,7 @@ class TenantMiddleware:
             try:
                 tenant = self.tokens.tenant_of(auth)
             except KvbankError as exc:
-                status = 401 if type(exc).__name__ == "Unauthorized" else 403
+                status = 401 if isinstance(exc, Unauthorized) else 403
                 body = json.dumps({"type": type(exc).__name__, "field": exc.field,
                                    "message": str(exc)}).encode()
                 await send({"type": "http.response.start", "status": status,

@@ -62,15 +62,15 @@ def test_tenant_b_never_reaches_tenant_a(node: NodeProcess) -> None:
         assert b.register(FA) == lid  # layouts are shared definitions, not rows
         names = a.put(lid, TOKENS[: 2 * P], group=0, pages=pages(2))  # shared memory
         names += a_tcp.put(lid, TOKENS, group=0, pages=pages(4)[2:], first_page=2)  # TCP
-        ma = a.match(lid, TOKENS + [1])
+        ma = a.match(lid, [*TOKENS, 1])
         assert ma.scope.tenant == "a" and ma.resume.tokens == 4 * P  # forced to a's tenant
         got = a_tcp.fetch(ma, out={0: torch.empty((4, PAGE), dtype=torch.uint8)})
         assert got.complete
         # b's own match of the same tokens is b's scope: a miss, never a's hit
-        mb = b.match(lid, TOKENS + [1])
+        mb = b.match(lid, [*TOKENS, 1])
         assert mb.scope.tenant == "b" and mb.resume.tokens == 0
         with pytest.raises(Forbidden):
-            b.match(lid, TOKENS + [1], scope=Scope("a"))
+            b.match(lid, [*TOKENS, 1], scope=Scope("a"))
         with pytest.raises(Forbidden):
             b.fetch(ma, out={0: torch.empty((4, PAGE), dtype=torch.uint8)})
         with pytest.raises(Forbidden):

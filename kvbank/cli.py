@@ -9,6 +9,7 @@ Subcommands:
   JSON row per case (``suite, case, metric, value, baseline, baseline_value, ratio``).
 - ``kvbank demo [--url URL]`` — the demo scenario against a served node (one started on a
   free port unless ``--url`` names a running one).
+- ``kvbank admin SUBCOMMAND`` — the admin API of a running node (:mod:`kvbank.cli_admin`).
 
 Every heavy import (torch, the bank, uvicorn) happens inside the subcommand that needs it,
 so ``kvbank --help`` and ``kvbank --version`` answer at once. A bare ``kvbank`` prints the
@@ -146,6 +147,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--url", default=None, help="a running node (default: start one)")
     demo.add_argument("--data-dir", default=None, help="the started node's disk tier folder (default: a temp dir)")
     demo.set_defaults(func=_cmd_demo)
+
+    from kvbank.cli_admin import add_parser as add_admin
+
+    add_admin(sub)
     return parser
 
 

@@ -74,6 +74,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         except ValueError:
             print(f"kvbank serve: --{name.replace('_', '-')}: not a number: {raw!r}", file=sys.stderr)
             return 2
+    if args.metrics_auth:
+        flags["metrics_auth"] = True
     config = ServiceConfig.load(args.config, flags=flags)
     if args.print_config:
         print(config.to_toml(), end="")
@@ -125,6 +127,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="print the effective settings (TOML) and exit")
     for flag, name, text in _SERVE_FLAGS:
         serve.add_argument(flag, dest=name, default=None, help=text)
+    serve.add_argument("--metrics-auth", action="store_true",
+                       help="/metrics needs the admin token too (default: open)")
     serve.set_defaults(func=_cmd_serve)
 
     bench = sub.add_parser(

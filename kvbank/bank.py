@@ -441,6 +441,13 @@ class Bank(AdminOps):
         """A leased row's bytes, only if the lease outlived the copy (else LeaseExpired)."""
         return self._lender.read(lease_id, name)
 
+    def get_into(self, name: bytes, out: memoryview | bytearray) -> int | None:
+        """Copy one stored row into ``out`` without a lease; its size, or ``None`` on a miss
+        (absent, or dropped because its frame failed the checksum). Needs no free host
+        slot: a disk row decodes straight into ``out``. Records recency like a read."""
+        self._check_open()
+        return self._store.get_into(name, out)
+
     def read_into(self, lease_id: str, name: bytes, out: memoryview | bytearray) -> int:
         """Copy a leased row into ``out``; its size, only if the lease outlived the copy."""
         return self._lender.read_into(lease_id, name, out)

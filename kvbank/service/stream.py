@@ -372,27 +372,22 @@ async def _lend(node: Node, fetch: OpenFetch, idx: list[int]) -> Lease | None:
 
 
 def _private_copies(node: Node, fetch: OpenFetch, idx: list[int]) -> dict[bytes, memoryview]:
-    """The batch's rows copied into fresh buffers through one-row leases (the host tier
-    could not hold the batch at once); a row that is gone, fails its checksum or cannot
-    be lent is left out, so it streams as MISSING."""
+    """The batch's rows copied into fresh buffers (the host tier could not hold the batch
+    at once): ``Bank.get_into`` needs no host slot, so a disk row decodes straight into its
+    buffer however full the host tier is with other readers' leases. A row that is gone or
+    fails its checksum is left out, so it streams as MISSING."""
     out: dict[bytes, memoryview] = {}
     bank = node.bank
     for i in idx:
         name, size = fetch.names[i], fetch.rows[i].size
+        buf = bytearray(size)
         try:
-            lease = bank.lend([name], mode=LeaseMode.READ, kind=MemoryKind.HOST)
+            got = bank.get_into(name, buf)
         except KvbankError as exc:
             logger.warning("fetch %s: row %s not served: %s", fetch.fetch_id, name.hex()[:16], exc)
             continue
-        try:
-            if lease.rows[0].delivery is Delivery.READY:
-                buf = bytearray(size)
-                if bank.read_into(lease.id, name, buf) == size:  # checks the lease outlived it
-                    out[name] = memoryview(buf)
-        except KvbankError as exc:
-            logger.warning("fetch %s: row %s not served: %s", fetch.fetch_id, name.hex()[:16], exc)
-        finally:
-            bank.release(lease.id)
+        if got == size:
+            out[name] = memoryview(buf)
     node.verified(fetch.fetch_id, list(out))  # private copies: nothing can reclaim them
     return out
 

@@ -79,6 +79,28 @@ def test_paths_through_the_disk_tier_and_many_clients(small_node: NodeProcess) -
             assert result == digest
 
 
+def test_fetch_of_disk_rows_completes_while_other_readers_hold_the_host_tier(
+        small_node: NodeProcess) -> None:
+    """Rows on disk are still served whole when another client's READ leases hold every
+    host slot: the stream copies them out without needing a host slot, never as MISSING."""
+    data = pages(40, 4)
+    toks = list(range(50_000, 50_000 + 40 * 16))
+    with Client(small_node.url, same_host=False) as c:
+        lid = c.register(BIG)
+        for k in range(0, 40, 8):
+            c.put(lid, toks, group=0, pages=data[k : k + 8], first_page=k)
+        m = c.match(lid, [*toks, 1])
+        assert m.resume.tokens == 40 * 16
+        held = c.lend(m.needed[-24:])  # every host slot, held by a reader
+        try:
+            out = torch.zeros((40, BIG_PAGE), dtype=torch.uint8)
+            got = c.fetch(m, out={0: out})
+            assert got.complete, got.missing
+            assert torch.equal(out, data)
+        finally:
+            c.release(held.id)
+
+
 def test_client_checks_page_sizes_before_sending(node: NodeProcess) -> None:
     with Client(node.url, same_host=False) as c:
         lid = c.register(BIG)

@@ -33,7 +33,8 @@ Primitives (value objects in :mod:`kvbank.results`, JSON forms in :mod:`kvbank.w
   :meth:`~Bank.device_view`, :meth:`~Bank.write`, :meth:`~Bank.read`,
   :meth:`~Bank.read_into`; :meth:`~Bank.check_live` after reading in place (bytes read
   under an expired lease must not be used). See :mod:`kvbank.lender.lender`.
-- operations: :meth:`~Bank.leases`, :meth:`~Bank.fetches`, :meth:`~Bank.stats`,
+- operations: :attr:`~Bank.reservation` (the host budget pre-faulted since open, with
+  ``reserve_host``), :meth:`~Bank.leases`, :meth:`~Bank.fetches`, :meth:`~Bank.stats`,
   :meth:`~Bank.health`, :meth:`~Bank.flush`, :meth:`~Bank.check_invariants`,
   :meth:`~Bank.close`; admin and fleet calls (rows, evict, pin, unpin, touch, the change
   feed, a row's encoded frame) in :mod:`kvbank.admin_ops`.
@@ -61,6 +62,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import logging
 import math
 import threading
@@ -78,8 +80,8 @@ from kvbank.catalog import Catalog
 from kvbank.config import BankConfig
 from kvbank.cross_shard import CrossLocate, ReshardReader, ShardCounts
 from kvbank.errors import Busy, ConfigError, InvalidInput, RowLocked, TierUnavailable
-from kvbank.fetching import fetch_rows
-from kvbank.keys import DEFAULT_SCOPE, Scope, TokenIds, namespace
+from kvbank.fetching import GetMany, fetch_rows, one_by_one
+from kvbank.keys import DEFAULT_SCOPE, Scope, TokenIds, group_of, namespace
 from kvbank.keys import row_names as _row_names
 from kvbank.layout import GroupKind, PageLayout
 from kvbank.lender.base import CommitResult, Lease, LeaseMode, MemoryKind
@@ -88,6 +90,7 @@ from kvbank.lender.lender import Lender
 from kvbank.results import BankStats, FetchResult, Match, Presence
 from kvbank.tiers.base import TierKind
 from kvbank.tiers.store import StoreHealth, TieredStore
+from kvbank.tiers.store.reserve import Reservation
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +98,7 @@ __all__ = ["Bank", "BankStats", "FetchResult", "Match", "Presence"]
 
 Clock = Callable[[], float]  # monotonic seconds
 _SETTINGS = frozenset(f.name for f in dataclasses.fields(BankConfig))
+PUT_BATCH_PAGES = 64  # pages per store batch (and disk transaction) of a put
 
 
 class Bank(AdminOps):
@@ -138,6 +142,12 @@ class Bank(AdminOps):
     def __exit__(self, et: type[BaseException] | None, ev: BaseException | None,
                  tb: TracebackType | None) -> None:
         self.close()
+
+    @property
+    def reservation(self) -> Reservation | None:
+        """With ``reserve_host``: the host budget being claimed and pre-faulted in the
+        background since open (``target_bytes``, ``done_bytes``, ``wait(timeout)``)."""
+        return self._store.reservation
 
     @property
     def clock(self) -> Clock:
@@ -222,27 +232,41 @@ class Bank(AdminOps):
                                f"{len(chain)} full pages of the tokens (a partial last page is never stored)")
         self._catalog.learn(layout_id, scope)
         names = chain[first_page : first_page + len(views)]
-        for i, (mv, held) in enumerate(zip(views, self._store.locate(names), strict=True)):
-            if deadline is not None and self._clock() >= deadline:
-                raise Busy(f"timeout: put stored {i} of {len(names)} pages before its {timeout} s "
+        dtype = layout.page_dtype(group)
+        todo = [(chain[j], mv, chain[j - 1] if j else None)
+                for j, (mv, held) in enumerate(zip(views, self._store.locate(names), strict=True),
+                                               first_page) if held is None]
+        step = max(1, min(PUT_BATCH_PAGES, self.config.host_bytes // 4 // layout.group_page_bytes[group]))
+        i = 0
+        while i < len(todo):
+            # The deadline is checked before each page is planned; a batch is planned whole.
+            k = 0
+            while k < step and i + k < len(todo) and (deadline is None or self._clock() < deadline):
+                k += 1
+            # A row a lease locked meanwhile is stored or being filled with the same bytes
+            # (equal names, equal bytes): put_many skips it.
+            if k:
+                self._store.put_many(todo[i : i + k], dtype=dtype)
+            i += k
+            if i < len(todo) and k < step:
+                raise Busy(f"timeout: put stored {i} of {len(todo)} new pages before its {timeout} s "
                            "deadline; the rest were not stored", field="timeout")
-            if held is None:
-                j = first_page + i
-                self._put_new(chain[j], mv, parent=chain[j - 1] if j else None)
         return names
 
-    def _put_new(self, name: bytes, data: memoryview, *, parent: bytes | None = None) -> None:
+    def _put_new(self, name: bytes, data: memoryview, *, dtype: str,
+                 parent: bytes | None = None) -> None:
         """Store a row found missing a moment ago. If a lease locked it meanwhile, it is
         stored or being filled with the same bytes (equal names, equal bytes): nothing to do."""
         try:
-            self._store.put(name, data, parent=parent)
+            self._store.put(name, data, dtype=dtype, parent=parent)
         except RowLocked:
             logger.debug("put: row %s is locked by a lease; it holds these bytes already",
                          name.hex()[:16])
 
-    def _put_resharded(self, name: bytes, data: memoryview, parent: bytes | None) -> None:
+    def _put_resharded(self, layout: PageLayout, name: bytes, data: memoryview,
+                       parent: bytes | None) -> None:
         """Keep a row a fetch built from another shard count's rows, so the next is direct."""
-        self._put_new(name, data, parent=parent)
+        self._put_new(name, data, dtype=layout.page_dtype(group_of(name)), parent=parent)
 
     def put_state(self, layout_id: bytes, tokens: TokenIds | None = None, *, group: int,
                   state: torch.Tensor | bytes | bytearray | memoryview, at: int | None = None,
@@ -270,7 +294,7 @@ class Bank(AdminOps):
         self._catalog.learn(layout_id, scope)
         name = chain[boundary // p - 1]
         if self._store.locate([name]) == [None]:
-            self._put_new(name, view)
+            self._put_new(name, view, dtype=layout.page_dtype(group))
         return name
 
     def put_states(self, layout_id: bytes, tokens: TokenIds | None = None, *, group: int,
@@ -292,9 +316,10 @@ class Bank(AdminOps):
                                    f"within the {len(chain)} full pages given, got {b!r}")
         self._catalog.learn(layout_id, scope)
         names = [chain[b // p - 1] for b in at]
-        for name, view, held in zip(names, views, self._store.locate(names), strict=True):
-            if held is None:
-                self._put_new(name, view)
+        todo = [(name, view, None) for name, view, held
+                in zip(names, views, self._store.locate(names), strict=True) if held is None]
+        if todo:  # one batch; a row a lease locked meanwhile is skipped (same bytes)
+            self._store.put_many(todo, dtype=layout.page_dtype(group))
         return names
 
     # ---- queries ---------------------------------------------------------------------------
@@ -359,12 +384,13 @@ class Bank(AdminOps):
         if fetch_id is not None and (not isinstance(fetch_id, str) or not fetch_id):
             raise InvalidInput(f"fetch_id: must be a non-empty string, got {fetch_id!r}")
         views = out_views(layout, match.resume.pages, out)
-        get_into = self._store.get_into
+        get_many: GetMany = self._store.get_many_into
         if any(any(v) for v in match.via):
             self._catalog.learn(match.layout_id, match.scope)
-            keep = self._put_resharded if self.config.reshard_store else None
-            get_into = ReshardReader(match, layout, self._counts.others(layout), self._store.get_into, keep)
-        return fetch_rows(self._ledger, get_into, layout, match, views,
+            keep = functools.partial(self._put_resharded, layout) if self.config.reshard_store else None
+            get_many = one_by_one(ReshardReader(match, layout, self._counts.others(layout),
+                                                self._store.get_into, keep))
+        return fetch_rows(self._ledger, get_many, layout, match, views,
                           fetch_id=fetch_id, max_rows=max_rows, deadline=deadline, clock=self._clock)
 
     def out_buffers(self, match: Match) -> dict[int, torch.Tensor]:

@@ -33,6 +33,10 @@ pin_bytes                   KVBANK_PIN_BYTES           raw bytes of rows pinned 
                                                        unset = a quarter of host_bytes
 wait_timeout_s              KVBANK_WAIT_TIMEOUT_S      how long a store call waits for the
                                                        mover or for room before ``Busy``
+copy_threads                KVBANK_COPY_THREADS        threads a batch's copies and codec
+                                                       work run on; unset = the core count
+reserve_host                KVBANK_RESERVE_HOST        claim and pre-fault the whole host
+                                                       budget at open, in the background
 ==========================  =========================  =====================================
 
 Byte sizes accept a plain integer or a suffix: ``512M``, ``4G``, ``1.5GiB`` (powers of 1024).
@@ -123,6 +127,8 @@ class BankConfig:
     movement_queue_bytes: int = DEFAULT_MOVEMENT_QUEUE_BYTES
     pin_bytes: int | None = None  # raw bytes of pinned rows; None = host_bytes x 0.25
     wait_timeout_s: float = DEFAULT_WAIT_TIMEOUT_S
+    copy_threads: int | None = None  # None = the core count
+    reserve_host: bool = False  # pre-fault host_bytes at open (kvbank serve: on)
 
     def __post_init__(self) -> None:
         if self.data_dir is not None and not isinstance(self.data_dir, Path):
@@ -161,6 +167,11 @@ class BankConfig:
             )
         if not isinstance(self.disk_sync, bool):
             raise ConfigError(f"disk_sync: must be a bool, got {self.disk_sync!r}")
+        if self.copy_threads is not None and (isinstance(self.copy_threads, bool) or not isinstance(
+                self.copy_threads, int) or not 1 <= self.copy_threads <= 256):
+            raise ConfigError(f"copy_threads: must be an integer in [1, 256], got {self.copy_threads!r}")
+        if not isinstance(self.reserve_host, bool):
+            raise ConfigError(f"reserve_host: must be a bool, got {self.reserve_host!r}")
 
     @property
     def pin_budget(self) -> int:
@@ -200,8 +211,13 @@ def _from_text(name: str, raw: str) -> Any:
         return raw
     if name == "write_policy":
         return raw
-    if name == "reshard_store":
+    if name in ("reshard_store", "reserve_host"):
         return _parse_bool(raw, ENV_PREFIX + name.upper())
+    if name == "copy_threads":
+        try:
+            return int(raw)
+        except ValueError:
+            raise ConfigError(f"{ENV_PREFIX}COPY_THREADS: expected an integer, got {raw!r}") from None
     try:
         return float(raw)
     except ValueError:

@@ -10,7 +10,7 @@ open and carries a note naming the ``fetch_id`` to resume with.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from kvbank.errors import InvalidInput
 from kvbank.layout import PageLayout
@@ -18,9 +18,18 @@ from kvbank.lender.ledger import FetchLedger
 from kvbank.results import FetchResult, Match
 
 GetInto = Callable[[bytes, memoryview], "int | None"]  # the store's get_into: bytes copied or None
+# The store's get_many_into: per row, bytes copied or None.
+GetMany = Callable[[Sequence[bytes], Sequence[memoryview]], "list[int | None]"]
+
+FETCH_BATCH_ROWS = 16  # rows per store batch: enough for the copy threads, a short deadline step
 
 
-def fetch_rows(ledger: FetchLedger, get_into: GetInto, layout: PageLayout, match: Match,
+def one_by_one(get_into: GetInto) -> GetMany:
+    """A ``get_many`` that reads row after row with ``get_into``."""
+    return lambda names, outs: [get_into(n, o) for n, o in zip(names, outs, strict=True)]
+
+
+def fetch_rows(ledger: FetchLedger, get_many: GetMany, layout: PageLayout, match: Match,
                views: dict[int, list[memoryview]], *, fetch_id: str | None, max_rows: int | None,
                deadline: float | None, clock: Callable[[], float]) -> FetchResult:
     if fetch_id is not None and fetch_id in ledger:
@@ -36,15 +45,22 @@ def fetch_rows(ledger: FetchLedger, get_into: GetInto, layout: PageLayout, match
         todo = todo[:max_rows]
     moved = 0
     try:
-        for row in todo:
-            if deadline is not None and clock() >= deadline:
+        i = 0
+        while i < len(todo):
+            # The deadline is checked before each row is planned; a batch is read whole.
+            k = 0
+            while k < FETCH_BATCH_ROWS and i + k < len(todo) and (deadline is None or clock() < deadline):
+                k += 1
+            if not k:
                 break  # what arrived so far is the answer; the same fetch_id resumes
-            size = layout.group_page_bytes[row.group]
-            got = get_into(row.name, views[row.group][row.out_index])
+            batch = todo[i : i + k]
+            i += k
+            got = get_many([r.name for r in batch], [views[r.group][r.out_index] for r in batch])
             # Only a row that arrived whole counts; anything else stays undelivered.
-            if got == size:
-                ledger.record(fetch_id, [row.name])
-                moved += size
+            whole = [r for r, n in zip(batch, got, strict=True) if n == layout.group_page_bytes[r.group]]
+            if whole:
+                ledger.record(fetch_id, [r.name for r in whole])
+                moved += sum(layout.group_page_bytes[r.group] for r in whole)
     except BaseException as exc:
         exc.add_note(f"kvbank fetch {fetch_id}: resume it with fetch_id={fetch_id!r}")
         raise

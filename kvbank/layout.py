@@ -493,6 +493,12 @@ class PageLayout:
         """Bytes of one page position over all groups (sum of the group pages)."""
         return sum(self.group_page_bytes)
 
+    def page_dtype(self, group: int) -> str:
+        """The one dtype of the group's page buffers, or ``uint8`` when they mix dtypes:
+        what the codec is told a page holds (it splits byte planes by item size)."""
+        dtypes = {r.buffer.dtype for r in self.regions[group]}
+        return dtypes.pop() if len(dtypes) == 1 else "uint8"
+
     def group_bytes(self, group: int) -> int:
         if not 0 <= group < len(self.groups):
             raise LayoutError(f"group: {group} is out of range for {len(self.groups)} groups")

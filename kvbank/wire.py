@@ -8,18 +8,23 @@ Primitives:
   (missing or unknown keys, wrong types, bad hex, a row name that is not 54 bytes,
   negative counts, non-finite numbers) with :class:`~kvbank.errors.InvalidInput` whose
   :attr:`~kvbank.errors.KvbankError.field` is the path of the fault, e.g.
-  ``match.resume.rows[0][3]``. Nothing else escapes, whatever the document holds.
+  ``match.resume.rows[0]``. Nothing else escapes, whatever the document holds.
 - :func:`to_json` / :func:`from_json` — the same through compact JSON text.
 - :func:`error_to_dict` / :func:`error_from_dict` — ``{type, field, message}`` for a
   :class:`~kvbank.errors.KvbankError`, and back to an exception of the same class, so a
   service's client raises what :class:`~kvbank.Bank` raises.
 
-One form per type, derived from its dataclass fields, with three exceptions:
+One form per type, derived from its dataclass fields, with four exceptions:
 
 - :class:`~kvbank.layout.PageLayout` uses the layout's own description
   (:meth:`~kvbank.layout.PageLayout.to_dict`) plus its ``layout_id``; reading it back
   checks that the id still matches, so two versions of the layout encoding never agree
   on a layout by accident.
+- :class:`~kvbank.results.Match`, :class:`~kvbank.lender.resume.ResumeBound` and the rows
+  of a :class:`~kvbank.lender.base.Lease` are written in columns
+  (:mod:`kvbank.wire_columns`): row names as one base64 blob per group, tiers and
+  delivery states as one character per row with their enum names given once, a lease's
+  buffer regions once per page shape. Those dominated a service's control calls.
 - :class:`~kvbank.lender.base.Lease` carries ``ttl_s``, the seconds left against the
   lender's clock (``now=``), never the lender's monotonic deadline, which means nothing on
   another host. The receiver rebuilds its own deadline (``now + ttl_s`` on its clock): it
@@ -47,6 +52,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, NoReturn, TypeVar, Union, cast, get_args, get_origin, get_type_hints
 
 from kvbank import errors as _errors
+from kvbank import wire_columns as cols
 from kvbank.errors import InvalidInput, KvbankError
 from kvbank.keys import ROW_NAME_BYTES, Scope
 from kvbank.layout import PageLayout
@@ -136,9 +142,13 @@ def _enc(value: object, now: float) -> Any:
         return {**value.to_dict(), "layout_id": value.layout_id.hex()}
     if isinstance(value, Lease):
         doc = {f: _enc(getattr(value, f), now) for f in _init_fields(Lease)
-               if f not in _LEASE_CLOCK_FIELDS}
+               if f not in (*_LEASE_CLOCK_FIELDS, "rows")}
+        doc["rows"] = cols.rows_columns(value.rows, lambda loc: _enc(loc, now))
         doc["ttl_s"] = max(0.0, value.expires_at - now)
         return doc
+    if isinstance(value, (ResumeBound, Match)):
+        return cols.bound_doc(value, _enc(value.reason, now)) if isinstance(value, ResumeBound) else \
+            cols.match_doc(value, _enc(value.scope, now), _enc(value.resume, now))
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return {f: _enc(getattr(value, f), now) for f in _init_fields(type(value))}
     raise InvalidInput(f"value: {type(value).__name__} has no wire form")
@@ -300,11 +310,16 @@ def _layout(doc: object, path: str) -> PageLayout:
     return layout
 
 
+def _device(doc: object, path: str) -> DeviceLocation:
+    return cast(DeviceLocation, _dec(DeviceLocation, doc, path))
+
+
 def _lease(doc: object, path: str, now: float | None = None) -> Lease:
     names = tuple(n for n in _init_fields(Lease) if n not in _LEASE_CLOCK_FIELDS)
     obj = _object(doc, Lease, path, (*names, "ttl_s"))
     hints = _hints(Lease)
-    kwargs = {n: _dec(hints[n], obj[n], f"{path}.{n}") for n in names}
+    kwargs = {n: _dec(hints[n], obj[n], f"{path}.{n}") for n in names if n != "rows"}
+    kwargs["rows"] = cols.read_rows(obj["rows"], f"{path}.rows", _device)
     ttl = _dec(float, obj["ttl_s"], f"{path}.ttl_s")
     base = time.monotonic() if now is None else now
     kwargs["expires_at"] = base + ttl
@@ -312,8 +327,22 @@ def _lease(doc: object, path: str, now: float | None = None) -> Lease:
     return _build(Lease, kwargs, path)
 
 
+_MATCH_FIELDS = ("layout_id", "scope", "prompt_tokens", "resume", "names", "tier_names", "tiers",
+                 "boundaries", "via")
+
+
 def _match(doc: object, path: str) -> Match:
-    m = _dataclass(Match, doc, path)
+    obj = _object(doc, Match, path, _MATCH_FIELDS)
+    m = _build(Match, {
+        "layout_id": _bytes(obj["layout_id"], f"{path}.layout_id", LAYOUT_ID_BYTES),
+        "scope": _dec(Scope, obj["scope"], f"{path}.scope"),
+        "prompt_tokens": _dec(int, obj["prompt_tokens"], f"{path}.prompt_tokens"),
+        "resume": _resume(obj["resume"], f"{path}.resume"),
+        "names": cols.groups(obj["names"], f"{path}.names", cols.read_names),
+        "tiers": cols.read_tiers(obj["tier_names"], obj["tiers"], f"{path}.tiers", f"{path}.tier_names"),
+        "boundaries": cols.read_ints(obj["boundaries"], f"{path}.boundaries"),
+        "via": cols.groups(obj["via"], f"{path}.via", cols.read_ints),
+    }, path)
     if len(m.tiers) != len(m.names) or any(
         len(t) != len(n) for t, n in zip(m.tiers, m.names, strict=True)
     ):
@@ -324,7 +353,13 @@ def _match(doc: object, path: str) -> Match:
 
 
 def _resume(doc: object, path: str) -> ResumeBound:
-    b = _dataclass(ResumeBound, doc, path)
+    names = _init_fields(ResumeBound)
+    obj = _object(doc, ResumeBound, path, names)
+    hints = _hints(ResumeBound)
+    kwargs = {n: _dec(hints[n], obj[n], f"{path}.{n}") for n in names if n not in ("pages", "rows")}
+    kwargs["pages"] = cols.groups(obj["pages"], f"{path}.pages", cols.read_ints)
+    kwargs["rows"] = cols.groups(obj["rows"], f"{path}.rows", cols.read_names)
+    b = _build(ResumeBound, kwargs, path)
     if len(b.rows) != len(b.pages) or any(
         rows and len(rows) != len(pages) for rows, pages in zip(b.rows, b.pages, strict=True)
     ):

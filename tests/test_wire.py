@@ -3,6 +3,7 @@ with InvalidInput naming the field path (nothing else escapes)."""
 
 from __future__ import annotations
 
+import base64
 import copy
 import dataclasses
 import json
@@ -285,12 +286,20 @@ def _match_doc() -> dict[str, Any]:
         (lambda d: d.__setitem__("extra", 1), "match.extra"),
         (lambda d: d.__setitem__("layout_id", "ab"), "match.layout_id"),
         (lambda d: d.__setitem__("layout_id", "XY" * 32), "match.layout_id"),
-        (lambda d: d["names"][0].__setitem__(1, "00" * 53), "match.names[0][1]"),
+        (lambda d: d["names"].__setitem__(0, d["names"][0][:-4]), "match.names[0]"),
+        (lambda d: d["names"].__setitem__(0, d["names"][0][:-1] + "="), "match.names[0]"),
+        (lambda d: d["names"].__setitem__(0, d["names"][0][:-1] + "\u00e9"), "match.names[0]"),
+        (lambda d: d["names"].__setitem__(0, "00" * 54), "match.names[0]"),
+        (lambda d: d["names"].__setitem__(0, ["00" * 54]), "match.names[0]"),
         (lambda d: d.__setitem__("prompt_tokens", -3), "match.prompt_tokens"),
         (lambda d: d.__setitem__("prompt_tokens", True), "match.prompt_tokens"),
         (lambda d: d["resume"].__setitem__("reason", "NOPE"), "match.resume.reason"),
-        (lambda d: d["tiers"][0].__setitem__(0, "host"), "match.tiers[0][0]"),
-        (lambda d: d["tiers"][0].pop(), "match.tiers"),
+        (lambda d: d["tiers"].__setitem__(0, "h."), "match.tiers[0]"),
+        (lambda d: d["tiers"].__setitem__(0, d["tiers"][0][:-1]), "match.tiers"),
+        (lambda d: d["tier_names"].append("HOST"), "match.tier_names[1]"),
+        (lambda d: d["tier_names"].__setitem__(0, "host"), "match.tier_names[0]"),
+        (lambda d: d["resume"]["pages"][0].append(-1), "match.resume.pages[0][1]"),
+        (lambda d: d["boundaries"].append(True), "match.boundaries[1]"),
         (lambda d: d["scope"].__setitem__("tenant", 7), "match.scope.tenant"),
         (lambda d: d["scope"].__setitem__("tenant", "\udc80"), "match.scope.tenant"),
     ],
@@ -300,6 +309,47 @@ def test_wire_bad_match_names_the_field(edit: Any, field: str) -> None:
     edit(doc)
     with pytest.raises(InvalidInput) as info:
         wire.from_dict(Match, doc)
+    assert info.value.field == field, str(info.value)
+
+
+def _lease_doc() -> dict[str, Any]:
+    shape = (Region(0, "KEY", 0, 64), Region(0, "VALUE", 64, 64))
+    rows = tuple(LeaseRow(bytes([i]) * 54, True, HostLocation("seg", i * 128, 128), shape, Delivery.READY)
+                 for i in range(3))
+    lease = Lease("L", MemoryKind.HOST, LeaseMode.READ, Selection.NAMED, 10.0, 0.0, rows)
+    return through_json(wire.to_dict(lease, now=0.0))
+
+
+def test_wire_lease_writes_each_page_shape_once() -> None:
+    doc = _lease_doc()
+    cols = doc["rows"]
+    assert len(cols["shapes"]) == 1 and cols["shape"] == [0, 0, 0]
+    assert cols["segments"] == ["seg"] and cols["delivery"] == ["READY"] and cols["state"] == "000"
+    assert base64.b64decode(cols["names"]) == b"".join(bytes([i]) * 54 for i in range(3))
+
+
+@pytest.mark.parametrize(
+    ("edit", "field"),
+    [
+        (lambda c: c.__setitem__("shape", [0, 1, 0]), "lease.rows.shape[1]"),
+        (lambda c: c.__setitem__("shape", [0, 0]), "lease.rows.shape"),
+        (lambda c: c.__setitem__("state", "0x0"), "lease.rows.state"),
+        (lambda c: c.__setitem__("present", "111 "), "lease.rows.present"),
+        (lambda c: c.__setitem__("delivery", ["READY", "LOST"]), "lease.rows.delivery[1]"),
+        (lambda c: c["shapes"][0][1].__setitem__(2, -64), "lease.rows.shapes[0][1]"),
+        (lambda c: c["at"].__setitem__(2, [1, 0, 128]), "lease.rows.at[2]"),
+        (lambda c: c["at"].__setitem__(2, [0, 0]), "lease.rows.at[2]"),
+        (lambda c: c["at"].__setitem__(0, {"pool": "p"}), "lease.rows.at[0].device"),
+        (lambda c: c.pop("segments"), "lease.rows.segments"),
+        (lambda c: c.__setitem__("extra", 1), "lease.rows.extra"),
+        (lambda c: c.__setitem__("names", c["names"][:-4]), "lease.rows.names"),
+    ],
+)
+def test_wire_bad_lease_rows_name_the_field(edit: Any, field: str) -> None:
+    doc = _lease_doc()
+    edit(doc["rows"])
+    with pytest.raises(InvalidInput) as info:
+        wire.from_dict(Lease, doc)
     assert info.value.field == field, str(info.value)
 
 

@@ -18,4 +18,5 @@ SUITES: dict[str, str] = {
     "service": "kvbank.bench.service",
     "tiers": "kvbank.bench.tiers",
     "reshard": "kvbank.bench.reshard",
+    "bank": "kvbank.bench.bank",
 }

@@ -103,6 +103,7 @@ class PageShape:
 
     size: int
     regions: tuple[Region, ...]
+    dtype: str = "uint8"  # what the codec is told the page holds (kvbank.buffers.page_dtype)
 
     @classmethod
     def of(cls, layout: PageLayout, group: int) -> PageShape:
@@ -112,6 +113,7 @@ class PageShape:
                 Region(r.buffer.layer, r.buffer.role.name, r.offset, r.nbytes)
                 for r in layout.regions[group]
             ),
+            layout.page_dtype(group),
         )
 
 

@@ -566,10 +566,12 @@ class Lender:
                     already.append(row.name)  # equal names are equal bytes: keep theirs
                     continue
                 parent = held.parents.get(row.name)
+                shape = self._shape(_shape_key(row.name), row.name)
+                dtype = shape.dtype if shape is not None else "uint8"
                 if isinstance(slot, HostSlot):
-                    self._store.host.commit(row.name, slot, parent=parent)
+                    self._store.host.commit(row.name, slot, dtype=dtype, parent=parent)
                 else:
-                    self._store.device.commit(row.name, slot, parent=parent)
+                    self._store.device.commit(row.name, slot, dtype=dtype, parent=parent)
                 del held.slots[row.name]  # published: the store owns it now
                 committed.append(row.name)
         finally:

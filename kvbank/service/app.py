@@ -133,6 +133,7 @@ class FetchBody(BaseModel):
 class AckBody(BaseModel):
     rows: list[int] = Field(description="plan positions of the rows that arrived whole")
     lease_id: str | None = Field(None, description="the READ lease a same-host fetch read through")
+    stream: str | None = Field(None, description="the stream (its header's id) the rows came in")
 
 
 class LendBody(BaseModel):
@@ -298,13 +299,13 @@ def create_app(node: Node) -> FastAPI:
             return _json({"fetch_id": opened.fetch_id,
                           "rows": [[r.position, r.group, r.slot, r.size] for r in opened.rows],
                           "lease": None if lease is None else _lease(lease)})
-        prefix = encode_fetch_prefix(opened.fetch_id, opened.rows)
+        prefix = encode_fetch_prefix(opened.fetch_id, opened.rows, opened.stream)
         return RowStream(node, opened, prefix, fetch_stream_bytes(len(prefix), opened.rows))
 
     @app.post("/v1/fetch/{fetch_id}/ack")
     async def ack(fetch_id: str, body: AckBody, request: Request) -> Response:
         guard.fetch(request, fetch_id)
-        result = await node.call(node.acknowledge, fetch_id, body.rows, body.lease_id)
+        result = await node.call(node.acknowledge, fetch_id, body.rows, body.lease_id, body.stream)
         if metrics is not None and body.lease_id is not None:
             metrics.add_moved("out", "shm", result.nbytes)
         return _json(wire.to_dict(result))

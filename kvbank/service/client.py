@@ -311,8 +311,8 @@ class Client:
         deadline = time.monotonic() + self._retry
         while True:
             conn = self._conn()
-            got, fid, err = fetch_stream(conn, json.dumps({**req, "via": "stream"}).encode(), views,
-                                         self._auth)
+            read = fetch_stream(conn, json.dumps({**req, "via": "stream"}).encode(), views, self._auth)
+            got, fid, err = read.got, read.fetch_id, read.error
             if err is None:
                 self._give_back(conn)
             else:
@@ -324,14 +324,15 @@ class Client:
                     time.sleep(0.05)
                     continue
                 raise TierUnavailable(f"node: fetch from {self.url} failed: {err}") from err
-            result = self._ack(fid, got, None)
+            result = self._ack(fid, got, None, read.stream)
             if err is None or result.complete or time.monotonic() >= deadline:
                 return result
             req["fetch_id"] = fid  # resume from the first undelivered row
 
-    def _ack(self, fetch_id: str, rows: list[int], lease_id: str | None) -> FetchResult:
-        doc = self._call("POST", f"/v1/fetch/{fetch_id}/ack", body={"rows": rows, "lease_id": lease_id},
-                         idempotent=True)
+    def _ack(self, fetch_id: str, rows: list[int], lease_id: str | None,
+             stream: str | None = None) -> FetchResult:
+        doc = self._call("POST", f"/v1/fetch/{fetch_id}/ack",
+                         body={"rows": rows, "lease_id": lease_id, "stream": stream}, idempotent=True)
         return wire.from_dict(FetchResult, doc)
 
     def _fetch_local(self, req: dict[str, Any], views: dict[int, list[memoryview]]) -> FetchResult:

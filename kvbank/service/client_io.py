@@ -15,6 +15,7 @@ from __future__ import annotations
 import http.client
 import json
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 from kvbank import wire
 from kvbank.errors import InvalidInput, KvbankError, TierUnavailable
@@ -35,6 +36,19 @@ from kvbank.service.framing import (
 )
 
 _SCRATCH = 1 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class StreamRead:
+    """What one fetch stream delivered: the plan positions received whole (even when the
+    stream broke off: those are what the client acknowledges), the fetch id and stream id
+    (None when the node refused the request), and the error that ended it, if any (the
+    node's typed error, or the transport's)."""
+
+    got: list[int]
+    fetch_id: str | None
+    stream: str | None
+    error: BaseException | None
 
 
 def send_put(conn: http.client.HTTPConnection, path: str, head: bytes,
@@ -62,27 +76,27 @@ def _read_exact(resp: http.client.HTTPResponse, view: memoryview) -> None:
 
 
 def fetch_stream(conn: http.client.HTTPConnection, body: bytes, views: Mapping[int, list[memoryview]],
-                 headers: Mapping[str, str] | None = None) -> tuple[list[int], str | None, BaseException | None]:
-    """``(positions received whole, fetch id, error)``. The fetch id is None when the
-    node refused the request (the error is then its typed error, or the transport's)."""
+                 headers: Mapping[str, str] | None = None) -> StreamRead:
+    """What one fetch stream delivered (see :class:`StreamRead`); ``headers``: a tenant token."""
     try:
         conn.request("POST", "/v1/fetch", body=body, headers={"Content-Type": "application/json", **(headers or {})})
         resp = conn.getresponse()
     except (OSError, http.client.HTTPException) as exc:
-        return [], None, exc
+        return StreamRead([], None, None, exc)
     if resp.status != 200:
         try:
-            return [], None, wire.error_from_dict(json.loads(resp.read()))
+            return StreamRead([], None, None, wire.error_from_dict(json.loads(resp.read())))
         except (ValueError, KvbankError, OSError, http.client.HTTPException) as exc:
-            return [], None, TierUnavailable(f"node: fetch answered {resp.status}: {exc}")
+            return StreamRead([], None, None, TierUnavailable(f"node: fetch answered {resp.status}: {exc}"))
     got: list[int] = []
     fid: str | None = None
+    sid: str | None = None
     try:
         head = bytearray(PREFIX.size)
         _read_exact(resp, memoryview(head))
         header = bytearray(decode_prefix(head, FETCH_MAGIC))
         _read_exact(resp, memoryview(header))
-        fid, rows = decode_fetch_header(header)
+        fid, sid, rows = decode_fetch_header(header)
         where = {r.position: r for r in rows}
         frame = bytearray(FRAME.size)
         while True:
@@ -104,8 +118,8 @@ def fetch_stream(conn: http.client.HTTPConnection, body: bytes, views: Mapping[i
         if resp.read(1):
             raise InvalidInput("stream: bytes after the END frame")
     except (OSError, http.client.HTTPException, InvalidInput) as exc:
-        return got, fid, exc
-    return got, fid, None
+        return StreamRead(got, fid, sid, exc)
+    return StreamRead(got, fid, sid, None)
 
 
 def put_head(kind: PutKind, layout_id: bytes, tokens: TokenIds | None,

@@ -219,6 +219,7 @@ class ServiceConfig:
             else:
                 raise ConfigError(f"{key}: not a setting")
         bank.setdefault("data_dir", default_data_dir(env))
+        bank.setdefault("reserve_host", True)  # a node owns its host budget: pre-fault it at open
         data_dir = Path(bank["data_dir"])
         if "host_bytes" not in bank:
             bank["host_bytes"] = sized_host_bytes()

@@ -15,7 +15,8 @@ stores) a single page.
 A **fetch stream** (the answer to ``POST /v1/fetch``) is::
 
     prefix   "KVBF" | version u8 | 3 zero bytes | header length u32
-    header   UTF-8 JSON: fetch_id, rows = [[position, group, slot, size], ...] in plan order
+    header   UTF-8 JSON: fetch_id, stream (this stream's id, named by its acknowledgement),
+             rows = [[position, group, slot, size], ...] in plan order
     frames   one per planned row, in plan order: a 16-byte frame header
              kind u8 | 3 zero bytes | position u32 | length u64, then ``length`` bytes
     end      an END frame whose ``length`` zero bytes pad the stream to its content-length
@@ -202,18 +203,22 @@ class StreamRow:
     size: int
 
 
-def encode_fetch_prefix(fetch_id: str, rows: list[StreamRow]) -> bytes:
-    doc = {"fetch_id": fetch_id, "rows": [[r.position, r.group, r.slot, r.size] for r in rows]}
+def encode_fetch_prefix(fetch_id: str, rows: list[StreamRow], stream: str) -> bytes:
+    doc = {"fetch_id": fetch_id, "stream": stream,
+           "rows": [[r.position, r.group, r.slot, r.size] for r in rows]}
     text = json.dumps(doc, separators=(",", ":")).encode()
     return PREFIX.pack(FETCH_MAGIC, VERSION, len(text)) + text
 
 
-def decode_fetch_header(data: bytes | bytearray | memoryview) -> tuple[str, list[StreamRow]]:
-    """The fetch id and planned rows of a fetch stream's header."""
+def decode_fetch_header(data: bytes | bytearray | memoryview) -> tuple[str, str, list[StreamRow]]:
+    """The fetch id, stream id and planned rows of a fetch stream's header."""
     doc = _json_object(data, "stream.header")
     fid = doc.get("fetch_id")
     if not isinstance(fid, str) or not fid:
         raise InvalidInput(f"stream.fetch_id: expected a non-empty string, got {fid!r}")
+    sid = doc.get("stream")
+    if not isinstance(sid, str) or not sid:
+        raise InvalidInput(f"stream.stream: expected a non-empty string, got {sid!r}")
     raw = doc.get("rows")
     if not isinstance(raw, list):
         raise InvalidInput("stream.rows: expected a list")
@@ -223,7 +228,7 @@ def decode_fetch_header(data: bytes | bytearray | memoryview) -> tuple[str, list
                 or any(isinstance(x, bool) or not isinstance(x, int) or x < 0 for x in r)):
             raise InvalidInput(f"stream.rows[{i}]: expected [position, group, slot, size] >= 0")
         rows.append(StreamRow(*r))
-    return fid, rows
+    return fid, sid, rows
 
 
 def fetch_stream_bytes(prefix_len: int, rows: list[StreamRow]) -> int:

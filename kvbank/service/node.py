@@ -8,11 +8,15 @@ Primitives:
 - :meth:`Node.open_fetch` / :meth:`Node.acknowledge` — a remote fetch's lifecycle. The
   server cannot know which streamed rows reached the client whole, so a fetch is two
   calls: the stream (or, on the same host, a READ lease) and then the client's
-  acknowledgement of the rows that arrived whole. Only an acknowledged row that the
-  server also *verified* (its lease was still live once its bytes had left, the
-  completion check) is recorded in the ledger; a fetch id resumes from the first row not
-  recorded. A client killed mid-fetch acknowledges nothing, so its resume starts where
-  its last acknowledged call ended.
+  acknowledgement of the rows that arrived whole. Every stream has its own id (in its
+  header); its READ leases are held until *that stream's* acknowledgement, because the
+  transport may still be sending from their slots after the last ``write()`` returned
+  (uvloop keeps a pointer, not a copy). An acknowledgement of stream S counts a row only
+  if S sent it under a lease still live at the acknowledgement (the completion check:
+  the client has every byte by then) or from a private copy. A resume (the same fetch id)
+  opens a new stream and never ends another stream's leases: a stream that is never
+  acknowledged (its client died) keeps them until their TTL. A fetch id resumes from the
+  first row not recorded.
 - :func:`host_identity` — boot id, shared-memory dir, uid: a client whose host answers
   the same (and that can map the node's segment) takes the shared-memory path.
 
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import secrets
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
@@ -47,7 +52,8 @@ from kvbank.tiers.host import SHM_DIR
 
 T = TypeVar("T")
 
-_FETCHES = 4096  # open remote fetches whose verified rows the node remembers
+_FETCHES = 4096  # open remote fetches the node remembers
+_STREAMS = 64  # unacknowledged streams remembered per fetch (older ones keep to their TTL)
 
 
 def host_identity() -> dict[str, Any]:
@@ -66,17 +72,22 @@ class OpenFetch:
     fetch_id: str
     rows: list[StreamRow]
     names: list[bytes]  # row name of each entry of ``rows``
+    stream: str = ""  # this call's stream id (what its acknowledgement names)
+
+
+@dataclass(slots=True)
+class _Stream:
+    # READ leases this stream sent rows under, with those rows. Held until this stream's
+    # acknowledgement: the transport may still be sending from the slots after the last
+    # write() returned, and only the client having the bytes proves it is done with them.
+    held: list[tuple[str, list[bytes]]] = field(default_factory=list)
+    copied: set[bytes] = field(default_factory=set)  # sent from private copies
 
 
 @dataclass(slots=True)
 class _Fetch:
     layout_id: bytes
-    verified: set[bytes]
-    # READ leases a stream sent rows under, with those rows. Held until the client's
-    # acknowledgement: the transport may still be sending from the slots after the last
-    # write() returned (uvloop keeps a pointer, not a copy), and an acknowledgement means
-    # every byte has left. Unacknowledged ones expire with their TTL.
-    held: list[tuple[str, list[bytes]]] = field(default_factory=list)
+    streams: OrderedDict[str, _Stream] = field(default_factory=OrderedDict)
     # READ leases lent to a same-host client for this fetch -> the rows they hold
     lent: dict[str, set[bytes]] = field(default_factory=dict)
 
@@ -90,8 +101,8 @@ class Node:
         self.pool = ThreadPoolExecutor(max_workers=config.threads, thread_name_prefix="kvbank-bank")
         self.ledger = FetchLedger(config.bank.fetch_ttl_s)
         self._lock = threading.Lock()
-        # fetch id -> its layout id and the names the server verified (sent under a lease
-        # that outlived the send). Bounded: a client that never acknowledges leaves one.
+        # fetch id -> its layout id and its unacknowledged streams. Bounded: a client that
+        # never acknowledges leaves one.
         self._fetches: OrderedDict[str, _Fetch] = OrderedDict()
         self.identity = host_identity()
         # The host tier's segment, from an ALL lease (which describes the pools, locks
@@ -145,23 +156,31 @@ class Node:
             todo = todo[:max_rows]
         sizes = layout.group_page_bytes
         rows = [StreamRow(position[r], r.group, r.out_index, sizes[r.group]) for r in todo]
+        stream = secrets.token_hex(8)
         with self._lock:
             state = self._fetches.get(fetch_id)
             if state is None:
-                state = self._fetches[fetch_id] = _Fetch(match.layout_id, set())
+                state = self._fetches[fetch_id] = _Fetch(match.layout_id)
             self._fetches.move_to_end(fetch_id)
             while len(self._fetches) > _FETCHES:
                 self._fetches.popitem(last=False)
-            stale, state.held = state.held, []
-        self._settle(state, stale)  # an earlier stream of this fetch broke off unacknowledged
-        return OpenFetch(fetch_id, rows, [r.name for r in todo])
+            # An earlier stream of this fetch is left alone: it may still be on the wire.
+            state.streams[stream] = _Stream()
+            while len(state.streams) > _STREAMS:
+                state.streams.popitem(last=False)
+        return OpenFetch(fetch_id, rows, [r.name for r in todo], stream)
 
-    def verified(self, fetch_id: str, names: list[bytes]) -> None:
-        """Rows of ``fetch_id`` sent from private copies: nothing can reclaim them."""
+    def _stream(self, fetch_id: str, stream: str) -> _Stream | None:
         with self._lock:
             state = self._fetches.get(fetch_id)
-            if state is not None:
-                state.verified.update(names)
+            return None if state is None else state.streams.get(stream)
+
+    def verified(self, fetch_id: str, stream: str, names: list[bytes]) -> None:
+        """Rows of ``stream`` sent from private copies: nothing can reclaim them."""
+        s = self._stream(fetch_id, stream)
+        if s is not None:
+            with self._lock:
+                s.copied.update(names)
 
     def lent(self, fetch_id: str, lease_id: str, names: set[bytes]) -> None:
         """A same-host client reads ``names`` in place through ``lease_id``."""
@@ -170,36 +189,39 @@ class Node:
             if state is not None:
                 state.lent[lease_id] = names
 
-    def hold(self, fetch_id: str, lease_id: str, names: list[bytes]) -> None:
+    def hold(self, fetch_id: str, stream: str, lease_id: str, names: list[bytes]) -> None:
         """``names`` were streamed from the slots of READ lease ``lease_id``: keep it
-        until the client acknowledges (or it expires)."""
-        with self._lock:
-            state = self._fetches.get(fetch_id)
-            if state is not None:
-                state.held.append((lease_id, names))
-                return
-        self.bank.release(lease_id)
+        until ``stream`` is acknowledged (or it expires). A stream the node no longer
+        remembers keeps it to its TTL: releasing it now could hand its slots to another
+        row while the transport still sends from them."""
+        s = self._stream(fetch_id, stream)
+        if s is not None:
+            with self._lock:
+                s.held.append((lease_id, names))
 
-    def _settle(self, state: _Fetch, held: list[tuple[str, list[bytes]]]) -> None:
-        """End the held leases; the rows of those still live count as verified."""
+    def _settle(self, held: list[tuple[str, list[bytes]]]) -> set[bytes]:
+        """End a stream's held leases; the rows of those still live (the client has
+        every byte it acknowledges by now) are the verified ones."""
+        ok: set[bytes] = set()
         for lease_id, names in held:
             try:
                 self.bank.check_live(lease_id)
-                ok = True
+                ok.update(names)
             except KvbankError:
-                ok = False  # expired: what it sent may be another row's bytes by now
+                pass  # expired: what it sent may be another row's bytes by now
             finally:
                 self.bank.release(lease_id)
-            if ok:
-                with self._lock:
-                    state.verified.update(names)
+        return ok
 
-    def acknowledge(self, fetch_id: str, positions: list[int], lease_id: str | None) -> FetchResult:
+    def acknowledge(self, fetch_id: str, positions: list[int], lease_id: str | None,
+                    stream: str | None = None) -> FetchResult:
         """Record the acknowledged rows that were verified; the fetch's result so far.
 
-        With ``lease_id`` (the same-host path) the rows were read in place by the client:
-        they count only if that lease is still live now (the completion check), and the
-        lease is released either way.
+        With ``stream`` the rows came in that stream: they count if it sent them under a
+        lease still live now, or from private copies; its leases are released. With
+        ``lease_id`` (the same-host path) the rows were read in place by the client: they
+        count only if that lease is still live now (the completion check), and the lease
+        is released either way. With neither, no row counts.
         """
         plan = self.ledger.plan(fetch_id)
         with self._lock:
@@ -220,12 +242,17 @@ class Node:
                 good = [n for n in acked if n in ready]
             finally:
                 self.bank.release(lease_id)
+        elif stream is not None:
+            with self._lock:
+                s = state.streams.pop(stream, None)
+            if s is None:
+                raise InvalidInput(f"stream: {stream!r} is not an open stream of fetch {fetch_id}")
+            ok = self._settle(s.held) | s.copied
+            good = [n for n in acked if n in ok]
+        elif acked:
+            raise InvalidInput("stream: an acknowledgement of rows names the stream (or lease) they came in")
         else:
-            with self._lock:
-                held, state.held = state.held, []
-            self._settle(state, held)
-            with self._lock:
-                good = [n for n in acked if n in state.verified]
+            good = []
         done = self.ledger.delivered(fetch_id)
         fresh = [n for n in dict.fromkeys(good) if n not in done]
         self.ledger.record(fetch_id, fresh)

@@ -13,11 +13,12 @@ same rows) the pages are read into private buffers and stored with ``Bank.put``.
 is memoryviews of the host slots themselves (uvicorn + httptools hands them to the
 transport without a copy). Rows are lent in batches of about :data:`BATCH_BYTES`, so rows
 held on disk are decoded into host slots a batch ahead of the socket instead of the whole
-body being built first. The batches' leases are held until the client acknowledges the
-rows (the transport may still be sending from a slot after its last ``write`` returned:
-uvloop keeps a pointer, not a copy, and holds no buffer export one could test); then
-:meth:`Lender.finish_read` confirms each lease outlived the send, and only then are its
-rows *verified* (see :mod:`kvbank.service.node`).
+body being built first. The batches' leases are held until the client acknowledges *this
+stream* (the transport may still be sending from a slot after its last ``write``
+returned: uvloop keeps a pointer, not a copy, and holds no buffer export one could test);
+then :meth:`Lender.finish_read` confirms each lease outlived the send, and only then are
+its rows *verified* (see :mod:`kvbank.service.node`). Nothing else ends them early: not
+a resume of the same fetch id, not the node forgetting the fetch.
 """
 
 from __future__ import annotations
@@ -341,7 +342,7 @@ class RowStream(Response):
             for v in views.values():
                 v.release()  # our export only: the lease keeps the slots until the ack
             if lease is not None:
-                await node.call(node.hold, fetch.fetch_id, lease.id, list(views))
+                await node.call(node.hold, fetch.fetch_id, fetch.stream, lease.id, list(views))
         return sent
 
 
@@ -388,7 +389,7 @@ def _private_copies(node: Node, fetch: OpenFetch, idx: list[int]) -> dict[bytes,
             continue
         if got == size:
             out[name] = memoryview(buf)
-    node.verified(fetch.fetch_id, list(out))  # private copies: nothing can reclaim them
+    node.verified(fetch.fetch_id, fetch.stream, list(out))  # private copies: nothing can reclaim them
     return out
 
 

@@ -41,6 +41,7 @@ import errno
 import logging
 import struct
 from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import lmdb
@@ -78,6 +79,17 @@ DEFAULT_LEVEL = 1  # zstd-1 on byte planes: ratio ~1.44 at ~0.7 GB/s (machine-li
 
 
 DiskRow = FrameRow  # one committed row as its meta record says
+
+
+@dataclass(frozen=True, slots=True)
+class FrameWrite:
+    """One frame of a group commit (:meth:`DiskTier.write_frames`)."""
+
+    name: bytes
+    frame: bytes
+    raw_len: int
+    dtype: str
+    parent: bytes | None = None
 
 
 def _pack_meta(name: bytes, raw_len: int, frame_len: int, seq: int, dtype: str,
@@ -244,44 +256,53 @@ class DiskTier(Tier):
         ``replace=True`` overwrites a row of another size under the same name: the store
         uses it because its index, not the disk, says which copy is current (a frame it
         evicted may still wait for its purge)."""
-        check_name(name)
-        flen = len(frame)
+        self.write_frames([FrameWrite(name, frame, raw_len, dtype, parent)], seq=seq,
+                          replace=replace)
+
+    def write_frames(self, rows: Sequence[FrameWrite], *, seq: int | None = None,
+                     replace: bool = False) -> None:
+        """Commit several frames in ONE transaction (group commit: one fsync for the
+        batch). All of them are durable when this returns, or none was written."""
+        for r in rows:
+            check_name(r.name)
         with self._lock:
             self._check_open()
-            if seq is None:
-                seq = self.seq + 1
-            meta = _pack_meta(name, raw_len, flen, seq, dtype, parent)
-            bad_old: CorruptPage | None = None
+            first = self.seq + 1 if seq is None else seq
+            bad_old: list[CorruptPage] = []
+            grow = 0
             try:
                 with self._env.begin(write=True, buffers=True) as txn:
-                    old = txn.get(name, db=self._meta)
-                    if old is not None:
-                        try:
-                            prev = _unpack_meta(name, old)
-                        except CorruptPage as exc:
-                            bad_old = exc  # replaced below, counted once committed
-                        else:
-                            if prev.raw_len != raw_len and not replace:
-                                raise PageSizeMismatch(
-                                    f"data: {raw_len} bytes, but row {name.hex()[:16]}… "
-                                    f"holds {prev.raw_len}")
-                    old_frame = txn.get(name, db=self._frames)
-                    old_len = 0 if old_frame is None else len(old_frame)
-                    if self._used - old_len + flen > self._budget:
-                        raise TierFull(f"disk tier: a {flen}-byte frame exceeds the budget "
-                                       f"(used {self._used} of {self._budget})")
-                    txn.put(name, frame, db=self._frames)
-                    txn.put(name, meta, db=self._meta)
+                    for i, r in enumerate(rows):
+                        meta = _pack_meta(r.name, r.raw_len, len(r.frame), first + i, r.dtype,
+                                          r.parent)
+                        old = txn.get(r.name, db=self._meta)
+                        if old is not None:
+                            try:
+                                prev = _unpack_meta(r.name, old)
+                            except CorruptPage as exc:
+                                bad_old.append(exc)  # replaced below, counted once committed
+                            else:
+                                if prev.raw_len != r.raw_len and not replace:
+                                    raise PageSizeMismatch(
+                                        f"data: {r.raw_len} bytes, but row {r.name.hex()[:16]}… "
+                                        f"holds {prev.raw_len}")
+                        old_frame = txn.get(r.name, db=self._frames)
+                        change = len(r.frame) - (0 if old_frame is None else len(old_frame))
+                        if self._used + grow + change > self._budget:
+                            raise TierFull(f"disk tier: a {len(r.frame)}-byte frame exceeds the "
+                                           f"budget (used {self._used + grow} of {self._budget})")
+                        txn.put(r.name, r.frame, db=self._frames)
+                        txn.put(r.name, meta, db=self._meta)
+                        grow += change
             except (lmdb.Error, OSError) as exc:
-                raise self._mapped(f"writing {name.hex()[:16]}…", exc) from exc
-            self._used += flen - old_len
-            self.seq = max(self.seq, seq)
+                what = rows[0].name.hex()[:16] + "…" + (f" and {len(rows) - 1} more" if len(rows) > 1 else "")
+                raise self._mapped(f"writing {what}", exc) from exc
+            self._used += grow
+            self.seq = max(self.seq, first + len(rows) - 1)
             self._opened = None
-            if bad_old is not None:
-                self.corrupt_rows += 1
-        if bad_old is not None:
-            logger.warning("disk tier: replaced a row whose metadata failed its checks: %s",
-                           bad_old)
+            self.corrupt_rows += len(bad_old)
+        for bad in bad_old:
+            logger.warning("disk tier: replaced a row whose metadata failed its checks: %s", bad)
 
     def read_into(self, name: bytes, out: memoryview | bytearray, *,
                   expect: int | None = None) -> int | None:

@@ -115,6 +115,8 @@ class HostSlab(AllocatorBacked):
         self._alloc = SlotAllocator(budget, on_grow=self._grow, on_release=self._release)
         self._pin = _cuda_pinning() if pin else None
         self._pinned: dict[int, int] = {}  # chunk start -> bytes registered with CUDA
+        self.keep_memory = False  # set by a reservation: released chunks keep their memory
+        self.prefaulted = 0  # bytes from offset 0 a reservation has made resident
         self._closed = False
         self._fd = -1
         self._mm: mmap.mmap | None = None
@@ -140,6 +142,9 @@ class HostSlab(AllocatorBacked):
     # -- chunk memory ------------------------------------------------------------------
 
     def _grow(self, start: int, nbytes: int) -> None:
+        if start + nbytes <= self.prefaulted:
+            self._pin_chunk(start, nbytes)  # reserved: allocated and faulted already
+            return
         try:
             os.posix_fallocate(self._fd, start, nbytes)
         except OSError as exc:
@@ -154,6 +159,9 @@ class HostSlab(AllocatorBacked):
             self._mm.madvise(_MADV_POPULATE_WRITE, start, nbytes)
         except OSError:
             self._arr[start : start + nbytes] = 0
+        self._pin_chunk(start, nbytes)
+
+    def _pin_chunk(self, start: int, nbytes: int) -> None:
         if self._pin is not None:
             try:
                 self._pin(int(self._arr.ctypes.data) + start, nbytes, True)
@@ -166,6 +174,8 @@ class HostSlab(AllocatorBacked):
         if self._pinned.pop(start, None) is not None and self._pin is not None:
             self._pin(int(self._arr.ctypes.data) + start, nbytes, False)
         assert self._mm is not None
+        if self.keep_memory:
+            return  # reserved up front: the memory stays claimed for the next chunk
         # Give the memory back to tmpfs. madvise needs page-aligned ranges; a tiny budget
         # has sub-page units, whose partial pages stay allocated (at most 2 per chunk).
         lo = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE
@@ -173,6 +183,31 @@ class HostSlab(AllocatorBacked):
         if hi > lo:
             self._mm.madvise(mmap.MADV_REMOVE, lo, hi - lo)
         logger.debug("host slab %s: released %d bytes at %d", self.segment, nbytes, start)
+
+    def prefault(self, start: int, nbytes: int) -> None:
+        """Make ``[start, start + nbytes)`` of the segment resident now (tmpfs blocks and
+        this mapping's page tables) without changing a byte, so it is safe beside copies
+        into slots there; a reservation calls it from its own thread."""
+        self._check_open()
+        nbytes = min(nbytes, self._alloc.space_bytes - start)
+        if nbytes <= 0:
+            return
+        try:
+            os.posix_fallocate(self._fd, start, nbytes)
+        except OSError as exc:
+            raise TierFull(f"host tier: /dev/shm has no room to reserve {nbytes} bytes: {exc}") from exc
+        assert self._mm is not None
+        try:
+            self._mm.madvise(_MADV_POPULATE_WRITE, start, nbytes)
+        except OSError:
+            return  # no MADV_POPULATE_WRITE: allocated now, page tables filled on first use
+        if start == self.prefaulted:
+            self.prefaulted = start + nbytes
+
+    @property
+    def space_bytes(self) -> int:
+        """Bytes of the segment (at most the budget)."""
+        return self._alloc.space_bytes
 
     # -- slots -------------------------------------------------------------------------
 

@@ -102,9 +102,9 @@ def test_decode_put_header_names_the_bad_field() -> None:
        st.lists(st.builds(StreamRow, st.integers(0, 2**31), st.integers(0, 9),
                           st.integers(0, 2**31), st.integers(0, 2**40)), max_size=20))
 def test_fetch_header_round_trips(fid: str, rows: list[StreamRow]) -> None:
-    blob = encode_fetch_prefix(fid, rows)
+    blob = encode_fetch_prefix(fid, rows, "s1")
     n = decode_prefix(blob, FETCH_MAGIC)
-    assert decode_fetch_header(blob[PREFIX.size:PREFIX.size + n]) == (fid, rows)
+    assert decode_fetch_header(blob[PREFIX.size:PREFIX.size + n]) == (fid, "s1", rows)
     assert fetch_stream_bytes(len(blob), rows) == len(blob) + sum(16 + r.size for r in rows) + 16
 
 
@@ -122,9 +122,11 @@ def test_frames_and_prefixes_refuse_wrong_magic_and_sizes() -> None:
     assert FRAME.size == 16
     with pytest.raises(InvalidInput, match="frame"):
         decode_frame(b"\1" * 15)
-    blob = encode_fetch_prefix("f", [])
+    blob = encode_fetch_prefix("f", [], "s")
     with pytest.raises(InvalidInput, match="magic"):
         decode_prefix(blob, PUT_MAGIC)
     with pytest.raises(InvalidInput, match="rows"):
-        decode_fetch_header(b'{"fetch_id": "f", "rows": [[1, 2, 3]]}')
+        decode_fetch_header(b'{"fetch_id": "f", "stream": "s", "rows": [[1, 2, 3]]}')
+    with pytest.raises(InvalidInput, match=r"stream\.stream"):
+        decode_fetch_header(b'{"fetch_id": "f", "rows": []}')
     assert decode_frame(encode_frame(FrameKind.END, 0, 5)) == (FrameKind.END, 0, 5)

@@ -129,10 +129,11 @@ def test_stream_holds_its_read_leases_until_the_ack(node: NodeProcess) -> None:
 
         conn = c._conn()
         body = json.dumps({"match": wire.to_dict(m), "fetch_id": None, "max_rows": None, "via": "stream"})
-        got, fid, err = client_io.fetch_stream(conn, body.encode(), views)
+        read = client_io.fetch_stream(conn, body.encode(), views)
         conn.close()
-        assert err is None and fid is not None and sorted(got) == [0, 1, 2, 3]
+        got, fid = read.got, read.fetch_id
+        assert read.error is None and fid is not None and sorted(got) == [0, 1, 2, 3]
         assert c.stats().live_leases > before  # streamed, not yet acknowledged
-        result = c._ack(fid, got, None)
+        result = c._ack(fid, got, None, read.stream)
         assert result.complete and torch.equal(out, data)
         assert c.stats().live_leases == before

@@ -13,7 +13,8 @@ module          owns
 ``locktable``   ``store.locks``: the page-lock operations under the store lock
 ``policy``      victim choice: prefix-aware LRU as a pure function over the index
 ``placement``   which slot a row gets; making room; waiting (with a deadline)
-``copier``      every byte copy between tiers (the seam tests inject)
+``copier``      every byte copy between tiers (the seam tests inject); the copy lanes
+``reserve``     the host budget claimed and pre-faulted at open (``reserve_host``)
 ``mover``       the background thread: device→host copies, disk demotions, purges
 ``writes``      put and commit: fill a private slot, publish it (write-through to disk)
 ``reads``       get: copy out, promote a disk row into host, drop corrupt rows
@@ -62,18 +63,19 @@ import numpy as np
 
 from kvbank.config import BankConfig
 from kvbank.errors import InvalidInput, RowLocked
-from kvbank.tiers.base import Buffer, FrameStore, TierKind, check_name
+from kvbank.tiers.base import Buffer, FrameStore, TierKind, as_bytes_view, check_name
 from kvbank.tiers.device import DevicePool, device_budget
 from kvbank.tiers.host import HostSlab
 from kvbank.tiers.index import DEV, DISK, HOST, KIND_OF_BIT
 from kvbank.tiers.store import admin, reads, writes
 from kvbank.tiers.store import persist as persistence
 from kvbank.tiers.store.check import check
-from kvbank.tiers.store.copier import Copier
+from kvbank.tiers.store.copier import Copier, Lanes, default_copy_threads
 from kvbank.tiers.store.events import DEFAULT_EVENT_CAPACITY
 from kvbank.tiers.store.locktable import LockTable
 from kvbank.tiers.store.memory import DeviceOps, HostOps
 from kvbank.tiers.store.mover import Mover, default_encode_workers
+from kvbank.tiers.store.reserve import Reservation, start_reservation
 from kvbank.tiers.store.state import StoreState, deadline_after
 from kvbank.tiers.store.types import (
     EventKind,
@@ -101,18 +103,21 @@ __all__ = [
 class TieredStore:
     """Rows of one node across device, host and disk tiers. Thread-safe.
 
-    Public surface: ``put``, ``get_into``, ``delete``, ``locate``, ``residency``,
+    Public surface: ``put``, ``put_many``, ``get_into``, ``get_many_into``, ``delete``, ``locate``, ``residency``,
     ``scan``, ``evict``, ``pin``, ``unpin``, ``touch``, ``take_events``, ``read_frame``,
     ``flush``, ``stats``, ``health``, ``check_invariants``, ``close``; and the
     namespaces ``locks`` (page locks), ``host`` and ``device`` (in-place slots).
     """
 
+    reservation: Reservation | None  # the host budget pre-faulting (``reserve_host``)
+
     def __init__(self, config: BankConfig, *, encode_workers: int | None = None,
                  copier: Copier | None = None,
                  clock: Callable[[], float] = time.monotonic,
                  event_capacity: int = DEFAULT_EVENT_CAPACITY) -> None:
+        threads = config.copy_threads or default_copy_threads()
         if encode_workers is None:
-            encode_workers = default_encode_workers()
+            encode_workers = min(threads, default_encode_workers())
         if isinstance(encode_workers, bool) or not isinstance(encode_workers, int) \
                 or encode_workers < 1:
             raise InvalidInput(f"encode_workers: expected an integer >= 1, got {encode_workers!r}")
@@ -144,10 +149,14 @@ class TieredStore:
             st.notes.extend(notes)
             st.events.capacity = event_capacity
             persistence.recover(st)
+            # Last: nothing after it may fail, so the thread never outlives a failed open.
+            self.reservation = (start_reservation(host, config)
+                                if config.reserve_host and host is not None else None)
         except BaseException:
             _close_tiers(device, host, frames)
             raise
         self._st = st
+        self._lanes = Lanes(threads)  # a batch's copies and codec work
         self._mover = Mover(st, encode_workers)
         self.locks = LockTable(st)
         self.host = HostOps(st, self._mover)
@@ -165,6 +174,22 @@ class TieredStore:
         ``PageSizeMismatch`` if it holds a row of another size, ``TierFull`` if no tier
         has room, ``Busy`` if making room outlasted the deadline."""
         writes.put(self._st, self._mover, name, data, dtype, parent, self._deadline(timeout_s))
+
+    def put_many(self, rows: Sequence[tuple[bytes, Buffer, bytes | None]], *,
+                 dtype: str = "uint8", timeout_s: float | None = None) -> list[bool]:
+        """Store ``(name, data, parent)`` rows as one batch (copies and encodes on the copy
+        threads, disk frames in one transaction): per row True, or False when a lock holds
+        its name. Other refusals as :meth:`put` raise; each row is then stored whole or
+        not at all."""
+        return writes.put_many(self._st, self._mover, self._lanes,
+                               [(n, as_bytes_view(d), p) for n, d, p in rows], dtype,
+                               self._deadline(timeout_s))
+
+    def get_many_into(self, names: Sequence[bytes],
+                      outs: Sequence[memoryview | bytearray]) -> list[int | None]:
+        """:meth:`get_into` for a batch (copies and decodes on the copy threads): per row
+        its size, or ``None`` on a miss."""
+        return reads.get_many_into(self._st, self._lanes, names, outs)
 
     def get_into(self, name: bytes, out: memoryview | bytearray) -> int | None:
         """Copy a row into ``out``; its size, or ``None`` on a miss. Touches LRU and
@@ -352,6 +377,9 @@ class TieredStore:
         finally:
             if self._mover.encoder is not None:
                 self._mover.encoder.shutdown(wait=True)
+            self._lanes.close()
+            if self.reservation is not None:
+                self.reservation.stop()  # before the segment is unmapped
             _close_tiers(st.device, st.host, st.frames)
 
     def __enter__(self) -> TieredStore:

@@ -10,9 +10,20 @@ A :class:`Copier` runs with no store lock held, on slots the caller keeps busy (
 - :meth:`~Copier.between` — device ↔ host (demotion to host, staging either way);
 - :meth:`~Copier.from_frames` — decode a frame-store row into a memory slot;
 - :meth:`~Copier.encode` — a memory slot's bytes as a codec frame (demotion, close).
+
+:class:`Lanes` spreads a batch's copies and codec work over ``copy_threads`` threads: the
+caller's own thread runs one lane and a pool of ``copy_threads - 1`` workers the others,
+so one batch never runs on more threads than configured, and a single item never leaves
+the caller's thread. memcpy (numpy/memoryview), zstd and the plane kernels release the
+GIL, so the lanes run in parallel.
 """
 
 from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from typing import TypeVar
 
 import torch
 
@@ -20,6 +31,54 @@ from kvbank.errors import TierUnavailable
 from kvbank.tiers.base import FrameStore, SlotPool
 from kvbank.tiers.device import DevicePool
 from kvbank.tiers.host import HostSlab
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+def default_copy_threads() -> int:
+    """The core count this process may use (``copy_threads`` unset)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
+class Lanes:
+    """Run a function over a batch on at most ``threads`` threads (the caller's included).
+
+    ``map(fn, items)`` returns the results in item order. Every lane finishes before it
+    returns (the items name slots the caller keeps busy until then); the first exception
+    is raised after that. ``close()`` stops the workers (idempotent)."""
+
+    def __init__(self, threads: int) -> None:
+        self.threads = threads
+        self._pool = (ThreadPoolExecutor(threads - 1, thread_name_prefix="kvbank-copy")
+                      if threads > 1 else None)
+
+    def map(self, fn: Callable[[T], R], items: Sequence[T]) -> list[R]:
+        n = len(items)
+        lanes = min(self.threads, n)
+        if lanes <= 1 or self._pool is None:
+            return [fn(x) for x in items]
+        out: list[R | None] = [None] * n
+
+        def lane(k: int) -> None:
+            for i in range(k, n, lanes):  # strided: neighbouring pages run side by side
+                out[i] = fn(items[i])
+
+        futs: list[Future[None]] = [self._pool.submit(lane, k) for k in range(1, lanes)]
+        try:
+            lane(0)
+        finally:
+            wait(futs)
+        for f in futs:
+            f.result()
+        return out  # type: ignore[return-value]  # every slot was filled by its lane
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
 
 
 class Copier:

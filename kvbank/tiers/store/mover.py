@@ -8,7 +8,8 @@ workers. Jobs (:class:`~.types.Job`):
   runs with no lock held, the result is published under the store lock if the row is
   still the one queued;
 - ``DEMOTE`` — a memory row encoded on a codec worker (a small window ahead, in queue
-  order) and written to disk by the mover alone, then its memory copy dropped;
+  order) and written to disk by the mover alone — the demotions already encoded at the
+  head of the window in one transaction (group commit) — then its memory copy dropped;
 - ``PURGE`` — stale disk names deleted, after every job queued before it.
 
 Its wait is a condition predicate: work queued, close, or (only when ``changes`` moved
@@ -36,6 +37,7 @@ from kvbank.tiers.store.types import Job, JobKind
 logger = logging.getLogger("kvbank.tiers.store")
 
 WINDOW_PER_WORKER = 2  # encodes in flight per worker: one running, one ready to write
+GROUP_COMMIT = 16  # most encoded demotions written in one transaction
 Window = collections.deque[tuple[Job, "Future[bytes]"]]  # demotions being encoded, FIFO
 
 
@@ -156,14 +158,18 @@ class Mover:
                         st.cond.notify_all()
                         continue
                 self._fill_window(window)
+                ready: list[tuple[Job, Future[bytes]]] = []
                 if window:
                     job, fut = window.popleft()
+                    # Demotions already encoded behind it share its transaction (one fsync).
+                    while window and window[0][1].done() and len(ready) < GROUP_COMMIT - 1:
+                        ready.append(window.popleft())
                 else:
                     job = st.jobs.popleft()  # a copy or a purge, after every job before it
                 st.busy = True
             try:
                 if fut is not None:
-                    self._finish_demote(job, fut)
+                    self._finish_demotes([(job, fut), *ready])
                 elif job.kind is JobKind.COPY_DOWN:
                     self._copy_down(job)
                 else:
@@ -262,44 +268,65 @@ class Mover:
         with st.lock:
             self._end_move(job, written=True)
 
-    def _finish_demote(self, job: Job, encoded: Future[bytes]) -> None:
-        """Write an encoded demotion if its row is still the one that was queued."""
+    def _finish_demotes(self, batch: list[tuple[Job, Future[bytes]]]) -> None:
+        """Write encoded demotions whose rows are still the ones queued, in one
+        transaction (group commit), then drop their memory copies."""
+        from kvbank.tiers.disk import FrameWrite  # lmdb loads only with a disk tier
+
         st = self.st
         disk = st.disk
         assert disk is not None
-        try:
-            frame = encoded.result()
-        except BaseException:
-            with st.lock:
-                self._end_move(job, written=False)
-            raise
+        frames: list[tuple[Job, bytes]] = []
+        failure: BaseException | None = None
+        for job, encoded in batch:
+            try:
+                frames.append((job, encoded.result()))
+            except BaseException as exc:
+                with st.lock:
+                    self._end_move(job, written=False)
+                failure = failure or exc
         with self.disk_lock:
+            writes: list[FrameWrite] = []
+            todo: list[Job] = []
             with st.lock:
                 ix = st.ix
-                valid = self._still_queued(job)
-                dtype = ix.dtypes[int(ix.dtype[job.rid])]
-                parent = ix.parent_name(job.rid)
-            if not valid:
+                for job, frame in frames:
+                    if not self._still_queued(job):
+                        self._end_move(job, written=False)
+                        continue
+                    todo.append(job)
+                    writes.append(FrameWrite(job.name, frame, job.size,
+                                             ix.dtypes[int(ix.dtype[job.rid])],
+                                             ix.parent_name(job.rid)))
+            if writes:
+                try:
+                    self.make_disk_room(sum(len(w.frame) for w in writes))
+                    group = getattr(disk, "write_frames", None)
+                    if group is not None:
+                        group(writes, replace=True)
+                    else:
+                        for w in writes:
+                            disk.write_frame(w.name, w.frame, raw_len=w.raw_len, dtype=w.dtype,
+                                             parent=w.parent, replace=True)
+                except BaseException:
+                    with st.lock:
+                        for job in todo:
+                            self._end_move(job, written=False)
+                    raise
+                stale: list[bytes] = []
                 with st.lock:
-                    self._end_move(job, written=False)
-                return
-            try:
-                self.make_disk_room(len(frame))
-                disk.write_frame(job.name, frame, raw_len=job.size, dtype=dtype, parent=parent,
-                                 replace=True)
-            except BaseException:
-                with st.lock:
-                    self._end_move(job, written=False)
-                raise
-            with st.lock:
-                if st.disk_error is not None:
-                    logger.warning("store: disk tier writes again")
-                st.disk_error = None
-                moved = self._end_move(job, written=True)
-                rid = st.ix.ids.get(job.name)
-                stale = not moved and (rid is None or not int(st.ix.where[rid]) & DISK)
-            if stale:  # overwritten or deleted while we wrote: the frame is stale
-                disk.delete_many([job.name])
+                    if st.disk_error is not None:
+                        logger.warning("store: disk tier writes again")
+                    st.disk_error = None
+                    for job in todo:
+                        moved = self._end_move(job, written=True)
+                        rid = st.ix.ids.get(job.name)
+                        if not moved and (rid is None or not int(st.ix.where[rid]) & DISK):
+                            stale.append(job.name)  # overwritten or deleted while we wrote
+                if stale:
+                    disk.delete_many(stale)
+        if failure is not None:
+            raise failure
 
     def purge(self, job: Job) -> None:
         st = self.st

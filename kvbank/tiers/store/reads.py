@@ -5,15 +5,21 @@ with no lock held, settle under the lock. A disk read decodes straight from LMDB
 caller's buffer, then the bytes are copied into a free host slot (a clean copy) if there
 is room without waiting for the disk. A frame that fails its checks is dropped and the
 read is a miss; a row purged between lookup and read is a miss too (counters say so).
+
+A batch (:func:`get_many_into`) plans every row under one lock, then copies and decodes
+on the copy lanes (each row as :func:`get_into` would), and settles under one lock.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 from kvbank.errors import CorruptPage, InvalidInput
 from kvbank.tiers.base import as_out_view, check_name
 from kvbank.tiers.index import DEV, DISK, HOST
+from kvbank.tiers.store.copier import Lanes
 from kvbank.tiers.store.placement import band, reclaim
 from kvbank.tiers.store.state import StoreState
 
@@ -56,6 +62,78 @@ def get_into(st: StoreState, name: bytes, out: memoryview | bytearray) -> int | 
                 st.release(bit, off)
         return size
     return _read_disk(st, name, rid, stamp, size, dst)
+
+
+@dataclass(frozen=True, slots=True)
+class _Read:
+    """One planned row of a batch read."""
+
+    name: bytes
+    rid: int
+    stamp: int
+    size: int
+    bit: int
+    off: int  # the held memory slot; -1 for a disk row
+    dst: memoryview
+
+
+def get_many_into(st: StoreState, lanes: Lanes, names: Sequence[bytes],
+                  outs: Sequence[memoryview | bytearray]) -> list[int | None]:
+    """:func:`get_into` for several rows at once: per row, its size or ``None``."""
+    if len(names) != len(outs):
+        raise InvalidInput(f"outs: {len(outs)} buffers for {len(names)} names")
+    dsts = [as_out_view(o) for o in outs]
+    for name in names:
+        check_name(name)
+    ix = st.ix
+    plan: list[_Read | None] = []
+    with st.lock:
+        st.check_open()
+        for i, name in enumerate(names):  # sizes first: a refusal holds nothing
+            rid = ix.ids.get(name)
+            if rid is not None and dsts[i].nbytes < int(ix.size[rid]):
+                raise InvalidInput(f"outs[{i}]: {dsts[i].nbytes} bytes, the row holds "
+                                   f"{int(ix.size[rid])}")
+        for name, dst in zip(names, dsts, strict=True):
+            st.gets += 1
+            rid = ix.ids.get(name)
+            if rid is None:
+                st.misses += 1
+                for c in st.counters.values():
+                    c.misses += 1
+                plan.append(None)
+                continue
+            size = int(ix.size[rid])
+            stamp = ix.touch(rid)
+            where = int(ix.where[rid])
+            bit = DEV if where & DEV else HOST if where & HOST else DISK
+            for b in (DEV, HOST):
+                if b == bit:
+                    break
+                st.counters[b].misses += 1
+            off = -1
+            if bit != DISK:
+                st.counters[bit].hits += 1
+                st.hits += 1
+                off = st.res.mem_off(rid, bit)
+                st.res.hold(bit, off)
+            plan.append(_Read(name, rid, stamp, size, bit, off, dst))
+
+    def one(r: _Read | None) -> int | None:
+        if r is None:
+            return None
+        if r.bit == DISK:
+            return _read_disk(st, r.name, r.rid, r.stamp, r.size, r.dst)
+        st.copier.read(st.pools[r.bit], r.off, r.size, r.dst)
+        return r.size
+
+    try:
+        return lanes.map(one, plan)
+    finally:
+        with st.lock:
+            for r in plan:
+                if r is not None and r.bit != DISK:
+                    st.release(r.bit, r.off)
 
 
 def _read_disk(st: StoreState, name: bytes, rid: int, stamp: int, size: int,

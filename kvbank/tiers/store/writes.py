@@ -7,17 +7,25 @@ also writes the disk: the frame is encoded with no lock held, then written under
 mover's disk lock (lock order: disk lock → store lock → LMDB), and the row is checked
 writable again under the store lock before and after, so a lock taken meanwhile wins.
 On failure nothing changed, and the slot goes back (a commit's stays reserved).
+
+A batch (:func:`put_many`) plans every row under one lock, fills and encodes them on the
+copy lanes, and writes its disk frames in one LMDB transaction (group commit: one fsync):
+when it returns every row it stored is published and, with a disk write, durable; when it
+raises, a row of it is either fully stored or not at all (see ``docs/tiers.md``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 from kvbank.config import WritePolicy
-from kvbank.errors import InvalidInput, TierError, TierFull, TierUnavailable
+from kvbank.errors import InvalidInput, RowLocked, TierError, TierFull, TierUnavailable
 from kvbank.tiers.base import Buffer, as_bytes_view, check_name
 from kvbank.tiers.index import DEV, DISK, HOST
+from kvbank.tiers.store.copier import Lanes
 from kvbank.tiers.store.mover import Mover
 from kvbank.tiers.store.placement import alloc_memory
 from kvbank.tiers.store.state import MAX_PAGE, StoreState
@@ -51,6 +59,149 @@ def put(st: StoreState, mover: Mover, name: bytes, data: Buffer, dtype: str,
         if off is not None:
             with st.lock:
                 st.release(bit, off)
+
+
+@dataclass(slots=True)
+class _Row:
+    """One row of a batch put, as planned under the store lock."""
+
+    name: bytes
+    src: memoryview
+    parent: bytes | None
+    bit: int = 0
+    off: int | None = None
+    stored: bool = False
+    settled: bool = False  # stored, or its slot already given back
+
+
+def put_many(st: StoreState, mover: Mover, lanes: Lanes,
+             items: Sequence[tuple[bytes, memoryview, bytes | None]], dtype: str,
+             deadline: float) -> list[bool]:
+    """Store ``(name, data, parent)`` rows as one batch; per row, True if stored, False if
+    a lock holds its name (a lease fills it). Other refusals raise (nothing of the row
+    stored)."""
+    rows: list[_Row] = []
+    for name, data, parent in items:
+        check_name(name)
+        if parent is not None:
+            check_name(parent)
+        src = as_bytes_view(data)
+        if src.nbytes == 0 or src.nbytes > MAX_PAGE:
+            raise InvalidInput(f"data: page size must be in [1, {MAX_PAGE}], got {src.nbytes}")
+        rows.append(_Row(name, src, parent))
+    planned: list[_Row] = []
+    try:
+        with st.lock:
+            st.check_open()
+            code = st.dtype_code(dtype)
+            for r in rows:
+                try:
+                    st.check_writable(r.name, r.src.nbytes, None)
+                except RowLocked:
+                    continue
+                r.bit, r.off = alloc_memory(st, r.src.nbytes, deadline)
+                if r.off is not None:
+                    st.res.hold(r.bit, r.off)
+                planned.append(r)
+        lanes.map(lambda r: _fill(st, r), planned)
+        through = st.config.write_policy is WritePolicy.WRITE_THROUGH and st.disk is not None
+        mem = [r for r in planned if r.off is not None and not through]
+        with st.lock:
+            for r in mem:
+                _commit_one(st, r, code, on_disk=False)
+        disk_rows = [r for r in planned if r.off is None or through]
+        if disk_rows:
+            _write_batch(st, mover, lanes, disk_rows, code)
+    finally:
+        with st.lock:
+            for r in planned:
+                if r.off is not None:
+                    if not r.settled and not st.res.owned(r.bit, r.off):
+                        st.res.fail_slot(r.bit, r.off, None, st.closed)
+                    st.release(r.bit, r.off)
+    return [r.stored for r in rows]
+
+
+def _fill(st: StoreState, r: _Row) -> None:
+    if r.off is not None:
+        st.copier.fill(st.pools[r.bit], r.off, r.src)
+
+
+def _commit_one(st: StoreState, r: _Row, code: int, *, on_disk: bool) -> None:
+    """Publish one planned row (caller holds the store lock); a lock taken meanwhile
+    leaves it unstored (``commit_locked`` gave its slot back)."""
+    try:
+        commit_locked(st, r.name, r.src.nbytes, code, r.parent, r.bit, r.off, None,
+                      on_disk=on_disk, reserve=None)
+    except BaseException as exc:
+        r.settled = True  # commit_locked gave the slot back
+        if isinstance(exc, RowLocked):
+            return
+        raise
+    r.stored = r.settled = True
+
+
+def _write_batch(st: StoreState, mover: Mover, lanes: Lanes, rows: list[_Row],
+                 code: int) -> None:
+    """Encode on the lanes, write every frame in one transaction, publish each row."""
+    from kvbank.tiers.disk import FrameWrite  # lmdb loads only with a disk tier
+
+    disk = st.disk
+    assert disk is not None  # off is None only when there is a disk tier
+    dtype = st.ix.dtypes[code]
+    try:
+        frames = lanes.map(lambda r: disk.frame(r.src, dtype), rows)
+        with st.disk_lock:
+            with st.lock:
+                st.check_open()
+                ids, locks = st.ix.ids, st.locks
+                batch = {r.name for r in rows}
+                todo: list[_Row] = []
+                writes: list[FrameWrite] = []
+                for r, f in zip(rows, frames, strict=True):
+                    if locks.locked_by_other(r.name, None):
+                        continue  # a lease took the name meanwhile: it fills these bytes
+                    st.check_writable(r.name, r.src.nbytes, None)
+                    todo.append(r)
+                    writes.append(FrameWrite(r.name, f, r.src.nbytes, dtype,
+                                             r.parent if r.parent in ids or r.parent in batch
+                                             else None))
+            mover.make_disk_room(sum(len(w.frame) for w in writes))
+            group = getattr(disk, "write_frames", None)  # the disk tier's group commit
+            if group is not None and writes:
+                group(writes, replace=True)
+            else:  # a frame store without one: a transaction per frame
+                for w in writes:
+                    disk.write_frame(w.name, w.frame, raw_len=w.raw_len, dtype=w.dtype,
+                                     parent=w.parent, replace=True)
+            orphans: list[bytes] = []
+            try:
+                with st.lock:
+                    if st.disk_error is not None:
+                        logger.warning("store: disk tier writes again")
+                    st.disk_error = None
+                    for r in todo:
+                        _commit_one(st, r, code, on_disk=True)
+                        if not r.stored:
+                            orphans.append(r.name)  # locked meanwhile: the frame is no row's
+            except BaseException:
+                # Refused after the write (closed meanwhile): a frame the index does not
+                # hold must not outlive this call.
+                with st.lock:
+                    for r in todo:
+                        rid = st.ix.ids.get(r.name)
+                        if not r.stored and (rid is None or not int(st.ix.where[rid]) & DISK):
+                            orphans.append(r.name)
+                raise
+            finally:
+                if orphans:
+                    with contextlib.suppress(TierError):  # closing: nothing more to do
+                        disk.delete_many(orphans)
+    except BaseException as exc:
+        with st.lock:
+            if isinstance(exc, TierFull | TierUnavailable) and not st.closed:
+                st.note_disk_error(str(exc))
+        raise
 
 
 def publish(st: StoreState, mover: Mover, name: bytes, size: int, code: int,

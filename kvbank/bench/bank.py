@@ -1,0 +1,183 @@
+"""``kvbank bench bank``: the user's data path, ``Bank.put`` / ``match`` + ``fetch``.
+
+64 pages of 2 MiB of a 32-layer x 2 x 16 tokens x 8 heads x 128 bfloat16 layout, random
+normal (``bank-*``) or real KV of a trained model (``bank-*-real``,
+:mod:`kvbank.bench.realkv`). Every timed call writes into preallocated, already touched
+buffers. Each repetition opens a fresh bank (untimed: a user opens it once per process)
+and times one call on it; the baseline is a memcpy of the same bytes between two
+preallocated tensors in the same process, on 2 torch threads, timed right after it.
+Values are medians over the repetitions.
+
+=========================  ===========================================================
+case                       what is timed (GB/s of raw page bytes)
+=========================  ===========================================================
+bank-put-host              ``Bank.put`` of the 64 pages into a freshly opened bank's host
+                           tier (``reserve_host``: its budget pre-faulted at open, waited
+                           for untimed), hashing of the tokens included
+bank-fetch-host            ``match`` + ``fetch`` of those pages into a ``[64, 2 MiB]``
+                           buffer
+bank-put-disk-durable      ``Bank.put`` with write-through and fsync into a fresh bank and
+                           data folder: returns when every page is durable on disk
+bank-fetch-disk            a bank reopened on that folder (rows only on disk, warm page
+                           cache): ``match`` + ``fetch``
+bank-disk-footprint-bf16   bytes on disk / raw bytes after the write-through put (metric
+                           ``x``; the baseline is raw bytes, 1.0)
+=========================  ===========================================================
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import shutil
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+
+from kvbank.bank import Bank
+from kvbank.bench.common import BenchRow, row
+from kvbank.config import WritePolicy
+from kvbank.layout import full_attention
+from kvbank.tiers.base import TierKind
+
+SUITE = "bank"
+GB = 1e9
+LAYOUT = full_attention("bench-bank@1", num_layers=32, num_kv_heads=8, head_dim=128,
+                        tokens_per_page=16)
+PAGE = LAYOUT.group_page_bytes[0]  # 2 MiB
+BASELINE = "memcpy of the same bytes, preallocated, 2 torch threads"
+
+
+def _random_pages(n: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(10)
+    vals = torch.randn(n, PAGE // 2, generator=g).to(torch.bfloat16)
+    return vals.view(torch.uint8).reshape(n, PAGE).contiguous()
+
+
+class _Memcpy:
+    """The baseline: the same bytes copied between two preallocated, touched tensors."""
+
+    def __init__(self, pages: torch.Tensor) -> None:
+        self.src = pages
+        self.dst = torch.empty_like(pages)
+        self.dst.copy_(pages)  # touched: no page faults in the timed copies
+
+    def __call__(self) -> float:
+        threads = torch.get_num_threads()
+        torch.set_num_threads(2)
+        try:
+            t0 = time.perf_counter()
+            self.dst.copy_(self.src)
+            return time.perf_counter() - t0
+        finally:
+            torch.set_num_threads(threads)
+
+
+def _timed(fn: Callable[[], object]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def _rates(nbytes: int, ours: list[float], base: list[float]) -> tuple[float, float]:
+    return nbytes / statistics.median(ours) / GB, nbytes / statistics.median(base) / GB
+
+
+def _host(pages: torch.Tensor, tokens: list[int], repeat: int, tail: str) -> Iterator[BenchRow]:
+    n = pages.shape[0]
+    memcpy = _Memcpy(pages)
+    out = torch.empty_like(pages)
+    out.zero_()
+    put_t: list[float] = []
+    fetch_t: list[float] = []
+    base_t: list[float] = []
+    for _ in range(repeat):
+        with Bank.open(host_bytes=2 * n * PAGE, device_bytes=0, data_dir=None,
+                       reserve_host=True) as b:
+            r = b.reservation
+            if r is not None:
+                r.wait(60)
+            lid = b.register(LAYOUT)
+            put_t.append(_timed(functools.partial(b.put, lid, tokens, group=0, pages=pages)))
+            base_t.append(memcpy())
+            t0 = time.perf_counter()
+            got = b.fetch(b.match(lid, tokens), out={0: out})
+            fetch_t.append(time.perf_counter() - t0)
+            assert got.complete, "bench: the fetch missed rows"
+    nbytes = n * PAGE
+    v, bv = _rates(nbytes, put_t, base_t)
+    yield row(SUITE, "bank-put-host" + tail, "GB/s", v, BASELINE, bv)
+    v, bv = _rates(nbytes, fetch_t, base_t)
+    yield row(SUITE, "bank-fetch-host" + tail, "GB/s", v, BASELINE, bv)
+
+
+def _disk(pages: torch.Tensor, tokens: list[int], repeat: int, tail: str) -> Iterator[BenchRow]:
+    n = pages.shape[0]
+    memcpy = _Memcpy(pages)
+    out = torch.empty_like(pages)
+    out.zero_()
+    put_t: list[float] = []
+    fetch_t: list[float] = []
+    base_t: list[float] = []
+    footprint = 0.0
+    root = Path(tempfile.mkdtemp(prefix="kvbank-bench-bank-"))
+    try:
+        for i in range(repeat):
+            folder = root / f"put-{i}"
+            with Bank.open(host_bytes=2 * n * PAGE, device_bytes=0, data_dir=folder,
+                           disk_bytes=4 * n * PAGE, disk_sync=True, reserve_host=True,
+                           write_policy=WritePolicy.WRITE_THROUGH) as b:
+                r = b.reservation
+                if r is not None:
+                    r.wait(60)
+                lid = b.register(LAYOUT)
+                put_t.append(_timed(functools.partial(b.put, lid, tokens, group=0, pages=pages)))
+                base_t.append(memcpy())
+                disk = next(t for t in b.stats().store.tiers if t.kind is TierKind.DISK)
+                footprint = disk.used_bytes / (n * PAGE)
+            if i:
+                shutil.rmtree(folder, ignore_errors=True)
+        keep = root / "put-0"  # rows only on disk: each reopened bank starts host-empty
+        for _ in range(repeat):
+            with Bank.open(host_bytes=2 * n * PAGE, device_bytes=0, data_dir=keep,
+                           disk_bytes=4 * n * PAGE, reserve_host=True) as b:
+                r = b.reservation
+                if r is not None:
+                    r.wait(60)
+                lid = b.register(LAYOUT)
+                t0 = time.perf_counter()
+                got = b.fetch(b.match(lid, tokens), out={0: out})
+                fetch_t.append(time.perf_counter() - t0)
+                assert got.complete, "bench: the disk fetch missed rows"
+                assert torch.equal(out, pages), "bench: the disk fetch returned other bytes"
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    nbytes = n * PAGE
+    v, bv = _rates(nbytes, put_t, base_t)
+    yield row(SUITE, "bank-put-disk-durable" + tail, "GB/s", v, BASELINE, bv)
+    v, bv = _rates(nbytes, fetch_t, base_t)
+    yield row(SUITE, "bank-fetch-disk" + tail, "GB/s", v, BASELINE, bv)
+    yield row(SUITE, "bank-disk-footprint-bf16" + tail, "x", footprint, "raw bytes", 1.0)
+
+
+def run(quick: bool = False) -> Iterator[BenchRow]:
+    logging.getLogger("kvbank.tiers").setLevel(logging.ERROR)  # "device tier off" once
+    n = 16 if quick else 64
+    repeat = 3 if quick else 7
+    tokens = list(range(n * LAYOUT.tokens_per_page + 1))
+    sources: tuple[tuple[str, Callable[[int], torch.Tensor]], ...] = (
+        ("", _random_pages), ("-real", _real_pages))
+    for tail, make in sources:
+        p = make(n)
+        yield from _host(p, tokens, repeat, tail)
+        yield from _disk(p, tokens, repeat, tail)
+
+
+def _real_pages(n: int) -> torch.Tensor:
+    from kvbank.bench.realkv import real_pages
+
+    return real_pages("bfloat16", PAGE, n).contiguous()

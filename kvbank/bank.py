@@ -36,7 +36,8 @@ Primitives (value objects in :mod:`kvbank.results`, JSON forms in :mod:`kvbank.w
 - operations: :attr:`~Bank.reservation` (the host budget pre-faulted since open, with
   ``reserve_host``), :meth:`~Bank.leases`, :meth:`~Bank.fetches`, :meth:`~Bank.stats`,
   :meth:`~Bank.health`, :meth:`~Bank.flush`, :meth:`~Bank.check_invariants`,
-  :meth:`~Bank.close`.
+  :meth:`~Bank.close`; admin and fleet calls (rows, evict, pin, unpin, touch, the change
+  feed, a row's encoded frame) in :mod:`kvbank.admin_ops`.
 
 Namespaces. A row name starts with ``SHA-256(scope, layout id)[:16]``, a one-way digest:
 to describe a row (its page size and buffer regions, for a lease) the bank must have
@@ -71,6 +72,7 @@ from typing import Self
 import torch
 
 from kvbank import lookup
+from kvbank.admin_ops import AdminOps
 from kvbank.buffers import OutBuffers, Pages, out_views, page_views
 from kvbank.catalog import Catalog
 from kvbank.config import BankConfig, check_settings
@@ -96,7 +98,7 @@ Clock = Callable[[], float]  # monotonic seconds
 PUT_BATCH_PAGES = 64  # pages per store batch (and disk transaction) of a put
 
 
-class Bank:
+class Bank(AdminOps):
     """A worker's KV-cache bank over a tiered store. See the module docstring."""
 
     def __init__(self, config: BankConfig | None = None, *, clock: Clock = time.monotonic,
@@ -500,9 +502,10 @@ class Bank:
         """The store's health: each tier's state and the mover's."""
         return self._store.health()
 
-    def flush(self) -> None:
-        """Wait until the store's mover is idle (demotions written, watermarks met)."""
-        self._store.flush()
+    def flush(self, timeout_s: float | None = None) -> None:
+        """Wait until the store's mover is idle (demotions written, watermarks met);
+        ``Busy`` after ``timeout_s`` (default: the store's ``wait_timeout_s``)."""
+        self._store.flush(timeout_s)
 
     def check_invariants(self) -> None:
         """The lender's tables, the ledger and the store agree (for tests)."""

@@ -94,6 +94,16 @@ class Catalog:
                 self._namespaces.popitem(last=False)
         return ns
 
+    def layout_ids(self) -> list[bytes]:
+        """Every registered layout id (for admin listings)."""
+        with self._lock:
+            return list(self._layouts)
+
+    def namespaces_of(self, layout_id: bytes) -> list[bytes]:
+        """The namespaces learnt (still in the table) under ``layout_id``."""
+        with self._lock:
+            return [ns for ns, lid in self._namespaces.items() if lid == layout_id]
+
     def describe(self, name: bytes) -> PageShape | None:
         """A row's page size and regions, for names under a namespace learnt. It depends
         on the name's namespace and group only (the lender keeps answers per pair)."""

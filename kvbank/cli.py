@@ -9,6 +9,7 @@ Subcommands:
   JSON row per case (``suite, case, metric, value, baseline, baseline_value, ratio``).
 - ``kvbank demo [--url URL]`` — the demo scenario against a served node (one started on a
   free port unless ``--url`` names a running one).
+- ``kvbank admin SUBCOMMAND`` — the admin API of a running node (:mod:`kvbank.cli_admin`).
 
 Every heavy import (torch, the bank, uvicorn) happens inside the subcommand that needs it,
 so ``kvbank --help`` and ``kvbank --version`` answer at once. A bare ``kvbank`` prints the
@@ -77,6 +78,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         except ValueError:
             print(f"kvbank serve: --{name.replace('_', '-')}: not a number: {raw!r}", file=sys.stderr)
             return 2
+    if args.metrics_auth:
+        flags["metrics_auth"] = True
     config = ServiceConfig.load(args.config, flags=flags)
     if args.print_config:
         print(config.to_toml(), end="")
@@ -128,6 +131,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="print the effective settings (TOML) and exit")
     for flag, name, text in _SERVE_FLAGS:
         serve.add_argument(flag, dest=name, default=None, help=text)
+    serve.add_argument("--metrics-auth", action="store_true",
+                       help="/metrics needs the admin token too (default: open)")
     serve.set_defaults(func=_cmd_serve)
 
     bench = sub.add_parser(
@@ -150,6 +155,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--url", default=None, help="a running node (default: start one)")
     demo.add_argument("--data-dir", default=None, help="the started node's disk tier folder (default: a temp dir)")
     demo.set_defaults(func=_cmd_demo)
+
+    from kvbank.cli_admin import add_parser as add_admin
+
+    add_admin(sub)
     return parser
 
 

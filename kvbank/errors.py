@@ -26,8 +26,11 @@ and a broken lease are. Leaves also inherit the builtin a caller would expect, s
     │   ├── LeaseNotFound(KeyError)        no such lease (released, reaped, never lent)
     │   ├── LeaseExpired                   the lease's TTL ran out before the operation finished
     │   └── LeaseConflict                  the rows are held by a lease that excludes this one
-    └── FetchError                         fetch-ledger faults
-        └── FetchNotFound(KeyError)        no such fetch id (finished, expired, never started)
+    ├── FetchError                         fetch-ledger faults
+    │   └── FetchNotFound(KeyError)        no such fetch id (finished, expired, never started)
+    └── AccessError                        a served node refused the caller's token
+        ├── Unauthorized                   no bearer token where one is needed (401)
+        └── Forbidden                      a wrong token, or another tenant's rows (403)
 
 Lower-library errors (``lmdb.Error``, ``redis.RedisError``, ``httpx.HTTPError``,
 ``zstd.ZstdError``, ``OSError``) are mapped at the module that calls the library:
@@ -150,3 +153,15 @@ class FetchNotFound(FetchError, KeyError):
 
     def __str__(self) -> str:
         return str(self.args[0]) if self.args else "fetch not found"
+
+
+class AccessError(KvbankError):
+    """A served node refused the caller (its admin or tenant token)."""
+
+
+class Unauthorized(AccessError):
+    """No bearer token where one is required (a service answers 401)."""
+
+
+class Forbidden(AccessError):
+    """A wrong token, or a tenant reaching for another tenant's rows (answered 403)."""

@@ -60,7 +60,15 @@ from kvbank.lender.base import CommitResult, DeviceLocation, HostLocation, Lease
 from kvbank.lender.ledger import FetchInfo
 from kvbank.lender.resume import ResumeBound
 from kvbank.results import BankStats, FetchResult, Match, Presence
-from kvbank.tiers.store import StoreHealth, StoreStats, TierHealth, TierStats
+from kvbank.tiers.store import (
+    EvictResult,
+    RowEvent,
+    RowInfo,
+    StoreHealth,
+    StoreStats,
+    TierHealth,
+    TierStats,
+)
 
 T = TypeVar("T")
 Doc = dict[str, Any]  # a JSON object as json.loads returns it
@@ -72,7 +80,7 @@ LAYOUT_ID_BYTES = 32
 WIRE_TYPES: tuple[type, ...] = (
     PageLayout, Scope, Match, Presence, ResumeBound, FetchResult, FetchInfo, Lease, LeaseRow,
     HostLocation, DeviceLocation, Region, CommitResult, BankStats, StoreStats, TierStats,
-    StoreHealth, TierHealth,
+    StoreHealth, TierHealth, RowInfo, EvictResult, RowEvent,
 )
 
 # Byte fields with a fixed length, by (class, field): row names and layout ids. Other byte
@@ -87,6 +95,11 @@ _BYTE_LENGTHS: Mapping[tuple[type, str], int] = {
     (CommitResult, "committed"): ROW_NAME_BYTES,
     (CommitResult, "discarded"): ROW_NAME_BYTES,
     (CommitResult, "already_present"): ROW_NAME_BYTES,
+    (RowInfo, "name"): ROW_NAME_BYTES,
+    (EvictResult, "evicted"): ROW_NAME_BYTES,
+    (EvictResult, "locked"): ROW_NAME_BYTES,
+    (EvictResult, "missing"): ROW_NAME_BYTES,
+    (EvictResult, "pinned"): ROW_NAME_BYTES,
 }
 
 _HEX = re.compile(r"(?:[0-9a-f]{2})*")
@@ -123,6 +136,8 @@ def _enc(value: object, now: float) -> Any:
         return value.name
     if isinstance(value, (tuple, list)):
         return [_enc(v, now) for v in value]
+    if isinstance(value, frozenset):  # a set crosses as a sorted list: one text per value
+        return sorted(_enc(v, now) for v in value)
     if isinstance(value, PageLayout):
         return {**value.to_dict(), "layout_id": value.layout_id.hex()}
     if isinstance(value, Lease):
@@ -242,6 +257,11 @@ def _dec(tp: Any, doc: object, path: str, nbytes: int | None = None) -> Any:
         if not isinstance(doc, list):
             _fail(path, f"expected a list, got {type(doc).__name__}")
         return tuple(_dec(args[0], v, f"{path}[{i}]", nbytes) for i, v in enumerate(doc))
+    if origin is frozenset:
+        if not isinstance(doc, list):
+            _fail(path, f"expected a list, got {type(doc).__name__}")
+        (arg,) = get_args(tp)
+        return frozenset(_dec(arg, v, f"{path}[{i}]", nbytes) for i, v in enumerate(doc))
     if tp is bool:
         if type(doc) is not bool:
             _fail(path, f"expected true or false, got {doc!r}")

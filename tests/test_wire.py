@@ -33,7 +33,17 @@ from kvbank.lender.ledger import FetchInfo
 from kvbank.lender.resume import ResumeBound, resume_bound, resume_boundaries
 from kvbank.results import BankStats, FetchResult, Match, Presence
 from kvbank.tiers.base import TierKind
-from kvbank.tiers.store import HealthState, StoreHealth, StoreStats, TierHealth, TierStats
+from kvbank.tiers.store import (
+    EventKind,
+    EvictResult,
+    HealthState,
+    RowEvent,
+    RowInfo,
+    StoreHealth,
+    StoreStats,
+    TierHealth,
+    TierStats,
+)
 
 counts = st.integers(0, 2**40)
 small = st.integers(0, 64)
@@ -129,6 +139,12 @@ tier_health = st.builds(TierHealth, st.sampled_from(TierKind), st.booleans(),
 store_health = st.builds(StoreHealth, st.booleans(), st.lists(tier_health, max_size=3).map(tuple),
                          st.booleans(), st.lists(text, max_size=3).map(tuple))
 
+row_infos = st.builds(RowInfo, names54, counts, st.frozensets(st.sampled_from(TierKind)),
+                      st.floats(0, 1e9), st.frozensets(st.text(min_size=1, max_size=8), max_size=3),
+                      st.booleans())
+evict_results = st.builds(EvictResult, *(st.lists(names54, max_size=3).map(tuple) for _ in range(4)))
+row_events = st.builds(RowEvent, st.sampled_from(EventKind), names54 | st.just(b""), counts, counts)
+
 EXAMPLES: dict[type, st.SearchStrategy[Any]] = {
     PageLayout: layouts(),
     Scope: scopes,
@@ -148,6 +164,9 @@ EXAMPLES: dict[type, st.SearchStrategy[Any]] = {
     TierStats: tier_stats,
     StoreHealth: store_health,
     TierHealth: tier_health,
+    RowInfo: row_infos,
+    EvictResult: evict_results,
+    RowEvent: row_events,
 }
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -393,3 +412,17 @@ def test_wire_error_field_given_explicitly_or_absent() -> None:
                 {"type": "InvalidInput", "field": 3, "message": ""}, [], None):
         with pytest.raises(InvalidInput):
             wire.error_from_dict(bad)
+
+
+def test_wire_row_info_sets_cross_as_sorted_lists() -> None:
+    info = RowInfo(b"\x01" * 54, 10, frozenset({TierKind.DISK, TierKind.HOST}), 1.5,
+                   frozenset({"b", "a"}), True)
+    doc = wire.to_dict(info)
+    assert doc["tiers"] == sorted(["DISK", "HOST"]) and doc["holders"] == ["a", "b"]
+    assert wire.from_dict(RowInfo, through_json(doc)) == info
+    with pytest.raises(InvalidInput) as e:
+        wire.from_dict(RowInfo, {**doc, "tiers": "HOST"})
+    assert e.value.field == "row_info.tiers"
+    with pytest.raises(InvalidInput) as e:
+        wire.from_dict(EvictResult, {"evicted": ["00"], "locked": [], "missing": [], "pinned": []})
+    assert e.value.field == "evict_result.evicted[0]"

@@ -9,6 +9,7 @@ dependencies never load for another.
 from __future__ import annotations
 
 SUITES: dict[str, str] = {
+    "admin": "kvbank.bench.admin",
     "codec": "kvbank.bench.codec",
     "e2e": "kvbank.bench.e2e",
     "kernels": "kvbank.bench.kernels",

@@ -25,6 +25,10 @@ route                                    what it does
 ``GET  /v1/stats``                       BankStats
 =======================================  ==================================================
 
+The admin API (``/admin/``), ``/metrics`` and the tenant and drain gates are installed by
+:func:`kvbank.service.admin.install_admin`; with tenant tokens configured, every route
+above holds its caller to its tenant through ``guard`` (:mod:`kvbank.service.tenants`).
+
 Errors: every :class:`~kvbank.errors.KvbankError` answers its wire document
 ``{type, field, message}`` (:func:`kvbank.wire.error_to_dict`) with the status of
 :func:`status_of` — bad input 4xx, never 5xx; a full tier 507; an unavailable one 503.
@@ -66,6 +70,8 @@ from kvbank.keys import Scope as KeyScope
 from kvbank.layout import PageLayout
 from kvbank.lender.base import Lease, LeaseMode, MemoryKind
 from kvbank.results import Match
+from kvbank.service.admin import install_admin
+from kvbank.service.auth import Forbidden, Unauthorized
 from kvbank.service.framing import PutKind, encode_fetch_prefix, fetch_stream_bytes
 from kvbank.service.node import Node
 from kvbank.service.stream import BodyTooLarge, RowStream, receive_put, receive_put_lease
@@ -78,9 +84,9 @@ JSON = "application/json"
 def status_of(exc: KvbankError) -> int:
     """The HTTP status a typed error answers with."""
     for cls, status in (
-        (BodyTooLarge, 413), (UnknownLayout, 404), (LeaseNotFound, 404), (FetchNotFound, 404),
+        (Unauthorized, 401), (Forbidden, 403), (PinBudgetExceeded, 409), (BodyTooLarge, 413), (UnknownLayout, 404), (LeaseNotFound, 404), (FetchNotFound, 404),
         (LeaseExpired, 410), (LeaseConflict, 409), (RowLocked, 409), (InvalidInput, 400),
-        (TierFull, 507), (PinBudgetExceeded, 507), (TierUnavailable, 503), (Busy, 503),
+        (TierFull, 507), (TierUnavailable, 503), (Busy, 503),
         (LeaseError, 409), (FetchError, 400),
     ):
         if isinstance(exc, cls):
@@ -185,6 +191,8 @@ def create_app(node: Node) -> FastAPI:
                   description="Data API of one kvbank node: layouts, pages, matches, fetches, leases.")
     app.add_middleware(_Limits, max_headers=node.config.max_headers)
     bank = node.bank
+    admin = install_admin(app, node)
+    guard, metrics = admin.guard, admin.metrics
 
     def _lease(lease: Lease) -> dict[str, Any]:
         # ttl_s against the bank's own clock, the one the lease's deadline is on
@@ -227,14 +235,15 @@ def create_app(node: Node) -> FastAPI:
             for n in nodes]})
 
     @app.post("/v1/locate")
-    async def locate(body: NamesBody) -> Response:
+    async def locate(body: NamesBody, request: Request) -> Response:
         names = [_hex(n, f"names[{i}]", ROW_NAME_BYTES) for i, n in enumerate(body.names)]
+        guard.names(request, names)
         tiers = await node.call(bank.locate, names)
         return _json({"tiers": [None if t is None else t.name for t in tiers]})
 
     @app.get("/v1/leases")
-    async def leases() -> Response:
-        return _json({"leases": [_lease(x) for x in await node.call(bank.leases)]})
+    async def leases(request: Request) -> Response:
+        return _json({"leases": [_lease(x) for x in guard.leases(request, await node.call(bank.leases))]})
 
     @app.post("/v1/flush")
     async def flush() -> Response:
@@ -263,12 +272,14 @@ def create_app(node: Node) -> FastAPI:
     @app.post("/v1/put/lease", openapi_extra=_binary_doc("pages or state, without page bytes"))
     async def put_lease(request: Request) -> Response:
         names, lease, fallback = await receive_put_lease(node, request)
+        guard.own_lease(request, lease)
         return _json({"names": [n.hex() for n in names], "fallback": fallback,
                       "lease": None if lease is None else _lease(lease)})
 
     @app.post("/v1/match")
-    async def match(body: MatchBody) -> Response:
+    async def match(body: MatchBody, request: Request) -> Response:
         lid = _hex(body.layout_id, "layout_id", 32)
+        scope = guard.scope(request, lid, body.scope.scope())
         given = [x is not None for x in (body.tokens, body.tokens_b64, body.keys)]
         if sum(given) != 1:
             raise InvalidInput("tokens: give exactly one of tokens, tokens_b64 or keys")
@@ -284,7 +295,7 @@ def create_app(node: Node) -> FastAPI:
             if len(raw) % 4:
                 raise InvalidInput(f"tokens_b64: {len(raw)} bytes, not whole int32 tokens")
             tokens = np.frombuffer(raw, dtype="<i4")
-        args = dict(tokens=tokens, scope=body.scope.scope(), shard=body.shard, keys=keys,
+        args = dict(tokens=tokens, scope=scope, shard=body.shard, keys=keys,
                     prompt_tokens=body.prompt_tokens)
         m = await node.call(bank.match, lid, **args)
         if node.fleet is not None and await node.call(node.fleet.complete, m, args):
@@ -292,14 +303,17 @@ def create_app(node: Node) -> FastAPI:
         return _json(wire.to_dict(m))
 
     @app.post("/v1/fetch", responses={200: {"description": "a fetch stream (framing), or a lease"}})
-    async def fetch(body: FetchBody) -> Response:
-        m = wire.from_dict(Match, body.match)
+    async def fetch(body: FetchBody, request: Request) -> Response:
+        m = guard.match(request, wire.from_dict(Match, body.match))
+        guard.fetch(request, body.fetch_id)
         opened = await node.call(node.open_fetch, m, body.fetch_id, body.max_rows)
+        guard.own_fetch(request, opened.fetch_id)
         if body.via == "lease":
             lease = None
             names = opened.names
             if names:
                 lease = await node.call(bank.lend, names, mode=LeaseMode.READ, kind=MemoryKind.HOST)
+                guard.own_lease(request, lease)
                 node.lent(opened.fetch_id, lease.id,
                           {r.name for r in lease.rows if r.location is not None})
             return _json({"fetch_id": opened.fetch_id,
@@ -309,14 +323,20 @@ def create_app(node: Node) -> FastAPI:
         return RowStream(node, opened, prefix, fetch_stream_bytes(len(prefix), opened.rows))
 
     @app.post("/v1/fetch/{fetch_id}/ack")
-    async def ack(fetch_id: str, body: AckBody) -> Response:
+    async def ack(fetch_id: str, body: AckBody, request: Request) -> Response:
+        guard.fetch(request, fetch_id)
         result = await node.call(node.acknowledge, fetch_id, body.rows, body.lease_id, body.stream)
+        if metrics is not None and body.lease_id is not None:
+            metrics.add_moved("out", "shm", result.nbytes)
         return _json(wire.to_dict(result))
 
     @app.post("/v1/leases")
-    async def lend(body: LendBody) -> Response:
+    async def lend(body: LendBody, request: Request) -> Response:
         mode, kind = LeaseMode[body.mode], MemoryKind[body.kind]
+        if mode is LeaseMode.WRITE:
+            admin.state.check_writable()
         if body.all:
+            guard.no_all_lease(request)
             if body.names is not None:
                 raise InvalidInput("names: an ALL lease names no rows")
             lease = await node.call(bank.lend_all, kind=kind, mode=mode, ttl_s=body.ttl_s)
@@ -324,15 +344,19 @@ def create_app(node: Node) -> FastAPI:
             if body.names is None:
                 raise InvalidInput("names: a NAMED lease lists its rows (or set all=true)")
             names = [_hex(n, f"names[{i}]") for i, n in enumerate(body.names)]
+            guard.names(request, names)
             lease = await node.call(bank.lend, names, mode=mode, kind=kind, ttl_s=body.ttl_s)
+        guard.own_lease(request, lease)
         return _json(_lease(lease))
 
     @app.post("/v1/leases/{lease_id}/renew")
-    async def renew(lease_id: str, body: RenewBody) -> Response:
+    async def renew(lease_id: str, body: RenewBody, request: Request) -> Response:
+        guard.lease(request, lease_id)
         return _json(_lease(await node.call(bank.renew, lease_id, body.ttl_s)))
 
     @app.post("/v1/leases/{lease_id}/commit")
-    async def commit(lease_id: str, body: CommitBody) -> Response:
+    async def commit(lease_id: str, body: CommitBody, request: Request) -> Response:
+        guard.lease(request, lease_id)
         arrived: list[bytes] | list[bool] = (
             [a for a in body.arrived if isinstance(a, bool)]
             if body.arrived and isinstance(body.arrived[0], bool)
@@ -341,12 +365,14 @@ def create_app(node: Node) -> FastAPI:
         return _json(wire.to_dict(await node.call(bank.commit, lease_id, arrived)))
 
     @app.post("/v1/leases/{lease_id}/check")
-    async def check(lease_id: str) -> Response:
+    async def check(lease_id: str, request: Request) -> Response:
+        guard.lease(request, lease_id)
         await node.call(bank.check_live, lease_id)
         return _json({"live": True})
 
     @app.delete("/v1/leases/{lease_id}")
-    async def release(lease_id: str) -> Response:
+    async def release(lease_id: str, request: Request) -> Response:
+        guard.lease(request, lease_id)
         return _json({"released": await node.call(bank.release, lease_id)})
 
     @app.get("/v1/stats")

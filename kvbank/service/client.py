@@ -86,6 +86,7 @@ class Client:
         timeout_s: float = DEFAULT_TIMEOUT_S,
         retry_s: float = DEFAULT_RETRY_S,
         same_host: bool | None = None,
+        token: str | None = None,
     ) -> None:
         parts = urlsplit(url)
         if parts.scheme != "http" or not parts.hostname:
@@ -94,7 +95,9 @@ class Client:
         self._host, self._port = parts.hostname, parts.port or 80
         self._timeout = float(timeout_s)
         self._retry = float(retry_s)
-        self._http = httpx.Client(base_url=self.url, timeout=timeout_s,
+        # ``token``: a tenant token, sent on every call (the node binds the caller to it)
+        self._auth = {} if token is None else {"Authorization": f"Bearer {token}"}
+        self._http = httpx.Client(base_url=self.url, timeout=timeout_s, headers=self._auth,
                                   limits=httpx.Limits(max_keepalive_connections=16))
         self._layouts: dict[bytes, PageLayout] = {}
         self._want_local = same_host
@@ -207,7 +210,7 @@ class Client:
         path = "/v1/put" if kind is PutKind.PAGES else "/v1/put_state"
         conn = self._conn()
         try:
-            status, body = send_put(conn, path, head, views)
+            status, body = send_put(conn, path, head, views, self._auth)
         except (OSError, http.client.HTTPException) as exc:
             conn.close()
             raise TierUnavailable(f"node: put to {self.url} broke off: {exc}; nothing was stored") from exc
@@ -308,7 +311,7 @@ class Client:
         deadline = time.monotonic() + self._retry
         while True:
             conn = self._conn()
-            read = fetch_stream(conn, json.dumps({**req, "via": "stream"}).encode(), views)
+            read = fetch_stream(conn, json.dumps({**req, "via": "stream"}).encode(), views, self._auth)
             got, fid, err = read.got, read.fetch_id, read.error
             if err is None:
                 self._give_back(conn)

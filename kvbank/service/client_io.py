@@ -52,10 +52,12 @@ class StreamRead:
 
 
 def send_put(conn: http.client.HTTPConnection, path: str, head: bytes,
-             pages: Sequence[memoryview]) -> tuple[int, bytes]:
+             pages: Sequence[memoryview], headers: Mapping[str, str] | None = None) -> tuple[int, bytes]:
     """POST ``head`` then every page; the status and body of the answer."""
     conn.putrequest("POST", path, skip_accept_encoding=True)
     conn.putheader("Content-Type", "application/octet-stream")
+    for k, v in (headers or {}).items():  # a tenant token
+        conn.putheader(k, v)
     conn.putheader("Content-Length", str(len(head) + sum(len(p) for p in pages)))
     conn.endheaders(head)
     for p in pages:
@@ -73,11 +75,11 @@ def _read_exact(resp: http.client.HTTPResponse, view: memoryview) -> None:
         got += k
 
 
-def fetch_stream(conn: http.client.HTTPConnection, body: bytes,
-                 views: Mapping[int, list[memoryview]]) -> StreamRead:
-    """What one fetch stream delivered (see :class:`StreamRead`)."""
+def fetch_stream(conn: http.client.HTTPConnection, body: bytes, views: Mapping[int, list[memoryview]],
+                 headers: Mapping[str, str] | None = None) -> StreamRead:
+    """What one fetch stream delivered (see :class:`StreamRead`); ``headers``: a tenant token."""
     try:
-        conn.request("POST", "/v1/fetch", body=body, headers={"Content-Type": "application/json"})
+        conn.request("POST", "/v1/fetch", body=body, headers={"Content-Type": "application/json", **(headers or {})})
         resp = conn.getresponse()
     except (OSError, http.client.HTTPException) as exc:
         return StreamRead([], None, None, exc)

@@ -20,7 +20,16 @@ body_timeout_s       KVBANK_BODY_TIMEOUT_S       a request body must arrive with
 shutdown_timeout_s   KVBANK_SHUTDOWN_TIMEOUT_S   SIGTERM: in-flight requests get this long
 redis                KVBANK_REDIS                join a fleet through this Redis URL
 redis_cluster        KVBANK_REDIS_CLUSTER        or through this cluster (HOST:PORT,...)
+admin_token          KVBANK_ADMIN_TOKEN          the admin API's bearer token (unset: one
+                                                 is generated into ``DATA_DIR/admin.token``)
+metrics              KVBANK_METRICS              serve ``/metrics`` (on by default)
+metrics_auth         KVBANK_METRICS_AUTH         ``/metrics`` needs the admin token too
+tenants              KVBANK_TENANTS              ``tenant = token`` pairs (TOML table
+                                                 ``[tenants]``; env ``a=tok1,b=tok2``):
+                                                 when set, every data call needs a token
 ===================  ==========================  =========================================
+
+Secrets (``admin_token``, ``tenants``) are never printed by ``--print-config``.
 
 The bank's own fields (``data_dir``, ``host_bytes``, ``disk_bytes``, ...) keep their
 ``KVBANK_*`` names (:mod:`kvbank.config`) and sit under ``[bank]`` in the TOML file.
@@ -125,8 +134,13 @@ class ServiceConfig:
     shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S
     redis: str | None = None  # the fleet's Redis (registry and prefix index)
     redis_cluster: str | None = None  # or its Redis Cluster seeds, HOST:PORT,...
+    admin_token: str | None = None
+    metrics: bool = True
+    metrics_auth: bool = False
+    tenants: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
+        _check_secrets(self)
         if not isinstance(self.bank, BankConfig):
             raise ConfigError(f"bank: expected a BankConfig, got {type(self.bank).__name__}")
         if not isinstance(self.bind, str) or not self.bind:
@@ -180,6 +194,8 @@ class ServiceConfig:
         if not isinstance(bank_doc, dict):
             raise ConfigError("bank: expected a [bank] table")
         service_names = {f.name for f in dataclasses.fields(cls)} - {"bank"}
+        if "tenants" in doc and isinstance(doc["tenants"], dict):
+            doc["tenants"] = tuple(doc["tenants"].items())
         bank_names = {f.name for f in dataclasses.fields(BankConfig)}
         for key in doc:
             if key not in service_names:
@@ -224,7 +240,7 @@ class ServiceConfig:
         """The effective settings in the form :meth:`load` reads back."""
         lines = [f"{f.name} = {_toml_value(getattr(self, f.name))}"
                  for f in dataclasses.fields(self)
-                 if f.name != "bank" and getattr(self, f.name) is not None]
+                 if f.name not in _NOT_PRINTED and getattr(self, f.name) is not None]
         lines += ["", "[bank]"]
         for f in dataclasses.fields(self.bank):
             v = getattr(self.bank, f.name)
@@ -243,10 +259,39 @@ def _read_toml(path: Path) -> dict[str, Any]:
         raise ConfigError(f"config: {path} is not valid TOML: {exc}") from exc
 
 
+_NOT_PRINTED = ("bank", "admin_token", "tenants")
+
+
+def _check_secrets(c: ServiceConfig) -> None:
+    if c.admin_token is not None and (not isinstance(c.admin_token, str) or len(c.admin_token) < 16):
+        raise ConfigError("admin_token: expected a string of at least 16 characters", field="admin_token")
+    for name in ("metrics", "metrics_auth"):
+        if not isinstance(getattr(c, name), bool):
+            raise ConfigError(f"{name}: expected true or false, got {getattr(c, name)!r}", field=name)
+    pairs = c.tenants
+    if isinstance(pairs, Mapping):
+        pairs = tuple(pairs.items())
+    if not isinstance(pairs, tuple) or any(
+            not isinstance(p, tuple) or len(p) != 2 or not all(isinstance(x, str) and x for x in p)
+            for p in pairs):
+        raise ConfigError("tenants: expected tenant = token pairs of non-empty strings", field="tenants")
+    if any(len(tok) < 16 for _, tok in pairs):
+        raise ConfigError("tenants: every tenant token needs at least 16 characters", field="tenants")
+    tokens = [tok for _, tok in pairs]
+    if len(set(tokens)) != len(tokens) or len({t for t, _ in pairs}) != len(pairs):
+        raise ConfigError("tenants: each tenant once, each token for one tenant", field="tenants")
+    object.__setattr__(c, "tenants", tuple(sorted(pairs)))
+
+
 def _service_from_text(name: str, raw: str) -> Any:
     var = ENV_PREFIX + name.upper()
-    if name in ("bind", "redis", "redis_cluster"):
+    if name in ("bind", "redis", "redis_cluster", "admin_token"):
         return raw
+    if name in ("metrics", "metrics_auth"):
+        return raw.strip().lower() in ("1", "true", "yes", "on")
+    if name == "tenants":
+        pairs = [p.partition("=") for p in raw.split(",") if p.strip()]
+        return tuple((t.strip(), k.strip()) for t, _, k in pairs)
     if name in _SIZES:
         return parse_bytes(raw, var)
     try:

@@ -23,6 +23,7 @@ import socket
 import sys
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from types import FrameType
 from typing import TextIO
 
@@ -30,6 +31,7 @@ import uvicorn
 
 from kvbank.bank import Bank
 from kvbank.errors import ConfigError, TierUnavailable
+from kvbank.service.admin import admin_of
 from kvbank.service.app import create_app
 from kvbank.service.config import ServiceConfig
 from kvbank.service.fleet import join_fleet
@@ -83,7 +85,8 @@ def serve(config: ServiceConfig, *, out: TextIO = sys.stdout) -> int:
             limit_concurrency=config.max_connections,
             timeout_graceful_shutdown=int(max(1, config.shutdown_timeout_s)),
         )
-        server = _Server(uv, lambda: _ready(config, out))
+        admin = admin_of(app)
+        server = _Server(uv, lambda: _ready(config, out, admin.state.token_file))
         server.run(sockets=[sock])
     finally:
         sock.close()
@@ -93,11 +96,13 @@ def serve(config: ServiceConfig, *, out: TextIO = sys.stdout) -> int:
     return 0
 
 
-def _ready(config: ServiceConfig, out: TextIO) -> None:
+def _ready(config: ServiceConfig, out: TextIO, token_file: Path | None) -> None:
     b = config.bank
     disk = "off" if b.data_dir is None else f"{_size(b.disk_bytes)} in {b.data_dir}"
+    # The ready line names the admin token's file, never the token.
+    admin = "admin token as configured" if token_file is None else f"admin token in {token_file}"
     print(f"{READY} {config.url} (data dir {b.data_dir}, host tier {_size(b.host_bytes)}, "
-          f"disk tier {disk})", file=out, flush=True)
+          f"disk tier {disk}; {admin})", file=out, flush=True)
 
 
 def _close_bank(bank: Bank, deadline_s: float) -> None:

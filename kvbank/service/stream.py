@@ -55,6 +55,7 @@ from kvbank.service.framing import (
     encode_frame,
 )
 from kvbank.service.node import Node, OpenFetch
+from kvbank.service.tenants import bind_put_header
 
 logger = logging.getLogger(__name__)
 
@@ -109,17 +110,19 @@ async def receive_put(node: Node, request: Request, kind: PutKind) -> dict[str, 
     body = _Body(request.stream())
     try:
         async with asyncio.timeout(cfg.body_timeout_s):
-            return await _put(node, body, kind, declared)
+            return await _put(node, body, kind, declared, request)
     except TimeoutError:
         raise InvalidInput(f"body: did not arrive within {cfg.body_timeout_s}s") from None
     except ClientDisconnect:
         raise InvalidInput("body: the client went away mid-body; nothing was stored") from None
 
 
-async def _head(node: Node, body: _Body, declared: str | None, with_pages: bool) -> tuple[PutHeader, int]:
-    """The checked header of a put body, and the body's exact length."""
+async def _head(node: Node, body: _Body, declared: str | None, with_pages: bool,
+                request: Request) -> tuple[PutHeader, int]:
+    """The checked header of a put body (bound to the caller's tenant), and the body's
+    exact length."""
     header_len = decode_prefix(await body.read(PREFIX.size), PUT_MAGIC)
-    header = decode_put_header(await body.read(header_len))
+    header = bind_put_header(request, decode_put_header(await body.read(header_len)))
     total = header.body_bytes(header_len) - (0 if with_pages else header.pages * header.page_bytes)
     if total > node.config.max_body_bytes:
         raise BodyTooLarge(f"body: {total} bytes, over the {node.config.max_body_bytes}-byte limit")
@@ -136,7 +139,7 @@ async def receive_put_lease(node: Node, request: Request) -> tuple[list[bytes], 
     body = _Body(request.stream())
     try:
         async with asyncio.timeout(node.config.body_timeout_s):
-            header, total = await _head(node, body, declared, with_pages=False)
+            header, total = await _head(node, body, declared, with_pages=False, request=request)
             names, _, _ = await node.call(plan_put, node, header, await body.read(header.key_bytes))
             if not await body.at_end():
                 raise InvalidInput(f"body: longer than the {total} bytes its header declares")
@@ -156,8 +159,9 @@ async def receive_put_lease(node: Node, request: Request) -> tuple[list[bytes], 
     return names, lease, False
 
 
-async def _put(node: Node, body: _Body, kind: PutKind, declared: str | None) -> dict[str, Any]:
-    header, total = await _head(node, body, declared, with_pages=True)
+async def _put(node: Node, body: _Body, kind: PutKind, declared: str | None,
+               request: Request) -> dict[str, Any]:
+    header, total = await _head(node, body, declared, with_pages=True, request=request)
     if header.kind is not kind:
         raise InvalidInput(f"header.kind: this route takes {kind.value!r} bodies, got {header.kind.value!r}")
     names, tokens, keys = await node.call(plan_put, node, header, await body.read(header.key_bytes))

@@ -1,0 +1,163 @@
+"""``kvbank bench admin``: what the admin surface costs the data path.
+
+======================  ============================================  =========================
+case                    ours                                          baseline (same run)
+======================  ============================================  =========================
+``match-1000-auth``     p50 ms of ``Client.match`` (1,000 pages) on   the same on a node
+                        a node with tenant tokens, with a token       without tenant tokens
+``metrics-overhead``    ``fetch-remote`` GB/s (TCP, 2 MiB rows) on a  the same on a node with
+                        node with ``/metrics`` on                     ``/metrics`` off
+``rows-list-1m``        ms to list one page (100 rows) of one layout  ``sorted()`` of every
+                        from a bank holding 1 M rows (``Bank.rows``)  name, first 100
+======================  ============================================  =========================
+
+Targets: ``match-1000-auth`` ratio ≤ 1.05, ``metrics-overhead`` ratio ≥ 0.97,
+``rows-list-1m`` ≤ 50 ms. The nodes run as ``kvbank serve`` processes; calls alternate
+between the two nodes of a pair so that the shared machine's noise hits both alike.
+``--quick`` stores 100 k rows instead of 1 M (the case name stays the contract; its
+baseline says the count).
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack
+from typing import Any
+
+from kvbank.bench.common import BenchRow, row
+
+SUITE = "admin"
+TOKEN = "bench-tenant-token-0123456789"
+MATCH_PAGES = 1000
+FETCH_ROWS = 64
+LIST_PAGE = 100
+
+
+def _node(stack: ExitStack, tmp: str, name: str, env: dict[str, str]) -> Any:
+    from kvbank.service.launch import NodeProcess
+
+    data = os.path.join(tmp, name)
+    node = NodeProcess.start(["--data-dir", data, "--host-bytes", "512M", "--disk-bytes", "256M",
+                              "--device-bytes", "0", "--max-body-bytes", "512M"],
+                             env={**os.environ, **env})
+    stack.callback(node.stop)
+    return node
+
+
+def _alternate(a: Any, b: Any, reps: int) -> tuple[list[float], list[float]]:
+    ta, tb = [], []
+    for _ in range(3):
+        a()
+        b()
+    for i in range(reps):
+        first, second = (a, b) if i % 2 == 0 else (b, a)  # neither always goes first
+        t0 = time.perf_counter()
+        first()
+        t1 = time.perf_counter()
+        second()
+        t2 = time.perf_counter()
+        x, y = (t1 - t0, t2 - t1) if i % 2 == 0 else (t2 - t1, t1 - t0)
+        ta.append(x)
+        tb.append(y)
+    return ta, tb
+
+
+def _match_auth(tenant_url: str, plain_url: str, reps: int) -> BenchRow:
+    import torch
+
+    from kvbank.layout import full_attention
+    from kvbank.service.client import Client
+
+    layout = full_attention("bench-admin-match@1", 1, 8, 128, tokens_per_page=16)
+    toks = list(range(MATCH_PAGES * 16))
+    pages = torch.zeros((MATCH_PAGES, layout.group_page_bytes[0]), dtype=torch.uint8)
+    with Client(tenant_url, token=TOKEN) as t, Client(plain_url) as p:
+        for c in (t, p):
+            lid = c.register(layout)
+            c.put(lid, toks, group=0, pages=pages)
+        q = [*toks, 1]
+        ours, base = _alternate(lambda: t.match(lid, q), lambda: p.match(lid, q), reps)
+    return row(SUITE, "match-1000-auth", "ms p50", statistics.median(ours) * 1e3,
+               "Client.match, node without tenant tokens", statistics.median(base) * 1e3)
+
+
+def _metrics_overhead(on_url: str, off_url: str, reps: int, rows: int) -> BenchRow:
+    import torch
+
+    from kvbank.layout import full_attention
+    from kvbank.service.client import Client
+
+    layout = full_attention("bench-admin-fetch@1", 32, 8, 128, tokens_per_page=16)  # 2 MiB pages
+    page = layout.group_page_bytes[0]
+    toks = list(range(rows * 16))
+    src = torch.full((rows, page), 7, dtype=torch.uint8)
+    outs = {u: torch.zeros((rows, page), dtype=torch.uint8) for u in (on_url, off_url)}  # pre-touched
+    with Client(on_url, same_host=False) as on, Client(off_url, same_host=False) as off:
+        matches = {}
+        for c, u in ((on, on_url), (off, off_url)):
+            lid = c.register(layout)
+            c.put(lid, toks, group=0, pages=src)
+            matches[u] = c.match(lid, [*toks, 1])
+
+        def fetch(c: Any, u: str) -> None:
+            got = c.fetch(matches[u], out={0: outs[u]})
+            if not got.complete:
+                raise RuntimeError(f"fetch incomplete: {got.missing}")
+
+        ours, base = _alternate(lambda: fetch(on, on_url), lambda: fetch(off, off_url), reps)
+    gb = rows * page / 1e9
+    return row(SUITE, "metrics-overhead", "GB/s", gb / statistics.median(ours),
+               "fetch-remote, /metrics off", gb / statistics.median(base))
+
+
+def _rows_list(n_rows: int, reps: int) -> BenchRow:
+    import torch
+
+    from kvbank.bank import Bank
+    from kvbank.layout import full_attention
+
+    layout = full_attention("bench-admin-rows@1", 1, 1, 8, tokens_per_page=16)  # 512-byte pages
+    page = layout.group_page_bytes[0]
+    budget = max(64 << 20, int(n_rows * page * 1.3))
+    with Bank.open(host_bytes=budget, device_bytes=0, disk_bytes=0, data_dir=None) as bank:
+        lid = bank.register(layout)
+        step = 100_000
+        for start in range(0, n_rows, step):  # distinct prompts of 100 k pages each
+            k = min(step, n_rows - start)
+            toks = list(range(start * 16, (start + k) * 16))
+            bank.put(lid, toks, group=0, pages=torch.zeros((k, page), dtype=torch.uint8))
+        assert bank.stats().store.rows >= n_rows
+        got: list[Any] = []
+
+        def ours() -> None:
+            got[:] = bank.rows(lid, limit=LIST_PAGE)
+
+        names = [r.name for r in bank.rows(lid, limit=LIST_PAGE)]
+        all_names = list(bank._store._st.ix.ids)  # the naive listing's input, copied once
+
+        def base() -> None:
+            sorted(all_names)[:LIST_PAGE]
+
+        t_ours, t_base = _alternate(ours, base, reps)
+        if [r.name for r in got] != names:
+            raise RuntimeError("rows listing changed between runs")
+    label = f"sorted() of every name ({n_rows:,} rows), first {LIST_PAGE}"
+    return row(SUITE, "rows-list-1m", "ms", statistics.median(t_ours) * 1e3, label,
+               statistics.median(t_base) * 1e3)
+
+
+def run(quick: bool = False) -> Iterator[BenchRow]:
+    reps = 15 if quick else 50
+    with tempfile.TemporaryDirectory(prefix="kvbank-bench-admin-") as tmp, ExitStack() as stack:
+        tenant = _node(stack, tmp, "tenant", {"KVBANK_TENANTS": f"bench={TOKEN}"})
+        plain = _node(stack, tmp, "plain", {})
+        yield _match_auth(tenant.url, plain.url, reps)
+        stack.close()
+        on = _node(stack, tmp, "metrics-on", {"KVBANK_METRICS": "true"})
+        off = _node(stack, tmp, "metrics-off", {"KVBANK_METRICS": "false"})
+        yield _metrics_overhead(on.url, off.url, 5 if quick else 11, 16 if quick else FETCH_ROWS)
+    yield _rows_list(100_000 if quick else 1_000_000, 5 if quick else 9)

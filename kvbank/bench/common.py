@@ -49,15 +49,14 @@ def median_seconds(fn: Callable[[], object], repeat: int = 7, warmup: int = 1) -
     return statistics.median(times)
 
 
-def paired_rates(
-    work: float,
+def paired_seconds(
     fn: Callable[[], object],
     baseline_fn: Callable[[], object],
     repeat: int = 7,
     warmup: int = 1,
 ) -> tuple[float, float]:
-    """``work / seconds`` for ``fn`` and ``baseline_fn``, interleaved run by run so that
-    noise from the shared machine hits both alike; medians of ``repeat`` runs."""
+    """Median seconds of ``fn`` and of ``baseline_fn``, interleaved run by run so that
+    noise from the shared machine hits both alike."""
     for _ in range(warmup):
         fn()
         baseline_fn()
@@ -71,4 +70,16 @@ def paired_rates(
         t2 = time.perf_counter()
         ours.append(t1 - t0)
         base.append(t2 - t1)
-    return work / statistics.median(ours), work / statistics.median(base)
+    return statistics.median(ours), statistics.median(base)
+
+
+def paired_rates(
+    work: float,
+    fn: Callable[[], object],
+    baseline_fn: Callable[[], object],
+    repeat: int = 7,
+    warmup: int = 1,
+) -> tuple[float, float]:
+    """``work / seconds`` for ``fn`` and ``baseline_fn`` (:func:`paired_seconds`)."""
+    ours, base = paired_seconds(fn, baseline_fn, repeat, warmup)
+    return work / ours, work / base

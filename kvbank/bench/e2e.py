@@ -21,17 +21,15 @@ Runs are interleaved with their baseline and the medians reported.
 from __future__ import annotations
 
 import multiprocessing
-import statistics
 import tempfile
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from kvbank.bank import Bank
-from kvbank.bench.common import BenchRow, row
+from kvbank.bench.common import BenchRow, paired_seconds, row
 from kvbank.keys import Scope
 
 SUITE = "e2e"
@@ -62,24 +60,6 @@ def _store_worker(root: str) -> None:
     a, _ = _prompts()
     with _bank(Path(root)) as bank:
         kt.store(bank, kt.layout_for(model, tokens_per_page=PAGE), model, a)
-
-
-def _paired_seconds(
-    fn: Callable[[], object], base: Callable[[], object], repeat: int
-) -> tuple[float, float]:
-    fn()
-    base()
-    ours: list[float] = []
-    theirs: list[float] = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        t1 = time.perf_counter()
-        base()
-        t2 = time.perf_counter()
-        ours.append(t1 - t0)
-        theirs.append(t2 - t1)
-    return statistics.median(ours), statistics.median(theirs)
 
 
 def _first_token(model: Any, ids: torch.Tensor, cache: Any) -> int:
@@ -128,7 +108,7 @@ def _cases(bank: Bank, hl: Any, model: Any, b: list[int], ids: torch.Tensor,
         _first_token(model, ids[:, STORED:], reused)
         reused.crop(-(PROMPT - STORED))
 
-    ours, base = _paired_seconds(hit, in_process, repeat)
+    ours, base = paired_seconds(hit, in_process, repeat)
     yield row(SUITE, "ttft-hit-4k", "s", ours, "the same model reusing a cache in process", base)
 
     cold = Scope(tenant="bench-e2e-cold")  # nothing is ever stored under it
@@ -140,7 +120,7 @@ def _cases(bank: Bank, hl: Any, model: Any, b: list[int], ids: torch.Tensor,
     def plain() -> None:
         _first_token(model, ids, kt.fresh_cache(model))
 
-    ours, base = _paired_seconds(miss, plain, repeat)
+    ours, base = paired_seconds(miss, plain, repeat)
     yield row(SUITE, "ttft-miss-4k", "s", ours, "plain recompute", base)
 
     runs = iter(range(1 << 30))
@@ -148,5 +128,5 @@ def _cases(bank: Bank, hl: Any, model: Any, b: list[int], ids: torch.Tensor,
     def stores() -> None:
         kt.store(bank, hl, model, b, scope=Scope(tenant=f"bench-e2e-store-{next(runs)}"))
 
-    ours, base = _paired_seconds(stores, plain, repeat)
+    ours, base = paired_seconds(stores, plain, repeat)
     yield row(SUITE, "store-overhead-4k", "s", ours, "the same prefill without kvbank", base)

@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from kvbank.bench.common import BenchRow, paired_rates, row
+from kvbank.bench.common import BenchRow, paired_rates, paired_seconds, row
 
 SUITE = "fleet"
 TARGET_BYTES = 230
@@ -43,19 +43,8 @@ def _names(n: int, salt: int = 0) -> list[bytes]:
 
 
 def _paired_ms(fn: Callable[[], object], base: Callable[[], object], reps: int) -> tuple[float, float]:
-    for _ in range(3):
-        fn()
-        base()
-    ours, theirs = [], []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        t1 = time.perf_counter()
-        base()
-        t2 = time.perf_counter()
-        ours.append(t1 - t0)
-        theirs.append(t2 - t1)
-    return statistics.median(ours) * 1e3, statistics.median(theirs) * 1e3
+    ours, theirs = paired_seconds(fn, base, reps, warmup=3)
+    return ours * 1e3, theirs * 1e3
 
 
 def _lookup_rows(quick: bool) -> Iterator[BenchRow]:

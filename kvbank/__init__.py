@@ -35,27 +35,19 @@ _EXPORTS = {
     "Role": "kvbank.layout",
     "Scope": "kvbank.keys",
     "TierKind": "kvbank.tiers.base",
-    "full_attention": "kvbank.layout",
-    "hybrid_mamba": "kvbank.layout",
-    "mla": "kvbank.layout",
+    "full_attention": "kvbank.builders",
+    "hybrid_mamba": "kvbank.builders",
+    "mla": "kvbank.builders",
     "page_keys": "kvbank.keys",
-    "sliding_window": "kvbank.layout",
+    "sliding_window": "kvbank.builders",
 }
 
 if TYPE_CHECKING:
     from kvbank.bank import Bank
+    from kvbank.builders import full_attention, hybrid_mamba, mla, sliding_window
     from kvbank.config import BankConfig
     from kvbank.keys import Scope, page_keys
-    from kvbank.layout import (
-        GroupKind,
-        PageLayout,
-        QuantMode,
-        Role,
-        full_attention,
-        hybrid_mamba,
-        mla,
-        sliding_window,
-    )
+    from kvbank.layout import GroupKind, PageLayout, QuantMode, Role
     from kvbank.lender.base import CommitResult, Lease, LeaseMode, LeaseRow, MemoryKind
     from kvbank.lender.resume import Obstacle, ResumeBound
     from kvbank.results import BankStats, FetchResult, Match, Presence

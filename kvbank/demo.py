@@ -17,7 +17,7 @@ from typing import TextIO
 
 import torch
 
-from kvbank.layout import full_attention, hybrid_mamba
+from kvbank.builders import full_attention, hybrid_mamba
 from kvbank.lender.base import MemoryKind
 from kvbank.service.client import Client
 from kvbank.service.launch import NodeProcess

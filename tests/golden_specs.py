@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from kvbank import builders as B
 from kvbank import keys as K
 from kvbank import layout as L
 
@@ -18,18 +19,18 @@ DATA = Path(__file__).parent / "data"
 
 def golden_layouts() -> dict[str, L.PageLayout]:
     return {
-        "mha-llama-7b": L.full_attention("meta-llama/Llama-2-7b@main", 32, 32, 128),
-        "gqa-llama3-8b-tp2": L.full_attention(
+        "mha-llama-7b": B.full_attention("meta-llama/Llama-2-7b@main", 32, 32, 128),
+        "gqa-llama3-8b-tp2": B.full_attention(
             "meta-llama/Meta-Llama-3-8B@main", 32, 8, 128, shard_count=2
         ),
-        "gqa-fp8": L.full_attention("m@fp8", 4, 8, 128, quant=L.QuantMode.FP8),
-        "gqa-nvfp4": L.full_attention("m@nvfp4", 4, 8, 128, quant=L.QuantMode.NVFP4),
-        "mla-deepseek": L.mla("deepseek-ai/DeepSeek-V3@main", 61, 576, index_key_dim=128),
-        "swa-sinks": L.sliding_window("m@swa", 8, 8, 64, window=4096, sink_tokens=4),
-        "hybrid-swa-full": L.sliding_window(
+        "gqa-fp8": B.full_attention("m@fp8", 4, 8, 128, quant=L.QuantMode.FP8),
+        "gqa-nvfp4": B.full_attention("m@nvfp4", 4, 8, 128, quant=L.QuantMode.NVFP4),
+        "mla-deepseek": B.mla("deepseek-ai/DeepSeek-V3@main", 61, 576, index_key_dim=128),
+        "swa-sinks": B.sliding_window("m@swa", 8, 8, 64, window=4096, sink_tokens=4),
+        "hybrid-swa-full": B.sliding_window(
             "google/gemma-3-12b@main", 12, 8, 256, window=1024, full_layers=[5, 11]
         ),
-        "hybrid-mamba": L.hybrid_mamba(
+        "hybrid-mamba": B.hybrid_mamba(
             "nvidia/Nemotron-H-8B@main",
             attention_layers=[3, 7],
             mamba_layers=[0, 1, 2, 4, 5, 6],
@@ -51,10 +52,10 @@ def golden_layouts() -> dict[str, L.PageLayout]:
             ),
         ),
         # split declarations: duplicated heads, sections, per-buffer head counts
-        "gqa-llama3-8b-tp16-duplicated": L.full_attention(
+        "gqa-llama3-8b-tp16-duplicated": B.full_attention(
             "meta-llama/Meta-Llama-3-8B@main", 32, 8, 128, shard_count=16
         ),
-        "hybrid-mamba2-sectioned-tp2": L.hybrid_mamba(
+        "hybrid-mamba2-sectioned-tp2": B.hybrid_mamba(
             "nvidia/Nemotron-H-8B@main",
             attention_layers=[3, 7],
             mamba_layers=[0, 1, 2, 4, 5, 6],

@@ -12,6 +12,7 @@ from collections.abc import Callable
 import numpy as np
 import numpy.typing as npt
 
+from kvbank import builders as B
 from kvbank import layout as L
 
 Arr = npt.NDArray[np.generic]  # a page's bytes, or one label per byte
@@ -70,24 +71,24 @@ def _hand(count: int, index: int) -> L.PageLayout:
 
 
 BUILDERS: dict[str, Callable[[int, int], L.PageLayout]] = {
-    "gqa": lambda n, r: L.full_attention("gqa", 2, 8, 16, tokens_per_page=4,
+    "gqa": lambda n, r: B.full_attention("gqa", 2, 8, 16, tokens_per_page=4,
                                          shard_count=n, shard_index=r),
-    "gqa-duplicated": lambda n, r: L.full_attention("gqa2", 2, 2, 16, tokens_per_page=4,
+    "gqa-duplicated": lambda n, r: B.full_attention("gqa2", 2, 2, 16, tokens_per_page=4,
                                                     shard_count=n, shard_index=r),
-    "mha": lambda n, r: L.full_attention("mha", 2, 16, 8, tokens_per_page=4,
+    "mha": lambda n, r: B.full_attention("mha", 2, 16, 8, tokens_per_page=4,
                                          shard_count=n, shard_index=r),
-    "gqa-fp8": lambda n, r: L.full_attention("fp8", 2, 8, 16, tokens_per_page=4,
+    "gqa-fp8": lambda n, r: B.full_attention("fp8", 2, 8, 16, tokens_per_page=4,
                                              quant=L.QuantMode.FP8, shard_count=n, shard_index=r),
-    "mla": lambda n, r: L.mla("mla", 2, 64, tokens_per_page=4, index_key_dim=16,
+    "mla": lambda n, r: B.mla("mla", 2, 64, tokens_per_page=4, index_key_dim=16,
                               shard_count=n, shard_index=r),
-    "sliding-window": lambda n, r: L.sliding_window(
+    "sliding-window": lambda n, r: B.sliding_window(
         "swa", 3, 4, 16, window=8, sink_tokens=2, full_layers=[2], tokens_per_page=4,
         shard_count=n, shard_index=r),
-    "hybrid-mamba": lambda n, r: L.hybrid_mamba(
+    "hybrid-mamba": lambda n, r: B.hybrid_mamba(
         "mamba", attention_layers=[1], mamba_layers=[0, 2], num_kv_heads=8, head_dim=8,
         conv_shape=(32 // n, 3), conv_sections=(16 // n, 8 // n, 8 // n),
         ssm_shape=(8 // n, 4, 4), tokens_per_page=4, shard_count=n, shard_index=r),
-    "non-dividing": lambda n, r: L.full_attention("six", 2, 6, 16, tokens_per_page=4,
+    "non-dividing": lambda n, r: B.full_attention("six", 2, 6, 16, tokens_per_page=4,
                                                   shard_count=n, shard_index=r),
     "per-buffer-heads": _hand,
 }

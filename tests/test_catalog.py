@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from kvbank.builders import full_attention
 from kvbank.catalog import Catalog
 from kvbank.errors import InvalidInput, UnknownLayout
 from kvbank.keys import DEFAULT_SCOPE, Scope, namespace, row_name
-from kvbank.layout import full_attention
 
 FA = full_attention("cat@1", 2, 4, 64, shard_count=2)
 

@@ -10,9 +10,10 @@ import torch
 
 from kvbank import wire
 from kvbank.bank import Bank
+from kvbank.builders import full_attention, hybrid_mamba
 from kvbank.config import BankConfig
 from kvbank.kernels.reshard import reshard_pages
-from kvbank.layout import PageLayout, full_attention, hybrid_mamba
+from kvbank.layout import PageLayout
 from kvbank.reshard import plan_reshard, shard_layout
 
 P = 16

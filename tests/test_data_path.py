@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from kvbank import Bank, full_attention
+from kvbank.builders import hybrid_mamba
 from kvbank.codec import Method, frame_info
 from kvbank.config import BankConfig, WritePolicy
 from kvbank.errors import ConfigError, TierFull
-from kvbank.layout import hybrid_mamba
 from kvbank.lender.base import LeaseMode
 from kvbank.tiers.disk import DiskTier, FrameWrite
 from kvbank.tiers.store.copier import Lanes

@@ -15,6 +15,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvbank import builders as B
 from kvbank import layout as L
 from kvbank.errors import InvalidInput, KvbankError, LayoutError, PageSizeMismatch
 from tests.golden_specs import DATA, golden_layouts
@@ -68,9 +69,9 @@ def test_layout_id_equal_across_processes_and_hash_seeds() -> None:
 
 
 def test_layout_id_ignores_shard_index_but_not_shard_count() -> None:
-    a = L.full_attention("m", 2, 8, 64, shard_count=4, shard_index=0)
+    a = B.full_attention("m", 2, 8, 64, shard_count=4, shard_index=0)
     assert a.with_shard(3).layout_id == a.layout_id
-    assert L.full_attention("m", 2, 8, 64, shard_count=2).layout_id != a.layout_id
+    assert B.full_attention("m", 2, 8, 64, shard_count=2).layout_id != a.layout_id
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -187,7 +188,7 @@ def _layout(**over: object) -> L.PageLayout:
         (lambda: L.LayerGroup(L.GroupKind.STATE, (0,), window=8), "window"),
         (lambda: L.LayerGroup(L.GroupKind.ATTENTION, (0,), sink_tokens=4), "sink"),
         (lambda: L.LayerGroup(L.GroupKind.ATTENTION, (0, 0)), "duplicate layer"),
-        (lambda: L.full_attention("m", 2, 6, 64, shard_count=4), "num_kv_heads"),
+        (lambda: B.full_attention("m", 2, 6, 64, shard_count=4), "num_kv_heads"),
         (lambda: L.PageLayout.from_dict({"model": "m", "bogus": 1}), "bogus"),
     ],
 )
@@ -226,7 +227,7 @@ def test_layout_error_is_a_value_error_and_a_kvbank_error() -> None:
                                                heads=6),), shard_count=4), r"buffers\[0\]\.heads"),
         (lambda: _layout(buffers=(L.BufferSpec(0, L.Role.KEY, "bfloat16", (2, 8), head_axis=0,
                                                heads=4),), shard_count=4), r"buffers\[0\]\.heads"),
-        (lambda: L.full_attention("m", 2, 8, 64, shard_count=12), "num_kv_heads"),
+        (lambda: B.full_attention("m", 2, 8, 64, shard_count=12), "num_kv_heads"),
     ],
 )
 def test_layout_split_validation_names_the_field(make: object, field: str) -> None:
@@ -250,7 +251,7 @@ def test_layout_logical_id_is_the_tp1_layout_id() -> None:
     (golden) id of the same layout at TP 1."""
     tp2 = golden_layouts()["gqa-llama3-8b-tp2"]
     tp16 = golden_layouts()["gqa-llama3-8b-tp16-duplicated"]
-    tp1 = L.full_attention("meta-llama/Meta-Llama-3-8B@main", 32, 8, 128)
+    tp1 = B.full_attention("meta-llama/Meta-Llama-3-8B@main", 32, 8, 128)
     assert tp2.logical_id == tp16.logical_id == tp1.layout_id == tp1.logical_id
     assert tp2.layout_id != tp16.layout_id != tp1.layout_id
     assert tp16.with_shard(7).logical_id == tp16.logical_id
@@ -363,31 +364,31 @@ def test_layout_from_dict_refuses_junk_with_layout_error(doc: dict[str, object])
 def test_builders_take_quant_names_as_the_docs_spell_them() -> None:
     """quant="FP8" builds the FP8 layout (it used to fail with "unsupported FP8")."""
     for name in ("FP8", "INT8", "NVFP4", "MXFP4", "NONE"):
-        by_name = L.full_attention("m", 2, 8, 64, quant=name)
-        by_enum = L.full_attention("m", 2, 8, 64, quant=L.QuantMode[name])
+        by_name = B.full_attention("m", 2, 8, 64, quant=name)
+        by_enum = B.full_attention("m", 2, 8, 64, quant=L.QuantMode[name])
         assert by_name.layout_id == by_enum.layout_id
         assert by_name.quant is L.QuantMode[name]
-    assert {b.role for b in L.full_attention("m", 1, 8, 64, quant="FP8").buffers} == {
+    assert {b.role for b in B.full_attention("m", 1, 8, 64, quant="FP8").buffers} == {
         L.Role.KEY, L.Role.VALUE, L.Role.KEY_SCALE, L.Role.VALUE_SCALE
     }
     with pytest.raises(LayoutError, match="quant"):
-        L.sliding_window("m", 2, 8, 64, window=8, quant="fp9")
+        B.sliding_window("m", 2, 8, 64, window=8, quant="fp9")
 
 
 def test_builders_and_buffers_take_torch_dtypes_with_the_same_id() -> None:
     assert (
-        L.full_attention("m", 2, 8, 64, dtype=torch.float16).layout_id
-        == L.full_attention("m", 2, 8, 64, dtype="float16").layout_id
+        B.full_attention("m", 2, 8, 64, dtype=torch.float16).layout_id
+        == B.full_attention("m", 2, 8, 64, dtype="float16").layout_id
     )
-    mamba_t = L.hybrid_mamba("m", [1], [0], 2, 8, conv_shape=(4, 3), ssm_shape=(2, 4, 8),
+    mamba_t = B.hybrid_mamba("m", [1], [0], 2, 8, conv_shape=(4, 3), ssm_shape=(2, 4, 8),
                              dtype=torch.bfloat16, state_dtype=torch.float32)
-    mamba_s = L.hybrid_mamba("m", [1], [0], 2, 8, conv_shape=(4, 3), ssm_shape=(2, 4, 8))
+    mamba_s = B.hybrid_mamba("m", [1], [0], 2, 8, conv_shape=(4, 3), ssm_shape=(2, 4, 8))
     assert mamba_t.layout_id == mamba_s.layout_id
     spec = L.BufferSpec(0, L.Role.KEY, torch.float8_e4m3fn, (2, 4))  # type: ignore[arg-type]
     assert spec.dtype == "float8_e4m3fn"
     for bad in (torch.complex64, "torch.float16", 16):
         with pytest.raises(LayoutError, match="dtype"):
-            L.full_attention("m", 2, 8, 64, dtype=bad)  # type: ignore[arg-type]
+            B.full_attention("m", 2, 8, 64, dtype=bad)  # type: ignore[arg-type]
 
 
 def _both_kinds_layout() -> L.PageLayout:
@@ -517,7 +518,7 @@ def test_layout_views_refuse_bad_pages() -> None:
 
 @pytest.mark.parametrize("quant", ["FP8", "NVFP4", "MXFP4", "INT8"])
 def test_layout_views_of_quantized_pages_have_the_declared_dtypes(quant: str) -> None:
-    lay = L.full_attention("m", 1, 2, 64, quant=quant)
+    lay = B.full_attention("m", 1, 2, 64, quant=quant)
     pages = torch.zeros((2, lay.group_bytes(0)), dtype=torch.uint8)
     views = lay.views(pages, 0)
     for b in lay.buffers:

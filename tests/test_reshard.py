@@ -9,6 +9,7 @@ import itertools
 import numpy as np
 import pytest
 
+from kvbank import builders as B
 from kvbank import layout as L
 from kvbank.errors import InvalidInput, LayoutError
 from kvbank.reshard import check_compatible, plan_reshard, refusal, shard_layout
@@ -45,15 +46,15 @@ def test_shard_layout_equals_the_builder_at_every_count(name: str) -> None:
 
 
 def test_logical_id_is_shared_by_shard_counts_and_nothing_else() -> None:
-    ids = {L.full_attention("m", 4, 8, 128, shard_count=n).logical_id for n in (1, 2, 4, 8, 16)}
+    ids = {B.full_attention("m", 4, 8, 128, shard_count=n).logical_id for n in (1, 2, 4, 8, 16)}
     assert len(ids) == 1
-    assert L.full_attention("m", 4, 8, 128, shard_count=2).layout_id not in ids
+    assert B.full_attention("m", 4, 8, 128, shard_count=2).layout_id not in ids
     others = [
-        L.full_attention("m2", 4, 8, 128),
-        L.full_attention("m", 4, 8, 64),
-        L.full_attention("m", 4, 4, 128),
-        L.full_attention("m", 4, 8, 128, quant=L.QuantMode.FP8),
-        L.full_attention("m", 4, 8, 128, dtype="float16"),
+        B.full_attention("m2", 4, 8, 128),
+        B.full_attention("m", 4, 8, 64),
+        B.full_attention("m", 4, 4, 128),
+        B.full_attention("m", 4, 8, 128, quant=L.QuantMode.FP8),
+        B.full_attention("m", 4, 8, 128, dtype="float16"),
     ]
     assert not ids & {o.logical_id for o in others}
 
@@ -61,11 +62,11 @@ def test_logical_id_is_shared_by_shard_counts_and_nothing_else() -> None:
 def test_duplicated_heads_are_declared_and_keep_one_encoding() -> None:
     """8 KV heads at TP 16: one head a rank, two ranks a head; a head count the default
     already implies is dropped, so the same split never has two ids."""
-    tp16 = L.full_attention("m", 2, 8, 128, shard_count=16, shard_index=5)
+    tp16 = B.full_attention("m", 2, 8, 128, shard_count=16, shard_index=5)
     assert {b.shape for b in tp16.buffers} == {(1, 128)}
     assert {b.heads for b in tp16.buffers} == {8}
     assert all(b.split is L.Split.HEAD for b in tp16.buffers)
-    tp8 = L.full_attention("m", 2, 8, 128, shard_count=8)
+    tp8 = B.full_attention("m", 2, 8, 128, shard_count=8)
     assert {b.heads for b in tp8.buffers} == {None}
     spelled = dataclasses.replace(
         tp8, buffers=tuple(dataclasses.replace(b, heads=8) for b in tp8.buffers)
@@ -74,7 +75,7 @@ def test_duplicated_heads_are_declared_and_keep_one_encoding() -> None:
 
 
 def test_shard_layout_refuses_heads_that_neither_divide_nor_duplicate() -> None:
-    full = L.full_attention("m", 2, 6, 64)
+    full = B.full_attention("m", 2, 6, 64)
     for n in (4, 8, 9):
         with pytest.raises(LayoutError, match=r"buffers\[0\] \(layer 0, KEY\)\.heads"):
             shard_layout(full, n)
@@ -94,20 +95,20 @@ def test_shard_layout_refuses_sections_that_do_not_divide() -> None:
 
 # ---- compatibility --------------------------------------------------------------------------
 
-_BASE = L.full_attention("m", 2, 8, 64, shard_count=4)
+_BASE = B.full_attention("m", 2, 8, 64, shard_count=4)
 
 
 @pytest.mark.parametrize(
     ("other", "field"),
     [
-        (L.full_attention("other", 2, 8, 64, shard_count=2), "model"),
-        (L.full_attention("m", 2, 8, 64, tokens_per_page=32, shard_count=2), "tokens_per_page"),
-        (L.full_attention("m", 2, 8, 128, shard_count=2), r"buffers\[0\]\.shape\[1\]"),
-        (L.full_attention("m", 2, 4, 64, shard_count=2), r"buffers\[0\]\.shape\[0\]"),
-        (L.full_attention("m", 2, 8, 64, dtype="float16", shard_count=2), r"buffers\[0\]\.dtype"),
-        (L.full_attention("m", 3, 8, 64, shard_count=2), "buffers: 4 entries"),
-        (L.full_attention("m", 2, 8, 64, quant=L.QuantMode.FP8, shard_count=2), "buffers"),
-        (L.sliding_window("m", 2, 8, 64, window=64, shard_count=2), r"groups\[0\]\.window"),
+        (B.full_attention("other", 2, 8, 64, shard_count=2), "model"),
+        (B.full_attention("m", 2, 8, 64, tokens_per_page=32, shard_count=2), "tokens_per_page"),
+        (B.full_attention("m", 2, 8, 128, shard_count=2), r"buffers\[0\]\.shape\[1\]"),
+        (B.full_attention("m", 2, 4, 64, shard_count=2), r"buffers\[0\]\.shape\[0\]"),
+        (B.full_attention("m", 2, 8, 64, dtype="float16", shard_count=2), r"buffers\[0\]\.dtype"),
+        (B.full_attention("m", 3, 8, 64, shard_count=2), "buffers: 4 entries"),
+        (B.full_attention("m", 2, 8, 64, quant=L.QuantMode.FP8, shard_count=2), "buffers"),
+        (B.sliding_window("m", 2, 8, 64, window=64, shard_count=2), r"groups\[0\]\.window"),
     ],
 )
 def test_reshard_refusal_names_the_field(other: L.PageLayout, field: str) -> None:
@@ -122,8 +123,8 @@ def test_reshard_refusal_names_the_field(other: L.PageLayout, field: str) -> Non
 
 def test_reshard_compatible_across_counts_and_indices() -> None:
     for n, m in itertools.product((1, 2, 4, 8, 16), repeat=2):
-        a = L.full_attention("m", 2, 8, 64, shard_count=n, shard_index=n - 1)
-        b = L.full_attention("m", 2, 8, 64, shard_count=m)
+        a = B.full_attention("m", 2, 8, 64, shard_count=n, shard_index=n - 1)
+        b = B.full_attention("m", 2, 8, 64, shard_count=m)
         assert refusal(a, b) is None
     with pytest.raises(InvalidInput, match="dst"):
         refusal(_BASE, object())  # type: ignore[arg-type]
@@ -166,7 +167,7 @@ def test_plan_matches_brute_force(name: str, n: int, m: int) -> None:
 
 def test_plan_sources_for_the_common_cases() -> None:
     def gqa(n: int, r: int = 0) -> L.PageLayout:
-        return L.full_attention("m", 32, 8, 128, shard_count=n, shard_index=r)
+        return B.full_attention("m", 32, 8, 128, shard_count=n, shard_index=r)
 
     for j in range(2):
         plan = plan_reshard(gqa(4), gqa(2, j))
@@ -218,8 +219,8 @@ def test_bench_reshard_quick_rows() -> None:
 
 
 def test_plan_is_cached_per_source_count_and_destination_rank() -> None:
-    src = L.full_attention("cache", 2, 8, 64, shard_count=4)
-    dst = L.full_attention("cache", 2, 8, 64, shard_count=2, shard_index=1)
+    src = B.full_attention("cache", 2, 8, 64, shard_count=4)
+    dst = B.full_attention("cache", 2, 8, 64, shard_count=2, shard_index=1)
     plan = plan_reshard(src, dst)
     assert plan_reshard(src.with_shard(3), dst) is plan
     other = plan_reshard(src, dst.with_shard(0))

@@ -14,9 +14,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvbank import errors, wire
+from kvbank.builders import full_attention, hybrid_mamba, mla, sliding_window
 from kvbank.errors import InvalidInput, KvbankError
 from kvbank.keys import Scope, namespace, row_names
-from kvbank.layout import PageLayout, full_attention, hybrid_mamba, mla, sliding_window
+from kvbank.layout import PageLayout
 from kvbank.lender.base import (
     CommitResult,
     Delivery,

@@ -69,7 +69,7 @@ def _alternate(a: Any, b: Any, reps: int) -> tuple[list[float], list[float]]:
 def _match_auth(tenant_url: str, plain_url: str, reps: int) -> BenchRow:
     import torch
 
-    from kvbank.layout import full_attention
+    from kvbank.builders import full_attention
     from kvbank.service.client import Client
 
     layout = full_attention("bench-admin-match@1", 1, 8, 128, tokens_per_page=16)
@@ -88,7 +88,7 @@ def _match_auth(tenant_url: str, plain_url: str, reps: int) -> BenchRow:
 def _metrics_overhead(on_url: str, off_url: str, reps: int, rows: int) -> BenchRow:
     import torch
 
-    from kvbank.layout import full_attention
+    from kvbank.builders import full_attention
     from kvbank.service.client import Client
 
     layout = full_attention("bench-admin-fetch@1", 32, 8, 128, tokens_per_page=16)  # 2 MiB pages
@@ -118,7 +118,7 @@ def _rows_list(n_rows: int, reps: int) -> BenchRow:
     import torch
 
     from kvbank.bank import Bank
-    from kvbank.layout import full_attention
+    from kvbank.builders import full_attention
 
     layout = full_attention("bench-admin-rows@1", 1, 1, 8, tokens_per_page=16)  # 512-byte pages
     page = layout.group_page_bytes[0]

@@ -40,8 +40,8 @@ import torch
 
 from kvbank.bank import Bank
 from kvbank.bench.common import BenchRow, row
+from kvbank.builders import full_attention
 from kvbank.config import WritePolicy
-from kvbank.layout import full_attention
 from kvbank.tiers.base import TierKind
 
 SUITE = "bank"

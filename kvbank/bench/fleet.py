@@ -145,7 +145,7 @@ def _peer_fetch(quick: bool) -> BenchRow:
     import torch
 
     from kvbank.bench.redis_procs import RedisProc as RedisServer
-    from kvbank.layout import full_attention
+    from kvbank.builders import full_attention
     from kvbank.service.client import Client
     from kvbank.service.launch import NodeProcess
 

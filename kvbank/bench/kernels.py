@@ -11,7 +11,7 @@ target, >= 0.8x memcpy, holds for each). The per-shape figures are the cases
 - *fused*: one tensor per layer, ``[blocks, 2, P, heads, dim]`` (FlashInfer's layout): K
   and V of a block are neighbours, so each role's rows are strided.
 
-The page is :func:`~kvbank.layout.full_attention` with 2 layers, 4 KV heads of 128,
+The page is :func:`~kvbank.builders.full_attention` with 2 layers, 4 KV heads of 128,
 bfloat16, 16 tokens a page: four 16 KiB regions, 65,536 bytes. Baseline: ``copy_`` of one
 contiguous 64 MB tensor into another (the same bytes with no gather), interleaved run by
 run with ours; medians of several runs; every buffer is allocated before timing.
@@ -24,8 +24,9 @@ from collections.abc import Iterator
 import torch
 
 from kvbank.bench.common import BenchRow, paired_rates, row
+from kvbank.builders import full_attention
 from kvbank.kernels.pages import Pool, gather_pages, scatter_pages
-from kvbank.layout import Role, full_attention
+from kvbank.layout import Role
 
 SUITE = "kernels"
 POOL_BLOCKS = 2048

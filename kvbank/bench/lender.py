@@ -27,7 +27,7 @@ import torch
 from kvbank.bank import Bank
 from kvbank.bench.borrower import BorrowerProcess
 from kvbank.bench.common import BenchRow, paired_rates, row
-from kvbank.layout import full_attention
+from kvbank.builders import full_attention
 from kvbank.tiers.store import TieredStore
 
 SUITE = "lender"

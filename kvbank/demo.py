@@ -10,6 +10,7 @@ given) and stopped at the end with SIGTERM, which persists its host rows to disk
 
 from __future__ import annotations
 
+import multiprocessing
 import tempfile
 import time
 from pathlib import Path
@@ -22,10 +23,13 @@ from kvbank.lender.base import MemoryKind
 from kvbank.service.client import Client
 from kvbank.service.launch import NodeProcess
 
+SYSTEM_TOKENS = 2048  # the shared system prompt of the model part
+QUESTION_TOKENS = 64
 
-def run_demo(url: str | None, data_dir: str | Path | None, out: TextIO) -> int:
+
+def run_demo(url: str | None, data_dir: str | Path | None, out: TextIO, *, model: bool = True) -> int:
     if url is not None:
-        return _demo(url, out)
+        return _demo(url, out) or (_model_demo(url, out) if model else 0)
     with tempfile.TemporaryDirectory(prefix="kvbank-demo-") as tmp:
         path = Path(data_dir) if data_dir is not None else Path(tmp)
         node = NodeProcess.start(["--data-dir", str(path), "--host-bytes", "64M",
@@ -33,7 +37,7 @@ def run_demo(url: str | None, data_dir: str | Path | None, out: TextIO) -> int:
         try:
             print(f"kvbank demo — started a node at {node.url} (pid {node.pid}), data dir {path}",
                   file=out, flush=True)
-            rc = _demo(node.url, out)
+            rc = _demo(node.url, out) or (_model_demo(node.url, out) if model else 0)
         finally:
             code = node.stop()
         print(f"node stopped with SIGTERM: exit {code}, host rows written to {path}", file=out, flush=True)
@@ -107,3 +111,38 @@ def _demo(url: str, out: TextIO) -> int:
         )
         say(f"node store: {tiers}")
     return 0
+
+
+def _worker_a(url: str) -> None:
+    """Worker A, in its own process: store the system prompt's prefill on the node."""
+    from kvbank.integrations.scenario import store_system_prompt
+
+    with Client(url) as node:
+        store_system_prompt(node, system_tokens=SYSTEM_TOKENS, question_tokens=QUESTION_TOKENS)
+
+
+def _model_demo(url: str, out: TextIO) -> int:
+    """The shared-system-prompt scenario of a real (tiny) model; 1 if B's answer differs."""
+    def say(text: str = "") -> None:
+        print(text, file=out, flush=True)
+
+    try:
+        import transformers  # noqa: F401  (only to say what is missing)
+    except ImportError:
+        say("\nmodel part skipped: it needs transformers (pip install 'kvbank[transformers]')")
+        return 0
+    from kvbank.integrations.scenario import resume_system_prompt
+
+    say(f"\na real model: a tiny random-weight Llama (4 layers, GQA), a {SYSTEM_TOKENS:,}-token "
+        "system prompt shared by two workers")
+    worker = multiprocessing.get_context("spawn").Process(target=_worker_a, args=(url,))
+    worker.start()
+    worker.join()
+    if worker.exitcode != 0:
+        say(f"worker A (pid {worker.pid}) failed: exit {worker.exitcode}")
+        return 1
+    say(f"worker A (pid {worker.pid}, its own process) prefilled its prompt and stored the pages")
+    with Client(url) as node:
+        result = resume_system_prompt(node, system_tokens=SYSTEM_TOKENS, question_tokens=QUESTION_TOKENS)
+    say(result.summary())
+    return 0 if result.same_tokens else 1

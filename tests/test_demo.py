@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -28,6 +29,11 @@ def test_demo_starts_a_node_runs_and_stops_it_cleanly(tmp_path: Path) -> None:
     res = _demo("--data-dir", str(tmp_path))
     assert res.returncode == 0, res.stderr + res.stdout
     _check(res.stdout)
+    # the real-model part: worker A in its own process stored, worker B resumed from it
+    assert "worker A (pid" in res.stdout
+    assert re.search(r"tokens resumed\s+2,048\b", res.stdout), res.stdout
+    assert re.search(r"hit rate\s+97\.0%", res.stdout), res.stdout
+    assert re.search(r"same answer\s+yes\b", res.stdout), res.stdout
     assert "over shared memory" in res.stdout  # the started node is on this host
     assert "exit 0" in res.stdout
     assert any(tmp_path.rglob("*.mdb"))  # the node's disk tier, written at its SIGTERM
@@ -37,8 +43,9 @@ def test_demo_against_a_running_node(tmp_path: Path) -> None:
     node = NodeProcess.start(["--data-dir", str(tmp_path), "--host-bytes", "64M",
                               "--disk-bytes", "256M", "--device-bytes", "0"])
     try:
-        res = _demo("--url", node.url)
+        res = _demo("--url", node.url, "--no-model")
     finally:
         assert node.stop() == 0
     assert res.returncode == 0, res.stderr + res.stdout
     _check(res.stdout)
+    assert "a real model" not in res.stdout

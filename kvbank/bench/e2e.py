@@ -1,15 +1,16 @@
 """``kvbank bench e2e``: time to first token of a real transformers model through kvbank.
 
 The model is :func:`~kvbank.integrations.scenario.tiny_llama` (4 layers, GQA, float32,
-random weights) on 4,096-token prompts of 16-token pages. Cases:
+random weights) on 4,096-token prompts of 16-token pages. Every case goes through a
+``kvbank serve`` node started for the run (its own data dir, no Redis) and a
+:class:`~kvbank.Client` in the bench's process, which is on the node's host, so pages come
+through the node's shared memory the way a worker on that node gets them. Cases:
 
 - ``ttft-hit-4k`` — seconds to the first token of a prompt whose first 4,032 tokens
-  another process stored (a spawned worker, then its bank closed to disk): match, fetch,
-  a fresh ``DynamicCache`` built from the pages, and the last 64 tokens computed.
+  another process stored (a spawned worker with its own ``Client``): match, fetch, a fresh
+  ``DynamicCache`` built from the pages, and the last 64 tokens computed.
   Baseline: the same model reusing a cache of those 4,032 tokens in process (cropped back
-  after each run), the floor any cache reuse can reach. Until the node service lands the
-  pages come through an embedded :class:`~kvbank.Bank` on the shared data dir, not
-  ``kvbank serve``.
+  after each run), the floor any cache reuse can reach.
 - ``ttft-miss-4k`` — seconds to the first token when nothing is stored (the match misses,
   the whole prompt is computed). Baseline: the plain prefill.
 - ``store-overhead-4k`` — seconds for a prefill that stores every page (a new scope per
@@ -23,12 +24,10 @@ from __future__ import annotations
 import multiprocessing
 import tempfile
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from kvbank.bank import Bank
 from kvbank.bench.common import BenchRow, paired_seconds, row
 from kvbank.keys import Scope
 
@@ -36,6 +35,7 @@ SUITE = "e2e"
 PROMPT = 4096
 STORED = 4032
 PAGE = 16
+NODE_ARGS = ("--host-bytes", "512M", "--disk-bytes", "1G", "--device-bytes", "0")
 
 
 def _prompts() -> tuple[list[int], list[int]]:
@@ -47,19 +47,16 @@ def _prompts() -> tuple[list[int], list[int]]:
     return a, b
 
 
-def _bank(root: Path) -> Bank:
-    return Bank.open(data_dir=root, host_bytes="512M", device_bytes=0)
-
-
-def _store_worker(root: str) -> None:
-    """Worker A, in its own process: store prompt A, close (rows go to disk)."""
+def _store_worker(url: str) -> None:
+    """Worker A, in its own process: store prompt A on the node."""
     from kvbank.integrations import transformers as kt
     from kvbank.integrations.scenario import tiny_llama
+    from kvbank.service.client import Client
 
     model = tiny_llama()
     a, _ = _prompts()
-    with _bank(Path(root)) as bank:
-        kt.store(bank, kt.layout_for(model, tokens_per_page=PAGE), model, a)
+    with Client(url) as node:
+        kt.store(node, kt.layout_for(model, tokens_per_page=PAGE), model, a)
 
 
 def _first_token(model: Any, ids: torch.Tensor, cache: Any) -> int:
@@ -74,6 +71,8 @@ def run(quick: bool = False) -> Iterator[BenchRow]:
         raise ImportError("bench e2e needs transformers: pip install 'kvbank[transformers]'") from exc
     from kvbank.integrations import transformers as kt
     from kvbank.integrations.scenario import tiny_llama
+    from kvbank.service.client import Client
+    from kvbank.service.launch import NodeProcess
 
     repeat = 3 if quick else 7
     model = tiny_llama()
@@ -81,16 +80,20 @@ def run(quick: bool = False) -> Iterator[BenchRow]:
     _, b = _prompts()
     ids = torch.tensor([b])
     with tempfile.TemporaryDirectory(prefix="kvbank-bench-e2e-") as tmp:
-        worker = multiprocessing.get_context("spawn").Process(target=_store_worker, args=(tmp,))
-        worker.start()
-        worker.join()
-        if worker.exitcode != 0:
-            raise RuntimeError(f"e2e: the storing worker exited with {worker.exitcode}")
-        with _bank(Path(tmp)) as bank:
-            yield from _cases(bank, hl, model, b, ids, repeat)
+        node = NodeProcess.start(["--data-dir", tmp, *NODE_ARGS])
+        try:
+            worker = multiprocessing.get_context("spawn").Process(target=_store_worker, args=(node.url,))
+            worker.start()
+            worker.join()
+            if worker.exitcode != 0:
+                raise RuntimeError(f"e2e: the storing worker exited with {worker.exitcode}")
+            with Client(node.url) as client:
+                yield from _cases(client, hl, model, b, ids, repeat)
+        finally:
+            node.stop()
 
 
-def _cases(bank: Bank, hl: Any, model: Any, b: list[int], ids: torch.Tensor,
+def _cases(bank: Any, hl: Any, model: Any, b: list[int], ids: torch.Tensor,
            repeat: int) -> Iterator[BenchRow]:
     from kvbank.integrations import transformers as kt
 

@@ -9,7 +9,9 @@ Primitives:
   layers form one group, sliding layers one group per ``sliding_window`` (declared as
   ``window = sliding_window - 1``), recurrent layers one ``STATE`` group; a layer that is
   both sits in an attention group and the state group. Shapes and dtypes are probed with
-  a two-token forward, never hard-coded per family.
+  a two-token forward, never hard-coded per family. A Mamba-2 conv state declares its
+  x, B and C channel sections (from the config's group and state sizes, checked against
+  the probed width), so it reshards across tensor-parallel sizes section by section.
 
 See :mod:`kvbank.integrations.transformers` for the user-facing lifecycle.
 """
@@ -118,6 +120,45 @@ def _probe(model: HfModel) -> Any:
     return cache
 
 
+def _first_int(config: Any, *names: str) -> int | None:
+    for name in names:
+        value = getattr(config, name, None)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return None
+
+
+def _conv_sections(model: HfModel, layer: int, channels: int, shard_count: int) -> tuple[int, ...]:
+    """One shard's x, B and C channel counts of a Mamba-2 conv state; ``()`` for a conv
+    state of one kind of channel (Mamba-1).
+
+    A Mamba-2 mixer convolves x (the inner width) beside B and C (``n_groups * d_state``
+    each) in one tensor. Split evenly over ranks as one axis, rank 0 would get all of x and
+    none of C, so each section is declared and split on its own. ``channels`` is what the
+    probe's conv state holds (one shard's when the model itself is a shard)."""
+    text = model.config.get_text_config(decoder=True)
+    groups = _first_int(text, "mamba_n_groups", "n_groups")
+    d_state = _first_int(text, "mamba_d_state", "state_size", "ssm_state_size")
+    if groups is None or d_state is None:
+        return ()  # no B/C sections: one kind of channel, split as one axis
+    if (groups * d_state) % shard_count:
+        raise UnmappableLayer(
+            f"layer {layer}: a Mamba-2 conv state with n_groups * d_state = {groups * d_state} "
+            f"cannot be split over {shard_count} shards"
+        )
+    bc = groups * d_state // shard_count
+    inner = channels - 2 * bc
+    heads = _first_int(text, "mamba_n_heads", "num_heads")
+    head_dim = _first_int(text, "mamba_d_head", "head_dim")
+    expected = None if heads is None or head_dim is None else heads * head_dim // shard_count
+    if inner <= 0 or (expected is not None and inner != expected):
+        raise UnmappableLayer(
+            f"layer {layer}: a Mamba-2 conv state of {channels} channels is not x "
+            f"({expected if expected is not None else '?'}) + B + C ({bc} each) as its config says"
+        )
+    return (inner, bc, bc)
+
+
 def layout_for(
     model: HfModel,
     *,
@@ -170,7 +211,9 @@ def layout_for(
             if conv is not None:
                 kernel = int(layer.conv_kernel_size[0] or conv.shape[-1])
                 buffers.append(BufferSpec(i, Role.CONV_STATE, dtype_name(conv.dtype),
-                                          (*conv.shape[1:-1], kernel), head_axis=0))
+                                          (*conv.shape[1:-1], kernel), head_axis=0,
+                                          sections=_conv_sections(model, i, int(conv.shape[1]),
+                                                                  shard_count)))
             if ssm is not None:
                 buffers.append(BufferSpec(i, Role.SSM_STATE, dtype_name(ssm.dtype),
                                           tuple(ssm.shape[1:]), head_axis=0))

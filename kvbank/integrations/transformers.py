@@ -48,7 +48,7 @@ import numpy as np
 import torch
 
 from kvbank.bank import FetchResult, Match
-from kvbank.errors import InvalidInput
+from kvbank.errors import InvalidInput, UnknownLayout
 from kvbank.integrations._hf_cache import (
     CacheLayerMap,
     LayerKind,
@@ -275,8 +275,10 @@ def fetch_pages(
     if not isinstance(hl, ModelLayout):
         raise InvalidInput(f"hl: expected a ModelLayout, got {type(hl).__name__}")
     ids = _ids(tokens, torch.device("cpu"))
-    lid = bank.register(hl.layout)
-    m = bank.match(lid, ids.numpy(), scope=scope, shard=shard)
+    try:  # the id is the layout's own hash: register only when the bank does not know it
+        m = bank.match(hl.layout_id, ids.numpy(), scope=scope, shard=shard)
+    except UnknownLayout:
+        m = bank.match(bank.register(hl.layout), ids.numpy(), scope=scope, shard=shard)
     plan = m.resume.pages
     # empty, not zeros: only rows that arrived whole are ever read, and fetch writes them.
     out = {g: torch.empty((len(want), hl.layout.group_bytes(g)), dtype=torch.uint8)
@@ -288,6 +290,11 @@ def fetch_pages(
 
 def build_cache(hl: ModelLayout, model: HfModel, tokens: Tokens, fetched: Fetched) -> Loaded:
     """A fresh ``DynamicCache`` holding tokens ``[0, r)`` from ``fetched`` (checked first)."""
+    return _build_cache(hl, model, tokens, fetched, check_tokens=True)
+
+
+def _build_cache(hl: ModelLayout, model: HfModel, tokens: Tokens, fetched: Fetched, *,
+                 check_tokens: bool) -> Loaded:
     if not isinstance(hl, ModelLayout):
         raise InvalidInput(f"hl: expected a ModelLayout, got {type(hl).__name__}")
     if not isinstance(fetched, Fetched):
@@ -300,9 +307,10 @@ def build_cache(hl: ModelLayout, model: HfModel, tokens: Tokens, fetched: Fetche
         )
     ids = _ids(tokens, model.device)
     # The pages belong to the matched prompt: the same length and the same key chain.
-    keyed = next((g for g in m.names if g), ())
+    # (load() matched these very tokens: it skips re-hashing the chain.)
+    keyed = next((g for g in m.names if g), ()) if check_tokens else ()
     if int(ids.numel()) != m.prompt_tokens or [RowName.parse(n).page_key for n in keyed] != (
-        page_keys(ids.cpu().numpy(), hl.layout.tokens_per_page, m.scope)[: len(keyed)]
+        page_keys(ids.cpu().numpy(), hl.layout.tokens_per_page, m.scope)[: len(keyed)] if keyed else []
     ):
         raise InvalidInput(f"tokens: not the {m.prompt_tokens}-token prompt the pages were matched for")
     cache = fresh_cache(model)
@@ -325,4 +333,4 @@ def load(
 ) -> Loaded:
     """:func:`fetch_pages` then :func:`build_cache`."""
     fetched = fetch_pages(bank, hl, tokens, scope=scope, shard=shard)
-    return build_cache(hl, model, tokens, fetched)
+    return _build_cache(hl, model, tokens, fetched, check_tokens=False)

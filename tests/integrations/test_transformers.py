@@ -120,6 +120,47 @@ def test_layout_for_refuses_a_model_with_unmappable_layers() -> None:
         kt.layout_for(model)
 
 
+@pytest.mark.parametrize("family", ["mamba2", "bamba", "falcon_h1"])
+def test_layout_for_declares_mamba2_conv_sections_and_reshards_them_section_by_section(
+    family: str,
+) -> None:
+    """A Mamba-2 conv state is x (heads * head_dim channels) then B and C (n_groups *
+    d_state each). Declared as sections, a TP 1 row rebuilt for rank r of TP 2 holds
+    half of each section; split as one axis, rank 0 would hold all of x and no C."""
+    from kvbank.kernels.reshard import reshard_pages
+    from kvbank.layout import Role
+    from kvbank.reshard import plan_reshard, shard_layout
+
+    hl = kt.layout_for(M.build(family, "float32"))
+    conv = [b for b in hl.layout.buffers if b.role is Role.CONV_STATE]
+    assert conv and all(b.sections == (128, 16, 16) for b in conv)  # 8 heads x 16; 1 x 16
+    g = hl.state_group
+    assert g is not None
+    page = torch.randint(0, 256, (1, hl.layout.group_bytes(g)), dtype=torch.uint8)
+    src = hl.layout.views(page, g)
+    for rank in (0, 1):
+        dst_layout = shard_layout(hl.layout, 2, rank)
+        out = torch.empty((1, dst_layout.group_bytes(g)), dtype=torch.uint8)
+        reshard_pages(plan_reshard(hl.layout, dst_layout), g, {0: page}, out)
+        got = dst_layout.views(out, g)
+        for b in conv:
+            full = src[(b.layer, Role.CONV_STATE)][0]
+            x, bb, c = full[:128], full[128:144], full[144:]
+            want = torch.cat([x[rank * 64:(rank + 1) * 64], bb[rank * 8:(rank + 1) * 8],
+                              c[rank * 8:(rank + 1) * 8]])
+            # random bytes make NaNs as floats: compare the bits
+            assert torch.equal(got[(b.layer, Role.CONV_STATE)][0].view(torch.int32),
+                               want.view(torch.int32))
+
+
+def test_layout_for_declares_no_sections_for_attention_models() -> None:
+    from kvbank.layout import Role
+
+    hl = kt.layout_for(M.build("llama", "float32"))
+    assert all(b.sections == () for b in hl.layout.buffers)
+    assert not any(b.role is Role.CONV_STATE for b in hl.layout.buffers)
+
+
 # ---- bad input -------------------------------------------------------------------------------
 
 

@@ -19,6 +19,7 @@ from kvbank.tiers.base import FrameStore, TierKind
 from kvbank.tiers.remote import BUCKETS, RedisFrameStore, bucket_tag, connect
 
 from .conftest import MakeStore
+from .test_store_stats import assert_counters_agree
 
 _ns = itertools.count()
 
@@ -141,6 +142,9 @@ def test_remote_store_spills_disk_evictions_and_reads_them_on_a_miss(
     assert s.get_into(name_of(0), out) == P and bytes(out) == pages[0]
     assert s.get_into(name_of(999), out) is None
     assert not [n for n in s.health().notes if n.startswith("remote")]
+    st = s.stats()  # the remote answer is a hit of the store, a miss of every local tier
+    assert (st.gets, st.hits, st.misses, st.remote_hits) == (2, 1, 1, 1)
+    assert_counters_agree(st)
 
 
 def test_remote_store_without_redis_serves_locally_and_says_so(

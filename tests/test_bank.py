@@ -3,6 +3,7 @@ ledger, Mamba state restored with the attention KV, scopes, and refused input.""
 
 from __future__ import annotations
 
+import inspect
 import threading
 
 import numpy as np
@@ -315,6 +316,31 @@ def test_open_applies_overrides_and_close_is_final() -> None:
         bank.register(FA)
     with pytest.raises(InvalidInput, match="config"):
         Bank({"host_bytes": 1})  # type: ignore[arg-type]
+
+
+def _public_methods() -> list[str]:
+    return sorted(n for n in dir(Bank) if not n.startswith("_")
+                  and inspect.isfunction(inspect.getattr_static(Bank, n)))
+
+
+def test_bank_every_public_method_after_close_is_tier_unavailable() -> None:
+    """Regression: ``stats``, ``layout``, ``row_names``, ``lend``… answered (or leaked
+    another error) after ``close``. Every public method, found by introspection so a new
+    one is covered, raises TierUnavailable naming the bank; only ``close`` (idempotent)
+    and the ``open`` constructor are exempt."""
+    bank = Bank.open(host_bytes="1M", device_bytes=0)
+    lid = bank.register(FA)
+    bank.close()
+    methods = _public_methods()
+    assert {"stats", "register", "put", "fetch", "lend", "rows", "evict", "health"} <= set(methods)
+    for name in methods:
+        if name in ("close", "open"):
+            continue
+        with pytest.raises(TierUnavailable, match="closed") as err:
+            getattr(bank, name)(lid)  # the state is checked before any argument
+        assert err.value.field == "bank", name
+    bank.close()
+    assert bank.clock() > 0 and bank.reservation is None  # values stay readable
 
 
 def test_bank_tensor_parallel_shards_never_share_rows(bank: Bank) -> None:

@@ -653,8 +653,13 @@ class Lender:
         else:
             import torch
 
+            from kvbank.tiers.device import TORCH_ERRORS, torch_fault
+
             dev = self._store.device.view(slot)[: slot.size]
-            torch.frombuffer(dst, dtype=torch.uint8, count=slot.size).copy_(dev)
+            try:
+                torch.frombuffer(dst, dtype=torch.uint8, count=slot.size).copy_(dev)
+            except TORCH_ERRORS as exc:
+                raise torch_fault(f"reading leased row {name.hex()[:16]}…", exc) from exc
         self.finish_read(lease_id)
         return slot.size
 
@@ -687,9 +692,13 @@ class Lender:
             else:
                 import torch
 
-                self._store.device.view(slot)[: slot.size].copy_(
-                    torch.frombuffer(bytearray(src), dtype=torch.uint8)
-                )
+                from kvbank.tiers.device import TORCH_ERRORS, torch_fault
+
+                try:
+                    self._store.device.view(slot)[: slot.size].copy_(
+                        torch.frombuffer(bytearray(src), dtype=torch.uint8))
+                except TORCH_ERRORS as exc:
+                    raise torch_fault(f"writing leased row {name.hex()[:16]}…", exc) from exc
 
     # ---- expiry ------------------------------------------------------------------------
 

@@ -98,7 +98,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["Bank", "BankStats", "FetchResult", "Match", "Presence"]
 
-Clock = Callable[[], float]  # monotonic seconds
+Clock = Callable[[], float]  # seconds: monotonic (clock), or since the epoch (wall_clock)
 PUT_BATCH_PAGES = 64  # pages per store batch (and disk transaction) of a put
 
 
@@ -135,7 +135,7 @@ class Bank(AdminOps):
     """A worker's KV-cache bank over a tiered store. See the module docstring."""
 
     def __init__(self, config: BankConfig | None = None, *, clock: Clock = time.monotonic,
-                 reaper: bool = True) -> None:
+                 wall_clock: Clock = time.time, reaper: bool = True) -> None:
         if config is not None and not isinstance(config, BankConfig):
             raise InvalidInput(f"config: expected a BankConfig, got {type(config).__name__}")
         self.config = config if config is not None else BankConfig()
@@ -145,8 +145,8 @@ class Bank(AdminOps):
         self._counts = ShardCounts()  # registered shard counts by logical id
         self._store = TieredStore(self.config)
         try:
-            self._lender = Lender(self._store, self.config, clock=clock, describe=self._catalog.describe,
-                                  reaper=reaper)
+            self._lender = Lender(self._store, self.config, clock=clock, wall_clock=wall_clock,
+                                  describe=self._catalog.describe, reaper=reaper)
         except BaseException:
             self._store.close()
             raise

@@ -81,7 +81,7 @@ def test_partial_fetch_resumes_from_first_undelivered_row(bank: Bank) -> None:
     assert not first.complete and first.resume.tokens == 48
     assert first.delivered == ((0, 1, 2),) and first.missing == ((3, 4, 5),)
 
-    bank._store.delete(names[4])  # a row vanishes before the resumed call reaches it
+    assert bank.evict([names[4]]).evicted == (names[4],)  # a row vanishes before the resumed call reaches it
     second = bank.fetch(m, out={0: buf}, fetch_id=first.fetch_id)
     assert second.fetch_id == first.fetch_id and second.nbytes == 2 * PAGE
     assert second.missing == ((4,),) and second.resume.tokens == 64  # a miss, never "loaded"
@@ -120,7 +120,7 @@ def test_state_snapshots_are_restored_with_the_attention_kv(bank: Bank) -> None:
     assert bank.read(lease.id, m.names[1][5]) == snap96.numpy().tobytes()
     bank.release(lease.id)
 
-    bank._store.delete(m.names[1][5])  # the snapshot at 96 is gone: resume where one exists
+    assert bank.evict([m.names[1][5]]).evicted == (m.names[1][5],)  # the snapshot at 96 is gone: resume where one exists
     m2 = bank.match(lid, tokens)
     assert m2.resume.tokens == 48 and m2.resume.pages == ((0, 1, 2), (2,))
     assert m2.resume.reason is Obstacle.NO_SNAPSHOT
@@ -556,7 +556,7 @@ def test_bank_every_boundary_and_resume_at(bank: Bank) -> None:
     tokens = list(range(96))
     pages = rand(6, PAGE, 7)
     names = bank.put(lid, tokens, group=0, pages=pages)
-    bank._store.delete(names[2])
+    assert bank.evict([names[2]]).evicted == (names[2],)
     m = bank.match(lid, [*tokens, 1])
     assert m.boundaries == (16, 32) and m.resume.tokens == 32
     low = bank.resume_at(m, 16)

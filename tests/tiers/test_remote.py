@@ -157,3 +157,50 @@ def test_remote_store_without_redis_serves_locally_and_says_so(
     out = bytearray(4096)
     assert s.get_into(name_of(1), out) == 4096
     assert any(n.startswith("remote tier off") for n in s.health().notes)
+
+
+def test_remote_every_entry_point_of_an_unreachable_tier_raises_only_kvbank_errors() -> None:
+    """Every public method of the remote tier (listed by introspection) over a Redis that
+    went away: a KvbankError, a miss or an answer; never redis' own exception."""
+    import inspect
+
+    from kvbank.errors import KvbankError
+
+    server = RedisServer.start()
+    c = connect(server.url, retries=0)
+    fs = RedisFrameStore(c, 1 << 20, namespace=b"gone-all:")
+    _write(fs, 0)
+    frame = fs.frame(page_of(1, 4096), "uint8")
+    server.stop()
+    calls = {
+        "check": fs.check,
+        "delete_many": lambda: fs.delete_many([name_of(0)]),
+        "drop_corrupt": lambda: fs.drop_corrupt(name_of(0)),
+        "frame": lambda: fs.frame(page_of(2, 4096), "uint8"),
+        "frame_key": lambda: fs.frame_key(name_of(0)),
+        "headroom": fs.headroom,
+        "health": fs.health,
+        "names": fs.names,
+        "read_frame": lambda: fs.read_frame(name_of(0)),
+        "read_into": lambda: fs.read_into(name_of(0), bytearray(4096)),
+        "scan": lambda: list(fs.scan()),
+        "write_frame": lambda: fs.write_frame(name_of(1), frame, raw_len=4096, dtype="uint8"),
+        "close": fs.close,
+    }
+    public = {n for n in dir(RedisFrameStore) if not n.startswith("_")
+              and inspect.isfunction(inspect.getattr_static(RedisFrameStore, n))}
+    assert set(calls) == public
+    leaked, raised = [], []
+    try:
+        for name, call in calls.items():
+            try:
+                call()
+            except KvbankError:
+                raised.append(name)
+            except Exception as exc:  # the leak this test exists to catch
+                leaked.append(f"{name}: {type(exc).__module__}.{type(exc).__name__}: {exc}")
+    finally:
+        fs.close()
+        c.close()
+    assert not leaked, leaked
+    assert {"read_frame", "write_frame"} <= set(raised), raised

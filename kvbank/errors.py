@@ -37,8 +37,8 @@ Lower-library errors are mapped at the module that calls the library, through on
 per library there (``raise TierUnavailable(...) from exc``): ``LMDB_ERRORS`` in
 :mod:`kvbank.tiers.disk`, ``ZSTD_ERRORS`` in :mod:`kvbank.codec.entropy`,
 ``TORCH_ERRORS`` in :mod:`kvbank.tiers.device`, ``OS_ERRORS`` (files, mmap) in
-:mod:`kvbank.tiers.host` and :mod:`kvbank.tiers.diskfile`; ``redis.RedisError`` in
-:mod:`kvbank.tiers.redis_client`, ``httpx.HTTPError`` in the service client. Messages
+:mod:`kvbank.tiers.base` for the host slab and the disk tier's files; ``redis.RedisError``
+in :mod:`kvbank.tiers.remote`, ``httpx.HTTPError`` in the service client. Messages
 name the field, the limit and the value received.
 """
 

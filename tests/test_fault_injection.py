@@ -482,3 +482,36 @@ def test_fault_injection_memory_pools_raise_only_kvbank_errors(
         assert "HostSlab.alloc" in raised, raised
     if library == "torch":
         assert "DevicePool.read_into" in raised, raised
+
+
+def test_fault_injection_zstd_failing_under_the_mover_degrades_the_disk_not_the_mover(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, armed: type[_Armed]) -> None:
+    """Write-back: demotions encode on the mover's workers. A compress that fails there is
+    a CodecError (a TierError): the disk tier shows degraded, the mover keeps running, the
+    rows stay readable from memory, and nothing leaks."""
+    faults = _Faults(monkeypatch, armed)
+    s = TieredStore(BankConfig(data_dir=tmp_path, host_bytes=32 * 1024, device_bytes=0,
+                               disk_sync=False, write_policy="write-back", copy_threads=1,
+                               wait_timeout_s=0.5))
+    try:
+        faults.arm("zstd")
+        for i in range(6):  # more than the host holds: the mover must demote
+            try:
+                s.put(name_of(i), page_of(i, PAGE))
+            except KvbankError:
+                pass  # no room while every demotion fails: a typed refusal
+        try:
+            s.flush(2)
+        except KvbankError:
+            pass  # the mover cannot meet its watermark while the codec fails
+        health = s.health()
+        assert health.mover_running, health
+        assert not health.ok, health
+        out = bytearray(PAGE)
+        assert s.get_into(name_of(0), out) in (None, PAGE)
+        faults.disarm()
+        s.flush(30)  # the codec works again: the mover catches up (a hang bound)
+        s.check_invariants()
+    finally:
+        faults.disarm()
+        s.close()

@@ -53,6 +53,9 @@ at the deadline and answers what arrived; resume it with the same ``fetch_id``) 
 caller has given up on it). One store call is not interrupted: the store takes no
 deadline of its own yet.
 
+Closed. After :meth:`~Bank.close` every public method but ``close`` (idempotent) raises
+:class:`~kvbank.errors.TierUnavailable` naming the bank, queries and ``stats`` included.
+
 Every method validates its input and raises a typed error naming the field
 (:class:`~kvbank.errors.InvalidInput` subclasses). The bank is thread-safe: the lender,
 the ledger and the store each guard their own state; the bank's tables sit behind one lock.
@@ -61,13 +64,14 @@ the ledger and the store each guard their own state; the bank's tables sit behin
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import math
 import threading
 import time
 from collections.abc import Callable, Sequence
 from types import TracebackType
-from typing import Self
+from typing import Self, TypeVar
 
 import torch
 
@@ -94,15 +98,44 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["Bank", "BankStats", "FetchResult", "Match", "Presence"]
 
-Clock = Callable[[], float]  # monotonic seconds
+Clock = Callable[[], float]  # seconds: monotonic (clock), or since the epoch (wall_clock)
 PUT_BATCH_PAGES = 64  # pages per store batch (and disk transaction) of a put
 
 
+B = TypeVar("B", bound=type)
+R = TypeVar("R")
+OPEN_ANYTIME = frozenset({"close", "open"})  # public methods a closed bank still answers
+
+
+def _refused_once_closed(fn: Callable[..., R]) -> Callable[..., R]:
+    @functools.wraps(fn)
+    def call(self: Bank, *args: object, **kw: object) -> R:
+        if self._closed:
+            raise TierUnavailable(f"bank: closed; {fn.__name__} needs an open bank", field="bank")
+        return fn(self, *args, **kw)
+    return call
+
+
+def _closed_state(cls: B) -> B:
+    """Every public method of ``cls``, its own and inherited (except
+    :data:`OPEN_ANYTIME`), raises :class:`TierUnavailable` once the bank is closed: one
+    rule for all of them, so a method added later cannot forget it. Properties
+    (``clock``, ``reservation``) are values, not calls, and stay readable."""
+    for name in dir(cls):
+        if name.startswith("_") or name in OPEN_ANYTIME:
+            continue
+        attr = inspect.getattr_static(cls, name)
+        if inspect.isfunction(attr):
+            setattr(cls, name, _refused_once_closed(attr))
+    return cls
+
+
+@_closed_state
 class Bank(AdminOps):
     """A worker's KV-cache bank over a tiered store. See the module docstring."""
 
     def __init__(self, config: BankConfig | None = None, *, clock: Clock = time.monotonic,
-                 reaper: bool = True) -> None:
+                 wall_clock: Clock = time.time, reaper: bool = True) -> None:
         if config is not None and not isinstance(config, BankConfig):
             raise InvalidInput(f"config: expected a BankConfig, got {type(config).__name__}")
         self.config = config if config is not None else BankConfig()
@@ -112,8 +145,8 @@ class Bank(AdminOps):
         self._counts = ShardCounts()  # registered shard counts by logical id
         self._store = TieredStore(self.config)
         try:
-            self._lender = Lender(self._store, self.config, clock=clock, describe=self._catalog.describe,
-                                  reaper=reaper)
+            self._lender = Lender(self._store, self.config, clock=clock, wall_clock=wall_clock,
+                                  describe=self._catalog.describe, reaper=reaper)
         except BaseException:
             self._store.close()
             raise
@@ -150,7 +183,7 @@ class Bank(AdminOps):
 
     def _check_open(self) -> None:
         if self._closed:
-            raise TierUnavailable("bank: closed")
+            raise TierUnavailable("bank: closed", field="bank")
 
     # ---- layouts and names ---------------------------------------------------------------
 

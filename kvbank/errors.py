@@ -21,7 +21,8 @@ and a broken lease are. Leaves also inherit the builtin a caller would expect, s
     │   ├── TierUnavailable                the tier cannot be reached or is closed
     │   ├── RowLocked                      a locked row cannot be deleted, moved or overwritten
     │   ├── Busy                           a blocking call's deadline passed while it waited
-    │   └── PinBudgetExceeded              pinning the rows would pass the pin budget
+    │   ├── PinBudgetExceeded              pinning the rows would pass the pin budget
+    │   └── CodecError                     the compression library failed to encode a page
     ├── LeaseError                         lender faults
     │   ├── LeaseNotFound(KeyError)        no such lease (released, reaped, never lent)
     │   ├── LeaseExpired                   the lease's TTL ran out before the operation finished
@@ -32,10 +33,13 @@ and a broken lease are. Leaves also inherit the builtin a caller would expect, s
         ├── Unauthorized                   no bearer token where one is needed (401)
         └── Forbidden                      a wrong token, or another tenant's rows (403)
 
-Lower-library errors (``lmdb.Error``, ``redis.RedisError``, ``httpx.HTTPError``,
-``zstd.ZstdError``, ``OSError``) are mapped at the module that calls the library:
-``raise TierUnavailable(...) from exc``. Messages name the field, the limit and the value
-received.
+Lower-library errors are mapped at the module that calls the library, through one table
+per library there (``raise TierUnavailable(...) from exc``): ``LMDB_ERRORS`` in
+:mod:`kvbank.tiers.disk`, ``ZSTD_ERRORS`` in :mod:`kvbank.codec.entropy`,
+``TORCH_ERRORS`` in :mod:`kvbank.tiers.device`, ``OS_ERRORS`` (files, mmap) in
+:mod:`kvbank.tiers.base` for the host slab and the disk tier's files; ``redis.RedisError``
+in :mod:`kvbank.tiers.remote`, ``httpx.HTTPError`` in the service client. Messages
+name the field, the limit and the value received.
 """
 
 from __future__ import annotations
@@ -123,6 +127,12 @@ class Busy(TierError):
 
 class PinBudgetExceeded(TierError):
     """Pinning these rows would hold more bytes pinned than ``pin_bytes`` allows."""
+
+
+class CodecError(TierError):
+    """The codec's compression library failed to encode a page (memory, an internal
+    fault): a fault of the node, not of the page; nothing was stored. A frame that fails
+    to *decode* is :class:`CorruptPage` instead."""
 
 
 class LeaseError(KvbankError):

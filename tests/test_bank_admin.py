@@ -77,7 +77,7 @@ def test_evict_by_name_and_by_listing_reports_locked_and_pinned(bank: Bank) -> N
     a = fill(bank, FA.layout_id, A, 4, 1)
     b = fill(bank, FA.layout_id, B, 2, 2)
     lease = bank.lend([a[0]], mode=LeaseMode.READ)
-    bank.pin([a[1]])
+    assert bank.pin([a[1]]) == ()  # every row named is stored: none left unpinned
     done = bank.evict_rows(FA.layout_id, scope=A)
     assert set(done.evicted) == set(a[2:]) and done.locked == (a[0],) and done.pinned == (a[1],)
     assert bank.locate(a) == [bank.locate([a[0]])[0], bank.locate([a[1]])[0], None, None]
@@ -110,6 +110,6 @@ def test_touch_events_and_frames(bank: Bank) -> None:
     assert frame is not None
     assert decode(frame) == pages(2, 1)[1].numpy().tobytes()
     assert bank.read_frame(b"\3" * 54) is None
-    bank.evict([a[0]])
+    assert bank.evict([a[0]]).evicted == (a[0],)
     assert [(e.kind, e.name) for e in bank.take_events()] == [(EventKind.WITHDRAWN, a[0])]
     bank.flush(timeout_s=5.0)

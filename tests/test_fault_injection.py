@@ -9,20 +9,31 @@ the store and of the bank that reaches the disk is called, and the error must be
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import functools
+import inspect
+import os
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import lmdb
 import pytest
 import torch
+import zstandard
 
-from kvbank import Bank, BankConfig, full_attention
+from kvbank import Bank, BankConfig, Match, full_attention, hybrid_mamba
+from kvbank.codec import entropy
 from kvbank.errors import KvbankError
+from kvbank.keys import Scope
+from kvbank.lender.base import LeaseMode, MemoryKind
 from kvbank.testing.tiers import name_of, page_of
 from kvbank.tiers import disk as disk_module
-from kvbank.tiers.disk import DiskTier
+from kvbank.tiers.device import DevicePool
+from kvbank.tiers.disk import DiskTier, FrameWrite
+from kvbank.tiers.host import HostSlab
 from kvbank.tiers.store import TieredStore
 
 P = 4096
@@ -84,6 +95,13 @@ DISK_CALLS: dict[str, Callable[[DiskTier], object]] = {
     "names": lambda t: t.names(),
     "scan": lambda t: list(t.scan()),
     "drop_corrupt": lambda t: t.drop_corrupt(name_of(0)),
+    "frame": lambda t: t.frame(page_of(3, P), "uint8"),
+    "write_frames": lambda t: t.write_frames([FrameWrite(name_of(4), t.frame(page_of(4, P), "uint8"),
+                                                         P, "uint8")]),
+    "put_many": lambda t: t.put_many([(name_of(5), page_of(5, P))]),
+    "get_many_into": lambda t: t.get_many_into([name_of(0)], [bytearray(P)]),
+    "check": lambda t: t.check(),
+    "close": lambda t: t.close(),
 }
 
 
@@ -100,6 +118,28 @@ def test_disk_tier_entry_points_map_raw_lmdb_errors(
     finally:
         armed.exc = None
         tier.close()
+
+
+@pytest.mark.parametrize("library", ["zstd", "os"])
+def test_disk_tier_entry_points_under_a_failing_codec_or_file_system(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, armed: type[_Armed],
+        library: str) -> None:
+    tier = DiskTier(tmp_path, 1 << 22, sync=False)
+    faults = _Faults(monkeypatch, armed)
+    try:
+        tier.put(name_of(0), page_of(0, P))
+        list(tier.scan())
+        faults.arm(library)
+        raised, leaked = _leaks({n: functools.partial(f, tier) for n, f in DISK_CALLS.items()})
+    finally:
+        faults.disarm()
+        tier.close()
+    assert not leaked, leaked
+    assert "put" in raised, raised
+
+
+def test_disk_tier_table_covers_every_public_method() -> None:
+    assert set(DISK_CALLS) == _public(DiskTier)
 
 
 @pytest.mark.parametrize("exc", RAW_ERRORS, ids=lambda e: type(e).__name__)
@@ -162,3 +202,313 @@ def test_store_opened_over_a_failing_disk_is_a_kvbank_error(
     armed.exc = lmdb.Error("injected")
     _only_kvbank_errors(lambda: TieredStore(BankConfig(data_dir=tmp_path, device_bytes=0,
                                                        host_bytes=1 << 20)).close())
+
+
+# -- every public entry point, four libraries ---------------------------------------------
+#
+# One bank with every tier (a device pool on the CPU, a host slab, a disk tier written
+# through) is filled unarmed, then one library is made to fail and every public method of
+# the Bank, of its TieredStore and of each tier is called. The method lists come from
+# introspection: a public method added without an entry here fails the coverage checks.
+
+MAMBA = hybrid_mamba("inject-state@1", [0], [1], 2, 32, conv_shape=(64, 3), ssm_shape=(4, 16))
+STATE_PAGE = MAMBA.group_page_bytes[1]
+OTHER = [t + 7000 for t in TOKENS]
+
+
+def _public(cls: type) -> set[str]:
+    return {n for n in dir(cls) if not n.startswith("_")
+            and inspect.isfunction(inspect.getattr_static(cls, n))}
+
+
+class _Faults:
+    """Arms one library's failure: raw ``lmdb.Error`` or ``OSError(EIO)`` from every LMDB
+    transaction (the latter from ``posix_fallocate`` too), ``zstandard.ZstdError`` from
+    every compress and decompress, a CUDA-style ``RuntimeError`` from every tensor copy."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, armed: type[_Armed]) -> None:
+        self.mp = monkeypatch
+        self.armed = armed
+
+    def arm(self, library: str) -> None:
+        if library == "lmdb":
+            self.armed.exc = lmdb.Error("injected")
+        elif library == "os":
+            self.armed.exc = OSError(errno.EIO, "injected")
+
+            def fallocate(*_: object) -> None:
+                raise OSError(errno.EIO, "injected")
+            self.mp.setattr(os, "posix_fallocate", fallocate)
+        elif library == "zstd":
+            def zstd_fails(*_: object, **__: object) -> Any:
+                raise zstandard.ZstdError("injected")
+
+            class _Compressor:
+                compress = staticmethod(zstd_fails)
+            self.mp.setattr(entropy, "compressor", lambda *a, **k: _Compressor())
+            self.mp.setattr(zstandard, "frame_content_size", zstd_fails)
+        elif library == "torch":
+            def copy_fails(self: torch.Tensor, *_: object, **__: object) -> torch.Tensor:
+                raise RuntimeError("CUDA error: an illegal memory access was encountered (injected)")
+            self.mp.setattr(torch.Tensor, "copy_", copy_fails)
+        else:  # pragma: no cover - a typo in the parameter list
+            raise AssertionError(library)
+
+    def disarm(self) -> None:
+        self.armed.exc = None
+        self.mp.undo()
+
+
+@dataclass
+class _Ctx:
+    bank: Bank
+    lid: bytes
+    mid: bytes
+    names: list[bytes]
+    state_names: list[bytes]
+    read_lease: str
+    dev_lease: str
+    write_lease: str
+    fresh: list[bytes]
+    match: Match
+
+
+def _filled_bank(tmp_path: Path) -> _Ctx:
+    cfg = BankConfig(data_dir=tmp_path, host_bytes=64 * 1024, device="cpu",
+                     device_bytes=32 * 1024, disk_sync=False, write_policy="write-through",
+                     dirty_expire_s=0, copy_threads=1)
+    bank = Bank(cfg, reaper=False)
+    lid, mid = bank.register(FA), bank.register(MAMBA)
+    pages = torch.ones((4, PAGE), dtype=torch.uint8)
+    names = bank.put(lid, TOKENS, group=0, pages=pages)
+    for k in range(1, 4):  # pushes the first rows out of memory, onto the disk
+        bank.put(lid, [t + 1000 * k for t in TOKENS], group=0, pages=pages)
+    state_names = bank.put_states(mid, TOKENS, group=1, at=[MAMBA.tokens_per_page],
+                                  states=torch.zeros((1, STATE_PAGE), dtype=torch.uint8))
+    bank.flush()
+    fresh = bank.row_names(lid, [t + 9000 for t in TOKENS], group=0)
+    return _Ctx(bank, lid, mid, names, state_names,
+                read_lease=bank.lend(names[2:4]).id,
+                dev_lease=bank.lend(names[2:3], kind=MemoryKind.DEVICE).id,
+                write_lease=bank.lend(fresh[:2], mode=LeaseMode.WRITE).id,
+                fresh=fresh, match=bank.match(lid, TOKENS))
+
+
+def _bank_entry_points(c: _Ctx) -> dict[str, Callable[[], object]]:
+    """Every public Bank method with real arguments, destructive ones last."""
+    b, n = c.bank, c.names
+    pages = torch.full((4, PAGE), 3, dtype=torch.uint8)
+    return {
+        "register": lambda: b.register(FA),
+        "register_scope": lambda: b.register_scope(c.lid, Scope(tenant="t")),
+        "layout": lambda: b.layout(c.lid),
+        "layouts": b.layouts,
+        "row_names": lambda: b.row_names(c.lid, TOKENS, group=0),
+        "prefixes": lambda: b.prefixes(c.lid),
+        "match": lambda: b.match(c.lid, TOKENS),
+        "resume_at": lambda: b.resume_at(c.match, 0),
+        "presence": lambda: b.presence(c.lid, TOKENS),
+        "locate": lambda: b.locate(n),
+        "out_buffers": lambda: b.out_buffers(c.match),
+        "fetch": lambda: b.fetch(c.match, out=b.out_buffers(c.match)),
+        "fetches": b.fetches,
+        "get_into": lambda: b.get_into(n[0], bytearray(PAGE)),
+        "read_frame": lambda: b.read_frame(n[0]),
+        "rows": lambda: b.rows(c.lid),
+        "leases": b.leases,
+        "lend": lambda: b.lend(n[:2]),
+        "lend_all": lambda: b.lend_all(),
+        "view": lambda: b.view(c.read_lease, n[2]).tobytes(),
+        "device_view": lambda: b.device_view(c.dev_lease, n[2]).sum(),
+        "read": lambda: b.read(c.read_lease, n[2]),
+        "read_into": lambda: b.read_into(c.dev_lease, n[2], bytearray(PAGE)),
+        "check_live": lambda: b.check_live(c.read_lease),
+        "renew": lambda: b.renew(c.read_lease, 5),
+        "write": lambda: b.write(c.write_lease, c.fresh[0], bytes(PAGE)),
+        "commit": lambda: b.commit(c.write_lease, c.fresh[:2]),
+        "release": lambda: b.release(c.read_lease),
+        "put": lambda: b.put(c.lid, OTHER, group=0, pages=pages),
+        "put_state": lambda: b.put_state(c.mid, OTHER, group=1,
+                                         state=torch.ones(STATE_PAGE, dtype=torch.uint8)),
+        "put_states": lambda: b.put_states(c.mid, [t + 1 for t in OTHER], group=1,
+                                           at=[MAMBA.tokens_per_page],
+                                           states=torch.ones((1, STATE_PAGE), dtype=torch.uint8)),
+        "touch": lambda: b.touch(n),
+        "pin": lambda: b.pin(n[:1]),
+        "unpin": lambda: b.unpin(n[:1]),
+        "take_events": b.take_events,
+        "stats": b.stats,
+        "health": b.health,
+        "flush": lambda: b.flush(timeout_s=2),  # a hang bound: a failing mover gives up
+        "check_invariants": b.check_invariants,
+        "evict": lambda: b.evict(n[:1]),
+        "evict_rows": lambda: b.evict_rows(c.lid),
+        "close": b.close,
+    }
+
+
+def _store_entry_points(s: TieredStore, names: list[bytes]) -> dict[str, Callable[[], object]]:
+    page = bytes(PAGE)
+    return {
+        "locate": lambda: s.locate(names),
+        "residency": lambda: s.residency(names),
+        "get_into": lambda: s.get_into(names[0], bytearray(PAGE)),
+        "get_many_into": lambda: s.get_many_into(names, [bytearray(PAGE) for _ in names]),
+        "read_frame": lambda: s.read_frame(names[0]),
+        "scan": lambda: s.scan(b"", limit=10),
+        "put": lambda: s.put(name_of(901), page),
+        "put_many": lambda: s.put_many([(name_of(902), memoryview(page), None)]),
+        "refuses": lambda: s.refuses(PAGE),
+        "touch": lambda: s.touch(names),
+        "pin": lambda: s.pin(names[:1]),
+        "unpin": lambda: s.unpin(names[:1]),
+        "take_events": s.take_events,
+        "stats": s.stats,
+        "health": s.health,
+        "flush": lambda: s.flush(2),
+        "check_invariants": s.check_invariants,
+        "delete": lambda: s.delete(names[1]),
+        "evict": lambda: s.evict(names[:1]),
+        "close": s.close,
+    }
+
+
+LIBRARIES = ["lmdb", "os", "zstd", "torch"]
+
+
+def _leaks(calls: dict[str, Callable[[], object]]) -> tuple[list[str], list[str]]:
+    """(calls that raised a KvbankError, calls that leaked anything else)."""
+    raised, leaked = [], []
+    for name, call in calls.items():
+        try:
+            call()
+        except KvbankError:
+            raised.append(name)
+        except Exception as exc:  # the leak these tests exist to catch
+            leaked.append(f"{name}: {type(exc).__module__}.{type(exc).__name__}: {exc}")
+    return raised, leaked
+
+
+def test_fault_injection_bank_table_covers_every_public_method(tmp_path: Path) -> None:
+    c = _filled_bank(tmp_path)
+    try:
+        assert set(_bank_entry_points(c)) == _public(Bank) - {"open"}
+        assert set(_store_entry_points(TieredStore.__new__(TieredStore), c.names)) \
+            == _public(TieredStore)
+    finally:
+        c.bank.close()
+
+
+@pytest.mark.parametrize("library", LIBRARIES)
+def test_fault_injection_every_bank_entry_point_raises_only_kvbank_errors(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, armed: type[_Armed],
+        library: str) -> None:
+    """A failing LMDB, file system, zstd or torch under every public Bank method: each
+    call answers, misses or raises a KvbankError; no raw library error escapes."""
+    faults = _Faults(monkeypatch, armed)
+    c = _filled_bank(tmp_path)
+    try:
+        faults.arm(library)
+        raised, leaked = _leaks(_bank_entry_points(c))
+    finally:
+        faults.disarm()
+        c.bank.close()
+    assert not leaked, leaked
+    reached = {"lmdb": "put", "os": "put", "zstd": "put", "torch": "read_into"}[library]
+    assert reached in raised, raised  # the injection reached the library
+
+
+@pytest.mark.parametrize("library", LIBRARIES)
+def test_fault_injection_every_store_entry_point_raises_only_kvbank_errors(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, armed: type[_Armed],
+        library: str) -> None:
+    faults = _Faults(monkeypatch, armed)
+    cfg = BankConfig(data_dir=tmp_path, host_bytes=32 * 1024, device="cpu",
+                     device_bytes=16 * 1024, disk_sync=False, write_policy="write-through",
+                     copy_threads=1)
+    s = TieredStore(cfg)
+    names = [name_of(i) for i in range(12)]
+    try:
+        for i, name in enumerate(names):
+            s.put(name, page_of(i, PAGE))
+        s.flush()
+        faults.arm(library)
+        raised, leaked = _leaks(_store_entry_points(s, names))
+    finally:
+        faults.disarm()
+        s.close()
+    assert not leaked, leaked
+    assert raised, "the injection reached no store call"
+
+
+@pytest.mark.parametrize("library", LIBRARIES)
+def test_fault_injection_memory_pools_raise_only_kvbank_errors(
+        monkeypatch: pytest.MonkeyPatch, armed: type[_Armed], library: str) -> None:
+    """The host slab and the device pool: every public method under a failing OS / torch."""
+    faults = _Faults(monkeypatch, armed)
+    host, dev = HostSlab(1 << 20, pin=False), DevicePool(1 << 20, "cpu")
+    try:
+        hoff, doff = host.alloc(PAGE), dev.alloc(PAGE)
+        assert hoff is not None and doff is not None
+        faults.arm(library)
+        calls: dict[str, Callable[[], object]] = {}
+        for pool, off in ((host, hoff), (dev, doff)):
+            kind = type(pool).__name__
+            calls |= {
+                f"{kind}.alloc": lambda p=pool: p.alloc(64 * 1024),  # a new chunk
+                f"{kind}.write": lambda p=pool, o=off: p.write(o, memoryview(bytes(PAGE))),
+                f"{kind}.read_into": lambda p=pool, o=off: p.read_into(o, PAGE, memoryview(bytearray(PAGE))),
+                f"{kind}.slot": lambda p=pool, o=off: p.slot(o, PAGE),
+                f"{kind}.capacity": lambda p=pool, o=off: p.capacity(o),
+                f"{kind}.fits": lambda p=pool: p.fits(PAGE),
+                f"{kind}.free": lambda p=pool, o=off: p.free(o),
+            }
+        calls |= {
+            "HostSlab.view": lambda: host.view(hoff, PAGE).release(),
+            "HostSlab.numpy": lambda: host.numpy().sum(),
+            "HostSlab.prefault": lambda: host.prefault(0, 128 * 1024),
+            "DevicePool.tensor": lambda: dev.tensor(doff, PAGE).sum(),
+            "DevicePool.offset_of": lambda: dev.offset_of(dev.slot(doff, PAGE)),
+        }
+        calls |= {"HostSlab.close": host.close, "DevicePool.close": dev.close}
+        assert {c.partition(".")[2] for c in calls if c.startswith("HostSlab")} == _public(HostSlab)
+        assert {c.partition(".")[2] for c in calls if c.startswith("DevicePool")} == _public(DevicePool)
+        raised, leaked = _leaks(calls)
+    finally:
+        faults.disarm()
+        host.close()
+        dev.close()
+    assert not leaked, leaked
+    if library == "os":
+        assert "HostSlab.alloc" in raised, raised
+    if library == "torch":
+        assert "DevicePool.read_into" in raised, raised
+
+
+def test_fault_injection_zstd_failing_under_the_mover_degrades_the_disk_not_the_mover(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, armed: type[_Armed]) -> None:
+    """Write-back: demotions encode on the mover's workers. A compress that fails there is
+    a CodecError (a TierError): the disk tier shows degraded, the mover keeps running, the
+    rows stay readable from memory, and nothing leaks."""
+    faults = _Faults(monkeypatch, armed)
+    s = TieredStore(BankConfig(data_dir=tmp_path, host_bytes=32 * 1024, device_bytes=0,
+                               disk_sync=False, write_policy="write-back", copy_threads=1,
+                               wait_timeout_s=0.5))
+    try:
+        faults.arm("zstd")
+        for i in range(6):  # more than the host holds: the mover must demote
+            with contextlib.suppress(KvbankError):  # no room while demotions fail: typed
+                s.put(name_of(i), page_of(i, PAGE))
+        with contextlib.suppress(KvbankError):  # no watermark met while the codec fails
+            s.flush(2)
+        health = s.health()
+        assert health.mover_running, health
+        assert not health.ok, health
+        out = bytearray(PAGE)
+        assert s.get_into(name_of(0), out) in (None, PAGE)
+        faults.disarm()
+        s.flush(30)  # the codec works again: the mover catches up (a hang bound)
+        s.check_invariants()
+    finally:
+        faults.disarm()
+        s.close()

@@ -27,9 +27,14 @@ import numpy as np
 import numpy.typing as npt
 import zstandard
 
-from kvbank.errors import CorruptPage
+from kvbank.errors import CodecError, CorruptPage
 
 MAX_LEVEL = 22
+
+# The one table of what zstandard raises: every call into it catches exactly these. A
+# decode maps them to CorruptPage (the frame is at fault), an encode to CodecError (the
+# library is), so only KvbankError leaves the codec.
+ZSTD_ERRORS: tuple[type[Exception], ...] = (zstandard.ZstdError,)
 _FRAME_FLAGS = {"write_checksum": False, "write_content_size": True, "write_dict_id": False}
 FAST_PARAMS = zstandard.ZstdCompressionParameters(
     strategy=zstandard.STRATEGY_FAST,
@@ -71,7 +76,11 @@ def compress(
     data: npt.NDArray[np.uint8] | bytes | memoryview, level: int, *, tuned: bool
 ) -> bytes:
     """One zstd frame (content size recorded, no zstd checksum: the kvbank frame has one)."""
-    return compressor(level, tuned=tuned).compress(data.data if isinstance(data, np.ndarray) else data)
+    try:
+        return compressor(level, tuned=tuned).compress(data.data if isinstance(data, np.ndarray) else data)
+    except ZSTD_ERRORS as exc:
+        raise CodecError(f"codec: zstd could not compress {len(data)} bytes at level "
+                         f"{level}: {exc}") from exc
 
 
 def decompress_into(payload: memoryview, out: npt.NDArray[np.uint8], what: str) -> None:
@@ -80,7 +89,7 @@ def decompress_into(payload: memoryview, out: npt.NDArray[np.uint8], what: str) 
     expected = out.size
     try:
         size = zstandard.frame_content_size(payload)
-    except zstandard.ZstdError as exc:
+    except ZSTD_ERRORS as exc:
         raise CorruptPage(f"{what}: not a zstd frame ({exc})") from exc
     if size != expected:
         raise CorruptPage(f"{what}: zstd content size {size}, expected {expected}")
@@ -96,7 +105,7 @@ def decompress_into(payload: memoryview, out: npt.NDArray[np.uint8], what: str) 
                 break
             got += n
         extra = reader.read(1)  # the frame must end exactly here
-    except zstandard.ZstdError as exc:
+    except ZSTD_ERRORS as exc:
         raise CorruptPage(f"{what}: zstd data is corrupt ({exc})") from exc
     if got != expected or extra:
         raise CorruptPage(f"{what}: zstd frame decoded to {got}+ bytes, expected {expected}")

@@ -131,12 +131,14 @@ class Lender:
         config: BankConfig,
         *,
         clock: Clock = time.monotonic,
+        wall_clock: Clock = time.time,
         describe: Describe | None = None,
         reaper: bool = True,
     ) -> None:
         self._store = store
         self._config = config
         self._clock = clock
+        self._wall = wall_clock  # epoch seconds: only a lease's expires_wall reads it
         self._describe: Describe = describe or (lambda name: None)
         # (namespace, group) -> shape. Only shapes found are kept: a namespace the describer
         # does not know yet may be registered later, a known one never changes.
@@ -450,7 +452,7 @@ class Lender:
         rows: tuple[LeaseRow, ...],
         pools: tuple[Location, ...] = (),
     ) -> Lease:
-        wall = time.time() + (deadline - self._clock())
+        wall = self._wall() + (deadline - self._clock())
         return Lease(lease_id, kind, mode, selection, deadline, wall, rows, pools)
 
     def _location(self, slot: Slot) -> Location:
@@ -653,8 +655,13 @@ class Lender:
         else:
             import torch
 
+            from kvbank.tiers.device import TORCH_ERRORS, torch_fault
+
             dev = self._store.device.view(slot)[: slot.size]
-            torch.frombuffer(dst, dtype=torch.uint8, count=slot.size).copy_(dev)
+            try:
+                torch.frombuffer(dst, dtype=torch.uint8, count=slot.size).copy_(dev)
+            except TORCH_ERRORS as exc:
+                raise torch_fault(f"reading leased row {name.hex()[:16]}…", exc) from exc
         self.finish_read(lease_id)
         return slot.size
 
@@ -687,9 +694,13 @@ class Lender:
             else:
                 import torch
 
-                self._store.device.view(slot)[: slot.size].copy_(
-                    torch.frombuffer(bytearray(src), dtype=torch.uint8)
-                )
+                from kvbank.tiers.device import TORCH_ERRORS, torch_fault
+
+                try:
+                    self._store.device.view(slot)[: slot.size].copy_(
+                        torch.frombuffer(bytearray(src), dtype=torch.uint8))
+                except TORCH_ERRORS as exc:
+                    raise torch_fault(f"writing leased row {name.hex()[:16]}…", exc) from exc
 
     # ---- expiry ------------------------------------------------------------------------
 

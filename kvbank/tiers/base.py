@@ -49,6 +49,13 @@ from kvbank.keys import ROW_NAME_BYTES
 Buffer = bytes | bytearray | memoryview  # page bytes accepted by put
 
 
+# The one table of what the operating system raises under a tier (files, flock, mmap,
+# madvise, fallocate, shared-memory segments): the host tier and the disk tier's files
+# catch exactly these and map them to TierFull (no room) or TierUnavailable (anything
+# else). ``mmap.error`` is OSError.
+OS_ERRORS: tuple[type[Exception], ...] = (OSError,)
+
+
 class TierKind(enum.Enum):
     """A tier's kind, fastest first (the store's demotion order follows this order)."""
 

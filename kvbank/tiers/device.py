@@ -36,6 +36,20 @@ from kvbank.tiers.slots import AllocatorBacked, SlotAllocator
 
 logger = logging.getLogger(__name__)
 
+# The one table of what torch raises under a tier copy or allocation: RuntimeError covers
+# CUDA faults (torch.AcceleratorError, torch.cuda.CudaError), torch.OutOfMemoryError
+# (mapped to TierFull first) and NotImplementedError (a tensor with no storage). Every
+# torch call of the device tier catches exactly these and maps them to TierFull or
+# TierUnavailable, so only KvbankError leaves it.
+TORCH_ERRORS: tuple[type[Exception], ...] = (RuntimeError,)
+
+
+def torch_fault(what: str, exc: BaseException) -> TierFull | TierUnavailable:
+    """The typed error for a torch failure ``exc`` during ``what`` (``raise … from exc``)."""
+    if isinstance(exc, torch.OutOfMemoryError):
+        return TierFull(f"device tier: {what}: out of device memory: {exc}")
+    return TierUnavailable(f"device tier: {what}: {exc}")
+
 
 @dataclass(frozen=True, slots=True)
 class GpuMemory:
@@ -100,7 +114,11 @@ class DevicePool(AllocatorBacked):
     """Slots in chunk tensors on one torch device. Not thread-safe (the owner locks)."""
 
     def __init__(self, budget: int, device: str) -> None:
-        self.device = str(torch.device(device))
+        try:
+            self.device = str(torch.device(device))
+        except TORCH_ERRORS as exc:
+            raise TierUnavailable(f"device: torch cannot use device {device!r}: {exc}",
+                                  field="device") from exc
         self.pool_id = f"pool-{secrets.token_hex(6)}"
         self._chunks: dict[int, torch.Tensor] = {}  # chunk start -> uint8 tensor
         self._alloc = SlotAllocator(budget, on_grow=self._grow, on_release=self._release)
@@ -109,11 +127,8 @@ class DevicePool(AllocatorBacked):
     def _grow(self, start: int, nbytes: int) -> None:
         try:
             self._chunks[start] = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-        except torch.OutOfMemoryError as exc:
-            raise TierFull(f"device tier: {self.device} cannot allocate a {nbytes}-byte "
-                           f"chunk: {exc}") from exc
-        except RuntimeError as exc:
-            raise TierUnavailable(f"device tier: allocating on {self.device}: {exc}") from exc
+        except TORCH_ERRORS as exc:
+            raise torch_fault(f"allocating a {nbytes}-byte chunk on {self.device}", exc) from exc
         logger.debug("device pool %s: claimed %d bytes at %d", self.pool_id, nbytes, start)
 
     def _release(self, start: int, nbytes: int) -> None:
@@ -134,16 +149,23 @@ class DevicePool(AllocatorBacked):
 
     def write(self, offset: int, data: memoryview) -> None:
         dst = self.tensor(offset, data.nbytes)
-        if dst.device.type == "cpu":
-            np.copyto(dst.numpy(), np.frombuffer(data, dtype=np.uint8))
-            return
-        # torch warns on (and may write through) read-only buffers; stage those once.
-        src = data if not data.readonly else memoryview(bytearray(data))
-        dst.copy_(torch.frombuffer(src, dtype=torch.uint8))
+        try:
+            if dst.device.type == "cpu":
+                np.copyto(dst.numpy(), np.frombuffer(data, dtype=np.uint8))
+                return
+            # torch warns on (and may write through) read-only buffers; stage those once.
+            src = data if not data.readonly else memoryview(bytearray(data))
+            dst.copy_(torch.frombuffer(src, dtype=torch.uint8))
+        except TORCH_ERRORS as exc:
+            raise torch_fault(f"copying {data.nbytes} bytes into {self.device}", exc) from exc
 
     def read_into(self, offset: int, size: int, out: memoryview) -> None:
         dst = torch.from_numpy(np.frombuffer(out, dtype=np.uint8, count=size))
-        dst.copy_(self.tensor(offset, size))
+        src = self.tensor(offset, size)
+        try:
+            dst.copy_(src)
+        except TORCH_ERRORS as exc:
+            raise torch_fault(f"copying {size} bytes out of {self.device}", exc) from exc
 
     def slot(self, offset: int, size: int) -> DeviceSlot:
         start, _ = self._locate(offset)

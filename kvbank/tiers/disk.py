@@ -506,13 +506,17 @@ class DiskTier(Tier):
 
     def check(self) -> None:
         """``frames`` and ``meta`` hold the same names and ``used_bytes`` is their sum."""
-        with self._lock, self._env.begin(buffers=True) as txn:
-            frames = {bytes(k): len(v) for k, v in txn.cursor(db=self._frames)}
-            try:
-                metas = {bytes(k): _unpack_meta(bytes(k), v)
-                         for k, v in txn.cursor(db=self._meta)}
-            except CorruptPage as exc:
-                raise AssertionError(f"disk tier: {exc}") from exc
+        self._check_open()
+        try:
+            with self._lock, self._env.begin(buffers=True) as txn:
+                frames = {bytes(k): len(v) for k, v in txn.cursor(db=self._frames)}
+                try:
+                    metas = {bytes(k): _unpack_meta(bytes(k), v)
+                             for k, v in txn.cursor(db=self._meta)}
+                except CorruptPage as exc:
+                    raise AssertionError(f"disk tier: {exc}") from exc
+        except LMDB_ERRORS as exc:
+            raise TierUnavailable(f"disk tier: checking {self.path}: {exc}") from exc
         if frames.keys() != metas.keys():
             diff = frames.keys() ^ metas.keys()
             raise AssertionError(f"disk tier: {len(diff)} names in only one of frames/meta")

@@ -40,6 +40,7 @@ from typing import Any
 import lmdb
 
 from kvbank.errors import CorruptPage, TierUnavailable
+from kvbank.tiers.base import OS_ERRORS
 
 logger = logging.getLogger(__name__)
 
@@ -93,33 +94,38 @@ class DirLock:
         self.path = directory / LOCK_FILE
         try:
             self._fd: int | None = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError as exc:
+        except OS_ERRORS as exc:
             raise TierUnavailable(f"disk tier: cannot create the lock {self.path}: {exc}") from exc
         try:
             fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as exc:
+        except OS_ERRORS as exc:
             holder = _read_pid(self._fd)
             os.close(self._fd)
             self._fd = None
             raise TierUnavailable(
                 f"data_dir: {directory} is in use by another bank (pid {holder}, "
                 f"lock {self.path}); one data dir serves one bank", field="data_dir") from exc
-        os.ftruncate(self._fd, 0)
-        os.pwrite(self._fd, f"{os.getpid()}\n".encode(), 0)
+        try:
+            os.ftruncate(self._fd, 0)
+            os.pwrite(self._fd, f"{os.getpid()}\n".encode(), 0)
+        except OS_ERRORS as exc:
+            self.release()
+            raise TierUnavailable(f"disk tier: cannot write the lock {self.path}: {exc}") from exc
 
     def release(self) -> None:
         """Drop the lock (idempotent). The file stays: removing it would race a new opener."""
         if self._fd is not None:
-            with contextlib.suppress(OSError):
+            with contextlib.suppress(*OS_ERRORS):
                 fcntl.flock(self._fd, fcntl.LOCK_UN)
-            os.close(self._fd)
+            with contextlib.suppress(*OS_ERRORS):  # closing drops the lock in any case
+                os.close(self._fd)
             self._fd = None
 
 
 def _read_pid(fd: int) -> str:
     try:
         text = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
-    except OSError:
+    except OS_ERRORS:
         return "unknown"
     return text if text.isdigit() else "unknown"
 
@@ -134,7 +140,7 @@ def check_file(directory: Path) -> FileCheck | None:
             head = f.read(2 * 65536 + _PAGE_HEADER + _META.size)
     except FileNotFoundError:
         return None
-    except OSError as exc:
+    except OS_ERRORS as exc:
         raise TierUnavailable(f"disk tier: cannot read {path}: {exc}") from exc
     if size == 0:
         raise TierUnavailable(f"disk tier: {path} is empty (0 bytes): the rows it held are "
@@ -180,6 +186,8 @@ def _meta_at(head: bytes, offset: int) -> tuple[int, int, int] | None:
 CheckRow = Callable[[bytes, "bytes | None", "bytes | None"], bytes]
 Found = tuple[bytes, "bytes | None", "bytes | None", str]  # name, frame, meta, why not
 _BATCH = 256  # rows per salvage transaction
+# A salvage reads old files and writes a new environment: the OS table and LMDB's.
+_SALVAGE_ERRORS: tuple[type[Exception], ...] = (*OS_ERRORS, lmdb.Error)
 
 
 def salvage(directory: Path, reason: str, check_row: CheckRow, *, map_size: int) -> SalvageReport:
@@ -194,7 +202,7 @@ def salvage(directory: Path, reason: str, check_row: CheckRow, *, map_size: int)
         directory.mkdir()
         src = _readable_copy(kept)
         env = lmdb.open(str(directory), map_size=map_size, subdir=True, max_dbs=2)
-    except (OSError, lmdb.Error) as exc:
+    except _SALVAGE_ERRORS as exc:
         raise TierUnavailable(f"disk tier: salvage of {directory}: {exc}") from exc
     copied = dropped = 0
     first = ""
@@ -218,7 +226,7 @@ def salvage(directory: Path, reason: str, check_row: CheckRow, *, map_size: int)
             first = first or error
         _put(env, frames_db, meta_db, batch)
         env.sync(True)
-    except lmdb.Error as exc:
+    except _SALVAGE_ERRORS as exc:  # the old files are read as the walk goes
         raise TierUnavailable(f"disk tier: salvage into {directory}: {exc}") from exc
     finally:
         env.close()

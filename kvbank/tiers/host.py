@@ -43,7 +43,7 @@ from types import TracebackType
 import numpy as np
 
 from kvbank.errors import InvalidInput, TierFull, TierUnavailable
-from kvbank.tiers.base import HostSlot
+from kvbank.tiers.base import OS_ERRORS, HostSlot
 from kvbank.tiers.slots import AllocatorBacked, SlotAllocator
 
 logger = logging.getLogger(__name__)
@@ -70,7 +70,7 @@ def map_segment(name: str, *, writable: bool, offset: int = 0,
         fd = os.open(path, os.O_RDWR if writable else os.O_RDONLY)
     except FileNotFoundError:
         raise TierUnavailable(f"segment {name}: not found (owner closed?)") from None
-    except OSError as exc:
+    except OS_ERRORS as exc:
         raise TierUnavailable(f"segment {name}: cannot open: {exc}") from exc
     try:
         size = os.fstat(fd).st_size
@@ -80,7 +80,7 @@ def map_segment(name: str, *, writable: bool, offset: int = 0,
             raise InvalidInput(f"slot: {offset}+{length} beyond segment {name} ({size} bytes)")
         access = mmap.ACCESS_WRITE if writable else mmap.ACCESS_READ
         return mmap.mmap(fd, length, access=access, offset=offset)
-    except OSError as exc:
+    except OS_ERRORS as exc:
         raise TierUnavailable(f"segment {name}: mmap failed: {exc}") from exc
     finally:
         os.close(fd)
@@ -134,7 +134,7 @@ class HostSlab(AllocatorBacked):
             self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
             os.ftruncate(self._fd, size)  # sparse: tmpfs allocates on claim, not here
             self._mm = mmap.mmap(self._fd, size)
-        except OSError as exc:
+        except OS_ERRORS as exc:
             self._close_files()
             raise TierUnavailable(f"host tier: cannot create /dev/shm/{self.segment} "
                                   f"({size} bytes): {exc}") from exc
@@ -151,8 +151,8 @@ class HostSlab(AllocatorBacked):
             return
         try:
             os.posix_fallocate(self._fd, start, nbytes)
-        except OSError as exc:
-            if exc.errno in (errno.ENOSPC, errno.ENOMEM):
+        except OS_ERRORS as exc:
+            if getattr(exc, "errno", None) in (errno.ENOSPC, errno.ENOMEM):
                 raise TierFull(f"host tier: /dev/shm has no room for a {nbytes}-byte chunk "
                                f"(host_bytes budget {self._alloc.budget}): {exc}") from exc
             raise TierUnavailable(f"host tier: fallocate on {self.segment}: {exc}") from exc
@@ -161,7 +161,7 @@ class HostSlab(AllocatorBacked):
             # Pre-fault so that the first put into the chunk runs at memcpy speed, not
             # at page-fault speed (10x slower, machine-limits.md section 1).
             self._mm.madvise(_MADV_POPULATE_WRITE, start, nbytes)
-        except OSError:
+        except OS_ERRORS:  # no MADV_POPULATE_WRITE (Linux < 5.14): fault by writing
             self._arr[start : start + nbytes] = 0
         self._pin_chunk(start, nbytes)
 
@@ -170,22 +170,27 @@ class HostSlab(AllocatorBacked):
             try:
                 self._pin(int(self._arr.ctypes.data) + start, nbytes, True)
                 self._pinned[start] = nbytes
-            except OSError as exc:
+            except OS_ERRORS as exc:
                 logger.warning("host tier: chunk at %d stays unpinned: %s", start, exc)
         logger.debug("host slab %s: claimed %d bytes at %d", self.segment, nbytes, start)
 
     def _release(self, start: int, nbytes: int) -> None:
-        if self._pinned.pop(start, None) is not None and self._pin is not None:
-            self._pin(int(self._arr.ctypes.data) + start, nbytes, False)
         assert self._mm is not None
-        if self.keep_memory:
-            return  # reserved up front: the memory stays claimed for the next chunk
-        # Give the memory back to tmpfs. madvise needs page-aligned ranges; a tiny budget
-        # has sub-page units, whose partial pages stay allocated (at most 2 per chunk).
-        lo = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE
-        hi = (start + nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
-        if hi > lo:
-            self._mm.madvise(mmap.MADV_REMOVE, lo, hi - lo)
+        try:
+            if self._pinned.pop(start, None) is not None and self._pin is not None:
+                self._pin(int(self._arr.ctypes.data) + start, nbytes, False)
+            if self.keep_memory:
+                return  # reserved up front: the memory stays claimed for the next chunk
+            # Give the memory back to tmpfs. madvise needs page-aligned ranges; a tiny
+            # budget has sub-page units, whose partial pages stay allocated (at most 2
+            # per chunk).
+            lo = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE
+            hi = (start + nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
+            if hi > lo:
+                self._mm.madvise(mmap.MADV_REMOVE, lo, hi - lo)
+        except OS_ERRORS as exc:
+            raise TierUnavailable(f"host tier: releasing {nbytes} bytes at {start} of "
+                                  f"{self.segment}: {exc}") from exc
         logger.debug("host slab %s: released %d bytes at %d", self.segment, nbytes, start)
 
     def prefault(self, start: int, nbytes: int) -> None:
@@ -198,12 +203,12 @@ class HostSlab(AllocatorBacked):
             return
         try:
             os.posix_fallocate(self._fd, start, nbytes)
-        except OSError as exc:
+        except OS_ERRORS as exc:
             raise TierFull(f"host tier: /dev/shm has no room to reserve {nbytes} bytes: {exc}") from exc
         assert self._mm is not None
         try:
             self._mm.madvise(_MADV_POPULATE_WRITE, start, nbytes)
-        except OSError:
+        except OS_ERRORS:
             return  # no MADV_POPULATE_WRITE: allocated now, page tables filled on first use
         if start == self.prefaulted:
             self.prefaulted = start + nbytes
@@ -249,7 +254,7 @@ class HostSlab(AllocatorBacked):
             for start in list(self._pinned):
                 try:
                     self._pin(int(self._arr.ctypes.data) + start, self._pinned.pop(start), False)
-                except OSError as exc:
+                except OS_ERRORS as exc:
                     logger.warning("host tier: unpinning chunk at %d: %s", start, exc)
         self._mv.release()
         self._arr = np.empty(0, np.uint8)
@@ -330,10 +335,12 @@ def attach(slot: HostSlot, *, writable: bool = True) -> tuple[memoryview, Callab
 def cleanup_stale(prefix: str = DEFAULT_PREFIX) -> list[str]:
     """Unlink ``/dev/shm/<prefix>-<pid>-*`` segments whose process is gone; their names."""
     removed: list[str] = []
-    if not SHM_DIR.is_dir():
-        return removed
+    try:
+        entries = list(SHM_DIR.iterdir()) if SHM_DIR.is_dir() else []
+    except OS_ERRORS as exc:
+        raise TierUnavailable(f"host tier: cannot list {SHM_DIR}: {exc}") from exc
     lead = prefix + "-"
-    for entry in SHM_DIR.iterdir():
+    for entry in entries:
         rest = entry.name[len(lead):] if entry.name.startswith(lead) else ""
         pid_text, sep, tail = rest.partition("-")
         if not sep or not pid_text.isdigit() or "-" in tail:
@@ -353,4 +360,7 @@ def cleanup_stale(prefix: str = DEFAULT_PREFIX) -> list[str]:
                            entry.name, pid)
         except FileNotFoundError:
             pass
+        except OS_ERRORS as exc:  # not ours to remove (another user's): it stays, said once
+            logger.warning("host tier: cannot remove stale segment /dev/shm/%s: %s",
+                           entry.name, exc)
     return removed

@@ -19,6 +19,7 @@ from kvbank.tiers.base import FrameStore, TierKind
 from kvbank.tiers.remote import BUCKETS, RedisFrameStore, bucket_tag, connect
 
 from .conftest import MakeStore
+from .test_store_stats import assert_counters_agree
 
 _ns = itertools.count()
 
@@ -141,6 +142,9 @@ def test_remote_store_spills_disk_evictions_and_reads_them_on_a_miss(
     assert s.get_into(name_of(0), out) == P and bytes(out) == pages[0]
     assert s.get_into(name_of(999), out) is None
     assert not [n for n in s.health().notes if n.startswith("remote")]
+    st = s.stats()  # the remote answer is a hit of the store, a miss of every local tier
+    assert (st.gets, st.hits, st.misses, st.remote_hits) == (2, 1, 1, 1)
+    assert_counters_agree(st)
 
 
 def test_remote_store_without_redis_serves_locally_and_says_so(
@@ -153,3 +157,50 @@ def test_remote_store_without_redis_serves_locally_and_says_so(
     out = bytearray(4096)
     assert s.get_into(name_of(1), out) == 4096
     assert any(n.startswith("remote tier off") for n in s.health().notes)
+
+
+def test_remote_every_entry_point_of_an_unreachable_tier_raises_only_kvbank_errors() -> None:
+    """Every public method of the remote tier (listed by introspection) over a Redis that
+    went away: a KvbankError, a miss or an answer; never redis' own exception."""
+    import inspect
+
+    from kvbank.errors import KvbankError
+
+    server = RedisServer.start()
+    c = connect(server.url, retries=0)
+    fs = RedisFrameStore(c, 1 << 20, namespace=b"gone-all:")
+    _write(fs, 0)
+    frame = fs.frame(page_of(1, 4096), "uint8")
+    server.stop()
+    calls = {
+        "check": fs.check,
+        "delete_many": lambda: fs.delete_many([name_of(0)]),
+        "drop_corrupt": lambda: fs.drop_corrupt(name_of(0)),
+        "frame": lambda: fs.frame(page_of(2, 4096), "uint8"),
+        "frame_key": lambda: fs.frame_key(name_of(0)),
+        "headroom": fs.headroom,
+        "health": fs.health,
+        "names": fs.names,
+        "read_frame": lambda: fs.read_frame(name_of(0)),
+        "read_into": lambda: fs.read_into(name_of(0), bytearray(4096)),
+        "scan": lambda: list(fs.scan()),
+        "write_frame": lambda: fs.write_frame(name_of(1), frame, raw_len=4096, dtype="uint8"),
+        "close": fs.close,
+    }
+    public = {n for n in dir(RedisFrameStore) if not n.startswith("_")
+              and inspect.isfunction(inspect.getattr_static(RedisFrameStore, n))}
+    assert set(calls) == public
+    leaked, raised = [], []
+    try:
+        for name, call in calls.items():
+            try:
+                call()
+            except KvbankError:
+                raised.append(name)
+            except Exception as exc:  # the leak this test exists to catch
+                leaked.append(f"{name}: {type(exc).__module__}.{type(exc).__name__}: {exc}")
+    finally:
+        fs.close()
+        c.close()
+    assert not leaked, leaked
+    assert {"read_frame", "write_frame"} <= set(raised), raised

@@ -332,7 +332,7 @@ class TieredStore:
             return StoreStats(tuple(tiers), len(ix), len(st.locks), len(st.res.reserved),
                               len(st.jobs), sum(st.queued.values()), st.puts, st.gets,
                               st.hits, st.misses, len(st.pins), st.pins.nbytes,
-                              st.events.dropped)
+                              st.events.dropped, st.remote_hits)
 
     def health(self) -> StoreHealth:
         st = self._st

@@ -46,9 +46,7 @@ def _get_local(st: StoreState, name: bytes, out: memoryview | bytearray) -> int 
         st.gets += 1
         rid = ix.ids.get(name)
         if rid is None:
-            st.misses += 1
-            for c in st.counters.values():
-                c.misses += 1
+            count_miss(st)
             return None
         size = int(ix.size[rid])
         if dst.nbytes < size:
@@ -56,10 +54,7 @@ def _get_local(st: StoreState, name: bytes, out: memoryview | bytearray) -> int 
         stamp = ix.touch(rid)
         where = int(ix.where[rid])
         bit = DEV if where & DEV else HOST if where & HOST else DISK
-        for b in (DEV, HOST):
-            if b == bit:
-                break
-            st.counters[b].misses += 1
+        count_passed(st, bit)
         if bit != DISK:
             st.counters[bit].hits += 1
             st.hits += 1
@@ -109,19 +104,14 @@ def get_many_into(st: StoreState, lanes: Lanes, names: Sequence[bytes],
             st.gets += 1
             rid = ix.ids.get(name)
             if rid is None:
-                st.misses += 1
-                for c in st.counters.values():
-                    c.misses += 1
+                count_miss(st)
                 plan.append(None)
                 continue
             size = int(ix.size[rid])
             stamp = ix.touch(rid)
             where = int(ix.where[rid])
             bit = DEV if where & DEV else HOST if where & HOST else DISK
-            for b in (DEV, HOST):
-                if b == bit:
-                    break
-                st.counters[b].misses += 1
+            count_passed(st, bit)
             off = -1
             if bit != DISK:
                 st.counters[bit].hits += 1
@@ -186,10 +176,28 @@ def _read_remote(st: StoreState, name: bytes, dst: memoryview) -> int | None:
         logger.debug("store: remote read of %s… failed: %s", name.hex()[:16], exc)
         n = None
     if n is not None:
-        with st.lock:  # the local miss was answered after all
+        with st.lock:  # the local miss was answered after all (each local tier missed)
             st.misses -= 1
             st.hits += 1
+            st.remote_hits += 1
     return n
+
+
+def count_miss(st: StoreState) -> None:
+    """A read no local tier holds: a miss in the store and in every tier it asked
+    (caller holds the lock)."""
+    st.misses += 1
+    for b in st.read_bits:
+        st.counters[b].misses += 1
+
+
+def count_passed(st: StoreState, bit: int) -> None:
+    """A read answered from tier ``bit``: a miss in each faster tier it asked first
+    (caller holds the lock; the hit is counted once the copy's outcome is known)."""
+    for b in st.read_bits:
+        if b == bit:
+            break
+        st.counters[b].misses += 1
 
 
 def drop_corrupt(st: StoreState, name: bytes, rid: int) -> None:

@@ -70,6 +70,11 @@ class StoreState:
         self.frames = frames
         self.disk: FrameStore | None = frames[0] if frames else None
         self.remote: FrameStore | None = frames[1] if len(frames) > 1 else None  # below disk
+        # The local tiers a read asks, fastest first: only these count its hits and misses,
+        # so every read is counted once per tier it reached and a disabled tier counts none.
+        self.read_bits: tuple[int, ...] = (*(b for b in (DEV, HOST) if b in self.pools),
+                                           *((DISK,) if self.disk is not None else ()))
+        self.remote_hits = 0  # local misses the remote tier answered
         max_off = max((p.allocator.space_bytes for p in self.pools.values()), default=0)
         self.ix = RowIndex(max_off, clock)
         self.locks = PageLocks()

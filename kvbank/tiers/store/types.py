@@ -35,7 +35,12 @@ class TierStats:
 
 @dataclass(frozen=True, slots=True)
 class StoreStats:
-    """A snapshot of the store's counters."""
+    """A snapshot of the store's counters.
+
+    They agree: ``gets == hits + misses``; ``hits`` is the tiers' hits plus
+    ``remote_hits``; a read counts in each enabled tier it asked, fastest first (a hit in
+    one, a miss in each faster one), so the slowest tier's misses are the local misses.
+    A read whose frame fails its checks is a miss (and one of ``corrupt_rows``)."""
 
     tiers: tuple[TierStats, ...]  # fastest first, enabled or not
     rows: int
@@ -50,6 +55,7 @@ class StoreStats:
     pinned_rows: int = 0
     pinned_bytes: int = 0
     events_dropped: int = 0  # change-feed events lost to overflow since open
+    remote_hits: int = 0  # local misses the remote tier answered (in ``hits`` too)
 
     def tier(self, kind: TierKind) -> TierStats:
         return next(t for t in self.tiers if t.kind is kind)

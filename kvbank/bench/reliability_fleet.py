@@ -36,6 +36,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -70,6 +71,16 @@ def _fleet_health(url: str) -> dict[str, Any]:
         return dict(_http_json("GET", url + "/v1/health").get("fleet") or {})
     except Exception:  # a node being killed or not up yet: no answer is no health
         return {}
+
+
+def _fleet_state_is(url: str, state: str) -> bool:
+    return _fleet_health(url).get("state") == state
+
+
+def _published(holder: str, fetcher: str, rows: int) -> bool:
+    """The holder published ``rows`` and the fetching node is in the fleet."""
+    return (int(_fleet_health(holder).get("published", 0)) >= rows
+            and _fleet_state_is(fetcher, "ok"))
 
 
 def _wait(cond: Callable[[], Any], within_s: float, what: str) -> Any:
@@ -148,6 +159,10 @@ class _Traffic:
                 out.zero_()
 
 
+def _more_fetches(result: FlapResult, than: int) -> bool:
+    return result.fetches > than
+
+
 def _republished(rc: Any, ix: Any, name: str, rows: Sequence[bytes]) -> bool:
     """``name`` is registered with a heartbeat and every one of ``rows`` lists it."""
     import redis
@@ -191,7 +206,7 @@ def redis_flap(rounds: int = 3, outage_s: float = 2.0, pages: int = 8) -> FlapRe
                 nodes.append(NodeProcess.start(["--data-dir", d, *NODE_ARGS, "--redis", server.url]))
             a, b = nodes
             for n in nodes:
-                _wait(lambda: _fleet_health(n.url).get("state") == "ok", 60, "a node to join")
+                _wait(partial(_fleet_state_is, n.url, "ok"), 60, "a node to join")
             with Client(a.url, same_host=False) as ca:
                 lid = ca.register(layout)
                 names = ca.put(lid, toks, group=0, pages=data)
@@ -205,12 +220,11 @@ def redis_flap(rounds: int = 3, outage_s: float = 2.0, pages: int = 8) -> FlapRe
             for _ in range(rounds):
                 down.set()
                 server.kill()
-                _wait(lambda: _fleet_health(a.url).get("state") == "degraded", 30,
+                _wait(partial(_fleet_state_is, a.url, "degraded"), 30,
                       "A to report the fleet degraded")
                 seen = result.fetches
                 time.sleep(outage_s)
-                _wait(lambda: result.fetches > seen + 1, 30,
-                      "local fetches during the outage")
+                _wait(partial(_more_fetches, result, seen + 1), 30, "local fetches during the outage")
                 server.restart()
                 back = time.monotonic()
                 down.clear()
@@ -347,8 +361,7 @@ def peer_killed(rounds: int = 10, pages: int = 48, seed: int = 7) -> PeerKillRes
                             with Client(holder.url, same_host=False) as ch:
                                 lid = ch.register(layout)
                                 ch.put(lid, toks, group=0, pages=data)
-                            _wait(lambda: int(_fleet_health(holder.url).get("published", 0))
-                                  >= pages and _fleet_health(b.url).get("state") == "ok", 60,
+                            _wait(partial(_published, holder.url, b.url, pages), 60,
                                   "the holder to publish")
                             cb.register(layout)
                             # Kill once the holder has written a random share of the

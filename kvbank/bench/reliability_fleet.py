@@ -331,10 +331,12 @@ def _kill_after_sent(node: Any, nbytes: float, done: threading.Event, sent: list
     node.kill()
 
 
-def peer_killed(rounds: int = 10, pages: int = 48, seed: int = 7) -> PeerKillResult:
+def peer_killed(rounds: int = 10, pages: int = 48, seed: int = 7,
+                kill_share: tuple[float, float] = (0.0, 1.1)) -> PeerKillResult:
     """Node B matches a prompt whose rows only a holder node has; the holder is SIGKILLed
     during that peer fetch, once it has written a random share of the rows' bytes. What
-    B then counts present must be whole rows, bit-exact, and the bound whole pages."""
+    B then counts present must be whole rows, bit-exact, and the bound whole pages.
+    ``kill_share``: the range of that share (past 1.0 the kill lands after the stream)."""
     import torch
 
     from kvbank.bench.redis_procs import RedisProc
@@ -364,12 +366,12 @@ def peer_killed(rounds: int = 10, pages: int = 48, seed: int = 7) -> PeerKillRes
                             _wait(partial(_published, holder.url, b.url, pages), 60,
                                   "the holder to publish")
                             cb.register(layout)
-                            # Kill once the holder has written a random share of the
-                            # rows to its sockets (up to 10 % past all of them: some
-                            # kills land after the stream); round 0 is not killed.
+                            # Kill once the holder has written a random share of what a
+                            # whole stream writes (round 0, not killed, measures it).
                             done = threading.Event()
                             sent: list[int] = []
-                            target = rng.uniform(0.0, 1.1 * result.stream_bytes) if rnd else 1e18
+                            target = (rng.uniform(*kill_share) * result.stream_bytes if rnd
+                                      else float("inf"))
                             killer = threading.Thread(target=_kill_after_sent, args=(
                                 holder, target, done, sent), daemon=True)
                             t0 = time.monotonic()

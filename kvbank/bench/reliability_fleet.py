@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import os
 import random
+import signal
 import sys
 import tempfile
 import threading
@@ -180,10 +181,12 @@ def _republished(rc: Any, ix: Any, name: str, rows: Sequence[bytes]) -> bool:
                for v in values)
 
 
-def redis_flap(rounds: int = 3, outage_s: float = 2.0, pages: int = 8) -> FlapResult:
+def redis_flap(rounds: int = 3, outage_s: float = 2.0, pages: int = 8,
+               freeze: bool = False) -> FlapResult:
     """Two nodes on one redis-server; Redis SIGKILLed and restarted (empty, same port)
     ``rounds`` times while a thread fetches a stored prompt on node A. Times each rejoin
-    from Redis answering PING to A's registration and index entries being back."""
+    from Redis answering PING to A's registration and index entries being back.
+    ``freeze``: SIGSTOP / SIGCONT instead (connections open, nothing answered)."""
     import redis
     import torch
 
@@ -219,13 +222,19 @@ def redis_flap(rounds: int = 3, outage_s: float = 2.0, pages: int = 8) -> FlapRe
             _wait(lambda: result.fetches >= 4, 60, "local traffic to start")
             for _ in range(rounds):
                 down.set()
-                server.kill()
+                if freeze:  # SIGSTOP: a Redis that holds its connections and answers nothing
+                    os.kill(server.proc.pid, signal.SIGSTOP)
+                else:
+                    server.kill()
                 _wait(partial(_fleet_state_is, a.url, "degraded"), 30,
                       "A to report the fleet degraded")
                 seen = result.fetches
                 time.sleep(outage_s)
                 _wait(partial(_more_fetches, result, seen + 1), 30, "local fetches during the outage")
-                server.restart()
+                if freeze:
+                    os.kill(server.proc.pid, signal.SIGCONT)
+                else:
+                    server.restart()
                 back = time.monotonic()
                 down.clear()
                 _wait(lambda: _republished(rc, ix, a.url, names), 60, "A to rejoin")

@@ -111,10 +111,12 @@ def _client(spec: dict[str, Any]) -> dict[str, Any]:
     layout = _layout()
     size = layout.group_page_bytes[0]
     rng = random.Random(spec["seed"])
-    local = Client(spec["url"], same_host=True)
-    tcp = Client(spec["url"], same_host=False)
-    lid = local.register(layout)
-    tcp.register(layout)
+    # per node, the shared-memory client and the TCP one (two nodes in a fleet soak)
+    pairs = [(Client(u, same_host=True), Client(u, same_host=False)) for u in spec["urls"]]
+    lid = pairs[0][0].register(layout)
+    for a, b in pairs:
+        a.register(layout)
+        b.register(layout)
     src = torch.zeros((MAX_PAGES, size), dtype=torch.uint8)
     out = torch.zeros((MAX_PAGES, size), dtype=torch.uint8)
     one = torch.zeros(size, dtype=torch.uint8)
@@ -151,7 +153,7 @@ def _client(spec: dict[str, Any]) -> dict[str, Any]:
             return
         lease = c.lend(m)
         try:
-            if c is local:
+            if c.same_host:
                 pos = {name: j for j, name in enumerate(m.names[0])}
                 for lr in lease.rows:
                     if lr.delivery is not Delivery.READY:
@@ -159,7 +161,7 @@ def _client(spec: dict[str, Any]) -> dict[str, Any]:
                         continue
                     reader.read_into(lease, lr.name, one.numpy().data)
                     check(family, pos[lr.name], one)
-                local.check_live(lease.id)  # bytes read after expiry would not count
+                c.check_live(lease.id)  # bytes read after expiry would not count
         finally:
             c.release(lease.id)
 
@@ -169,6 +171,7 @@ def _client(spec: dict[str, Any]) -> dict[str, Any]:
     while time.monotonic() < deadline:
         op = rng.choices(OPS, WEIGHTS)[0]
         path = rng.choice(("local", "tcp"))
+        local, tcp = rng.choice(pairs)
         family, n = rng.randrange(spec["families"]), rng.randint(1, MAX_PAGES)
         if op == "put":
             for j in range(n):
@@ -192,8 +195,9 @@ def _client(spec: dict[str, Any]) -> dict[str, Any]:
             lat[op].append(time.perf_counter() - t0)
         tally["ops"] += 1
     reader.close()
-    local.close()
-    tcp.close()
+    for a, b in pairs:
+        a.close()
+        b.close()
     return {"lat": lat, "tally": dict(tally), "first": first}
 
 
@@ -220,6 +224,7 @@ class SoakResult:
     budget: int = 0
     evictions: int = 0
     demotions: int = 0
+    peer_rows: int = 0  # rows the nodes fetched from each other (fleet soak)
 
     @property
     def errors(self) -> int:
@@ -338,25 +343,51 @@ def _p50s(results: list[dict[str, Any]]) -> dict[str, float]:
             if (xs := [x for r in results for x in r["lat"][op]])}
 
 
+def _check(url: str, data_dir: str) -> list[str]:
+    """The node's invariant check (``POST /admin/check``): its problems."""
+    import httpx
+
+    token = (Path(data_dir) / "admin.token").read_text().strip()
+    doc = httpx.post(url + "/admin/check", timeout=60,
+                     headers={"Authorization": f"Bearer {token}"}).json()
+    problems = [str(p) for p in doc.get("problems", [])]
+    if not doc.get("ok", False) and not problems:
+        problems = [f"{url}: check answered {doc}"]
+    return problems
+
+
 def soak(clients: int = 16, seconds: float = 60.0, families: int = FAMILIES,
-         idle_s: float | None = None) -> SoakResult:
-    """One node, ``clients`` processes x ``seconds``; see the module docstring."""
+         idle_s: float | None = None, fleet: bool = False) -> SoakResult:
+    """One node, ``clients`` processes x ``seconds``; see the module docstring. ``fleet``:
+    two nodes on one redis-server, each operation on either of them, so reads of rows
+    the other node stored are peer fetches (memory is sampled on the first node)."""
     import httpx
 
     from kvbank.service.client import Client
     from kvbank.service.launch import NodeProcess
 
     result = SoakResult(clients, seconds)
-    with tempfile.TemporaryDirectory(prefix="kvbank-soak-") as data:
-        node = NodeProcess.start(["--data-dir", data, *NODE_ARGS])
-        stop = threading.Event()
-        sampler = threading.Thread(target=_sampler, args=(node.pid, result, stop), daemon=True)
+    redis: Any = None
+    nodes: list[tuple[NodeProcess, str]] = []
+    stop = threading.Event()
+    with tempfile.TemporaryDirectory(prefix="kvbank-soak-") as tmp:
         try:
+            extra: list[str] = []
+            if fleet:
+                from kvbank.bench.redis_procs import RedisProc
+
+                redis = RedisProc.start()
+                extra = ["--redis", redis.url]
+            for i in range(2 if fleet else 1):
+                data = os.path.join(tmp, str(i))
+                nodes.append((NodeProcess.start(["--data-dir", data, *NODE_ARGS, *extra]), data))
+            node = nodes[0][0]
+            sampler = threading.Thread(target=_sampler, args=(node.pid, result, stop), daemon=True)
             with Client(node.url, same_host=False) as c:
                 c.register(_layout())
                 result.idle_rss = _private(node.pid)[0]
                 result.budget = HOST_BYTES + result.idle_rss  # no device tier here
-                spec = {"url": node.url, "families": families}
+                spec = {"urls": [n.url for n, _ in nodes], "families": families}
                 idle_run = _run_clients([{**spec, "seed": 0,
                                           "seconds": idle_s or min(8.0, seconds / 4)}])
                 result.idle_p50 = _p50s(idle_run)
@@ -376,15 +407,17 @@ def soak(clients: int = 16, seconds: float = 60.0, families: int = FAMILIES,
                 result.tally.update(r["tally"])
                 for k, v in r["first"].items():
                     result.first.setdefault(k, v)
-            token = (Path(data) / "admin.token").read_text().strip()
-            doc = httpx.post(node.url + "/admin/check", timeout=60,
-                             headers={"Authorization": f"Bearer {token}"}).json()
-            result.problems = [str(p) for p in doc.get("problems", [])]
-            if not doc.get("ok", False) and not result.problems:
-                result.problems = [f"check answered {doc}"]
+            for n, data in nodes:
+                result.problems += _check(n.url, data)
+                if fleet:
+                    health = httpx.get(n.url + "/v1/health", timeout=10).json()
+                    result.peer_rows += int(health["fleet"]["peer_rows"])
         finally:
             stop.set()
-            result.exit_code = node.stop()
+            for n, _ in nodes:
+                result.exit_code = n.stop() or result.exit_code
+            if redis is not None:
+                redis.stop()
     return result
 
 

@@ -22,3 +22,16 @@ def test_redis_flap_local_fetches_never_fail_and_the_node_republishes() -> None:
     assert got.wrong_bytes == 0
     assert len(got.rejoin_s) == 1
     assert got.peer_after
+
+
+def test_redis_frozen_local_fetches_never_fail_and_the_node_resumes() -> None:
+    """Redis SIGSTOPped (its connections stay open and nothing answers: a partition or a
+    stalled server, not a refused connection) while node A serves fetches; every local
+    fetch is whole and bit-exact throughout, and after SIGCONT A's entries are all there
+    and node B fetches A's rows through the fleet."""
+    require_redis()
+    got = redis_flap(rounds=1, outage_s=2.0, freeze=True)
+    assert got.failed == 0, got.errors
+    assert got.outage_fetches >= 2
+    assert got.wrong_bytes == 0
+    assert got.peer_after

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from kvbank.bench.soak import soak
 
+from .fleet_helpers import require_redis
+
 
 def test_soak_mixed_clients_see_no_errors_no_wrong_bytes_and_a_clean_check() -> None:
     """Three client processes x 10 s of put / match / fetch / lend over shared memory and
@@ -21,3 +23,16 @@ def test_soak_mixed_clients_see_no_errors_no_wrong_bytes_and_a_clean_check() -> 
     assert got.demotions > 0 and got.evictions > 0
     assert got.peak_shm > 0 and got.idle_rss > 0
     assert got.rss_ratio <= 1.25, (got.peak_private, got.peak_shm, got.budget)
+
+
+def test_soak_fleet_peer_fetches_under_eviction_stay_bit_exact() -> None:
+    """The same mix on two nodes sharing a redis-server, each operation on either node:
+    reads of rows the other node stored go through the index and a peer fetch while both
+    nodes evict. No errors, every page bit-exact, both invariant checks clean."""
+    require_redis()
+    got = soak(clients=3, seconds=10.0, idle_s=2.0, fleet=True)
+    assert got.errors == 0, (dict(got.tally), got.first)
+    assert got.wrong_bytes == 0 and got.tally["wrong_pages"] == 0
+    assert got.problems == []
+    assert got.exit_code == 0
+    assert got.peer_rows > 0 and got.evictions > 0

@@ -18,8 +18,18 @@ case                        figure                                              
 Extra rows say how the figures were reached: ``redis-flap-failed-fetches`` (local
 fetches that failed while Redis was down; goal 0), ``peer-killed-mid-fetch`` (rounds
 whose kill landed while rows were streaming), ``soak-16x60-p50-OP`` / ``-p99-OP`` (ms,
-against the same operation's p50 on the idle node in the same run) and
-``soak-16x60-check`` (problems the node's invariant check reports at the end).
+against the same operation's p50 on the idle node in the same run),
+``soak-16x60-check`` (problems the node's invariant check reports at the end),
+``soak-16x60-refusals`` (typed ``TierFull`` / ``Busy`` / ``LeaseConflict`` answers, out
+of the operations run) and ``soak-16x60-lmdb-resident`` (the disk tier's resident map,
+left out of the memory figure). ``--quick`` runs 1 flap round, 3 kill rounds and 4 clients
+x 10 s under the same case names.
+
+A holder killed mid-stream costs the fetching node every row of that stream, not only
+the undelivered ones: a streamed row is verified only when its holder confirms that the
+lease outlived the send (:mod:`kvbank.service.stream`), and a dead holder confirms
+nothing. So the bound falls to what the node held before, never to a row that may be
+torn.
 
 Each case starts its own ``redis-server`` and ``kvbank serve`` processes on loopback and
 stops them by pid. :func:`run_part` is what the reliability suite calls; run this module

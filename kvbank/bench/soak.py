@@ -70,6 +70,14 @@ NODE_ARGS = ["--host-bytes", str(HOST_BYTES), "--disk-bytes", str(DISK_BYTES),
              "--device-bytes", "0", "--max-body-bytes", "64M"]
 
 
+def goal_row(suite: str, case: str, metric: str, value: float, goal: float) -> BenchRow:
+    """A row against its goal: ``ratio`` is value / goal, or the value itself where the
+    goal is 0 (the reliability suite's rule, so a zero-goal row shows its count)."""
+    ratio = value / goal if goal else value
+    return BenchRow(suite, case, metric, round(float(value), 6), "goal", float(goal),
+                    round(float(ratio), 4))
+
+
 def _layout() -> Any:
     from kvbank.builders import full_attention
 
@@ -239,11 +247,11 @@ class SoakResult:
         return (self.peak_private + self.peak_shm) / self.budget if self.budget else 0.0
 
     def rows(self, suite: str, case: str, rss_goal: float) -> list[BenchRow]:
-        out = [row(suite, case, "errors", self.errors, "goal", 0),
-               row(suite, f"{case}-rss", "ratio", self.rss_ratio, "goal", rss_goal),
+        out = [goal_row(suite, case, "errors", self.errors, 0),
+               goal_row(suite, f"{case}-rss", "ratio", self.rss_ratio, rss_goal),
                row(suite, f"{case}-lmdb-resident", "MiB", self.peak_lmdb / 2**20,
                    "disk budget", DISK_BYTES / 2**20),
-               row(suite, f"{case}-check", "problems", len(self.problems), "goal", 0),
+               goal_row(suite, f"{case}-check", "problems", len(self.problems), 0),
                row(suite, f"{case}-refusals", "ops", self.tally["refusals"], "ops run",
                    self.tally["ops"])]
         for op in OPS:

@@ -66,8 +66,11 @@ HOST_BYTES, DISK_BYTES = 48 << 20, 64 << 20
 OPS = ("put", "match", "fetch", "lend")
 WEIGHTS = (3, 2, 3, 2)
 REFUSALS = frozenset({"TierFull", "Busy", "LeaseConflict"})
+# The served node places puts and promotions in host (their pages must be in shared
+# memory), so a device tier would sit empty and only pad the memory budget: none here.
+DEVICE_BYTES = 0
 NODE_ARGS = ["--host-bytes", str(HOST_BYTES), "--disk-bytes", str(DISK_BYTES),
-             "--device-bytes", "0", "--max-body-bytes", "64M"]
+             "--max-body-bytes", "64M"]
 
 
 def goal_row(suite: str, case: str, metric: str, value: float, goal: float) -> BenchRow:
@@ -233,6 +236,7 @@ class SoakResult:
     evictions: int = 0
     demotions: int = 0
     peer_rows: int = 0  # rows the nodes fetched from each other (fleet soak)
+    tiers: dict[str, tuple[int, int, int]] = field(default_factory=dict)  # demoted, evicted, promoted
 
     @property
     def errors(self) -> int:
@@ -365,10 +369,13 @@ def _check(url: str, data_dir: str) -> list[str]:
 
 
 def soak(clients: int = 16, seconds: float = 60.0, families: int = FAMILIES,
-         idle_s: float | None = None, fleet: bool = False) -> SoakResult:
+         idle_s: float | None = None, fleet: bool = False,
+         device_bytes: int = DEVICE_BYTES) -> SoakResult:
     """One node, ``clients`` processes x ``seconds``; see the module docstring. ``fleet``:
     two nodes on one redis-server, each operation on either of them, so reads of rows
-    the other node stored are peer fetches (memory is sampled on the first node)."""
+    the other node stored are peer fetches (memory is sampled on the first node).
+    ``device_bytes``: a device tier's budget, held in CPU memory (``KVBANK_DEVICE=cpu``)
+    so it runs on any machine; it counts in the memory budget."""
     import httpx
 
     from kvbank.service.client import Client
@@ -388,13 +395,15 @@ def soak(clients: int = 16, seconds: float = 60.0, families: int = FAMILIES,
                 extra = ["--redis", redis.url]
             for i in range(2 if fleet else 1):
                 data = os.path.join(tmp, str(i))
-                nodes.append((NodeProcess.start(["--data-dir", data, *NODE_ARGS, *extra]), data))
+                nodes.append((NodeProcess.start(
+                    ["--data-dir", data, *NODE_ARGS, "--device-bytes", str(device_bytes), *extra],
+                    env={**os.environ, "KVBANK_DEVICE": "cpu"}), data))
             node = nodes[0][0]
             sampler = threading.Thread(target=_sampler, args=(node.pid, result, stop), daemon=True)
             with Client(node.url, same_host=False) as c:
                 c.register(_layout())
                 result.idle_rss = _private(node.pid)[0]
-                result.budget = HOST_BYTES + result.idle_rss  # no device tier here
+                result.budget = HOST_BYTES + device_bytes + result.idle_rss
                 spec = {"urls": [n.url for n, _ in nodes], "families": families}
                 idle_run = _run_clients([{**spec, "seed": 0,
                                           "seconds": idle_s or min(8.0, seconds / 4)}])
@@ -407,6 +416,10 @@ def soak(clients: int = 16, seconds: float = 60.0, families: int = FAMILIES,
                 if sampler.is_alive():
                     sampler.join(5)
                 after = c.stats().store.tiers
+                for t0, t1 in zip(before, after, strict=True):
+                    result.tiers[t1.kind.value] = (t1.demotions - t0.demotions,
+                                                   t1.evictions - t0.evictions,
+                                                   t1.promotions - t0.promotions)
                 result.evictions = sum(t.evictions for t in after) - sum(t.evictions for t in before)
                 result.demotions = sum(t.demotions for t in after) - sum(t.demotions for t in before)
             for r in runs:

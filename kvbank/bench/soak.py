@@ -236,6 +236,7 @@ class SoakResult:
     evictions: int = 0
     demotions: int = 0
     peer_rows: int = 0  # rows the nodes fetched from each other (fleet soak)
+    flaps: int = 0  # Redis kills and restarts during a fleet soak
     tiers: dict[str, tuple[int, int, int]] = field(default_factory=dict)  # demoted, evicted, promoted
 
     @property
@@ -355,6 +356,15 @@ def _p50s(results: list[dict[str, Any]]) -> dict[str, float]:
             if (xs := [x for r in results for x in r["lat"][op]])}
 
 
+def _flap(redis: Any, every_s: float, stop: threading.Event, result: SoakResult) -> None:
+    """Kill the fleet's Redis every ``every_s`` and bring it back, empty, 1 s later."""
+    while not stop.wait(every_s):
+        redis.kill()
+        stop.wait(1.0)
+        redis.restart()
+        result.flaps += 1
+
+
 def _check(url: str, data_dir: str) -> list[str]:
     """The node's invariant check (``POST /admin/check``): its problems."""
     import httpx
@@ -370,12 +380,13 @@ def _check(url: str, data_dir: str) -> list[str]:
 
 def soak(clients: int = 16, seconds: float = 60.0, families: int = FAMILIES,
          idle_s: float | None = None, fleet: bool = False,
-         device_bytes: int = DEVICE_BYTES) -> SoakResult:
+         device_bytes: int = DEVICE_BYTES, flap_every_s: float = 0.0) -> SoakResult:
     """One node, ``clients`` processes x ``seconds``; see the module docstring. ``fleet``:
     two nodes on one redis-server, each operation on either of them, so reads of rows
     the other node stored are peer fetches (memory is sampled on the first node).
     ``device_bytes``: a device tier's budget, held in CPU memory (``KVBANK_DEVICE=cpu``)
-    so it runs on any machine; it counts in the memory budget."""
+    so it runs on any machine; it counts in the memory budget. ``flap_every_s`` (fleet
+    only): SIGKILL the Redis every that many seconds and restart it 1 s later."""
     import httpx
 
     from kvbank.service.client import Client
@@ -410,11 +421,18 @@ def soak(clients: int = 16, seconds: float = 60.0, families: int = FAMILIES,
                 result.idle_p50 = _p50s(idle_run)
                 before = c.stats().store.tiers
                 sampler.start()
+                flapper = None
+                if flap_every_s and redis is not None:
+                    flapper = threading.Thread(target=_flap, args=(redis, flap_every_s, stop, result),
+                                               daemon=True)
+                    flapper.start()
                 runs = _run_clients([{**spec, "seed": 1 + i, "seconds": seconds}
                                      for i in range(clients)])
                 stop.set()
                 if sampler.is_alive():
                     sampler.join(5)
+                if flapper is not None:
+                    flapper.join(30)
                 after = c.stats().store.tiers
                 for t0, t1 in zip(before, after, strict=True):
                     result.tiers[t1.kind.value] = (t1.demotions - t0.demotions,

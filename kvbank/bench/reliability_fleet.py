@@ -361,6 +361,7 @@ def peer_killed(rounds: int = 10, pages: int = 48, seed: int = 7,
     from kvbank.bench.redis_procs import RedisProc
     from kvbank.service.client import Client
     from kvbank.service.launch import NodeProcess
+    from kvbank.tiers.host import cleanup_stale
 
     layout = _layout("reliability-peer@1", 8)  # 1 MiB pages: a fetch lasts long enough
     page = layout.group_page_bytes[0]
@@ -421,6 +422,7 @@ def peer_killed(rounds: int = 10, pages: int = 48, seed: int = 7,
         if b is not None:
             b.stop()
         server.stop()
+        cleanup_stale()  # the killed holders' host segments (their pids are gone)
     return result
 
 

@@ -1,7 +1,8 @@
 """Throwaway local Redis processes for the fleet benchmark (and its cluster tests).
 
 ``RedisProc.start()`` is one private ``redis-server`` on a free loopback port with
-persistence off; ``stop()`` ends it by pid.
+persistence off; ``kill()`` is SIGKILL (a crash), ``restart()`` starts it again, empty, on
+the same port; ``stop()`` ends it by pid.
 
 ``RedisClusterProcs.start(masters=3, replicas=0)`` starts ``masters * (1 + replicas)``
 ``redis-server --cluster-enabled yes`` processes on free loopback ports (each port and
@@ -47,17 +48,32 @@ class RedisProc:
             raise MissingBinary("redis-server not found on PATH")
         workdir = tempfile.mkdtemp(prefix="kvbank-redis-")
         port = _free_pair()
-        proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--dir",
-                                 workdir, "--save", "", "--appendonly", "no"],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        self = cls(port, workdir, proc)
-        deadline = time.monotonic() + timeout_s
-        while _info(port, "PING") != "PONG":
-            if time.monotonic() > deadline or proc.poll() is not None:
-                self.stop()
-                raise RuntimeError(f"redis-server on {port} did not answer PING")
-            time.sleep(0.02)
+        self = cls(port, workdir, _spawn(binary, port, workdir))
+        self._wait_ping(timeout_s)
         return self
+
+    def _wait_ping(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while _info(self.port, "PING") != "PONG":
+            if time.monotonic() > deadline or self.proc.poll() is not None:
+                self.stop()
+                raise RuntimeError(f"redis-server on {self.port} did not answer PING")
+            time.sleep(0.02)
+
+    def kill(self) -> None:
+        """SIGKILL (a Redis crash); :meth:`restart` brings it back on the same port."""
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+
+    def restart(self, timeout_s: float = 10) -> None:
+        """Start again on the same port, empty (persistence is off), once PING answers."""
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise MissingBinary("redis-server not found on PATH")
+        self.kill()
+        self.proc = _spawn(binary, self.port, self.workdir)
+        self._wait_ping(timeout_s)
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -68,6 +84,12 @@ class RedisProc:
                 os.kill(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
         shutil.rmtree(self.workdir, ignore_errors=True)
+
+def _spawn(binary: str, port: int, workdir: str) -> subprocess.Popen[bytes]:
+    return subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--dir",
+                             workdir, "--save", "", "--appendonly", "no"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
 
 NODE_TIMEOUT_MS = 2000  # a failover takes about twice this
 

@@ -36,8 +36,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvbank import __version__
-from kvbank.bank import Bank
-from kvbank.errors import KvbankError, TierUnavailable
+from kvbank.bank import PUT_BATCH_PAGES, Bank
+from kvbank.errors import Busy, KvbankError, TierFull, TierUnavailable
 from kvbank.results import Match
 from kvbank.service.fleet_index import DEFAULT_ENTRY_TTL_S, FleetIndex, NodeInfo
 from kvbank.tiers.redis_client import RedisClient
@@ -252,18 +252,39 @@ class Fleet:
                 client.close()
         stored = 0
         undelivered: list[bytes] = []
+        layout = self.bank.layout(match.layout_id)
         for g, (keys, names) in enumerate(zip(pm.resume.pages, pm.resume.rows, strict=True)):
             at = {k: j for j, k in enumerate(keys)}  # out[g][j] holds page keys[j]
-            for k in res.delivered[g] if g < len(res.delivered) else ():
-                j = at[k]
-                self.store.put(names[j], out[g][j].numpy().data)
-                stored += 1
+            rows = [(names[at[k]], out[g][at[k]].numpy().data,
+                     names[at[k - 1]] if k - 1 in at else None)
+                    for k in (res.delivered[g] if g < len(res.delivered) else ())]
+            stored += self._keep(rows, layout.page_dtype(g))
             undelivered.extend(names[at[k]] for k in
                                (res.missing[g] if g < len(res.missing) else ()))
         if undelivered:
             self.peer_misses += len(undelivered)
             self._withdraw_peer(peer, undelivered)
         self.peer_rows += stored
+        return stored
+
+    def _keep(self, rows: list[tuple[bytes, memoryview, bytes | None]], dtype: str) -> int:
+        """Store rows fetched whole from a peer, in chain order (parents named, as
+        ``Bank.put`` does); how many were stored. A row a local lease has locked meanwhile
+        is held or being filled with the same bytes (equal names, equal bytes) and is
+        skipped; a store too full or too busy to take them leaves the rest misses: a peer
+        fetch never turns the match into an error."""
+        if not rows:
+            return 0
+        # batches as Bank.put plans them: a batch is planned whole, so none may need
+        # more than a quarter of the host tier
+        step = max(1, min(PUT_BATCH_PAGES, self.bank.config.host_bytes // 4 // len(rows[0][1])))
+        stored = 0
+        for i in range(0, len(rows), step):
+            try:
+                stored += sum(self.store.put_many(rows[i:i + step], dtype=dtype))
+            except (TierFull, Busy) as exc:
+                logger.warning("fleet: %d peer rows not kept: %s", len(rows) - i, exc)
+                break
         return stored
 
     def _withdraw_peer(self, peer: int, names: Sequence[bytes]) -> None:

@@ -125,6 +125,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run one kvbank node: a bank behind the data API under /v1/, for the "
                     "workers of this host (shared memory) and of other hosts (TCP).",
         epilog=SERVE_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+        # Settings share prefixes (--device, --device-bytes): a prefix must not be read as
+        # another setting.
+        allow_abbrev=False,
     )
     serve.add_argument("--config", metavar="FILE", default=None, help="TOML settings file")
     serve.add_argument("--print-config", action="store_true",

@@ -73,6 +73,15 @@ def test_cli_serve_bad_setting_is_a_usage_error_naming_it(tmp_path: Path) -> Non
     assert res.returncode == 2 and "port" in res.stderr
 
 
+def test_cli_serve_never_reads_a_prefix_as_another_setting() -> None:
+    """Regression: ``--device cpu`` was taken for ``--device-bytes cpu`` (argparse's
+    abbreviations), a setting the user never named."""
+    res = _kvbank("serve", "--print-config", "--device", "cpu")
+    assert res.returncode == 2
+    assert "unrecognized arguments: --device cpu" in res.stderr
+    assert "device_bytes" not in res.stderr
+
+
 def test_cli_bench_keys_json_prints_one_row_per_case() -> None:
     res = _kvbank("bench", "keys", "--json", "--quick")
     assert res.returncode == 0, res.stderr

@@ -166,6 +166,19 @@ def _router(admin: Admin) -> APIRouter:
         s = await node.call(bank.stats)
         return M.TiersModel(tiers=_tiers(bank, s.store))
 
+    @r.get("/fleet")
+    async def fleet() -> M.FleetModel:
+        fl = node.fleet
+        if fl is None:
+            raise InvalidInput("fleet: this node runs without Redis (--redis)", field="fleet")
+        nodes = await node.call(fl.nodes)
+        return M.FleetModel(self=fl.node_id, nodes=[
+            M.FleetNodeModel(node_id=n.node_id, name=n.name, address=n.address, version=n.version,
+                             layouts=list(n.layouts), rows=n.rows,
+                             heartbeat_age_s=round(max(0.0, n.heartbeat_age_s), 3),
+                             state="live" if n.heartbeat_age_s <= fl.index.deadline_s else "dead")
+            for n in nodes])
+
     @r.get("/layouts")
     async def layouts() -> M.LayoutsModel:
         return M.LayoutsModel(layouts=[wire.to_dict(x) for x in await node.call(bank.layouts)])

@@ -18,7 +18,6 @@ module stays about the data path). Primitives:
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Callable, Sequence
 
 from kvbank.catalog import Catalog
@@ -79,11 +78,16 @@ class AdminOps:
             raise InvalidInput(f"after: expected a {ROW_NAME_BYTES}-byte row name, got {after!r:.80}",
                                field="after")
         spaces = self.prefixes(layout_id, scope, prefix)
-        if len(spaces) == 1:
-            return self._store.scan(spaces[0], after=after, limit=limit)
-        # Each prefix's page is in name order; the page is the smallest ``limit`` of all.
-        pages = [self._store.scan(p, after=after, limit=limit) for p in spaces]
-        return heapq.nsmallest(limit, (r for page in pages for r in page), key=lambda r: r.name)
+        # The prefixes are sorted and none extends another, so their name ranges follow
+        # one another: the page is the first prefixes' rows after the cursor, in turn.
+        out: list[RowInfo] = []
+        for p in spaces:
+            if after is not None and after[: len(p)] > p:
+                continue  # every name under p sorts before the cursor
+            out += self._store.scan(p, after=after, limit=limit - len(out))
+            if len(out) >= limit:
+                break
+        return out
 
     def evict(self, names: Sequence[bytes]) -> EvictResult:
         """Drop rows from every tier; locked and pinned rows are reported, not evicted."""

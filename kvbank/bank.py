@@ -108,14 +108,20 @@ class Bank(AdminOps):
         self.config = config if config is not None else BankConfig()
         self._clock = clock
         self._lock = threading.Lock()  # guards _closed
-        self._catalog = Catalog()
+        # Layouts persist in the data dir when rows do (a disk tier): restored at open.
+        cfg = self.config
+        keep = cfg.data_dir if cfg.data_dir is not None and cfg.disk_bytes > 0 else None
+        self._catalog = Catalog(data_dir=keep)
         self._counts = ShardCounts()  # registered shard counts by logical id
         self._store = TieredStore(self.config)
         try:
+            for layout in self._catalog.restore(self._refuses, self._has_rows):
+                self._counts.add(layout)
             self._lender = Lender(self._store, self.config, clock=clock, describe=self._catalog.describe,
                                   reaper=reaper)
         except BaseException:
             self._store.close()
+            self._catalog.close()
             raise
         self._ledger = FetchLedger(self.config.fetch_ttl_s, clock)
         self._closed = False
@@ -159,14 +165,24 @@ class Bank(AdminOps):
         self._check_open()
         if not isinstance(layout, PageLayout):
             raise LayoutError(f"layout: expected a PageLayout, got {type(layout).__name__}")
-        for g, size in enumerate(layout.group_page_bytes):
-            why = self._store.refuses(size) if size else None
-            if why is not None:  # refused now, not at the first put
-                raise LayoutError(f"groups[{g}]: {why}", field=f"groups[{g}]")
+        why = self._refuses(layout)
+        if why is not None:  # refused now, not at the first put
+            raise LayoutError(why, field=why.split(":", 1)[0])
         lid = self._catalog.register(layout)
         self._catalog.learn(lid, DEFAULT_SCOPE)
         self._counts.add(layout)
         return lid
+
+    def _refuses(self, layout: PageLayout) -> str | None:
+        """Why the store could never hold one of the layout's pages (``groups[g]: …``)."""
+        for g, size in enumerate(layout.group_page_bytes):
+            why = self._store.refuses(size) if size else None
+            if why is not None:
+                return f"groups[{g}]: {why}"
+        return None
+
+    def _has_rows(self, ns: bytes) -> bool:
+        return bool(self._store.scan(ns, limit=1))
 
     def register_scope(self, layout_id: bytes, scope: Scope) -> bytes:
         """Let leases describe rows of ``scope`` under ``layout_id``; the 16-byte namespace."""
@@ -522,7 +538,10 @@ class Bank(AdminOps):
         try:
             self._lender.close()
         finally:
-            self._store.close()
+            try:
+                self._store.close()
+            finally:
+                self._catalog.close()
 
 
 def _host_pages(pages: Pages, field: str) -> Pages:

@@ -68,7 +68,9 @@ class TierModel(BaseModel):
     demotions: int = Field(ge=0)
     promotions: int = Field(ge=0)
     corrupt_frames: int = Field(ge=0)
-    codec_ratio: float | None = Field(description="raw bytes / stored bytes (disk), or null")
+    raw_bytes: int = Field(ge=0, description="page bytes of the rows held, before any codec")
+    codec_ratio: float | None = Field(description="raw_bytes / used_bytes of the disk tier (its frames); "
+                                      "null for memory tiers and an empty disk")
 
 
 class FleetNodeModel(BaseModel):

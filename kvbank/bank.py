@@ -408,6 +408,28 @@ class Bank(AdminOps):
         return fetch_rows(self._ledger, get_many, layout, match, views,
                           fetch_id=fetch_id, max_rows=max_rows, deadline=deadline, clock=self._clock)
 
+    def reshard_rows(self, match: Match) -> int:
+        """Build the rows of ``match``'s bound it found under another shard count and store
+        them under their own names; how many were built. A served fetch calls it first: it
+        streams (or lends) rows by name. A row whose sources are gone stays a miss."""
+        if not isinstance(match, Match):
+            raise InvalidInput(f"match: expected a Match, got {type(match).__name__}")
+        if not any(any(v) for v in match.via):
+            return 0
+        layout = self.layout(match.layout_id)
+        self._catalog.learn(match.layout_id, match.scope)
+        keep = functools.partial(self._put_resharded, layout)
+        reader = ReshardReader(match, layout, self._counts.others(layout), self._store.get_into, keep)
+        built = 0
+        for g, counts in enumerate(match.via):
+            needed = set(match.resume.rows[g])
+            buf = bytearray(layout.group_page_bytes[g])
+            for i, count in enumerate(counts):
+                name = match.names[g][i]
+                if count and name in needed and reader(name, buf) is not None:
+                    built += 1
+        return built
+
     def out_buffers(self, match: Match) -> dict[int, torch.Tensor]:
         """Buffers for :meth:`fetch` sized from the layout: ``uint8 [len(pages[g]), page
         bytes of g]`` for every group the match's bound needs rows of (not zeroed: a

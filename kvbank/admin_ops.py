@@ -5,9 +5,11 @@ module stays about the data path). Primitives:
 
 - :meth:`~AdminOps.rows` — one page of rows (name order) by layout, scope and/or a name
   prefix, after a cursor (the last name of the previous page). By layout alone, the
-  namespaces are the (scope, layout) pairs the bank has learnt (a row name's namespace is
-  a one-way digest: rows of a scope never used since the bank opened are listed only by
-  naming the scope, or by name prefix). Pure: no lock, no recency.
+  namespaces are the (scope, layout) pairs the catalog knows: learnt since the bank
+  opened, or restored from the data dir for rows kept across a restart (a row name's
+  namespace is a one-way digest: a pair never known lists only by naming the scope, or
+  by name prefix). Each namespace is one bisect of the store's ordered names, so a page
+  costs O(namespaces · log n + page). Pure: no lock, no recency.
 - :meth:`~AdminOps.evict` (names) and :meth:`~AdminOps.evict_rows` (layout / scope /
   prefix, page by page) — locked and pinned rows are reported, never evicted.
 - :meth:`~AdminOps.pin` / :meth:`~AdminOps.unpin` — under the ``pin_bytes`` budget

@@ -12,7 +12,9 @@ so a name alone cannot say which layout it belongs to. The bank learns pairs on 
 (register, put, lend of a match, register_scope), never on a query, into a bounded LRU of
 :data:`MAX_NAMESPACES` for :meth:`~Catalog.describe`: a fleet with a cache salt per
 request would otherwise grow it forever. A pair that fell out is learnt again by the next
-command under it. Listings (:meth:`~Catalog.namespaces_of`) use every pair known instead.
+command under it. Listings (:meth:`~Catalog.namespaces_of`) use every pair known instead:
+those restored at open (pairs that still had rows) and those learnt since, about 100
+bytes a pair.
 
 Persistence (``Catalog(data_dir=...)``, when the bank has a disk tier, whose rows outlive
 the process). Two files beside the disk tier's ``lmdb/``:
@@ -174,8 +176,11 @@ class Catalog:
                 self._registered[(lid, layout.shard_index)] = layout
                 self._layouts.setdefault(lid, layout)
                 self._shards.setdefault(lid, set()).add(layout.shard_index)
-            pairs = files.load_namespaces()
-            kept = {ns: lid for ns, lid in pairs.items() if lid in self._layouts and has_rows(ns)}
+            known = set(self._layouts)
+        # has_rows asks the store (its lock): never called under the catalog's lock.
+        pairs = files.load_namespaces()
+        kept = {ns: lid for ns, lid in pairs.items() if lid in known and has_rows(ns)}
+        with self._lock:
             for ns, lid in kept.items():
                 self._know(ns, lid)
                 self._namespaces[ns] = lid

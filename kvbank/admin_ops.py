@@ -5,9 +5,11 @@ module stays about the data path). Primitives:
 
 - :meth:`~AdminOps.rows` — one page of rows (name order) by layout, scope and/or a name
   prefix, after a cursor (the last name of the previous page). By layout alone, the
-  namespaces are the (scope, layout) pairs the bank has learnt (a row name's namespace is
-  a one-way digest: rows of a scope never used since the bank opened are listed only by
-  naming the scope, or by name prefix). Pure: no lock, no recency.
+  namespaces are the (scope, layout) pairs the catalog knows: learnt since the bank
+  opened, or restored from the data dir for rows kept across a restart (a row name's
+  namespace is a one-way digest: a pair never known lists only by naming the scope, or
+  by name prefix). Each namespace is one bisect of the store's ordered names, so a page
+  costs O(namespaces · log n + page). Pure: no lock, no recency.
 - :meth:`~AdminOps.evict` (names) and :meth:`~AdminOps.evict_rows` (layout / scope /
   prefix, page by page) — locked and pinned rows are reported, never evicted.
 - :meth:`~AdminOps.pin` / :meth:`~AdminOps.unpin` — under the ``pin_bytes`` budget
@@ -18,7 +20,6 @@ module stays about the data path). Primitives:
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Callable, Sequence
 
 from kvbank.catalog import Catalog
@@ -79,11 +80,16 @@ class AdminOps:
             raise InvalidInput(f"after: expected a {ROW_NAME_BYTES}-byte row name, got {after!r:.80}",
                                field="after")
         spaces = self.prefixes(layout_id, scope, prefix)
-        if len(spaces) == 1:
-            return self._store.scan(spaces[0], after=after, limit=limit)
-        # Each prefix's page is in name order; the page is the smallest ``limit`` of all.
-        pages = [self._store.scan(p, after=after, limit=limit) for p in spaces]
-        return heapq.nsmallest(limit, (r for page in pages for r in page), key=lambda r: r.name)
+        # The prefixes are sorted and none extends another, so their name ranges follow
+        # one another: the page is the first prefixes' rows after the cursor, in turn.
+        out: list[RowInfo] = []
+        for p in spaces:
+            if after is not None and after[: len(p)] > p:
+                continue  # every name under p sorts before the cursor
+            out += self._store.scan(p, after=after, limit=limit - len(out))
+            if len(out) >= limit:
+                break
+        return out
 
     def evict(self, names: Sequence[bytes]) -> EvictResult:
         """Drop rows from every tier; locked and pinned rows are reported, not evicted."""

@@ -141,14 +141,20 @@ class Bank(AdminOps):
         self.config = config if config is not None else BankConfig()
         self._clock = clock
         self._lock = threading.Lock()  # guards _closed
-        self._catalog = Catalog()
+        # Layouts persist in the data dir when rows do (a disk tier): restored at open.
+        cfg = self.config
+        keep = cfg.data_dir if cfg.data_dir is not None and cfg.disk_bytes > 0 else None
+        self._catalog = Catalog(data_dir=keep)
         self._counts = ShardCounts()  # registered shard counts by logical id
         self._store = TieredStore(self.config)
         try:
+            for layout in self._catalog.restore(self._refuses, self._has_rows):
+                self._counts.add(layout)
             self._lender = Lender(self._store, self.config, clock=clock, wall_clock=wall_clock,
                                   describe=self._catalog.describe, reaper=reaper)
         except BaseException:
             self._store.close()
+            self._catalog.close()
             raise
         self._ledger = FetchLedger(self.config.fetch_ttl_s, clock)
         self._closed = False
@@ -192,14 +198,24 @@ class Bank(AdminOps):
         self._check_open()
         if not isinstance(layout, PageLayout):
             raise LayoutError(f"layout: expected a PageLayout, got {type(layout).__name__}")
-        for g, size in enumerate(layout.group_page_bytes):
-            why = self._store.refuses(size) if size else None
-            if why is not None:  # refused now, not at the first put
-                raise LayoutError(f"groups[{g}]: {why}", field=f"groups[{g}]")
+        why = self._refuses(layout)
+        if why is not None:  # refused now, not at the first put
+            raise LayoutError(why, field=why.split(":", 1)[0])
         lid = self._catalog.register(layout)
         self._catalog.learn(lid, DEFAULT_SCOPE)
         self._counts.add(layout)
         return lid
+
+    def _refuses(self, layout: PageLayout) -> str | None:
+        """Why the store could never hold one of the layout's pages (``groups[g]: …``)."""
+        for g, size in enumerate(layout.group_page_bytes):
+            why = self._store.refuses(size) if size else None
+            if why is not None:
+                return f"groups[{g}]: {why}"
+        return None
+
+    def _has_rows(self, ns: bytes) -> bool:
+        return bool(self._store.scan(ns, limit=1))
 
     def register_scope(self, layout_id: bytes, scope: Scope) -> bytes:
         """Let leases describe rows of ``scope`` under ``layout_id``; the 16-byte namespace."""
@@ -425,6 +441,28 @@ class Bank(AdminOps):
         return fetch_rows(self._ledger, get_many, layout, match, views,
                           fetch_id=fetch_id, max_rows=max_rows, deadline=deadline, clock=self._clock)
 
+    def reshard_rows(self, match: Match) -> int:
+        """Build the rows of ``match``'s bound it found under another shard count and store
+        them under their own names; how many were built. A served fetch calls it first: it
+        streams (or lends) rows by name. A row whose sources are gone stays a miss."""
+        if not isinstance(match, Match):
+            raise InvalidInput(f"match: expected a Match, got {type(match).__name__}")
+        if not any(any(v) for v in match.via):
+            return 0
+        layout = self.layout(match.layout_id)
+        self._catalog.learn(match.layout_id, match.scope)
+        keep = functools.partial(self._put_resharded, layout)
+        reader = ReshardReader(match, layout, self._counts.others(layout), self._store.get_into, keep)
+        built = 0
+        for g, counts in enumerate(match.via):
+            needed = set(match.resume.rows[g])
+            buf = bytearray(layout.group_page_bytes[g])
+            for i, count in enumerate(counts):
+                name = match.names[g][i]
+                if count and name in needed and reader(name, buf) is not None:
+                    built += 1
+        return built
+
     def out_buffers(self, match: Match) -> dict[int, torch.Tensor]:
         """Buffers for :meth:`fetch` sized from the layout: ``uint8 [len(pages[g]), page
         bytes of g]`` for every group the match's bound needs rows of (not zeroed: a
@@ -555,7 +593,10 @@ class Bank(AdminOps):
         try:
             self._lender.close()
         finally:
-            self._store.close()
+            try:
+                self._store.close()
+            finally:
+                self._catalog.close()
 
 
 def _host_pages(pages: Pages, field: str) -> Pages:

@@ -50,3 +50,62 @@ def test_catalog_shards_and_refusals() -> None:
         cat.register("not a layout")  # type: ignore[arg-type]
     with pytest.raises(InvalidInput, match="scope"):
         cat.learn(lid, DEFAULT_SCOPE.digest)  # type: ignore[arg-type]
+
+
+def test_catalog_persists_layouts_and_namespaces_and_restores_those_with_rows(tmp_path) -> None:
+    """Every registered (layout, shard) and every namespace learnt is on disk; a restore
+    registers the layouts again and keeps the namespaces that still have rows."""
+    from kvbank.catalog import LAYOUTS_FILE, NAMESPACES_FILE
+
+    other = full_attention("cat-other@1", 1, 2, 64)
+    cat = Catalog(data_dir=tmp_path)
+    lid = cat.register(FA)
+    cat.register(FA.with_shard(1))
+    oid = cat.register(other)
+    scopes = [Scope("t", cache_salt=str(i)) for i in range(5)]
+    for s in scopes:
+        cat.learn(lid, s)
+    cat.learn(oid, Scope("o"))
+    cat.close()
+    assert (tmp_path / LAYOUTS_FILE).exists() and (tmp_path / NAMESPACES_FILE).stat().st_size == 6 * 52
+    stored = {namespace(lid, s) for s in scopes[:3]} | {namespace(oid, Scope("o"))}
+
+    again = Catalog(data_dir=tmp_path)
+    restored = again.restore(lambda layout: None, lambda ns: ns in stored)
+    assert {(x.layout_id, x.shard_index) for x in restored} == {(lid, 0), (lid, 1), (oid, 0)}
+    assert again.shard(lid, 1) == 1 and again.layout(oid) == other
+    assert again.namespaces_of(lid) == sorted(namespace(lid, s) for s in scopes[:3])
+    assert again.describe(row_name(namespace(lid, scopes[0]), b"k" * 32, 0, 2, 0)) is not None
+    again.learn(lid, scopes[4])  # learnt again after the restore: appended to the compacted log
+    again.close()
+    assert (tmp_path / NAMESPACES_FILE).stat().st_size == 5 * 52
+
+
+def test_catalog_restore_survives_a_torn_log_a_damaged_layouts_file_and_refusals(tmp_path) -> None:
+    from kvbank.catalog import LAYOUTS_FILE, NAMESPACES_FILE
+
+    other = full_attention("cat-other@1", 1, 2, 64)
+    cat = Catalog(data_dir=tmp_path)
+    lid, oid = cat.register(FA), cat.register(other)
+    cat.learn(lid, Scope("a"))
+    cat.learn(lid, Scope("b"))
+    cat.close()
+    log = tmp_path / NAMESPACES_FILE
+    raw = bytearray(log.read_bytes())
+    raw[-1] ^= 0xFF  # the last record's CRC fails: the log ends before it
+    log.write_bytes(bytes(raw) + b"\x01\x02")  # and a torn record after it
+    refused = Catalog(data_dir=tmp_path)
+    got = refused.restore(lambda layout: "too big" if layout.layout_id == oid else None, lambda ns: True)
+    assert [x.layout_id for x in got] == [lid]
+    assert refused.namespaces_of(lid) == [namespace(lid, Scope("a"))]
+    with pytest.raises(UnknownLayout):
+        refused.layout(oid)  # refused at restore: dropped from the file too
+    refused.close()
+    assert log.stat().st_size == 52
+
+    (tmp_path / LAYOUTS_FILE).write_text('{"format": 1, "layouts": [{"layout_id": "00", "layout": {}}]}')
+    damaged = Catalog(data_dir=tmp_path)
+    assert damaged.restore(lambda layout: None, lambda ns: True) == []
+    assert (tmp_path / (LAYOUTS_FILE + ".damaged")).exists()
+    assert damaged.namespaces_of(lid) == []  # no layout, so none of its namespaces
+    damaged.close()

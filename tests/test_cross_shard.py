@@ -213,3 +213,20 @@ def test_a_source_row_of_the_wrong_size_is_refused_naming_it(bank: Bank, size: i
         bank.fetch(m, out={0: out})
     assert bool((out[1] == 0xEE).all())
     assert bank.locate([m.names[0][1]]) == [None]
+
+
+def test_reshard_rows_builds_and_stores_the_bound_rows_a_served_fetch_streams(bank: Bank) -> None:
+    """What a served fetch does first: every resharded row of the bound is built and
+    stored under the caller's name (bit-exact), so a fetch by name finds it; a match with
+    no resharded rows builds nothing."""
+    tokens, tp1, _ = _store_tp4(bank, 3, seed=5)
+    lid = bank.register(_gqa(2, 1))
+    m = bank.match(lid, [*tokens, 1], shard=1)
+    assert m.via == ((4, 4, 4),)
+    assert bank.reshard_rows(m) == 3
+    direct = bank.match(lid, [*tokens, 1], shard=1)
+    assert not any(any(v) for v in direct.via) and bank.reshard_rows(direct) == 0
+    out = torch.zeros((3, _gqa(2).group_page_bytes[0]), dtype=torch.uint8)
+    assert bank.fetch(direct, out={0: out}).complete
+    assert torch.equal(out, _cut(_gqa(1), 0, tp1, 2)[1])
+    bank.check_invariants()

@@ -311,6 +311,7 @@ def _bank_entry_points(c: _Ctx) -> dict[str, Callable[[], object]]:
         "locate": lambda: b.locate(n),
         "out_buffers": lambda: b.out_buffers(c.match),
         "fetch": lambda: b.fetch(c.match, out=b.out_buffers(c.match)),
+        "reshard_rows": lambda: b.reshard_rows(c.match),
         "fetches": b.fetches,
         "get_into": lambda: b.get_into(n[0], bytearray(PAGE)),
         "read_frame": lambda: b.read_frame(n[0]),

@@ -65,6 +65,9 @@ class _Entry:
     names: tuple[tuple[bytes, ...], ...]  # per group, the keyed chain's row names
     plan: tuple[PlannedRow, ...]
     deadline: float
+    # The plan's names, built once at open: ``record`` runs once per arriving row (or
+    # batch), and rebuilding this set there made a fetch quadratic in its rows.
+    planned: frozenset[bytes] = frozenset()
     delivered: set[bytes] = field(default_factory=set)
 
 
@@ -104,7 +107,8 @@ class FetchLedger:
             if fid in self._entries:
                 raise InvalidInput(f"fetch_id: {fid!r} is already open")
             self._entries[fid] = _Entry(
-                layout, prompt_tokens, tuple(tuple(g) for g in names), rows, now + self._ttl
+                layout, prompt_tokens, tuple(tuple(g) for g in names), rows, now + self._ttl,
+                frozenset(r.name for r in rows),
             )
         logger.debug("fetch %s opened: %d rows planned", fid, len(rows))
         return fid
@@ -134,7 +138,7 @@ class FetchLedger:
         """Mark rows of the plan as delivered *whole*. A name outside the plan is refused."""
         with self._lock:
             entry = self._entry(fetch_id)
-            planned = {r.name for r in entry.plan}
+            planned = entry.planned
             for i, n in enumerate(names):
                 if n not in planned:
                     raise InvalidInput(f"names[{i}]: row {bytes(n).hex()[:16]}… is not in fetch {fetch_id!r}")
@@ -199,6 +203,8 @@ class FetchLedger:
         with self._lock:
             for fid, e in self._entries.items():
                 planned = {r.name for r in e.plan}
+                if planned != e.planned:
+                    raise AssertionError(f"fetch {fid}: the planned-name set disagrees with the plan")
                 if not e.delivered <= planned:
                     raise AssertionError(f"fetch {fid}: delivered rows outside the plan")
                 for gi in range(len(e.layout.groups)):

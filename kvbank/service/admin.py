@@ -47,7 +47,8 @@ from kvbank.service.auth import Forbidden, TenantTokens, Unauthorized, resolve_a
 from kvbank.service.metrics import CONTENT_TYPE, Metrics, MetricsMiddleware
 from kvbank.service.node import Node
 from kvbank.service.tenants import TenantGuard, TenantMiddleware
-from kvbank.tiers.store import StoreStats
+from kvbank.tiers.base import TierKind
+from kvbank.tiers.store import StoreStats, TierStats
 
 _bearer = HTTPBearer(auto_error=False, description="the node's admin token")
 Creds = Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
@@ -73,8 +74,17 @@ def _tiers(bank: Bank, stats: StoreStats) -> list[M.TierModel]:
                         used_bytes=t.used_bytes, allocated_bytes=t.allocated_bytes, rows=t.rows,
                         high_watermark=cfg.high_watermark, low_watermark=cfg.low_watermark,
                         hits=t.hits, misses=t.misses, evictions=t.evictions, demotions=t.demotions,
-                        promotions=t.promotions, corrupt_frames=t.corrupt_rows, codec_ratio=None)
+                        promotions=t.promotions, corrupt_frames=t.corrupt_rows,
+                        raw_bytes=t.raw_bytes, codec_ratio=_codec_ratio(t))
             for t in stats.tiers]
+
+
+def _codec_ratio(t: TierStats) -> float | None:
+    """Raw page bytes over the bytes stored, for a tier that encodes rows (the disk);
+    None for memory tiers (they hold pages as they are) and for an empty disk."""
+    if t.kind is not TierKind.DISK or not t.used_bytes or not t.raw_bytes:
+        return None
+    return round(t.raw_bytes / t.used_bytes, 4)
 
 
 class Admin:
@@ -165,6 +175,19 @@ def _router(admin: Admin) -> APIRouter:
     async def tiers() -> M.TiersModel:
         s = await node.call(bank.stats)
         return M.TiersModel(tiers=_tiers(bank, s.store))
+
+    @r.get("/fleet")
+    async def fleet() -> M.FleetModel:
+        fl = node.fleet
+        if fl is None:
+            raise InvalidInput("fleet: this node runs without Redis (--redis)", field="fleet")
+        nodes = await node.call(fl.nodes)
+        return M.FleetModel(self=fl.node_id, nodes=[
+            M.FleetNodeModel(node_id=n.node_id, name=n.name, address=n.address, version=n.version,
+                             layouts=list(n.layouts), rows=n.rows,
+                             heartbeat_age_s=round(max(0.0, n.heartbeat_age_s), 3),
+                             state="live" if n.heartbeat_age_s <= fl.index.deadline_s else "dead")
+            for n in nodes])
 
     @r.get("/layouts")
     async def layouts() -> M.LayoutsModel:

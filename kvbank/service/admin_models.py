@@ -68,7 +68,27 @@ class TierModel(BaseModel):
     demotions: int = Field(ge=0)
     promotions: int = Field(ge=0)
     corrupt_frames: int = Field(ge=0)
-    codec_ratio: float | None = Field(description="raw bytes / stored bytes (disk), or null")
+    raw_bytes: int = Field(ge=0, description="page bytes of the rows held, before any codec")
+    codec_ratio: float | None = Field(description="raw_bytes / used_bytes of the disk tier (its frames); "
+                                      "null for memory tiers and an empty disk")
+
+
+class FleetNodeModel(BaseModel):
+    node_id: int = Field(ge=0)
+    name: str
+    address: str = Field(description="the node's data URL")
+    version: str
+    layouts: list[str] = Field(description="hex layout ids the node has registered")
+    rows: int = Field(ge=0, description="rows the node has published to the index")
+    heartbeat_age_s: float = Field(ge=0)
+    state: str = Field(description="live (heartbeat within the deadline) or dead")
+
+
+class FleetModel(BaseModel):
+    self_id: int | None = Field(alias="self", description="this node's id (null until it registers)")
+    nodes: list[FleetNodeModel]
+
+    model_config = ConfigDict(populate_by_name=True)
 
 
 class TiersModel(BaseModel):

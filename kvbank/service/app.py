@@ -222,18 +222,6 @@ def create_app(node: Node) -> FastAPI:
                 doc["degraded"] = "fleet"
         return _json(doc)
 
-    @app.get("/v1/fleet")
-    async def fleet_nodes() -> Response:
-        if node.fleet is None:
-            raise InvalidInput("fleet: this node runs without Redis (--redis)")
-        nodes = await node.call(node.fleet.nodes)
-        return _json({"self": node.fleet.node_id, "nodes": [
-            {"node_id": n.node_id, "name": n.name, "address": n.address, "version": n.version,
-             "layouts": list(n.layouts), "rows": n.rows,
-             "heartbeat_age_s": round(n.heartbeat_age_s, 3),
-             "state": "live" if n.heartbeat_age_s <= node.fleet.index.deadline_s else "dead"}
-            for n in nodes]})
-
     @app.post("/v1/locate")
     async def locate(body: NamesBody, request: Request) -> Response:
         names = [_hex(n, f"names[{i}]", ROW_NAME_BYTES) for i, n in enumerate(body.names)]

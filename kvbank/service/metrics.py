@@ -54,6 +54,7 @@ class _BankCollector(Collector):
             "kvbank_tier_used_bytes": ("bytes in use (slot capacity or frame bytes)", lambda t: t.used_bytes),
             "kvbank_tier_allocated_bytes": ("memory held by the tier", lambda t: t.allocated_bytes),
             "kvbank_tier_rows": ("rows held by the tier", lambda t: t.rows),
+            "kvbank_tier_raw_bytes": ("page bytes of the rows held, before the codec", lambda t: t.raw_bytes),
         }
         for name, (doc, get) in tier_gauges.items():
             g = GaugeMetricFamily(name, doc, labels=["tier"])

@@ -151,6 +151,9 @@ class Node:
             self.ledger.renew(fetch_id)  # a resumed fetch is activity
         else:
             fetch_id = self.ledger.open(layout, match.prompt_tokens, match.names, match.resume, fetch_id)
+            # Rows found under another shard count have no bytes under their own names
+            # until built; the stream and the lease read rows by name.
+            self.bank.reshard_rows(match)
         plan = self.ledger.plan(fetch_id)
         position = {row: i for i, row in enumerate(plan)}
         todo: tuple[PlannedRow, ...] = self.ledger.pending(fetch_id)

@@ -26,14 +26,21 @@ interval too old for recent rows, coarser for old ones).
 
 Removed ids are not reused at once: a child may still name one as its parent. They wait
 in a pending list; one vectorised pass every ``n/8`` removals clears the parent links
-that point at them, and only then are they reused. Not thread-safe (the store locks).
+that point at them, and only then are they reused.
+
+Names in order: :class:`OrderedNames` keeps every live name sorted, so that listing one
+page of rows by name prefix after a cursor costs O(log n + page) instead of sorting the
+name table. It is a list of sorted sublists of at most ``2 * _LOAD`` references to the
+very bytes objects the dict holds (about 9 bytes a row: a pointer and the lists' slack),
+plus the sublists' maxima to bisect on; an insert or a removal is two bisects and a
+memmove of at most a few kilobytes. Not thread-safe (the store locks).
 """
 
 from __future__ import annotations
 
 import time
-from bisect import bisect_right
-from collections.abc import Callable
+from bisect import bisect_left, bisect_right, insort
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -57,7 +64,103 @@ _CLOCK_MAX = 2**32 - 2
 _MARK_S = 0.05  # seconds between clock marks at most (the resolution of ages)
 _MAX_MARKS = 4096
 
+_LOAD = 512  # sublist length of OrderedNames after a split (splits above 2 * _LOAD)
+
 I64 = npt.NDArray[np.int64]
+
+
+class OrderedNames:
+    """A sorted set of names: add, discard, and pages by prefix after a cursor."""
+
+    def __init__(self) -> None:
+        self._lists: list[list[bytes]] = []  # sorted, disjoint, in order
+        self._maxes: list[bytes] = []  # the last name of each sublist
+        self._len = 0
+
+    def __len__(self) -> int:
+        return self._len
+
+    def add(self, name: bytes) -> None:
+        """Insert ``name`` (the caller guarantees it is not present)."""
+        maxes, lists = self._maxes, self._lists
+        if not maxes:
+            lists.append([name])
+            maxes.append(name)
+            self._len = 1
+            return
+        i = bisect_left(maxes, name)
+        if i == len(maxes):  # past every name: the last sublist grows at its end
+            i -= 1
+            lists[i].append(name)
+            maxes[i] = name
+        else:
+            insort(lists[i], name)
+        self._len += 1
+        lst = lists[i]
+        if len(lst) > 2 * _LOAD:
+            lists.insert(i + 1, lst[_LOAD:])
+            del lst[_LOAD:]
+            maxes.insert(i, lst[-1])
+
+    def discard(self, name: bytes) -> bool:
+        """Remove ``name``; whether it was there."""
+        maxes = self._maxes
+        i = bisect_left(maxes, name)
+        if i == len(maxes):
+            return False
+        lst = self._lists[i]
+        j = bisect_left(lst, name)
+        if j == len(lst) or lst[j] != name:
+            return False
+        del lst[j]
+        self._len -= 1
+        if not lst:
+            del self._lists[i]
+            del maxes[i]
+        elif j == len(lst):
+            maxes[i] = lst[-1]
+        return True
+
+    def page(self, prefix: bytes, after: bytes | None, limit: int) -> list[bytes]:
+        """Up to ``limit`` names starting with ``prefix``, in order, each greater than
+        ``after`` when it is given."""
+        if after is not None and after >= prefix:
+            start, find = after, bisect_right  # strictly after the cursor
+        else:
+            start, find = prefix, bisect_left  # the first name >= prefix
+        lists = self._lists
+        i = find(self._maxes, start)
+        out: list[bytes] = []
+        j = find(lists[i], start) if i < len(lists) else 0
+        while i < len(lists) and len(out) < limit:
+            for name in lists[i][j : j + limit - len(out)]:
+                if not name.startswith(prefix):
+                    return out
+                out.append(name)
+            i += 1
+            j = 0
+        return out
+
+    def __iter__(self) -> Iterator[bytes]:
+        for lst in self._lists:
+            yield from lst
+
+    def check(self) -> None:
+        """Sublists sorted, non-empty, in order, maxima right, length right."""
+        prev: bytes | None = None
+        n = 0
+        if len(self._lists) != len(self._maxes):
+            raise AssertionError("ordered names: sublists and maxima disagree in number")
+        for lst, top in zip(self._lists, self._maxes, strict=True):
+            if not lst or lst[-1] != top or len(lst) > 2 * _LOAD:
+                raise AssertionError("ordered names: a sublist is empty, too long or its maximum is stale")
+            for name in lst:
+                if prev is not None and not prev < name:
+                    raise AssertionError("ordered names: names out of order or repeated")
+                prev = name
+            n += len(lst)
+        if n != self._len:
+            raise AssertionError(f"ordered names: {n} names, length says {self._len}")
 
 
 class RowIndex:
@@ -68,6 +171,7 @@ class RowIndex:
         self._t0 = clock()
         self.ids: dict[bytes, int] = {}
         self.names: list[bytes | None] = []
+        self.ordered = OrderedNames()  # the live names, sorted (admin listings)
         self.dtypes: list[str] = []
         self._dtype_codes: dict[str, int] = {}
         self.wide = (max_offset >> OFF_SHIFT) >= 2**32
@@ -122,6 +226,8 @@ class RowIndex:
             if rid >= self.size.shape[0]:
                 self._grow()
             self.names.append(name)
+        if name not in self.ids:
+            self.ordered.add(name)
         self.ids[name] = rid
         self.size[rid] = size
         self.where[rid] = 0
@@ -135,6 +241,7 @@ class RowIndex:
         name = self.names[rid]
         if name is not None:
             del self.ids[name]
+            self.ordered.discard(name)
         self.names[rid] = None
         self.where[rid] = 0
         self.flags[rid] = 0
@@ -206,6 +313,16 @@ class RowIndex:
     def nbytes(self) -> int:
         """Bytes of the arrays (the dict and names list are measured by the caller)."""
         return sum(int(getattr(self, a).nbytes) for a in _ARRAYS)
+
+    def check(self) -> list[str]:
+        """The ordered names hold exactly the live names (the checker calls it)."""
+        try:
+            self.ordered.check()
+        except AssertionError as exc:
+            return [str(exc)]
+        if len(self.ordered) != len(self.ids) or any(n not in self.ids for n in self.ordered):
+            return [f"ordered names: {len(self.ordered)} names, not the index's {len(self.ids)}"]
+        return []
 
     @property
     def marks(self) -> int:

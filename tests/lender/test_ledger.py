@@ -118,3 +118,30 @@ def test_ledger_renew_and_record_keep_a_fetch_open() -> None:
     with pytest.raises(FetchNotFound):
         ledger.renew(a)
     assert ledger.expire() == 1
+
+
+def test_ledger_record_row_by_row_over_a_long_plan_is_all_or_nothing_per_call() -> None:
+    """Recording a long plan one row per call (as a streamed fetch does) delivers exactly
+    those rows; a call naming a row outside the plan records none of its names. The plan's
+    name set is built once at open (so record is linear in the fetch), and the checker
+    compares it with the plan."""
+    layout = hybrid_mamba("long@1", [0], [1], 4, 8, conv_shape=(4, 3), ssm_shape=(2, 8),
+                          tokens_per_page=1)
+    t = 1001
+    names = [[bytes([g]) + j.to_bytes(4, "big") * 13 + b"\x00" for j in range(t)] for g in range(2)]
+    plan = resume_bound(layout, t, lambda g, j: g == 0 or j == t - 2, names)
+    assert plan.tokens == t - 1
+    ledger = FetchLedger(10.0, FakeClock())
+    fid = ledger.open(layout, t, names, plan)
+    rows = ledger.plan(fid)
+    assert len(rows) == t  # 1,000 KV pages and one snapshot
+    with pytest.raises(InvalidInput, match=r"names\[1\]"):
+        ledger.record(fid, [rows[0].name, names[1][0]])  # the snapshot at 1 is not planned
+    assert ledger.delivered(fid) == frozenset()  # nothing of the refused call was recorded
+    for r in rows[:-1]:
+        ledger.record(fid, [r.name])
+    assert ledger.delivered(fid) == frozenset(r.name for r in rows[:-1])
+    assert ledger.pending(fid) == (rows[-1],)
+    ledger.record(fid, [rows[-1].name, rows[-1].name])  # a repeat is harmless
+    assert ledger.bound(fid).tokens == t - 1 and ledger.pending(fid) == ()
+    ledger.check_invariants()

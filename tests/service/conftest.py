@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -27,3 +28,12 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeProcess]:
 
 def start_node(data: Path, *extra: str) -> NodeProcess:
     return NodeProcess.start(["--data-dir", str(data), *NODE_ARGS, *extra])
+
+
+def admin_headers(node: NodeProcess) -> dict[str, str]:
+    """The admin bearer header of a node started without a token: the ready line names
+    the generated token's file."""
+    m = re.search(r"admin token in (\S+)", "".join(node.lines))
+    assert m is not None, "".join(node.lines)[-2000:]
+    token = Path(m.group(1).rstrip(",;)")).read_text().strip()
+    return {"Authorization": f"Bearer {token}"}

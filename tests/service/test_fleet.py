@@ -26,7 +26,7 @@ from kvbank.service.fleet_index import FleetIndex
 from kvbank.service.launch import NodeProcess
 from kvbank.testing.servers import INSTALL_HINT, free_port, in_ci, redis_binary
 
-from .conftest import start_node
+from .conftest import admin_headers, start_node
 
 LAYOUT = full_attention("fleet@1", num_layers=2, num_kv_heads=2, head_dim=64)
 PAGE = LAYOUT.group_page_bytes[0]
@@ -100,7 +100,9 @@ def health(node: NodeProcess) -> dict[str, Any]:
 
 
 def fleet(node: NodeProcess) -> dict[str, Any]:
-    return dict(httpx.get(node.url + "/v1/fleet", timeout=5).json())
+    got = httpx.get(node.url + "/admin/fleet", headers=admin_headers(node), timeout=5)
+    assert got.status_code == 200, got.text
+    return dict(got.json())
 
 
 def pages(n: int, seed: int) -> torch.Tensor:

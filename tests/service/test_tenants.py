@@ -110,3 +110,33 @@ def _wire(m: Any) -> Any:
     from kvbank import wire
 
     return wire.to_dict(m)
+
+
+@pytest.mark.parametrize("same_host", [False, True], ids=["tcp", "same-host"])
+def test_cross_shard_fetch_under_tenant_tokens(node: NodeProcess, same_host: bool) -> None:
+    """Rows a TP 4 worker of tenant A stored are found and resharded for A's TP 2 worker
+    (bit-exact), through the TCP and the same-host paths; tenant B's identical prompt
+    matches nothing and B cannot fetch A's match."""
+    from tests.test_cross_shard import _cut, _gqa, _pages
+
+    seed = 11 if same_host else 12
+    tp1 = _pages(_gqa(1), 0, 4, seed)
+    toks = [(seed * 7919 + i) % 32_000 for i in range(4 * P)]
+    with Client(node.url, token=TA, same_host=same_host) as a, \
+            Client(node.url, token=TB, same_host=same_host) as b:
+        for r, shard in enumerate(_cut(_gqa(1), 0, tp1, 4)):
+            lid4 = a.register(_gqa(4, r))
+            a.put(lid4, toks, group=0, pages=shard, shard=r)
+        want = _cut(_gqa(1), 0, tp1, 2)
+        for j in range(2):
+            lid2 = a.register(_gqa(2, j))
+            m = a.match(lid2, [*toks, 1], shard=j)
+            assert m.resume.tokens == 4 * P and m.scope.tenant == "a"
+            out = torch.zeros((4, _gqa(2).group_page_bytes[0]), dtype=torch.uint8)
+            got = a.fetch(m, out={0: out})
+            assert got.complete, got
+            assert torch.equal(out, want[j])
+            b.register(_gqa(2, j))
+            assert b.match(lid2, [*toks, 1], shard=j).resume.tokens == 0
+            with pytest.raises(Forbidden):
+                b.fetch(m, out={0: torch.zeros_like(out)})

@@ -326,9 +326,10 @@ class TieredStore:
                     used = pool.used_bytes if pool else 0
                     alloc = pool.allocated_bytes if pool else 0
                     budget = pool.budget if pool else 0
+                raw = int(ix.size[: ix.high][(where & bit) != 0].sum(dtype=np.int64))
                 tiers.append(TierStats(KIND_OF_BIT[bit], enabled, rows, used, alloc, budget,
                                        c.hits, c.misses, c.evictions, c.demotions,
-                                       c.promotions, corrupt))
+                                       c.promotions, corrupt, raw))
             return StoreStats(tuple(tiers), len(ix), len(st.locks), len(st.res.reserved),
                               len(st.jobs), sum(st.queued.values()), st.puts, st.gets,
                               st.hits, st.misses, len(st.pins), st.pins.nbytes,

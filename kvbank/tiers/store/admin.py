@@ -1,9 +1,8 @@
 """The operations an admin API and the fleet call: list, evict, pin, touch, read a frame.
 
-- :func:`scan` — rows in name order by prefix, a page at a time (cursor = last name).
-  The name table is copied under the store lock (one C-level copy), filtered and ordered
-  outside it, and only the page's rows are read under the lock again. Never takes a page
-  lock or changes recency.
+- :func:`scan` — rows in name order by prefix, a page at a time (cursor = last name):
+  one bisect into the index's ordered names and the page's rows read, all under the store
+  lock, O(log n + page). Never takes a page lock or changes recency.
 - :func:`evict` — drop rows from every tier; locked and pinned rows are reported, not
   evicted.
 - :func:`pin` / :func:`unpin` — pinned rows are never victims (never evicted or demoted
@@ -15,7 +14,6 @@
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Sequence
 
 import numpy as np
@@ -46,18 +44,12 @@ def scan(st: StoreState, prefix: bytes, after: bytes | None, limit: int) -> list
         check_name(after)
     if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= MAX_SCAN_LIMIT:
         raise InvalidInput(f"limit: expected an integer in [1, {MAX_SCAN_LIMIT}], got {limit!r}")
-    with st.lock:
-        st.check_open()
-        names = list(st.ix.ids)
-    picked = heapq.nsmallest(limit, (n for n in names if n.startswith(prefix)
-                                     and (after is None or n > after)))
     out: list[RowInfo] = []
     with st.lock:
+        st.check_open()
         ix = st.ix
-        for name in picked:
-            rid = ix.ids.get(name)
-            if rid is None:
-                continue  # gone since the copy
+        for name in ix.ordered.page(prefix, after, limit):
+            rid = ix.ids[name]
             where = int(ix.where[rid])
             out.append(RowInfo(name, int(ix.size[rid]),
                                frozenset(k for b, k in KIND_OF_BIT.items() if where & b),

@@ -17,6 +17,7 @@ from kvbank.tiers.store.types import JobKind
 
 def check(st: StoreState) -> list[str]:
     out = _rows(st)
+    out += st.ix.check()
     out += st.locks.check()
     for name in st.pins.names():
         if name not in st.ix.ids:

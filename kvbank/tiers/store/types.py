@@ -31,6 +31,9 @@ class TierStats:
     demotions: int  # rows moved (or copied, then dropped) to a lower tier
     promotions: int  # rows copied into this tier from a lower one on read
     corrupt_rows: int
+    # Page bytes of the rows held, as stored before any codec: with ``used_bytes`` of a
+    # compressed tier (disk), the codec ratio. Rebuilt with the index at open.
+    raw_bytes: int = 0
 
 
 @dataclass(frozen=True, slots=True)

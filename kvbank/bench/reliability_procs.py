@@ -188,11 +188,12 @@ class _Putters:
 
 def crash_puts(workdir: Path, *, policy: str = "write-through", rounds: int = 20,
                clients: int = 8, puts: int = 1000, seed: int = 16,
-               dirty_expire_s: float | None = None, pace_s: float = 0.0) -> CrashResult:
+               dirty_expire_s: float | None = None, pace_s: float = 0.0,
+               kill_between: tuple[float, float] = (0.1, 0.9)) -> CrashResult:
     """Rounds of: ``clients`` processes put ``puts`` pages each (chains, one page a call,
     odd clients through shared memory, even ones over TCP); SIGKILL the node once a random
-    share (10-90 %) of them is acknowledged; restart it on the same data dir; read every
-    chain back. The restarted node serves the next round."""
+    share (``kill_between``) of them is acknowledged; restart it on the same data dir;
+    read every chain back. The restarted node serves the next round."""
     rng = random.Random(seed)
     data = workdir / "data"
     extra = {} if dirty_expire_s is None else {"KVBANK_DIRTY_EXPIRE_S": str(dirty_expire_s)}
@@ -203,7 +204,8 @@ def crash_puts(workdir: Path, *, policy: str = "write-through", rounds: int = 20
     node = NodeProcess.start(args, env=env)
     try:
         for r in range(rounds):
-            target = rng.randint(max(1, clients * puts // 10), max(1, clients * puts * 9 // 10))
+            lo, hi = (max(1, int(clients * puts * f)) for f in kill_between)
+            target = rng.randint(lo, hi)
             putters.send({"url": node.url, "round": r, "n": puts, "pace_s": pace_s})
             acks: dict[int, dict[int, float]] = {i: {} for i in range(clients)}
             ended: set[int] = set()

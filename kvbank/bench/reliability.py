@@ -98,7 +98,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         table = markdown(rows)
         if args.doc:
             note = "Measured on a shared 2-core machine" + (
-                f", load average {args.load} during the run." if args.load else ".")
+                f"; load average: {args.load}." if args.load else ".")
             rewrite_doc(args.doc, table, note)
         else:
             print(table)

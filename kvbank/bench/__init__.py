@@ -20,4 +20,5 @@ SUITES: dict[str, str] = {
     "reshard": "kvbank.bench.reshard",
     "bank": "kvbank.bench.bank",
     "fleet": "kvbank.bench.fleet",
+    "reliability": "kvbank.bench.reliability",
 }

@@ -19,13 +19,16 @@ Missing token → 401 (:class:`Unauthorized`), wrong token → 403 (:class:`Forb
 from __future__ import annotations
 
 import hmac
+import logging
 import os
 import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvbank.errors import Forbidden, Unauthorized
+from kvbank.errors import ConfigError, Forbidden, Unauthorized
+
+logger = logging.getLogger(__name__)
 
 TOKEN_FILE = "admin.token"
 TOKEN_BYTES = 32
@@ -51,14 +54,20 @@ def write_token_file(path: Path, token: str) -> None:
     """Write ``token`` to ``path`` readable by its owner only (0600 from creation on)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
-        os.fchmod(fd, 0o600)  # an existing file keeps its mode through O_CREAT
-        os.write(fd, (token + "\n").encode())
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.fchmod(fd, 0o600)  # an existing file keeps its mode through O_CREAT
+            data = (token + "\n").encode()
+            if os.write(fd, data) != len(data):
+                raise OSError(f"short write to {tmp}")
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def read_token_file(path: Path) -> str | None:
@@ -77,7 +86,18 @@ def resolve_admin_token(configured: str | None, data_dir: Path | None) -> tuple[
     if data_dir is None:
         return token, None  # an in-process node: the caller reads app.state
     path = data_dir / TOKEN_FILE
-    write_token_file(path, token)
+    try:
+        write_token_file(path, token)
+    except OSError as exc:
+        # A full data dir must not keep the node from starting (its disk tier degrades
+        # and the memory tiers serve): the previous start's token stays valid.
+        previous = read_token_file(path)
+        if previous is None:
+            raise ConfigError(f"admin_token: cannot write {path}: {exc}; free space there "
+                              "or set KVBANK_ADMIN_TOKEN", field="admin_token") from exc
+        logger.warning("admin: cannot write a new token to %s (%s); keeping the one it holds",
+                       path, exc)
+        return previous, path
     return token, path
 
 

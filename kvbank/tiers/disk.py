@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
 import struct
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -83,6 +84,18 @@ DEFAULT_LEVEL = 1  # zstd-1 on byte planes: ratio ~1.44 at ~0.7 GB/s (machine-li
 DiskRow = FrameRow  # one committed row as its meta record says
 
 # The one table of what LMDB (and the file system under it) raises here: every call into
+FULL_FREE_BYTES = 1 << 20  # less free than this after a short write: the disk is full
+
+
+def _free_bytes(path: Path) -> int:
+    """Bytes an unprivileged writer may still use on ``path``'s file system."""
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return 0
+    return st.f_bavail * st.f_frsize
+
+
 # lmdb catches exactly these and maps them through DiskTier._mapped (TierFull for a full
 # map or file system, TierUnavailable otherwise), so only KvbankError leaves this module.
 LMDB_ERRORS: tuple[type[Exception], ...] = (lmdb.Error, OSError)
@@ -295,6 +308,10 @@ class DiskTier(Tier):
             return TierFull(f"disk tier: {what}: the LMDB map is full: {exc}")
         full = (isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)) or (
             "no space left" in str(exc).lower())
+        if not full and isinstance(exc, lmdb.Error) and "input/output error" in str(exc).lower():
+            # LMDB reports a short write as EIO, and a write that fills the file system
+            # is a short one: the free space tells a full disk from a failing one.
+            full = _free_bytes(self.path) < FULL_FREE_BYTES
         if full:
             return TierFull(f"disk tier: {what}: the file system is full: {exc}")
         return TierUnavailable(f"disk tier: {what}: {exc}")

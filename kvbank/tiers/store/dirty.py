@@ -31,6 +31,8 @@ from kvbank.tiers.store.state import StoreState
 
 logger = logging.getLogger("kvbank.tiers.store")
 
+SWEEP_GROUP = 64  # rows a sweep writes in one transaction (one fsync)
+
 
 class DirtySweep:
     """When the next sweep is due, and which rows were dirty at the last one."""
@@ -61,11 +63,12 @@ class DirtySweep:
             now = {n for n in (ix.names[int(r)] for r in rids) if n is not None}
             old, self._prev = sorted(now & self._prev), now
         n = 0
-        for name in old:
+        for i in range(0, len(old), SWEEP_GROUP):
+            batch = old[i : i + SWEEP_GROUP]
             try:
-                n += write_clean(st, name)
+                n += write_clean_many(st, batch)
             except TierError as exc:  # a full disk, a closing store: the next sweep retries
-                logger.info("store: dirty-age write of %s… stopped: %s", name.hex()[:16], exc)
+                logger.info("store: dirty-age write of %s… stopped: %s", batch[0].hex()[:16], exc)
                 break
         self.written += n
         return n
@@ -73,31 +76,62 @@ class DirtySweep:
 
 def write_clean(st: StoreState, name: bytes) -> int:
     """Write a memory-only row to disk and keep its memory copy; 1 if written."""
+    return write_clean_many(st, [name])
+
+
+def write_clean_many(st: StoreState, names: list[bytes]) -> int:
+    """Write memory-only rows to disk in one transaction (one durable commit: a commit
+    per row could not keep up with puts, and the dirty age grew without bound) and keep
+    their memory copies; how many were written."""
+    from kvbank.tiers.disk import FrameWrite  # lmdb loads only with a disk tier
+
     disk = st.disk
     assert disk is not None
-    frame = admin.read_frame(st, name)  # holds the slot while it encodes
-    if frame is None:
+    encoded: list[tuple[bytes, bytes, int]] = []
+    for name in names:
+        frame = admin.read_frame(st, name)  # holds the slot while it encodes
+        if frame is not None:
+            encoded.append((name, frame, frame_info(frame).raw_len))
+    if not encoded:
         return 0
-    raw_len = frame_info(frame).raw_len
     ix = st.ix
     with st.disk_lock:
+        todo: list[tuple[FrameWrite, int]] = []  # with the row id it was checked for
+        room = disk.budget_bytes - disk.used_bytes
         with st.lock:
             st.check_open()
-            rid = ix.ids.get(name)
-            if rid is None or int(ix.size[rid]) != raw_len:
-                return 0
-            where = int(ix.where[rid])
-            if where & DISK or not where & (DEV | HOST):
-                return 0  # written (or demoted) meanwhile
-            dtype, parent = ix.dtypes[int(ix.dtype[rid])], ix.parent_name(rid)
-        if disk.used_bytes + len(frame) > disk.budget_bytes:
-            return 0  # never evict older rows to make room for a copy of a memory row
-        disk.write_frame(name, frame, raw_len=raw_len, dtype=dtype, parent=parent, replace=True)
+            for name, frame, raw_len in encoded:
+                rid = ix.ids.get(name)
+                if rid is None or int(ix.size[rid]) != raw_len:
+                    continue
+                where = int(ix.where[rid])
+                if where & DISK or not where & (DEV | HOST):
+                    continue  # written (or demoted) meanwhile
+                if len(frame) > room:
+                    break  # never evict older rows to make room for a copy of a memory row
+                room -= len(frame)
+                todo.append((FrameWrite(name, frame, raw_len, ix.dtypes[int(ix.dtype[rid])],
+                                        ix.parent_name(rid)), rid))
+        if not todo:
+            return 0
+        group = getattr(disk, "write_frames", None)  # the disk tier's group commit
+        if group is not None:
+            group([w for w, _ in todo], replace=True)
+        else:  # a frame store without one: a transaction per frame
+            for w, _ in todo:
+                disk.write_frame(w.name, w.frame, raw_len=w.raw_len, dtype=w.dtype,
+                                 parent=w.parent, replace=True)
+        written = 0
+        stale: list[bytes] = []
         with st.lock:
-            same = ix.ids.get(name) == rid and int(ix.size[rid]) == raw_len
-            where = int(ix.where[rid]) if same else 0
-            if same and where & (DEV | HOST) and not where & DISK:
-                ix.where[rid] = where | DISK
-                return 1
-        disk.delete_many([name])  # the row changed meanwhile: no frame the index lacks
-    return 0
+            for w, rid in todo:
+                same = ix.ids.get(w.name) == rid and int(ix.size[rid]) == w.raw_len
+                where = int(ix.where[rid]) if same else 0
+                if same and where & (DEV | HOST) and not where & DISK:
+                    ix.where[rid] = where | DISK
+                    written += 1
+                else:
+                    stale.append(w.name)
+        if stale:
+            disk.delete_many(stale)  # the rows changed meanwhile: no frame the index lacks
+    return written

@@ -59,7 +59,9 @@ def take_out(st: StoreState, bit: int, rid: int) -> bool:
         res.drop_copy(rid, bit)
         st.counters[bit].demotions += 1
         return True
-    if st.disk is None:  # nothing below: the row leaves the store
+    if st.disk is None or st.disk_degraded():
+        # Nothing below, or a disk that refuses writes (full): the row leaves the store,
+        # as it would from a store without a disk tier; the rows on disk stay.
         st.counters[bit].evictions += 1
         st.remove_row(rid)
         return True
@@ -88,7 +90,7 @@ def reclaim(st: StoreState, bit: int, need: int, *, queue: bool = True,
     for rid in st.victims(bit, need, cls):
         cap = pool.capacity(st.res.mem_off(rid, bit))
         clean = bool(int(ix.where[rid]) & DISK) or st.disk is None or (
-            bit == DEV and st.host is not None)
+            bit == DEV and st.host is not None) or st.disk_degraded()
         if not clean and (not queue or room <= 0):
             continue
         if take_out(st, bit, rid):

@@ -35,6 +35,7 @@ from kvbank.tiers.store.types import Job, JobKind
 logger = logging.getLogger("kvbank.tiers.store")
 
 MAX_PAGE = MAX_PAGE_BYTES  # the one page limit (sizes are uint32 in the index)
+DISK_RETRY_S = 5.0  # after a failed disk write, memory tiers run host-only this long
 
 
 class Counters:
@@ -58,6 +59,7 @@ class StoreState:
         self.closed = False
         self.notes: list[str] = []
         self.disk_error: str | None = None
+        self.disk_error_at = 0.0  # time.monotonic() of the last disk write that failed
         self.counters = {DEV: Counters(), HOST: Counters(), DISK: Counters()}
         self.puts = self.gets = self.hits = self.misses = 0
         self.device = device
@@ -144,8 +146,18 @@ class StoreState:
 
     def note_disk_error(self, msg: str) -> None:
         if self.disk_error is None:
-            logger.warning("store: disk tier degraded: %s", msg)
+            logger.warning("store: disk tier degraded: %s; memory tiers go on host-only, "
+                           "dropping their coldest unwritten rows, and retry the disk "
+                           "every %.0f s", msg, DISK_RETRY_S)
         self.disk_error = msg
+        self.disk_error_at = time.monotonic()
+
+    def disk_degraded(self) -> bool:
+        """A disk write failed in the last ``DISK_RETRY_S``: memory victims that would
+        need one are dropped instead (host-only), so puts keep working on a full disk.
+        After that a victim is queued for the disk again: the retry."""
+        return self.disk_error is not None and (
+            time.monotonic() - self.disk_error_at < DISK_RETRY_S)
 
     def victims(self, bit: int, need: int, cls: int | None = None) -> list[int]:
         """The policy's victims in tier ``bit``: never locked, pinned or busy rows."""

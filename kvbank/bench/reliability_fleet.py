@@ -431,14 +431,15 @@ def peer_killed(rounds: int = 10, pages: int = 48, seed: int = 7,
 
 def run_part(quick: bool) -> tuple[list[BenchRow], int]:
     """This module's rows of ``kvbank bench reliability`` and the wrong bytes seen."""
-    from kvbank.bench.soak import goal_row, soak
+    from kvbank.bench.reliability import goal_row
+    from kvbank.bench.soak import soak
 
     rows: list[BenchRow] = []
     flap = redis_flap(rounds=1 if quick else 3, outage_s=1.0 if quick else 3.0)
-    rows.append(goal_row(SUITE, "redis-flap", "s", max(flap.rejoin_s), REJOIN_GOAL_S))
-    rows.append(goal_row(SUITE, "redis-flap-failed-fetches", "fetches", flap.failed, 0))
+    rows.append(goal_row("redis-flap", "s", max(flap.rejoin_s), REJOIN_GOAL_S))
+    rows.append(goal_row("redis-flap-failed-fetches", "fetches", flap.failed, 0))
     peer = peer_killed(rounds=3 if quick else 10)
-    rows.append(goal_row(SUITE, "peer-killed", "rows", peer.bad_rows + peer.ragged, 0))
+    rows.append(goal_row("peer-killed", "rows", peer.bad_rows + peer.ragged, 0))
     rows.append(row(SUITE, "peer-killed-mid-fetch", "rounds", peer.mid, "rounds run", peer.rounds))
     s = soak(clients=4 if quick else 16, seconds=10.0 if quick else 60.0)
     rows.extend(s.rows(SUITE, "soak-16x60", RSS_GOAL))
@@ -450,12 +451,12 @@ def run_part(quick: bool) -> tuple[list[BenchRow], int]:
 
 
 if __name__ == "__main__":
-    from kvbank.bench.soak import goal_row
+    from kvbank.bench.reliability import goal_row
 
     got, wrong_bytes = run_part("--quick" in sys.argv[1:])
     for r in got:
         print(r.to_json(), flush=True)
-    print(goal_row(SUITE, "wrong-bytes", "wrong bytes returned across every case", wrong_bytes,
+    print(goal_row("wrong-bytes", "wrong bytes returned across every case", wrong_bytes,
                    0).to_json(), flush=True)
     sys.stdout.flush()
     os._exit(0)

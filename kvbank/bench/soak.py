@@ -57,6 +57,7 @@ from typing import Any
 import numpy as np
 
 from kvbank.bench.common import BenchRow, row
+from kvbank.bench.reliability import goal_row
 
 P = 16
 LAYERS = 1  # 1 layer x (K+V) x 8 heads x 128 x 16 tokens x bf16 = 64 KiB pages
@@ -71,14 +72,6 @@ REFUSALS = frozenset({"TierFull", "Busy", "LeaseConflict"})
 DEVICE_BYTES = 0
 NODE_ARGS = ["--host-bytes", str(HOST_BYTES), "--disk-bytes", str(DISK_BYTES),
              "--max-body-bytes", "64M"]
-
-
-def goal_row(suite: str, case: str, metric: str, value: float, goal: float) -> BenchRow:
-    """A row against its goal: ``ratio`` is value / goal, or the value itself where the
-    goal is 0 (the reliability suite's rule, so a zero-goal row shows its count)."""
-    ratio = value / goal if goal else value
-    return BenchRow(suite, case, metric, round(float(value), 6), "goal", float(goal),
-                    round(float(ratio), 4))
 
 
 def _layout() -> Any:
@@ -252,11 +245,11 @@ class SoakResult:
         return (self.peak_private + self.peak_shm) / self.budget if self.budget else 0.0
 
     def rows(self, suite: str, case: str, rss_goal: float) -> list[BenchRow]:
-        out = [goal_row(suite, case, "errors", self.errors, 0),
-               goal_row(suite, f"{case}-rss", "ratio", self.rss_ratio, rss_goal),
+        out = [goal_row(case, "errors", self.errors, 0),
+               goal_row(f"{case}-rss", "ratio", self.rss_ratio, rss_goal),
                row(suite, f"{case}-lmdb-resident", "MiB", self.peak_lmdb / 2**20,
                    "disk budget", DISK_BYTES / 2**20),
-               goal_row(suite, f"{case}-check", "problems", len(self.problems), 0),
+               goal_row(f"{case}-check", "problems", len(self.problems), 0),
                row(suite, f"{case}-refusals", "ops", self.tally["refusals"], "ops run",
                    self.tally["ops"])]
         for op in OPS:

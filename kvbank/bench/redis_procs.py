@@ -1,7 +1,8 @@
 """Throwaway local Redis processes for the fleet benchmark (and its cluster tests).
 
 ``RedisProc.start()`` is one private ``redis-server`` on a free loopback port with
-persistence off; ``stop()`` ends it by pid.
+persistence off; ``stop()`` ends it by pid. The test scaffolding
+(:mod:`kvbank.testing.servers`) reuses it; bench code never imports the tests' helpers.
 
 ``RedisClusterProcs.start(masters=3, replicas=0)`` starts ``masters * (1 + replicas)``
 ``redis-server --cluster-enabled yes`` processes on free loopback ports (each port and
@@ -22,42 +23,56 @@ import subprocess
 import tempfile
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 
 class MissingBinary(RuntimeError):
     """redis-server or redis-cli is not installed."""
 
 
+INSTALL_HINT = (
+    "redis-server not found on PATH; install it (Debian/Ubuntu: `apt-get install "
+    "redis-server`, macOS: `brew install redis`) to run the Redis tests and benchmarks"
+)
+
+
 @dataclass
 class RedisProc:
-    """One private redis-server on loopback."""
+    """One private redis-server on loopback (persistence off); ``stop()`` ends it by pid."""
 
     port: int
-    workdir: str
+    workdir: Path
     proc: subprocess.Popen[bytes]
 
     @property
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
     @classmethod
     def start(cls, timeout_s: float = 10) -> RedisProc:
         binary = shutil.which("redis-server")
         if binary is None:
-            raise MissingBinary("redis-server not found on PATH")
-        workdir = tempfile.mkdtemp(prefix="kvbank-redis-")
-        port = _free_pair()
-        proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--dir",
-                                 workdir, "--save", "", "--appendonly", "no"],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        self = cls(port, workdir, proc)
-        deadline = time.monotonic() + timeout_s
-        while _info(port, "PING") != "PONG":
-            if time.monotonic() > deadline or proc.poll() is not None:
-                self.stop()
-                raise RuntimeError(f"redis-server on {port} did not answer PING")
-            time.sleep(0.02)
-        return self
+            raise MissingBinary(INSTALL_HINT)
+        workdir = Path(tempfile.mkdtemp(prefix="kvbank-redis-"))
+        for _ in range(5):  # a port can be taken between choosing it and the bind
+            port = _free_pair()
+            proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1",
+                                     "--dir", str(workdir), "--save", "", "--appendonly", "no",
+                                     "--protected-mode", "yes"],
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            deadline = time.monotonic() + timeout_s
+            while time.monotonic() < deadline and proc.poll() is None:
+                if _info(port, "PING") == "PONG":
+                    return cls(port, workdir, proc)
+                time.sleep(0.02)
+            proc.kill()
+            proc.wait()
+        shutil.rmtree(workdir, ignore_errors=True)
+        raise RuntimeError(f"redis-server did not answer PING within {timeout_s}s")
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -68,6 +83,7 @@ class RedisProc:
                 os.kill(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
         shutil.rmtree(self.workdir, ignore_errors=True)
+
 
 NODE_TIMEOUT_MS = 2000  # a failover takes about twice this
 
@@ -157,7 +173,7 @@ class RedisClusterProcs:
     def master_of(self, key: bytes) -> int:
         """The port of the master that owns ``key``'s slot now (0: none while a failover
         settles)."""
-        from redis.crc import key_slot
+        from kvbank.tiers.redis_client import key_slot
 
         slot = key_slot(key)
         alive = next(p for p in self.ports if self.procs[p].poll() is None)

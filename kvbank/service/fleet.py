@@ -4,18 +4,24 @@ fetch a prompt's missing rows from the peer that holds them.
 Primitives:
 
 - :class:`Fleet` — owns a :class:`~kvbank.service.fleet_index.FleetIndex` and one
-  background thread. Every ``heartbeat_s`` it beats (``ZADD`` of its timestamp), follows
-  the store's change feed (rows PUBLISHED are added to their index entries, WITHDRAWN
-  ones removed; an OVERFLOW, a first start or a lost registration means a full
-  republish from a scan of the store), and republishes everything every ``entry_ttl/4``
-  so its entries never expire while it lives.
+  background thread. Every ``heartbeat_s`` it beats (``ZADD`` of its timestamp) and
+  follows the bank's change feed: rows PUBLISHED are added to their index entries,
+  WITHDRAWN ones removed. Only a (re)join — the first start, a lost registration (Redis
+  came back empty), a degraded spell — or a feed OVERFLOW republishes from a scan of
+  every held row. Entries carry a TTL, so a live node refreshes what it published a
+  slice a beat (from its own list, not a store scan): every row once per
+  ``entry_ttl/4``.
 - :meth:`Fleet.complete` — the fleet half of a match: after the local match, it asks the
-  index about the chain's missing rows (one round trip per Redis node), picks the live
-  peer holding the longest run of them, fetches them from that peer's data API (a
-  streamed, resumable fetch through :class:`~kvbank.service.client.Client`) and stores
-  the rows that arrived whole in the local tiers. The local match is then taken again:
-  what the worker sees is what this node holds. A peer that dies mid-fetch leaves its
-  undelivered rows misses and its index entries for them are withdrawn.
+  index about the missing rows of each group's chain (one probe read per Redis node,
+  :meth:`~kvbank.service.fleet_index.FleetIndex.lookup`), takes the live peers by the
+  rows they hold, and fetches from the first of them (its data API: a streamed,
+  resumable fetch through :class:`~kvbank.service.client.Client`). The rows are
+  received straight into this node's host slots under a WRITE lease and committed as
+  they arrived whole (no temporary copy; with no host slot to lease, they are stored by
+  name instead). The next peer is asked only when rows it lists are still missing. The
+  local match is then taken again: what the worker sees is what this node holds. A peer
+  that dies mid-fetch leaves its undelivered rows misses and its index entries for them
+  are withdrawn.
 - Degraded mode: any Redis fault sets ``degraded`` (health: ``degraded: fleet``); local
   serving never waits on Redis (the index is skipped while degraded). The loop keeps
   trying every ``heartbeat_s``; once Redis answers again the node re-registers and
@@ -28,8 +34,10 @@ nothing: entries of a stopped node expire, and its heartbeat ages out).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
+import math
 import threading
 import time
 from collections.abc import Sequence
@@ -38,7 +46,8 @@ from typing import Any
 from kvbank import __version__
 from kvbank.bank import Bank
 from kvbank.errors import KvbankError, TierUnavailable
-from kvbank.results import Match
+from kvbank.lender.base import Lease, LeaseMode, MemoryKind
+from kvbank.results import FetchResult, Match
 from kvbank.service.fleet_index import DEFAULT_ENTRY_TTL_S, FleetIndex, NodeInfo
 from kvbank.tiers.redis_client import RedisClient
 from kvbank.tiers.store.types import EventKind
@@ -46,7 +55,6 @@ from kvbank.tiers.store.types import EventKind
 logger = logging.getLogger(__name__)
 
 DEFAULT_HEARTBEAT_S = 1.0
-_SCAN_PAGE = 4096
 _NOT_YET = "not registered yet"
 
 
@@ -57,7 +65,6 @@ class Fleet:
                  heartbeat_s: float = DEFAULT_HEARTBEAT_S,
                  entry_ttl_s: float = DEFAULT_ENTRY_TTL_S, **index_args: Any) -> None:
         self.bank = bank
-        self.store = bank._store  # take_events / scan: Bank wrappers land with the admin API
         self.index = FleetIndex(client, entry_ttl_s=entry_ttl_s, **index_args)
         self.name = name
         self.address = address
@@ -70,6 +77,8 @@ class Fleet:
         self.peer_rows = 0  # rows fetched from peers
         self.peer_misses = 0  # rows a peer was listed for but did not deliver whole
         self._held: set[bytes] = set()  # rows this node has published (what it holds)
+        self._refresh: collections.deque[bytes] = collections.deque()  # TTL refresh order
+        self.republishes = 0  # full republishes (joins, rejoins, feed overflows)
         self._peers: dict[str, Any] = {}  # address -> a kvbank Client kept for reuse
         self._peers_lock = threading.Lock()  # apart from _lock: a match never waits on a beat
         self._live: set[int] = set()  # live peers, read once a beat (not on every match)
@@ -81,7 +90,7 @@ class Fleet:
     # -- lifecycle ---------------------------------------------------------------------
 
     def start(self) -> None:
-        self.store.take_events(0)  # subscribe: the feed records from now on
+        self.bank.take_events(0)  # subscribe: the feed records from now on
         self._thread.start()
 
     def close(self) -> None:
@@ -98,7 +107,7 @@ class Fleet:
                 "error": self.last_error if self.degraded else None,
                 "published": len(self._held), "peer_rows": self.peer_rows,
                 "peer_misses": self.peer_misses, "forged_entries": self.index.forged,
-                "failover_retries": self.index.retries}
+                "failover_retries": self.index.retries, "republishes": self.republishes}
 
     def nodes(self) -> list[NodeInfo]:
         return self.index.nodes()
@@ -106,14 +115,13 @@ class Fleet:
     # -- the loop ----------------------------------------------------------------------
 
     def _layouts(self) -> list[str]:
-        # The catalog's layout ids (a dict copy is atomic; no public listing exists yet).
-        return sorted(lid.hex() for lid in list(self.bank._catalog._layouts))
+        return sorted(lid.hex() for lid in self.bank.layout_ids())
 
     def step(self) -> None:
-        """One beat: register if needed, follow the feed, republish when due."""
+        """One beat: register if needed, follow the feed, refresh a slice of the TTLs."""
         with self._lock:
             try:
-                events = self.store.take_events(None)
+                events = self.bank.take_events(None)
                 full = self.node_id is None or any(e.kind is EventKind.OVERFLOW for e in events)
                 if self.node_id is not None and not self.index.heartbeat(
                         self.node_id, self.name, len(self._held), self._layouts()):
@@ -124,10 +132,11 @@ class Fleet:
                                                        self._layouts())
                     logger.info("fleet: registered as node %d", self.node_id)
                 self._live = self.index.live()
-                if full or time.monotonic() - self._last_full >= self.republish_s:
+                if full or self._last_full == 0.0:
                     self._republish()
                 else:
                     self._follow(events)
+                    self._refresh_slice()
                 if self.degraded and self.last_error != _NOT_YET:
                     logger.warning("fleet: Redis answers again; node %d republished",
                                    self.node_id)
@@ -136,7 +145,7 @@ class Fleet:
                 if not self.degraded:
                     logger.warning("fleet: degraded: %s", exc)
                 self.degraded, self.last_error = True, str(exc)
-                self._last_full = 0.0  # what changed meanwhile: the next republish has it
+                self._last_full = 0.0  # what changed meanwhile: the next beat republishes
 
     def _follow(self, events: Sequence[Any]) -> None:
         assert self.node_id is not None
@@ -149,23 +158,35 @@ class Fleet:
             self.index.withdraw(gone, self.node_id)
             self._held.difference_update(gone)
 
+    def _refresh_slice(self) -> None:
+        """Re-publish (refresh the TTL of) the next slice of this node's rows, sized so
+        that every row is refreshed once per ``republish_s``."""
+        assert self.node_id is not None
+        if not self._refresh:
+            self._refresh.extend(self._held)
+        n = math.ceil(len(self._held) * self.heartbeat_s / self.republish_s)
+        todo: list[bytes] = []
+        while self._refresh and len(todo) < n:
+            name = self._refresh.popleft()
+            if name in self._held:
+                todo.append(name)
+        if todo:
+            self.index.publish(todo, self.node_id)
+
     def _republish(self) -> None:
+        """Publish every held row (a scan of the bank) and withdraw what is gone."""
         assert self.node_id is not None
         held: set[bytes] = set()
-        after: bytes | None = None
-        while True:
-            page = self.store.scan(b"", after=after, limit=_SCAN_PAGE)
-            if not page:
-                break
-            names = [r.name for r in page]
+        for names in self.bank.held_names():
             self.index.publish(names, self.node_id)
             held.update(names)
-            after = names[-1]
         stale = self._held - held
         if stale:
             self.index.withdraw(sorted(stale), self.node_id)
         self._held = held
+        self._refresh.clear()
         self._last_full = time.monotonic()
+        self.republishes += 1
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -179,91 +200,126 @@ class Fleet:
     # -- match and peer fetch ----------------------------------------------------------
 
     def complete(self, match: Match, args: dict[str, Any]) -> bool:
-        """Fetch the match's missing rows from the peer holding the longest run of them
-        and keep them locally; ``True`` when rows arrived (take the match again). Never
-        raises for a fleet fault: a degraded fleet or a dead peer is a local miss."""
+        """Fetch the match's missing rows from the live peers that hold them, most rows
+        first, and keep them locally; ``True`` when rows arrived (take the match again).
+        Never raises for a fleet fault: a degraded fleet or a dead peer is a local miss."""
         if self.degraded or self.node_id is None:
             return False
-        missing = [n for names, tiers in zip(match.names, match.tiers, strict=True)
-                   for n, t in zip(names, tiers, strict=True) if t is None]
-        if not missing:
+        chains = [[n for n, t in zip(names, tiers, strict=True) if t is None]
+                  for names, tiers in zip(match.names, match.tiers, strict=True)]
+        if not any(chains):
             return False
-        try:  # one multi-key round trip per Redis node; liveness comes from the last beat
-            listed = self.index.holders(missing)
-            if any(h not in self._live for hs in listed for h in hs):
+        try:  # one probe read per Redis node; liveness comes from the last beat
+            listed = self.index.lookup(chains)
+            if any(h not in self._live for h in listed):
                 self._live = self.index.live()  # a node newer than the last beat
-            peers = self._live - {self.node_id}
-            holders = [tuple(h for h in hs if h in peers) for hs in listed]
-            self.index.forged += sum(1 for hs in listed for h in hs
-                                     if h not in self._live)
+            self.index.forged += sum(1 for h in listed if h not in self._live)
         except TierUnavailable as exc:
             self.degraded, self.last_error = True, str(exc)
             return False
-        runs: dict[int, int] = {}
-        for hs in holders:
-            for h in hs:
-                runs[h] = runs.get(h, 0) + 1
-        for peer in sorted(runs, key=lambda h: -runs[h]):
+        peers = sorted((h for h in listed if h in self._live and h != self.node_id),
+                       key=lambda h: -listed[h])
+        got_any = False
+        have = 0  # rows delivered so far: a peer listing no more is not asked
+        for peer in peers:
+            if got_any and listed[peer] <= have:
+                break
             try:
                 got = self._fetch_from(peer, match, args)
             except TierUnavailable as exc:
                 logger.warning("fleet: peer %d failed: %s", peer, exc)
                 got = 0
             if got:
-                return True
-        return False
+                got_any = True
+                have = max(have, got)
+                if got >= listed[peer]:
+                    break  # it delivered all it was listed for: the next lists fewer
+        return got_any
 
-    def _fetch_from(self, peer: int, match: Match, args: dict[str, Any]) -> int:
-        """Rows fetched whole from ``peer`` and stored here; a peer that fails has its
-        entries for the undelivered rows withdrawn."""
+    def _peer_client(self, address: str) -> Any:
         from kvbank.service.client import Client
 
-        address = self.index.address(peer)
-        if address is None:
-            return 0
         with self._peers_lock:  # one client per peer: making one costs ~50 ms (TLS context)
             client = self._peers.pop(address, None)
         if client is None:
             client = Client(address, timeout_s=5.0, retry_s=1.0, same_host=False)
+        return client
+
+    def _keep_client(self, address: str, client: Any) -> None:
+        with self._peers_lock:
+            old = self._peers.pop(address, None)
+            self._peers[address] = client
+        if old is not None:
+            old.close()
+
+    def _fetch_from(self, peer: int, match: Match, args: dict[str, Any]) -> int:
+        """Rows fetched whole from ``peer`` and stored here; a peer that fails has its
+        entries for the undelivered rows withdrawn."""
+        address = self.index.address(peer)
+        if address is None:
+            return 0
+        client = self._peer_client(address)
         planned: list[bytes] = []
-        ok = False
+        lease: Lease | None = None
         try:
-            try:
-                client.layout(match.layout_id)
-                pm = client.match(match.layout_id, **args)
-                out = self.bank.out_buffers(pm)
-                planned = pm.needed
-                res = client.fetch(pm, out=out)
-                ok = True
-            except KvbankError as exc:
-                self._withdraw_peer(peer, planned or [])
-                raise TierUnavailable(f"fleet: fetch from node {peer}: {exc}") from exc
-            except Exception as exc:  # a peer's socket fault of any kind is a miss
-                self._withdraw_peer(peer, planned or [])
-                raise TierUnavailable(f"fleet: fetch from node {peer}: {exc}") from exc
-        finally:
-            if ok:
-                with self._peers_lock:
-                    old = self._peers.pop(address, None)
-                    self._peers[address] = client
-                if old is not None:
-                    old.close()
-            else:
-                client.close()
-        stored = 0
-        undelivered: list[bytes] = []
-        for g, (keys, names) in enumerate(zip(pm.resume.pages, pm.resume.rows, strict=True)):
-            at = {k: j for j, k in enumerate(keys)}  # out[g][j] holds page keys[j]
-            for k in res.delivered[g] if g < len(res.delivered) else ():
-                j = at[k]
-                self.store.put(names[j], out[g][j].numpy().data)
-                stored += 1
-            undelivered.extend(names[at[k]] for k in
-                               (res.missing[g] if g < len(res.missing) else ()))
+            client.layout(match.layout_id)
+            pm = client.match(match.layout_id, **args)
+            planned = list(pm.needed)
+            if not planned:
+                self._keep_client(address, client)
+                return 0
+            lease, out = self._receive(pm)
+            res = client.fetch(pm, out=out)
+        except Exception as exc:  # a peer's fault of any kind (typed or a socket's) is a miss
+            if lease is not None:
+                self.bank.release(lease.id)
+            client.close()
+            self._withdraw_peer(peer, planned)
+            raise TierUnavailable(f"fleet: fetch from node {peer}: {exc}") from exc
+        self._keep_client(address, client)
+        arrived, undelivered = _outcome(pm, res)
+        if lease is not None:
+            stored = len(self.bank.commit(lease.id, arrived).committed)
+        else:
+            stored = self._store_copies(pm, out, set(arrived))
         if undelivered:
             self.peer_misses += len(undelivered)
             self._withdraw_peer(peer, undelivered)
         self.peer_rows += stored
+        return len(arrived)
+
+    def _receive(self, pm: Match) -> tuple[Lease | None, dict[int, list[memoryview]]]:
+        """Where each row of the peer's match lands: the host slot a WRITE lease reserved
+        for it (rows already here land in one scratch row per group, and are dropped), or
+        scratch rows of their own when no lease can be had (no host tier, a conflict)."""
+        layout = self.bank.layout(pm.layout_id)
+        names = [n for rows in pm.resume.rows for n in rows]
+        lease: Lease | None = None
+        try:
+            self.bank.register_scope(pm.layout_id, pm.scope)
+            lease = self.bank.lend(names, mode=LeaseMode.WRITE, kind=MemoryKind.HOST)
+        except KvbankError as exc:  # TierFull, LeaseConflict, no host tier: copy instead
+            logger.debug("fleet: no WRITE lease for a peer's rows (%s); storing copies", exc)
+        fill = {r.name for r in lease.rows if r.location is not None} if lease else set()
+        out: dict[int, list[memoryview]] = {}
+        for g, rows in enumerate(pm.resume.rows):
+            if not rows:
+                continue
+            size = layout.group_page_bytes[g]
+            if lease is None:
+                out[g] = [memoryview(bytearray(size)) for _ in rows]
+                continue
+            scratch = memoryview(bytearray(size))
+            out[g] = [self.bank.view(lease.id, n) if n in fill else scratch for n in rows]
+        return lease, out
+
+    def _store_copies(self, pm: Match, out: dict[int, list[memoryview]],
+                      arrived: set[bytes]) -> int:
+        stored = 0
+        for g, rows in enumerate(pm.resume.rows):
+            got = [(n, out[g][j]) for j, n in enumerate(rows) if n in arrived]
+            if got:
+                stored += self.bank.put_rows(pm.layout_id, got)
         return stored
 
     def _withdraw_peer(self, peer: int, names: Sequence[bytes]) -> None:
@@ -272,6 +328,17 @@ class Fleet:
             return
         with contextlib.suppress(TierUnavailable):
             self.index.withdraw(list(names), peer)
+
+
+def _outcome(pm: Match, res: FetchResult) -> tuple[list[bytes], list[bytes]]:
+    """The names of the peer's rows that arrived whole, and of those that did not."""
+    arrived: list[bytes] = []
+    undelivered: list[bytes] = []
+    for g, (keys, names) in enumerate(zip(pm.resume.pages, pm.resume.rows, strict=True)):
+        at = {k: j for j, k in enumerate(keys)}  # out[g][j] holds page keys[j]
+        arrived.extend(names[at[k]] for k in (res.delivered[g] if g < len(res.delivered) else ()))
+        undelivered.extend(names[at[k]] for k in (res.missing[g] if g < len(res.missing) else ()))
+    return arrived, undelivered
 
 
 def join_fleet(bank: Bank, config: Any) -> Fleet | None:

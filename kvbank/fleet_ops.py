@@ -8,6 +8,10 @@ follows). Primitives:
 - :meth:`~FleetOps.layout_ids` — every registered layout id (what a node announces).
 - :meth:`~FleetOps.held_names` — every row name the bank holds, page by page in name
   order (a full republish after a (re)join; pure: no lock, no recency).
+- :meth:`~FleetOps.as_if_held` — a match with its missing rows counted as held: what a
+  node asks a peer the index lists to stream (the peer sends what it has and reports the
+  rest missing; the fetch's bound covers only what arrived whole), saving the round trip
+  of the peer's own match.
 - :meth:`~FleetOps.put_rows` — store rows by name (a peer's rows of one group of one
   layout, in chain order, each linked to its chain parent so eviction still takes a
   chain from its tail). Rows already stored, or locked by a lease, are skipped: equal
@@ -18,12 +22,15 @@ follows). Primitives:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator, Sequence
 
 from kvbank.catalog import Catalog
 from kvbank.errors import InvalidInput
 from kvbank.keys import ROW_NAME_BYTES, group_of, same_chain
-from kvbank.tiers.base import Buffer
+from kvbank.lender.resume import resume_bound, resume_boundaries
+from kvbank.results import Match
+from kvbank.tiers.base import Buffer, TierKind
 from kvbank.tiers.store import TieredStore
 
 DEFAULT_NAME_PAGE = 4096  # rows per page of held_names (one store scan each)
@@ -55,6 +62,25 @@ class FleetOps:
             if len(rows) < page:
                 return
             after = names[-1]
+
+    def as_if_held(self, match: Match) -> Match:
+        """``match`` with every missing row counted as held (in host memory) and its
+        bound recomputed: what to ask a peer for. Groups of 0-byte pages stay misses."""
+        if not isinstance(match, Match):
+            raise InvalidInput(f"match: expected a Match, got {type(match).__name__}")
+        layout = self._catalog.layout(match.layout_id)
+        n = len(layout.groups)
+        tiers = tuple(tuple(t if t is not None or not layout.group_page_bytes[g % n]
+                            else TierKind.HOST for t in row)
+                      for g, row in enumerate(match.tiers))
+
+        def have(g: int, j: int) -> bool:
+            return tiers[g][j] is not None
+
+        return dataclasses.replace(
+            match, tiers=tiers,
+            resume=resume_bound(layout, match.prompt_tokens, have, match.names),
+            boundaries=resume_boundaries(layout, match.prompt_tokens, have), via=())
 
     def put_rows(self, layout_id: bytes, rows: Sequence[tuple[bytes, Buffer]]) -> int:
         """Store ``(name, bytes)`` rows of ``layout_id`` (see the module docstring); how

@@ -4,7 +4,7 @@
 case                  ours                                         baseline (same run)
 ====================  ===========================================  ===========================
 ``match-1000-fleet``  ms of the fleet lookup of a 1,000-row chain  one Redis round trip (PING)
-                      (``FleetIndex.holders``: one MGET)
+                      (``FleetIndex.lookup``: one MGET of its probe)
 ``match-1000-cluster``  the same on a local 3-master cluster (one   one PING to each master
                       read script per master)
 ``peer-fetch``        GB/s of a match on node B whose 16 x 2 MiB   the holder's own
@@ -53,7 +53,7 @@ def _lookup_rows(quick: bool) -> Iterator[BenchRow]:
     from kvbank.service.fleet_index import FleetIndex
     from kvbank.tiers.remote import connect
 
-    reps = 30 if quick else 200
+    reps = 30 if quick else 300
     names = _names(1000)
     server = RedisServer.start()
     try:
@@ -61,7 +61,7 @@ def _lookup_rows(quick: bool) -> Iterator[BenchRow]:
         ix = FleetIndex(c)
         nid = ix.register("bench", "http://127.0.0.1:1", "bench", [])
         ix.publish(names[:500], nid)
-        ours, base = _paired_ms(lambda: ix.holders(names, {nid}), c.ping, reps)
+        ours, base = _paired_ms(lambda: ix.lookup([names]), c.ping, reps)
         yield row(SUITE, "match-1000-fleet", "ms", ours, "one Redis round trip (PING)", base)
         c.close()
     finally:
@@ -78,7 +78,7 @@ def _lookup_rows(quick: bool) -> Iterator[BenchRow]:
             for m in masters:
                 rc.execute_command("PING", target_nodes=m)
 
-        ours, base = _paired_ms(lambda: ix.holders(names, {nid}), pings, reps)
+        ours, base = _paired_ms(lambda: ix.lookup([names]), pings, reps)
         yield row(SUITE, "match-1000-cluster", "ms", ours, "one PING to each of 3 masters", base)
         rc.close()
     finally:

@@ -219,13 +219,14 @@ class Fleet:
             return False
         peers = sorted((h for h in listed if h in self._live and h != self.node_id),
                        key=lambda h: -listed[h])
+        flat = [n for chain in chains for n in chain]
         got_any = False
         have = 0  # rows delivered so far: a peer listing no more is not asked
         for peer in peers:
             if got_any and listed[peer] <= have:
                 break
             try:
-                got = self._fetch_from(peer, match, args)
+                got = self._fetch_from(peer, match, flat[:listed[peer]])
             except TierUnavailable as exc:
                 logger.warning("fleet: peer %d failed: %s", peer, exc)
                 got = 0
@@ -252,29 +253,27 @@ class Fleet:
         if old is not None:
             old.close()
 
-    def _fetch_from(self, peer: int, match: Match, args: dict[str, Any]) -> int:
-        """Rows fetched whole from ``peer`` and stored here; a peer that fails has its
-        entries for the undelivered rows withdrawn."""
+    def _fetch_from(self, peer: int, match: Match, listed: list[bytes]) -> int:
+        """Rows fetched whole from ``peer`` and kept here (``listed``: the missing rows
+        the index has it hold, about). The peer is asked to stream the match as if it
+        held every missing row: it sends what it has, reports the rest missing, and the
+        fetch's bound covers only what arrived whole (no round trip for its own match).
+        The peer's entries for listed rows it did not deliver are withdrawn."""
         address = self.index.address(peer)
         if address is None:
             return 0
         client = self._peer_client(address)
-        planned: list[bytes] = []
+        pm = self.bank.as_if_held(match)
         lease: Lease | None = None
         try:
-            client.layout(match.layout_id)
-            pm = client.match(match.layout_id, **args)
-            planned = list(pm.needed)
-            if not planned:
-                self._keep_client(address, client)
-                return 0
+            client.layout(match.layout_id)  # known to the peer (kept by the client)
             lease, out = self._receive(pm)
             res = client.fetch(pm, out=out)
         except Exception as exc:  # a peer's fault of any kind (typed or a socket's) is a miss
             if lease is not None:
                 self.bank.release(lease.id)
             client.close()
-            self._withdraw_peer(peer, planned)
+            self._withdraw_peer(peer, listed)
             raise TierUnavailable(f"fleet: fetch from node {peer}: {exc}") from exc
         self._keep_client(address, client)
         arrived, undelivered = _outcome(pm, res)
@@ -282,11 +281,12 @@ class Fleet:
             stored = len(self.bank.commit(lease.id, arrived).committed)
         else:
             stored = self._store_copies(pm, out, set(arrived))
-        if undelivered:
-            self.peer_misses += len(undelivered)
-            self._withdraw_peer(peer, undelivered)
+        stale = set(undelivered).intersection(listed)
+        if stale:
+            self.peer_misses += len(stale)
+            self._withdraw_peer(peer, sorted(stale))
         self.peer_rows += stored
-        return len(arrived)
+        return stored
 
     def _receive(self, pm: Match) -> tuple[Lease | None, dict[int, list[memoryview]]]:
         """Where each row of the peer's match lands: the host slot a WRITE lease reserved

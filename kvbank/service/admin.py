@@ -166,6 +166,12 @@ def _router(admin: Admin) -> APIRouter:
         s = await node.call(bank.stats)
         return M.TiersModel(tiers=_tiers(bank, s.store))
 
+    @r.get("/fleet")
+    async def fleet() -> dict[str, Any]:
+        if node.fleet is None:
+            raise InvalidInput("fleet: this node runs without Redis (--redis)", field="fleet")
+        return await node.call(node.fleet.document)
+
     @r.get("/layouts")
     async def layouts() -> M.LayoutsModel:
         return M.LayoutsModel(layouts=[wire.to_dict(x) for x in await node.call(bank.layouts)])

@@ -112,6 +112,15 @@ class Fleet:
     def nodes(self) -> list[NodeInfo]:
         return self.index.nodes()
 
+    def document(self) -> dict[str, Any]:
+        """The registry as ``GET /admin/fleet`` answers it (blocking: one Redis read)."""
+        return {"self": self.node_id, "nodes": [
+            {"node_id": n.node_id, "name": n.name, "address": n.address, "version": n.version,
+             "layouts": list(n.layouts), "rows": n.rows,
+             "heartbeat_age_s": round(max(0.0, n.heartbeat_age_s), 3),
+             "state": "live" if n.heartbeat_age_s <= self.index.deadline_s else "dead"}
+            for n in self.nodes()]}
+
     # -- the loop ----------------------------------------------------------------------
 
     def _layouts(self) -> list[str]:

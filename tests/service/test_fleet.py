@@ -4,6 +4,7 @@ restarted mid-run; a dead holder's rows are misses and its entries are withdrawn
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -22,6 +23,8 @@ import redis
 import torch
 
 from kvbank import Client, Scope, full_attention
+from kvbank.cli import main
+from kvbank.service.auth import TOKEN_FILE
 from kvbank.service.fleet_index import FleetIndex
 from kvbank.service.launch import NodeProcess
 from kvbank.testing.servers import INSTALL_HINT, free_port, in_ci, redis_binary
@@ -93,8 +96,16 @@ def health(node: NodeProcess) -> dict[str, Any]:
     return dict(httpx.get(node.url + "/v1/health", timeout=5).json())
 
 
+DATA: dict[str, Path] = {}  # a node's url -> its data dir (where its admin token is)
+
+
 def fleet(node: NodeProcess) -> dict[str, Any]:
-    return dict(httpx.get(node.url + "/v1/fleet", timeout=5).json())
+    """``GET /admin/fleet`` with the node's admin token."""
+    token = (DATA[node.url] / TOKEN_FILE).read_text().strip()
+    r = httpx.get(node.url + "/admin/fleet", timeout=5,
+                  headers={"Authorization": f"Bearer {token}"})
+    r.raise_for_status()
+    return dict(r.json())
 
 
 def pages(n: int, seed: int) -> torch.Tensor:
@@ -116,6 +127,7 @@ def nodes(rds: Redis, tmp_path_factory: pytest.TempPathFactory) -> Iterator[list
         for tag in ("a", "b"):
             data: Path = tmp_path_factory.mktemp(f"fleet-{tag}")
             procs.append(start_node(data, "--redis", rds.url))
+            DATA[procs[-1].url] = data
         for p in procs:
             def up(p: NodeProcess = p) -> bool:
                 return bool(health(p).get("fleet", {}).get("state") == "ok")
@@ -159,6 +171,27 @@ def test_fleet_prefix_from_a_is_fetched_bit_exact_through_b(nodes: list[NodeProc
     assert int(health(b)["fleet"]["peer_rows"]) == 8
     listed = {n["node_id"]: n for n in fleet(b)["nodes"]}
     assert len(listed) == 2 and all(n["state"] == "live" for n in listed.values())
+
+
+def test_fleet_admin_cli_lists_nodes_state_age_and_rows(
+        nodes: list[NodeProcess], capsys: pytest.CaptureFixture[str]) -> None:
+    a, b = nodes
+    _store(a, list(range(3000, 3000 + 2 * P)), pages(2, 5))
+    wait_for(lambda: _published(a, 2), 10, "A to publish")
+    wait_for(lambda: any(n["rows"] >= 2 for n in fleet(b)["nodes"]), 10, "A's beat to count its rows")
+    argv = ["admin", "--url", b.url, "--data-dir", str(DATA[b.url])]
+    assert main([*argv, "fleet"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].split() == ["node", "address", "state", "heartbeat_age_s", "rows", "version",
+                              "layouts"]
+    body = [line.split() for line in out[2:]]
+    assert {line[-6] for line in body} == {a.url, b.url}  # the address column
+    assert all(line[-5] == "live" for line in body)
+    assert sum(1 for line in out[2:] if line.startswith("*")) == 1  # B marks itself
+    assert main([*argv, "--json", "fleet"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    mine = next(n for n in doc["nodes"] if n["address"] == a.url)
+    assert doc["self"] != mine["node_id"] and mine["rows"] >= 2 and mine["heartbeat_age_s"] < 10
 
 
 def test_fleet_same_prefix_on_both_nodes_has_both_holders(

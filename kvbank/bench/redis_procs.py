@@ -22,6 +22,7 @@ import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -88,6 +89,16 @@ class RedisProc:
 NODE_TIMEOUT_MS = 2000  # a failover takes about twice this
 
 
+def free_pairs(n: int) -> list[int]:
+    """``n`` distinct loopback ports, each with its cluster bus port (+10000), free now."""
+    out: list[int] = []
+    while len(out) < n:
+        p = _free_pair()
+        if p not in out:
+            out.append(p)
+    return out
+
+
 def _free_pair() -> int:
     for _ in range(200):
         with socket.socket() as s:
@@ -123,15 +134,19 @@ class RedisClusterProcs:
         return ",".join(f"127.0.0.1:{p}" for p in self.ports)
 
     @classmethod
-    def start(cls, masters: int = 3, replicas: int = 0, timeout_s: float = 30) -> RedisClusterProcs:
+    def start(cls, masters: int = 3, replicas: int = 0, timeout_s: float = 30,
+              ports: Sequence[int] = ()) -> RedisClusterProcs:
+        """The cluster, on ``ports`` when given (one per process, each with its bus port
+        +10000 free: a test can name a cluster's seeds before it exists)."""
         binary = shutil.which("redis-server")
         if binary is None:
             raise MissingBinary("redis-server not found on PATH")
         workdir = tempfile.mkdtemp(prefix="kvbank-cluster-")
         self = cls([], workdir)
         try:
+            want = list(ports)
             for _ in range(masters * (1 + replicas)):
-                port = _free_pair()
+                port = want.pop(0) if want else _free_pair()
                 self.ports.append(port)
                 self.procs[port] = subprocess.Popen(
                     [binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", workdir,

@@ -61,7 +61,7 @@ _NOT_YET = "not registered yet"
 class Fleet:
     """This node in the fleet; see the module docstring."""
 
-    def __init__(self, bank: Bank, client: RedisClient, *, name: str, address: str,
+    def __init__(self, bank: Bank, client: RedisClient | None, *, name: str, address: str,
                  heartbeat_s: float = DEFAULT_HEARTBEAT_S,
                  entry_ttl_s: float = DEFAULT_ENTRY_TTL_S, **index_args: Any) -> None:
         self.bank = bank
@@ -101,6 +101,8 @@ class Fleet:
             peers, self._peers = list(self._peers.values()), {}
         for c in peers:
             c.close()
+        with contextlib.suppress(Exception):  # closing a client of a Redis that is gone
+            self.index.close()
 
     def health(self) -> dict[str, Any]:
         return {"state": "degraded" if self.degraded else "ok", "node_id": self.node_id,
@@ -358,7 +360,12 @@ def join_fleet(bank: Bank, config: Any) -> Fleet | None:
     if config.redis is None and config.redis_cluster is None:
         return None
     seeds = [s.strip() for s in (config.redis_cluster or "").split(",") if s.strip()]
-    client = connect(config.redis, cluster=seeds, retries=2)  # the loop retries, not the call
-    fleet = Fleet(bank, client, name=config.url, address=config.url)
+
+    def dial() -> RedisClient:  # the loop retries, not the call
+        return connect(config.redis, cluster=seeds, retries=2)
+
+    # A cluster client reads the slot table when it is made, so it cannot be made before
+    # a seed answers: the index makes it on its first call, and the loop retries until then.
+    fleet = Fleet(bank, None, name=config.url, address=config.url, connect=dial)
     fleet.start()
     return fleet

@@ -56,7 +56,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from kvbank.errors import TierUnavailable
+from kvbank.errors import InvalidInput, TierUnavailable
 from kvbank.tiers.redis_client import (
     BUCKETS,
     TRANSIENT,
@@ -132,11 +132,15 @@ class NodeInfo:
 class FleetIndex:
     """Registry and prefix index of one node; see the module docstring."""
 
-    def __init__(self, client: RedisClient, *, namespace: bytes = DEFAULT_NAMESPACE,
+    def __init__(self, client: RedisClient | None, *, namespace: bytes = DEFAULT_NAMESPACE,
                  entry_ttl_s: float = DEFAULT_ENTRY_TTL_S, deadline_s: float = DEFAULT_DEADLINE_S,
                  failover_s: float = DEFAULT_FAILOVER_S,
-                 clock: Callable[[], float] = time.time) -> None:
-        self.client: Any = client  # redis-py's stubs type replies as unions; checked here
+                 clock: Callable[[], float] = time.time,
+                 connect: Callable[[], RedisClient] | None = None) -> None:
+        if client is None and connect is None:
+            raise InvalidInput("client: give a Redis client or a connect function")
+        self._client: Any = client  # redis-py's stubs type replies as unions; checked here
+        self._connect = connect  # called until it answers: a node may start before Redis
         self.ns = namespace
         self.ttl_ms = int(entry_ttl_s * 1000)
         self.deadline_s = deadline_s
@@ -146,6 +150,20 @@ class FleetIndex:
         self.forged = 0  # entries ignored: malformed, or naming a node that is not live
         self.retries = 0  # cluster calls retried while a failover settled
         self._masters: tuple[float, list[Any], np.ndarray] | None = None  # see _topology
+
+    @property
+    def client(self) -> Any:
+        """The client, connecting first if needed (``TierUnavailable`` while no Redis or
+        no cluster seed answers)."""
+        if self._client is None:
+            assert self._connect is not None
+            self._client = self._connect()
+            self.cluster = is_cluster(self._client)
+        return self._client
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
 
     # -- plumbing ----------------------------------------------------------------------
 
@@ -157,6 +175,7 @@ class FleetIndex:
 
     def call(self, fn: Callable[[], T], what: str) -> T:
         """Run ``fn``; map Redis errors; on a cluster retry them until ``failover_s``."""
+        self.client  # noqa: B018 -- connects first (TierUnavailable while nothing answers)
         deadline = time.monotonic() + (self.failover_s if self.cluster else 0.0)
         while True:
             try:

@@ -35,9 +35,11 @@ BUCKETS = 1024  # hash-tag buckets: >= 16 x masters for an even spread (redis-fl
 RedisClient = redis.Redis | redis.cluster.RedisCluster  # what every fleet call takes
 RedisError = redis.RedisError  # the root of every redis-py error
 # What a restart or a cluster failover raises for a while: worth retrying with a deadline.
+# RedisClusterException (no node reachable) is not a RedisError in redis-py.
 TRANSIENT: tuple[type[Exception], ...] = (
     redis.ConnectionError, redis.TimeoutError, redis.exceptions.ClusterDownError,
-    redis.exceptions.TryAgainError, redis.exceptions.SlotNotCoveredError)
+    redis.exceptions.TryAgainError, redis.exceptions.SlotNotCoveredError,
+    redis.exceptions.RedisClusterException)
 
 
 def is_cluster(client: object) -> bool:
@@ -78,7 +80,7 @@ def connect(url: str | None = None, *, cluster: Sequence[str] = (), timeout_s: f
         return redis.Redis.from_url(url, retry=retry,
                                     retry_on_error=[redis.ConnectionError, redis.TimeoutError],
                                     **common)
-    except redis.RedisError as exc:
+    except (redis.RedisError, redis.exceptions.RedisClusterException) as exc:
         raise TierUnavailable(f"redis: cannot connect: {exc}") from exc
 
 

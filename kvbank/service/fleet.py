@@ -40,7 +40,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvbank import __version__
@@ -231,22 +231,15 @@ class Fleet:
         peers = sorted((h for h in listed if h in self._live and h != self.node_id),
                        key=lambda h: -listed[h])
         flat = [n for chain in chains for n in chain]
-        got_any = False
-        have = 0  # rows delivered so far: a peer listing no more is not asked
-        for peer in peers:
-            if got_any and listed[peer] <= have:
-                break
+
+        def fetch(peer: int) -> int:
             try:
-                got = self._fetch_from(peer, match, flat[:listed[peer]])
+                return self._fetch_from(peer, match, flat[:listed[peer]])
             except TierUnavailable as exc:
                 logger.warning("fleet: peer %d failed: %s", peer, exc)
-                got = 0
-            if got:
-                got_any = True
-                have = max(have, got)
-                if got >= listed[peer]:
-                    break  # it delivered all it was listed for: the next lists fewer
-        return got_any
+                return 0
+
+        return fetch_in_order(listed, peers, fetch) > 0
 
     def _peer_client(self, address: str) -> Any:
         from kvbank.service.client import Client
@@ -339,6 +332,24 @@ class Fleet:
             return
         with contextlib.suppress(TierUnavailable):
             self.index.withdraw(list(names), peer)
+
+
+def fetch_in_order(listed: dict[int, int], peers: Sequence[int],
+                   fetch: Callable[[int], int]) -> int:
+    """Fetch from ``peers`` (most rows listed first) until one delivers every row it is
+    listed for, or the next lists no more than the most any delivered; the rows
+    delivered in all. A peer that delivers less than listed (holes in its set, rows gone
+    since it published) lets the next one fill in."""
+    total = best = 0
+    for peer in peers:
+        if total and listed[peer] <= best:
+            break
+        got = fetch(peer)
+        total += got
+        best = max(best, got)
+        if got and got >= listed[peer]:
+            break
+    return total
 
 
 def _outcome(pm: Match, res: FetchResult) -> tuple[list[bytes], list[bytes]]:

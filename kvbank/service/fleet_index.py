@@ -394,7 +394,8 @@ PROBES = 32  # rows a chain lookup reads at most: ~2 PING round trips on one Red
 def _plan(n: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """The probe of an ``n``-row chain and the rows each probed entry stands for."""
     at = probes(n)
-    return tuple(at), tuple(b - a for a, b in zip(at, [*at[1:], n], strict=True))
+    ends = [*at[1:], n] if at else []
+    return tuple(at), tuple(b - a for a, b in zip(at, ends, strict=True))
 
 
 def probes(n: int, k: int = PROBES) -> list[int]:

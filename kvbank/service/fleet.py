@@ -173,11 +173,15 @@ class Fleet:
         """Re-publish (refresh the TTL of) the next slice of this node's rows, sized so
         that every row is refreshed once per ``republish_s``."""
         assert self.node_id is not None
-        if not self._refresh:
-            self._refresh.extend(self._held)
-        n = math.ceil(len(self._held) * self.heartbeat_s / self.republish_s)
+        n = min(len(self._held), math.ceil(len(self._held) * self.heartbeat_s / self.republish_s))
         todo: list[bytes] = []
-        while self._refresh and len(todo) < n:
+        refilled = False
+        while len(todo) < n:
+            if not self._refresh:
+                if refilled:
+                    break
+                self._refresh.extend(self._held)  # the next round of the cycle
+                refilled = True
             name = self._refresh.popleft()
             if name in self._held:
                 todo.append(name)

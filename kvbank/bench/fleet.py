@@ -149,7 +149,7 @@ def _peer_fetch(quick: bool) -> BenchRow:
     from kvbank.service.client import Client
     from kvbank.service.launch import NodeProcess
 
-    reps, pages = (2 if quick else 5), 16
+    reps, pages = (2 if quick else 9), 16
     layout = full_attention("bench-fleet@1", 32, 8, 128, tokens_per_page=16)
     page = layout.group_page_bytes[0]
     server = RedisServer.start()
@@ -166,13 +166,14 @@ def _peer_fetch(quick: bool) -> BenchRow:
                 lid = ca.register(layout)
                 cb.register(layout)
                 prompts = [list(range(p * 20_000, p * 20_000 + pages * 16))
-                           for p in range(reps + 1)]
+                           for p in range(reps + 2)]  # A's own, a warm-up, then the timed ones
                 for toks in prompts:
                     ca.put(lid, toks, group=0, pages=src)
                 time.sleep(2.5)  # two heartbeats: A's rows are in the index
                 m_a = ca.match(lid, [*prompts[0], 1])
                 ours, base = [], []
-                for toks in prompts[1:]:
+                cb.match(lid, [*prompts[1], 1])  # warm-up: B's client for A, first slots
+                for toks in prompts[2:]:
                     t0 = time.perf_counter()
                     m = cb.match(lid, [*toks, 1])  # B fetches the rows from A, keeps them
                     t1 = time.perf_counter()

@@ -76,6 +76,7 @@ class Fleet:
         self.published = 0
         self.peer_rows = 0  # rows fetched from peers
         self.peer_misses = 0  # rows a peer was listed for but did not deliver whole
+        self.peer_copied = 0  # peer rows stored from buffers (no WRITE lease to be had)
         self._held: set[bytes] = set()  # rows this node has published (what it holds)
         self._refresh: collections.deque[bytes] = collections.deque()  # TTL refresh order
         self.republishes = 0  # full republishes (joins, rejoins, feed overflows)
@@ -108,7 +109,8 @@ class Fleet:
         return {"state": "degraded" if self.degraded else "ok", "node_id": self.node_id,
                 "error": self.last_error if self.degraded else None,
                 "published": len(self._held), "peer_rows": self.peer_rows,
-                "peer_misses": self.peer_misses, "forged_entries": self.index.forged,
+                "peer_misses": self.peer_misses, "peer_copied": self.peer_copied,
+                "forged_entries": self.index.forged,
                 "failover_retries": self.index.retries, "republishes": self.republishes}
 
     def nodes(self) -> list[NodeInfo]:
@@ -217,7 +219,9 @@ class Fleet:
     def complete(self, match: Match, args: dict[str, Any]) -> bool:
         """Fetch the match's missing rows from the live peers that hold them, most rows
         first, and keep them locally; ``True`` when rows arrived (take the match again).
-        Never raises for a fleet fault: a degraded fleet or a dead peer is a local miss."""
+        Never raises for a fleet fault: a degraded fleet or a dead peer is a local miss.
+        ``args`` (the match's own arguments) is kept for the callers: the peer is asked
+        for ``match``'s rows directly, not for a match of its own."""
         if self.degraded or self.node_id is None:
             return False
         chains = [[n for n, t in zip(names, tiers, strict=True) if t is None]
@@ -289,6 +293,7 @@ class Fleet:
             stored = len(self.bank.commit(lease.id, arrived).committed)
         else:
             stored = self._store_copies(pm, out, set(arrived))
+            self.peer_copied += stored
         stale = set(undelivered).intersection(listed)
         if stale:
             self.peer_misses += len(stale)

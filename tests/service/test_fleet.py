@@ -169,6 +169,7 @@ def test_fleet_prefix_from_a_is_fetched_bit_exact_through_b(nodes: list[NodeProc
         other = cb.match(lid, [*toks, 1], scope=Scope(tenant="other"))
         assert other.resume.tokens == 0
     assert int(health(b)["fleet"]["peer_rows"]) == 8
+    assert int(health(b)["fleet"]["peer_copied"]) == 0  # received in place, under a lease
     listed = {n["node_id"]: n for n in fleet(b)["nodes"]}
     assert len(listed) == 2 and all(n["state"] == "live" for n in listed.values())
 
@@ -300,3 +301,27 @@ def test_fleet_holder_killed_mid_fetch_leaves_only_whole_rows(
                 assert res.complete and torch.equal(out, data[:r])
     finally:
         holder.kill()
+
+
+def test_fleet_peer_rows_without_a_host_tier_are_stored_by_name(
+        nodes: list[NodeProcess], rds: Redis, tmp_path: Path) -> None:
+    """A node with no host slots to lease (disk only) still keeps a peer's rows: they
+    are received into buffers and stored by name, bit-exact."""
+    a, _ = nodes
+    data = pages(3, 6)
+    toks = list(range(30000, 30000 + 3 * P))
+    lid = _store(a, toks, data)
+    wait_for(lambda: _published(a, 3), 10, "A to publish")
+    c = start_node(tmp_path / "c", "--redis", rds.url, "--host-bytes", "0")
+    try:
+        wait_for(lambda: health(c).get("fleet", {}).get("state") == "ok", 30, "C to join")
+        with Client(c.url, same_host=False) as cc:
+            cc.register(LAYOUT)
+            m = cc.match(lid, [*toks, 1])
+            assert m.resume.tokens == 3 * P
+            out = torch.zeros((3, PAGE), dtype=torch.uint8)
+            assert cc.fetch(m, out={0: out}).complete and torch.equal(out, data)
+        f = health(c)["fleet"]
+        assert f["peer_rows"] == 3 and f["peer_copied"] == 3
+    finally:
+        c.stop()

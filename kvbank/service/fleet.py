@@ -289,11 +289,19 @@ class Fleet:
             raise TierUnavailable(f"fleet: fetch from node {peer}: {exc}") from exc
         self._keep_client(address, client)
         arrived, undelivered = _outcome(pm, res)
-        if lease is not None:
-            stored = len(self.bank.commit(lease.id, arrived).committed)
-        else:
-            stored = self._store_copies(pm, out, set(arrived))
-            self.peer_copied += stored
+        try:
+            if lease is not None:
+                leased = {r.name for r in lease.rows}  # rows held here were not leased
+                stored = len(self.bank.commit(lease.id, [n for n in arrived if n in leased])
+                             .committed)
+            else:
+                stored = self._store_copies(pm, out, set(arrived))
+                self.peer_copied += stored
+        except KvbankError as exc:  # full, busy, the lease expired: the rows stay misses
+            logger.warning("fleet: %d rows from node %d not kept: %s", len(arrived), peer, exc)
+            if lease is not None:
+                self.bank.release(lease.id)
+            stored = 0
         stale = set(undelivered).intersection(listed)
         if stale:
             self.peer_misses += len(stale)
@@ -307,10 +315,14 @@ class Fleet:
         scratch rows of their own when no lease can be had (no host tier, a conflict)."""
         layout = self.bank.layout(pm.layout_id)
         names = [n for rows in pm.resume.rows for n in rows]
+        # Only rows missing here are leased: a row held here may be under a reader's lease,
+        # which a WRITE lease on it would conflict with.
+        names = [n for n, t in zip(names, self.bank.locate(names), strict=True) if t is None]
         lease: Lease | None = None
         try:
             self.bank.register_scope(pm.layout_id, pm.scope)
-            lease = self.bank.lend(names, mode=LeaseMode.WRITE, kind=MemoryKind.HOST)
+            if names:
+                lease = self.bank.lend(names, mode=LeaseMode.WRITE, kind=MemoryKind.HOST)
         except KvbankError as exc:  # TierFull, LeaseConflict, no host tier: copy instead
             logger.debug("fleet: no WRITE lease for a peer's rows (%s); storing copies", exc)
         fill = {r.name for r in lease.rows if r.location is not None} if lease else set()

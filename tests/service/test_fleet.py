@@ -195,6 +195,59 @@ def test_fleet_admin_cli_lists_nodes_state_age_and_rows(
     assert doc["self"] != mine["node_id"] and mine["rows"] >= 2 and mine["heartbeat_age_s"] < 10
 
 
+def test_fleet_peer_rows_without_a_host_tier_are_stored_by_name(
+        nodes: list[NodeProcess], rds: Redis, tmp_path: Path) -> None:
+    """A node with no host slots to lease (disk only) still keeps a peer's rows: they
+    are received into buffers and stored by name, bit-exact."""
+    a, _ = nodes
+    data = pages(3, 6)
+    toks = list(range(30000, 30000 + 3 * P))
+    had = int(health(a)["fleet"]["published"])
+    lid = _store(a, toks, data)
+    wait_for(lambda: _published(a, had + 3), 10, "A to publish")
+    c = start_node(tmp_path / "c", "--redis", rds.url, "--host-bytes", "0")
+    try:
+        wait_for(lambda: health(c).get("fleet", {}).get("state") == "ok", 30, "C to join")
+        with Client(c.url, same_host=False) as cc:
+            cc.register(LAYOUT)
+            m = cc.match(lid, [*toks, 1])
+            assert m.resume.tokens == 3 * P
+            out = torch.zeros((3, PAGE), dtype=torch.uint8)
+            assert cc.fetch(m, out={0: out}).complete and torch.equal(out, data)
+        f = health(c)["fleet"]
+        assert f["peer_rows"] == 3 and f["peer_copied"] == 3
+    finally:
+        c.stop()
+
+
+def test_fleet_rows_held_here_are_not_leased_again_only_the_missing_are_received(
+        nodes: list[NodeProcess]) -> None:
+    """B holds the prompt's first two rows (a reader holds them leased); a match fetches
+    only what B lacks into leased slots: the rows held here are never leased for writing
+    (that would conflict with the reader), and all four fetch bit-exact."""
+    a, b = nodes
+    data = pages(4, 7)
+    toks = list(range(40000, 40000 + 4 * P))
+    had = int(health(a)["fleet"]["published"])
+    lid = _store(a, toks, data)
+    wait_for(lambda: _published(a, had + 4), 10, "A to publish")
+    before = health(b)["fleet"]
+    with Client(b.url) as cb:
+        cb.register(LAYOUT)
+        names = cb.put(lid, toks[:2 * P], group=0, pages=data[:2])
+        reader = cb.lend(names)
+        try:
+            m = cb.match(lid, [*toks, 1])
+        finally:
+            cb.release(reader.id)
+        assert m.resume.tokens == 4 * P
+        out = torch.zeros((4, PAGE), dtype=torch.uint8)
+        assert cb.fetch(m, out={0: out}).complete and torch.equal(out, data)
+    after = health(b)["fleet"]
+    assert after["peer_rows"] - before["peer_rows"] == 2
+    assert after["peer_copied"] == before["peer_copied"]
+
+
 def test_fleet_same_prefix_on_both_nodes_has_both_holders(
         nodes: list[NodeProcess], rds: Redis) -> None:
     a, b = nodes
@@ -245,9 +298,10 @@ def test_fleet_dead_holder_rows_are_misses_and_its_entries_withdrawn(
     a, b = nodes
     data = pages(4, 4)
     toks = list(range(13000, 13000 + 4 * P))
+    wait_for(lambda: health(a)["fleet"]["state"] == "ok", 10, "A to be in the fleet")
+    had = int(health(a)["fleet"]["published"])
     lid = _store(a, toks, data)
-    wait_for(lambda: health(a)["fleet"]["state"] == "ok" and _published(a, 4), 10,
-             "A to publish")
+    wait_for(lambda: _published(a, had + 4), 10, "A to publish")
     before = int(health(b)["fleet"]["peer_rows"])
     a.kill()  # its heartbeat is still fresh: B's index still lists it
     with Client(b.url, same_host=False) as cb:
@@ -301,27 +355,3 @@ def test_fleet_holder_killed_mid_fetch_leaves_only_whole_rows(
                 assert res.complete and torch.equal(out, data[:r])
     finally:
         holder.kill()
-
-
-def test_fleet_peer_rows_without_a_host_tier_are_stored_by_name(
-        nodes: list[NodeProcess], rds: Redis, tmp_path: Path) -> None:
-    """A node with no host slots to lease (disk only) still keeps a peer's rows: they
-    are received into buffers and stored by name, bit-exact."""
-    a, _ = nodes
-    data = pages(3, 6)
-    toks = list(range(30000, 30000 + 3 * P))
-    lid = _store(a, toks, data)
-    wait_for(lambda: _published(a, 3), 10, "A to publish")
-    c = start_node(tmp_path / "c", "--redis", rds.url, "--host-bytes", "0")
-    try:
-        wait_for(lambda: health(c).get("fleet", {}).get("state") == "ok", 30, "C to join")
-        with Client(c.url, same_host=False) as cc:
-            cc.register(LAYOUT)
-            m = cc.match(lid, [*toks, 1])
-            assert m.resume.tokens == 3 * P
-            out = torch.zeros((3, PAGE), dtype=torch.uint8)
-            assert cc.fetch(m, out={0: out}).complete and torch.equal(out, data)
-        f = health(c)["fleet"]
-        assert f["peer_rows"] == 3 and f["peer_copied"] == 3
-    finally:
-        c.stop()

@@ -37,7 +37,8 @@ Primitives (value objects in :mod:`kvbank.results`, JSON forms in :mod:`kvbank.w
   ``reserve_host``), :meth:`~Bank.leases`, :meth:`~Bank.fetches`, :meth:`~Bank.stats`,
   :meth:`~Bank.health`, :meth:`~Bank.flush`, :meth:`~Bank.check_invariants`,
   :meth:`~Bank.close`; admin and fleet calls (rows, evict, pin, unpin, touch, the change
-  feed, a row's encoded frame) in :mod:`kvbank.admin_ops`.
+  feed, a row's encoded frame) in :mod:`kvbank.admin_ops`; what the fleet needs (layout
+  ids, every held name, storing a peer's rows by name) in :mod:`kvbank.fleet_ops`.
 
 Namespaces. A row name starts with ``SHA-256(scope, layout id)[:16]``, a one-way digest:
 to describe a row (its page size and buffer regions, for a lease) the bank must have
@@ -83,6 +84,7 @@ from kvbank.config import BankConfig, check_settings
 from kvbank.cross_shard import CrossLocate, ReshardReader, ShardCounts
 from kvbank.errors import Busy, InvalidInput, LayoutError, RowLocked, TierUnavailable
 from kvbank.fetching import GetMany, fetch_rows, one_by_one
+from kvbank.fleet_ops import FleetOps
 from kvbank.keys import DEFAULT_SCOPE, Scope, TokenIds, group_of, namespace
 from kvbank.keys import row_names as _row_names
 from kvbank.layout import GroupKind, PageLayout
@@ -131,7 +133,7 @@ def _closed_state(cls: B) -> B:
 
 
 @_closed_state
-class Bank(AdminOps):
+class Bank(AdminOps, FleetOps):
     """A worker's KV-cache bank over a tiered store. See the module docstring."""
 
     def __init__(self, config: BankConfig | None = None, *, clock: Clock = time.monotonic,

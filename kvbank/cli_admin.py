@@ -2,7 +2,8 @@
 
 Subcommands (:data:`COMMANDS`, a table other parts extend with :func:`register`, e.g.
 the fleet's ``kvbank admin fleet``): health, stats, tiers, layouts, leases (``--release
-ID`` force-releases one), rows, evict, flush, drain, undrain, pin, unpin, check.
+ID`` force-releases one), rows, evict, flush, drain, undrain, pin, unpin, check, fleet
+(the nodes of the fleet this node is in: ``*`` marks this one).
 
 The token comes from ``--token``, else ``KVBANK_ADMIN_TOKEN``, else the node's token file
 (``DATA_DIR/admin.token``, ``--data-dir`` or the embedded default's data dir). Output is a
@@ -324,6 +325,21 @@ def _check(api: Api, a: argparse.Namespace, out: TextIO) -> int:
     return 0 if doc["ok"] else 1
 
 
+def _fleet(api: Api, a: argparse.Namespace, out: TextIO) -> int:
+    doc = api.call("GET", "/admin/fleet")
+    if a.json:
+        print(json.dumps(doc), file=out)
+        return 0
+    me = doc.get("self")
+    rows = [["*" if n["node_id"] == me else "", n["node_id"], n["address"], n["state"],
+             round(float(n["heartbeat_age_s"]), 1), n["rows"], n["version"], len(n["layouts"])]
+            for n in sorted(doc["nodes"], key=lambda n: n["node_id"])]
+    table(rows, ["", "node", "address", "state", "heartbeat_age_s", "rows", "version", "layouts"], out)
+    if me is None:
+        print("this node has not registered yet (Redis unreachable?)", file=out)
+    return 0
+
+
 for _name, _help, _fn, _args in (
     ("health", "liveness, readiness, degraded reasons", _health, None),
     ("stats", "the bank's counters and each tier's", _stats, None),
@@ -339,6 +355,7 @@ for _name, _help, _fn, _args in (
     ("pin", "pin rows (never evicted) under the pin budget", _pin, _names_arg),
     ("unpin", "unpin rows", _unpin, _names_arg),
     ("check", "run the bank's invariant check", _check, None),
+    ("fleet", "the fleet's nodes: state, heartbeat age, rows published", _fleet, None),
 ):
     register(_name, _help, _fn, _args)
 

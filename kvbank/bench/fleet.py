@@ -4,7 +4,7 @@
 case                  ours                                         baseline (same run)
 ====================  ===========================================  ===========================
 ``match-1000-fleet``  ms of the fleet lookup of a 1,000-row chain  one Redis round trip (PING)
-                      (``FleetIndex.holders``: one MGET)
+                      (``FleetIndex.lookup``: one MGET of its probe)
 ``match-1000-cluster``  the same on a local 3-master cluster (one   one PING to each master
                       read script per master)
 ``peer-fetch``        GB/s of a match on node B whose 16 x 2 MiB   the holder's own
@@ -53,7 +53,7 @@ def _lookup_rows(quick: bool) -> Iterator[BenchRow]:
     from kvbank.service.fleet_index import FleetIndex
     from kvbank.tiers.remote import connect
 
-    reps = 30 if quick else 200
+    reps = 30 if quick else 300
     names = _names(1000)
     server = RedisServer.start()
     try:
@@ -61,7 +61,7 @@ def _lookup_rows(quick: bool) -> Iterator[BenchRow]:
         ix = FleetIndex(c)
         nid = ix.register("bench", "http://127.0.0.1:1", "bench", [])
         ix.publish(names[:500], nid)
-        ours, base = _paired_ms(lambda: ix.holders(names, {nid}), c.ping, reps)
+        ours, base = _paired_ms(lambda: ix.lookup([names]), c.ping, reps)
         yield row(SUITE, "match-1000-fleet", "ms", ours, "one Redis round trip (PING)", base)
         c.close()
     finally:
@@ -78,7 +78,7 @@ def _lookup_rows(quick: bool) -> Iterator[BenchRow]:
             for m in masters:
                 rc.execute_command("PING", target_nodes=m)
 
-        ours, base = _paired_ms(lambda: ix.holders(names, {nid}), pings, reps)
+        ours, base = _paired_ms(lambda: ix.lookup([names]), pings, reps)
         yield row(SUITE, "match-1000-cluster", "ms", ours, "one PING to each of 3 masters", base)
         rc.close()
     finally:
@@ -149,7 +149,7 @@ def _peer_fetch(quick: bool) -> BenchRow:
     from kvbank.service.client import Client
     from kvbank.service.launch import NodeProcess
 
-    reps, pages = (2 if quick else 5), 16
+    reps, pages = (2 if quick else 9), 16
     layout = full_attention("bench-fleet@1", 32, 8, 128, tokens_per_page=16)
     page = layout.group_page_bytes[0]
     server = RedisServer.start()
@@ -166,13 +166,14 @@ def _peer_fetch(quick: bool) -> BenchRow:
                 lid = ca.register(layout)
                 cb.register(layout)
                 prompts = [list(range(p * 20_000, p * 20_000 + pages * 16))
-                           for p in range(reps + 1)]
+                           for p in range(reps + 2)]  # A's own, a warm-up, then the timed ones
                 for toks in prompts:
                     ca.put(lid, toks, group=0, pages=src)
                 time.sleep(2.5)  # two heartbeats: A's rows are in the index
                 m_a = ca.match(lid, [*prompts[0], 1])
                 ours, base = [], []
-                for toks in prompts[1:]:
+                cb.match(lid, [*prompts[1], 1])  # warm-up: B's client for A, first slots
+                for toks in prompts[2:]:
                     t0 = time.perf_counter()
                     m = cb.match(lid, [*toks, 1])  # B fetches the rows from A, keeps them
                     t1 = time.perf_counter()

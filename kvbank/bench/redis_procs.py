@@ -2,7 +2,8 @@
 
 ``RedisProc.start()`` is one private ``redis-server`` on a free loopback port with
 persistence off; ``kill()`` is SIGKILL (a crash), ``restart()`` starts it again, empty, on
-the same port; ``stop()`` ends it by pid.
+the same port; ``stop()`` ends it by pid. The test scaffolding
+(:mod:`kvbank.testing.servers`) reuses it; bench code never imports the tests' helpers.
 
 ``RedisClusterProcs.start(masters=3, replicas=0)`` starts ``masters * (1 + replicas)``
 ``redis-server --cluster-enabled yes`` processes on free loopback ports (each port and
@@ -22,35 +23,55 @@ import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 
 class MissingBinary(RuntimeError):
     """redis-server or redis-cli is not installed."""
 
 
+INSTALL_HINT = (
+    "redis-server not found on PATH; install it (Debian/Ubuntu: `apt-get install "
+    "redis-server`, macOS: `brew install redis`) to run the Redis tests and benchmarks"
+)
+
+
 @dataclass
 class RedisProc:
-    """One private redis-server on loopback."""
+    """One private redis-server on loopback (persistence off); ``stop()`` ends it by pid."""
 
     port: int
-    workdir: str
+    workdir: Path
     proc: subprocess.Popen[bytes]
 
     @property
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
     @classmethod
     def start(cls, timeout_s: float = 10) -> RedisProc:
         binary = shutil.which("redis-server")
         if binary is None:
-            raise MissingBinary("redis-server not found on PATH")
-        workdir = tempfile.mkdtemp(prefix="kvbank-redis-")
-        port = _free_pair()
-        self = cls(port, workdir, _spawn(binary, port, workdir))
-        self._wait_ping(timeout_s)
-        return self
+            raise MissingBinary(INSTALL_HINT)
+        workdir = Path(tempfile.mkdtemp(prefix="kvbank-redis-"))
+        for _ in range(5):  # a port can be taken between choosing it and the bind
+            port = _free_pair()
+            proc = _spawn(binary, port, workdir)
+            deadline = time.monotonic() + timeout_s
+            while time.monotonic() < deadline and proc.poll() is None:
+                if _info(port, "PING") == "PONG":
+                    return cls(port, workdir, proc)
+                time.sleep(0.02)
+            proc.kill()
+            proc.wait()
+        shutil.rmtree(workdir, ignore_errors=True)
+        raise RuntimeError(f"redis-server did not answer PING within {timeout_s}s")
 
     def _wait_ping(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -70,7 +91,7 @@ class RedisProc:
         """Start again on the same port, empty (persistence is off), once PING answers."""
         binary = shutil.which("redis-server")
         if binary is None:
-            raise MissingBinary("redis-server not found on PATH")
+            raise MissingBinary(INSTALL_HINT)
         self.kill()
         self.proc = _spawn(binary, self.port, self.workdir)
         self._wait_ping(timeout_s)
@@ -85,13 +106,25 @@ class RedisProc:
                 self.proc.wait()
         shutil.rmtree(self.workdir, ignore_errors=True)
 
-def _spawn(binary: str, port: int, workdir: str) -> subprocess.Popen[bytes]:
+
+def _spawn(binary: str, port: int, workdir: Path) -> subprocess.Popen[bytes]:
     return subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--dir",
-                             workdir, "--save", "", "--appendonly", "no"],
+                             str(workdir), "--save", "", "--appendonly", "no",
+                             "--protected-mode", "yes"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 NODE_TIMEOUT_MS = 2000  # a failover takes about twice this
+
+
+def free_pairs(n: int) -> list[int]:
+    """``n`` distinct loopback ports, each with its cluster bus port (+10000), free now."""
+    out: list[int] = []
+    while len(out) < n:
+        p = _free_pair()
+        if p not in out:
+            out.append(p)
+    return out
 
 
 def _free_pair() -> int:
@@ -129,15 +162,19 @@ class RedisClusterProcs:
         return ",".join(f"127.0.0.1:{p}" for p in self.ports)
 
     @classmethod
-    def start(cls, masters: int = 3, replicas: int = 0, timeout_s: float = 30) -> RedisClusterProcs:
+    def start(cls, masters: int = 3, replicas: int = 0, timeout_s: float = 30,
+              ports: Sequence[int] = ()) -> RedisClusterProcs:
+        """The cluster, on ``ports`` when given (one per process, each with its bus port
+        +10000 free: a test can name a cluster's seeds before it exists)."""
         binary = shutil.which("redis-server")
         if binary is None:
             raise MissingBinary("redis-server not found on PATH")
         workdir = tempfile.mkdtemp(prefix="kvbank-cluster-")
         self = cls([], workdir)
         try:
+            want = list(ports)
             for _ in range(masters * (1 + replicas)):
-                port = _free_pair()
+                port = want.pop(0) if want else _free_pair()
                 self.ports.append(port)
                 self.procs[port] = subprocess.Popen(
                     [binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", workdir,
@@ -179,7 +216,7 @@ class RedisClusterProcs:
     def master_of(self, key: bytes) -> int:
         """The port of the master that owns ``key``'s slot now (0: none while a failover
         settles)."""
-        from redis.crc import key_slot
+        from kvbank.tiers.redis_client import key_slot
 
         slot = key_slot(key)
         alive = next(p for p in self.ports if self.procs[p].poll() is None)

@@ -16,21 +16,36 @@ or a Redis Cluster, the same code):
   ``allow-cross-slot-keys``; atomic on that node), so two nodes storing the same prefix
   at once always leave one holder set with both; a withdrawal that empties an entry
   deletes it.
-- **Lookup.** :meth:`FleetIndex.holders` asks about a whole chain in one multi-key
-  command per Redis node: one ``MGET`` on a single Redis; on a cluster, the keys are
-  grouped by the master owning their slot and each master answers one read-only script
-  (keys in ARGV, ``allow-cross-slot-keys``), measured at ~1.3 ms per 1,000 keys on 3
-  masters against ~12 ms for a per-key cluster pipeline. A malformed entry (odd length,
-  too long) or one naming a node that is not live is ignored and counted in
-  ``forged``, never fetched from.
+- **Chain lookup** (:meth:`FleetIndex.lookup`, what a match uses): which peers hold how
+  much of a chain, from a fixed probe of at most :data:`PROBES` of its rows — the first
+  and the last, rows 2^k - 1 (short runs are told apart) and evenly spaced ones — in one
+  multi-key read per Redis node. Each probed entry stands for the rows up to the next
+  probe. The cost does not grow with the chain (1,000 keys in one ``MGET`` cost ~10 PING
+  round trips here; sending 1,000 names to a bisecting script still ~4: the argument
+  bytes dominate). Why a probe suffices: a holder's rows of one chain are prefix-closed
+  (a chain is stored in order and the prefix-aware LRU evicts it from its tail), so the
+  probe finds every holder of the chain's first missing row — all a full-attention
+  resume can use — and ranks holders by their extent to within one probe gap; the rows
+  fetched are then decided by the peer's own match, which is exact. What it gives up: a
+  holder whose rows lie only between probes (a set that is not prefix-closed) is not
+  seen, and two holders whose extents end in the same gap rank equal (the fleet then
+  fetches from the next holder too, see :meth:`kvbank.service.fleet.Fleet.complete`).
+  Chains shorter than the probe are read whole: exact.
+- **Exact lookup** (:meth:`FleetIndex.holders`): per row, in one ``MGET`` on a single
+  Redis or one read-only script per master on a cluster (keys grouped by the master
+  owning their bucket's slot, keys in ARGV, ``allow-cross-slot-keys``).
+- A malformed entry (odd length, too long) or one naming a node that is not live is
+  ignored and counted in ``forged``, never fetched from.
 
-Faults: every ``redis.RedisError`` becomes :class:`~kvbank.errors.TierUnavailable`; on a
+Faults: every Redis error becomes :class:`~kvbank.errors.TierUnavailable`; on a
 cluster, calls are retried with a deadline (a failover takes ~2x the cluster node
 timeout and redis-py does not wait it out) and the retries are counted.
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import logging
 import struct
 import time
@@ -39,12 +54,20 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-import redis
-import redis.cluster
-from redis.crc import key_slot
+import numpy as np
 
-from kvbank.errors import TierUnavailable
-from kvbank.tiers.redis_client import BUCKETS, RedisClient, bucket_of, bucket_tag
+from kvbank.errors import InvalidInput, TierUnavailable
+from kvbank.tiers.redis_client import (
+    BUCKETS,
+    TRANSIENT,
+    RedisClient,
+    RedisError,
+    bucket_of,
+    bucket_tag,
+    is_cluster,
+    key_slot,
+    run_script,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +82,10 @@ DEFAULT_ENTRY_TTL_S = 120.0  # holders refresh well within it (every ttl / 4)
 DEFAULT_DEADLINE_S = 10.0  # a node whose heartbeat is older is dead
 MAX_HOLDERS = 256  # an entry longer than this many ids is damage, not a fleet
 DEFAULT_FAILOVER_S = 10.0  # retry window for cluster calls (>= 2 x node timeout)
+_TOPOLOGY_S = 5.0  # the bucket -> master table is rebuilt this often (and on any error)
+
+Holders = tuple[int, ...]  # the node ids an entry lists, sorted
+Counts = dict[int, int]  # node id -> rows of the chains it holds
 
 # ARGV[1] holder id (2 bytes), ARGV[2] ttl ms, ARGV[3] '1' publish / '0' withdraw, then
 # the index keys (all on the Redis node running it: one call per master on a cluster, so
@@ -89,7 +116,6 @@ for i, k in ipairs(ARGV) do out[i] = redis.call('GET', k) or false end
 return out
 """
 
-
 @dataclass(frozen=True, slots=True)
 class NodeInfo:
     """One registered node as the registry says."""
@@ -106,21 +132,38 @@ class NodeInfo:
 class FleetIndex:
     """Registry and prefix index of one node; see the module docstring."""
 
-    def __init__(self, client: RedisClient, *, namespace: bytes = DEFAULT_NAMESPACE,
+    def __init__(self, client: RedisClient | None, *, namespace: bytes = DEFAULT_NAMESPACE,
                  entry_ttl_s: float = DEFAULT_ENTRY_TTL_S, deadline_s: float = DEFAULT_DEADLINE_S,
                  failover_s: float = DEFAULT_FAILOVER_S,
-                 clock: Callable[[], float] = time.time) -> None:
-        self.client: Any = client  # redis-py's stubs type replies as unions; checked here
+                 clock: Callable[[], float] = time.time,
+                 connect: Callable[[], RedisClient] | None = None) -> None:
+        if client is None and connect is None:
+            raise InvalidInput("client: give a Redis client or a connect function")
+        self._client: Any = client  # redis-py's stubs type replies as unions; checked here
+        self._connect = connect  # called until it answers: a node may start before Redis
         self.ns = namespace
         self.ttl_ms = int(entry_ttl_s * 1000)
         self.deadline_s = deadline_s
         self.failover_s = failover_s
         self.clock = clock
-        self.cluster = isinstance(client, redis.cluster.RedisCluster)
+        self.cluster = is_cluster(client)
         self.forged = 0  # entries ignored: malformed, or naming a node that is not live
         self.retries = 0  # cluster calls retried while a failover settled
-        self._edit = client.register_script(_EDIT)
-        self._read = client.register_script(_READ)
+        self._masters: tuple[float, list[Any], np.ndarray] | None = None  # see _topology
+
+    @property
+    def client(self) -> Any:
+        """The client, connecting first if needed (``TierUnavailable`` while no Redis or
+        no cluster seed answers)."""
+        if self._client is None:
+            assert self._connect is not None
+            self._client = self._connect()
+            self.cluster = is_cluster(self._client)
+        return self._client
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
 
     # -- plumbing ----------------------------------------------------------------------
 
@@ -132,18 +175,19 @@ class FleetIndex:
 
     def call(self, fn: Callable[[], T], what: str) -> T:
         """Run ``fn``; map Redis errors; on a cluster retry them until ``failover_s``."""
+        self.client  # noqa: B018 -- connects first (TierUnavailable while nothing answers)
         deadline = time.monotonic() + (self.failover_s if self.cluster else 0.0)
         while True:
             try:
                 return fn()
-            except (redis.ConnectionError, redis.TimeoutError,
-                    redis.exceptions.ClusterDownError, redis.exceptions.TryAgainError,
-                    redis.exceptions.SlotNotCoveredError) as exc:
+            except TRANSIENT as exc:
+                self._masters = None  # the topology may have changed: read it again
                 if time.monotonic() >= deadline:
                     raise TierUnavailable(f"fleet: {what}: {exc}") from exc
                 self.retries += 1
                 time.sleep(0.1)
-            except redis.RedisError as exc:
+            except RedisError as exc:
+                self._masters = None
                 raise TierUnavailable(f"fleet: {what}: {exc}") from exc
 
     # -- registry ----------------------------------------------------------------------
@@ -220,6 +264,25 @@ class FleetIndex:
 
     # -- index -------------------------------------------------------------------------
 
+    def _topology(self) -> tuple[list[Any], np.ndarray]:
+        """The masters and, per bucket, the index of the one owning its slot; read from
+        redis-py's slot table at most every few seconds and after any error (1,024
+        look-ups cost ~0.3 ms, more than a lookup may)."""
+        now = time.monotonic()
+        if self._masters is None or now - self._masters[0] > _TOPOLOGY_S:
+            nm = self.client.nodes_manager
+            nodes: dict[str, int] = {}
+            masters: list[Any] = []
+            owner = np.empty(BUCKETS, dtype=np.int32)
+            for b in range(BUCKETS):
+                node = nm.get_node_from_slot(_SLOTS[b])
+                if node.name not in nodes:
+                    nodes[node.name] = len(masters)
+                    masters.append(node)
+                owner[b] = nodes[node.name]
+            self._masters = (now, masters, owner)
+        return self._masters[1], self._masters[2]
+
     def _by_node(self, names: Sequence[bytes]) -> list[tuple[Any, list[int]]]:
         """Row positions grouped by the Redis node owning their entries (one group on one
         Redis). A bucket is one slot, so the slot -> node table is read once per bucket,
@@ -227,26 +290,14 @@ class FleetIndex:
         pipeline ~10x slower, redis-fleet.md 2)."""
         if not self.cluster:
             return [(None, list(range(len(names))))]
-        nodes_manager = self.client.nodes_manager
-        by_bucket: dict[int, list[int]] = {}
+        masters, owner = self._topology()
+        groups: dict[int, list[int]] = {}
         for i, n in enumerate(names):
-            by_bucket.setdefault(bucket_of(n), []).append(i)
-        groups: dict[str, tuple[Any, list[int]]] = {}
-        for b, idx in by_bucket.items():
-            node = nodes_manager.get_node_from_slot(_SLOTS[b])
-            groups.setdefault(node.name, (node, []))[1].extend(idx)
-        return list(groups.values())
+            groups.setdefault(int(owner[bucket_of(n)]), []).append(i)
+        return [(masters[m], idx) for m, idx in groups.items()]
 
-    def _script(self, script: Any, source: str, node: Any, args: list[Any]) -> Any:
-        """One script call on ``node`` (or the one Redis), loading it where it is missing
-        (a promoted replica, a restarted server)."""
-        kw = {} if node is None else {"target_nodes": node}
-        run = self.client.execute_command
-        try:
-            return run("EVALSHA", script.sha, 0, *args, **kw)
-        except redis.exceptions.NoScriptError:
-            run("SCRIPT", "LOAD", source, **kw)
-            return run("EVALSHA", script.sha, 0, *args, **kw)
+    def _script(self, source: str, node: Any, args: list[Any]) -> Any:
+        return run_script(self.client, _SHA[source], source, node, args)
 
     def _edit_all(self, names: Sequence[bytes], node_id: int, add: bool) -> None:
         keys = [self.entry_key(n) for n in names]
@@ -254,7 +305,7 @@ class FleetIndex:
 
         def run() -> None:
             for node, idx in self._by_node(names):
-                self._script(self._edit, _EDIT, node, [*head, *(keys[i] for i in idx)])
+                self._script(_EDIT, node, [*head, *(keys[i] for i in idx)])
 
         if keys:
             self.call(run, "publishing" if add else "withdrawing")
@@ -272,35 +323,94 @@ class FleetIndex:
             return list(self.client.mget(keys))
         out: list[Any] = [None] * len(keys)
         for node, idx in self._by_node(names):
-            got = self._script(self._read, _READ, node, [keys[i] for i in idx])
+            got = self._script(_READ, node, [keys[i] for i in idx])
             for i, v in zip(idx, got, strict=True):
                 out[i] = v or None
         return out
 
+    def _decode(self, raw: bytes | None) -> Holders | None:
+        """An entry's holder ids; ``None`` for a malformed one (counted in ``forged``)."""
+        if not raw:
+            return ()
+        if len(raw) % 2 or len(raw) > 2 * MAX_HOLDERS:
+            self.forged += 1
+            return None
+        return _U16[len(raw) // 2].unpack(raw) if len(raw) <= 16 else \
+            struct.unpack(f"<{len(raw) // 2}H", raw)
+
     def holders(self, names: Sequence[bytes], live: set[int] | None = None,
-                ) -> list[tuple[int, ...]]:
-        """Per row, the live nodes holding it (``()`` = none), in one multi-key round trip
-        per Redis node. Entries that are malformed or name a node not in ``live`` are
-        ignored and counted in ``forged``."""
+                ) -> list[Holders]:
+        """Per row, exactly, the live nodes holding it (``()`` = none), in one multi-key
+        round trip per Redis node. Entries that are malformed or name a node not in
+        ``live`` are ignored and counted in ``forged``."""
         if not names:
             return []
-        ns, tags, crc = self.ns, _ENTRY_TAGS, zlib.crc32  # inlined: ~1 us a key saved
-        keys = [ns + tags[crc(n) % BUCKETS] + n for n in names]
+        keys = [self.entry_key(n) for n in names]
         values = self.call(lambda: self._raw(names, keys), "looking up rows")
-        out: list[tuple[int, ...]] = []
+        out: list[Holders] = []
         for v in values:
-            if v is None:
-                out.append(())
-                continue
-            raw = bytes(v)
-            if len(raw) % 2 or not raw or len(raw) > 2 * MAX_HOLDERS:
-                self.forged += 1
-                out.append(())
-                continue
-            ids = _U16[len(raw) // 2].unpack(raw) if len(raw) <= 16 else \
-                struct.unpack(f"<{len(raw) // 2}H", raw)
-            good = tuple(i for i in ids if live is None or i in live)
-            if len(good) != len(ids):
+            ids = self._decode(None if v is None else bytes(v))
+            good = tuple(i for i in ids or () if live is None or i in live)
+            if ids is not None and len(good) != len(ids):
                 self.forged += 1
             out.append(good)
         return out
+
+    # -- the chain lookup --------------------------------------------------------------
+
+    def lookup(self, chains: Sequence[Sequence[bytes]]) -> Counts:
+        """Per listed node, about how many rows of the chains it holds, from a probe of
+        each chain (see the module docstring) in one multi-key read per Redis node. A
+        chain is rows in chain order. Ids are not checked for liveness (the caller knows
+        who is live); malformed entries are ignored and counted in ``forged``."""
+        probed: list[bytes] = []
+        spans: list[int] = []  # rows each probed entry stands for
+        for chain in chains:
+            at, stand = _plan(len(chain))
+            probed += [chain[p] for p in at]
+            spans += stand
+        if not probed:
+            return {}
+        ns, tags, crc = self.ns, _ENTRY_TAGS, zlib.crc32  # entry_key, inlined
+        keys = [ns + tags[crc(n) % BUCKETS] + n for n in probed]
+        values = self.call(lambda: self._raw(probed, keys), "looking up a chain")
+        counts: Counts = {}
+        decoded: dict[bytes, Holders | None] = {}
+        for v, span in zip(values, spans, strict=True):
+            if v is None:
+                continue
+            raw = bytes(v)
+            if raw not in decoded:
+                decoded[raw] = self._decode(raw)
+            for h in decoded[raw] or ():
+                counts[h] = counts.get(h, 0) + span
+        return counts
+
+
+PROBES = 32  # rows a chain lookup reads at most: ~2 PING round trips on one Redis
+
+
+@functools.lru_cache(maxsize=4096)
+def _plan(n: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The probe of an ``n``-row chain and the rows each probed entry stands for."""
+    at = probes(n)
+    ends = [*at[1:], n] if at else []
+    return tuple(at), tuple(b - a for a, b in zip(at, ends, strict=True))
+
+
+def probes(n: int, k: int = PROBES) -> list[int]:
+    """The positions a lookup reads of an ``n``-row chain, sorted: all of them when
+    ``n <= k``; else the first and the last, ``2^j - 1`` and evenly spaced ones."""
+    if n <= k:
+        return list(range(n))
+    out = {0, n - 1}
+    j = 2
+    while j - 1 < n and len(out) < k // 3:
+        out.add(j - 1)
+        j *= 2
+    step = (n - 1) / (k - len(out) + 1)
+    out.update(int(step * i) for i in range(1, k - len(out) + 1))
+    return sorted(out)
+
+
+_SHA = {src: hashlib.sha1(src.encode()).hexdigest() for src in (_EDIT, _READ)}

@@ -8,6 +8,9 @@ to hash-tag buckets.
   :data:`BUCKETS`. Every key of one row lives in one bucket, so one bucket is one cluster
   slot; 1,024 buckets spread evenly over any fleet-sized cluster and are a useful
   resharding unit (redis-fleet.md 2).
+- The redis-py names the rest of kvbank needs (the error root, the errors worth retrying
+  through a failover, the cluster test, the slot function, one script call with its
+  reload), so nothing outside ``tiers/`` imports redis-py.
 """
 
 from __future__ import annotations
@@ -18,13 +21,41 @@ from typing import Any
 
 import redis
 import redis.cluster
+import redis.exceptions
 from redis.backoff import EqualJitterBackoff
+from redis.crc import key_slot
 from redis.retry import Retry
 
 from kvbank.errors import InvalidInput, TierUnavailable
 
+__all__ = ["BUCKETS", "TRANSIENT", "RedisClient", "RedisError", "bucket_of", "bucket_tag",
+           "connect", "is_cluster", "key_slot", "run_script"]
+
 BUCKETS = 1024  # hash-tag buckets: >= 16 x masters for an even spread (redis-fleet.md 2)
 RedisClient = redis.Redis | redis.cluster.RedisCluster  # what every fleet call takes
+RedisError = redis.RedisError  # the root of every redis-py error
+# What a restart or a cluster failover raises for a while: worth retrying with a deadline.
+# RedisClusterException (no node reachable) is not a RedisError in redis-py.
+TRANSIENT: tuple[type[Exception], ...] = (
+    redis.ConnectionError, redis.TimeoutError, redis.exceptions.ClusterDownError,
+    redis.exceptions.TryAgainError, redis.exceptions.SlotNotCoveredError,
+    redis.exceptions.RedisClusterException)
+
+
+def is_cluster(client: object) -> bool:
+    return isinstance(client, redis.cluster.RedisCluster)
+
+
+def run_script(client: Any, sha: str, source: str, node: Any, args: Sequence[Any]) -> Any:
+    """One ``EVALSHA`` (no declared keys) on ``node`` (``None``: the one Redis), loading
+    the script where it is missing (a promoted replica, a restarted server)."""
+    kw = {} if node is None else {"target_nodes": node}
+    run = client.execute_command
+    try:
+        return run("EVALSHA", sha, 0, *args, **kw)
+    except redis.exceptions.NoScriptError:
+        run("SCRIPT", "LOAD", source, **kw)
+        return run("EVALSHA", sha, 0, *args, **kw)
 
 
 def connect(url: str | None = None, *, cluster: Sequence[str] = (), timeout_s: float = 1.0,
@@ -49,7 +80,7 @@ def connect(url: str | None = None, *, cluster: Sequence[str] = (), timeout_s: f
         return redis.Redis.from_url(url, retry=retry,
                                     retry_on_error=[redis.ConnectionError, redis.TimeoutError],
                                     **common)
-    except redis.RedisError as exc:
+    except (redis.RedisError, redis.exceptions.RedisClusterException) as exc:
         raise TierUnavailable(f"redis: cannot connect: {exc}") from exc
 
 

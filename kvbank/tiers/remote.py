@@ -23,6 +23,11 @@ last error kept in ``last_error`` (health shows both), never silently dropped. A
 verified (lengths and checksum) by the codec on every decode, and ``read_frame`` checks
 its header against the metadata: wrong bytes are ``CorruptPage``, never returned.
 
+Visibility: a row held only here is read by ``get_into`` on a local miss, but
+``TieredStore.locate`` (and so a match) does not ask this tier: a locate is a pure lookup
+under the store lock, and a Redis round trip there would sit on every match that misses
+locally (and an outage's timeouts with it). See docs/fleet.md.
+
 Lifecycle: ``RedisFrameStore(client, budget)`` scans the bucket hashes → reads and
 writes from any thread (writes serialised by a lock) → ``close()`` (idempotent; closes
 the client only if it was made here from a URL).

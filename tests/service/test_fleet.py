@@ -4,6 +4,7 @@ restarted mid-run; a dead holder's rows are misses and its entries are withdrawn
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -22,6 +23,7 @@ import redis
 import torch
 
 from kvbank import Client, Scope, full_attention
+from kvbank.cli import main
 from kvbank.service.fleet_index import FleetIndex
 from kvbank.service.launch import NodeProcess
 from kvbank.testing.servers import INSTALL_HINT, free_port, in_ci, redis_binary
@@ -99,6 +101,9 @@ def health(node: NodeProcess) -> dict[str, Any]:
     return dict(httpx.get(node.url + "/v1/health", timeout=5).json())
 
 
+DATA: dict[str, Path] = {}  # a node's url -> its data dir (where its admin token is)
+
+
 def fleet(node: NodeProcess) -> dict[str, Any]:
     got = httpx.get(node.url + "/admin/fleet", headers=admin_headers(node), timeout=5)
     assert got.status_code == 200, got.text
@@ -124,6 +129,7 @@ def nodes(rds: Redis, tmp_path_factory: pytest.TempPathFactory) -> Iterator[list
         for tag in ("a", "b"):
             data: Path = tmp_path_factory.mktemp(f"fleet-{tag}")
             procs.append(start_node(data, "--redis", rds.url))
+            DATA[procs[-1].url] = data
         for p in procs:
             def up(p: NodeProcess = p) -> bool:
                 return bool(health(p).get("fleet", {}).get("state") == "ok")
@@ -165,8 +171,83 @@ def test_fleet_prefix_from_a_is_fetched_bit_exact_through_b(nodes: list[NodeProc
         other = cb.match(lid, [*toks, 1], scope=Scope(tenant="other"))
         assert other.resume.tokens == 0
     assert int(health(b)["fleet"]["peer_rows"]) == 8
+    assert int(health(b)["fleet"]["peer_copied"]) == 0  # received in place, under a lease
     listed = {n["node_id"]: n for n in fleet(b)["nodes"]}
     assert len(listed) == 2 and all(n["state"] == "live" for n in listed.values())
+
+
+def test_fleet_admin_cli_lists_nodes_state_age_and_rows(
+        nodes: list[NodeProcess], capsys: pytest.CaptureFixture[str]) -> None:
+    a, b = nodes
+    _store(a, list(range(3000, 3000 + 2 * P)), pages(2, 5))
+    wait_for(lambda: _published(a, 2), 10, "A to publish")
+    wait_for(lambda: any(n["rows"] >= 2 for n in fleet(b)["nodes"]), 10, "A's beat to count its rows")
+    argv = ["admin", "--url", b.url, "--data-dir", str(DATA[b.url])]
+    assert main([*argv, "fleet"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].split() == ["node", "address", "state", "heartbeat_age_s", "rows", "version",
+                              "layouts"]
+    body = [line.split() for line in out[2:]]
+    assert {line[-6] for line in body} == {a.url, b.url}  # the address column
+    assert all(line[-5] == "live" for line in body)
+    assert sum(1 for line in out[2:] if line.startswith("*")) == 1  # B marks itself
+    assert main([*argv, "--json", "fleet"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    mine = next(n for n in doc["nodes"] if n["address"] == a.url)
+    assert doc["self"] != mine["node_id"] and mine["rows"] >= 2 and mine["heartbeat_age_s"] < 10
+
+
+def test_fleet_peer_rows_without_a_host_tier_are_stored_by_name(
+        nodes: list[NodeProcess], rds: Redis, tmp_path: Path) -> None:
+    """A node with no host slots to lease (disk only) still keeps a peer's rows: they
+    are received into buffers and stored by name, bit-exact."""
+    a, _ = nodes
+    data = pages(3, 6)
+    toks = list(range(30000, 30000 + 3 * P))
+    had = int(health(a)["fleet"]["published"])
+    lid = _store(a, toks, data)
+    wait_for(lambda: _published(a, had + 3), 10, "A to publish")
+    c = start_node(tmp_path / "c", "--redis", rds.url, "--host-bytes", "0")
+    try:
+        wait_for(lambda: health(c).get("fleet", {}).get("state") == "ok", 30, "C to join")
+        with Client(c.url, same_host=False) as cc:
+            cc.register(LAYOUT)
+            m = cc.match(lid, [*toks, 1])
+            assert m.resume.tokens == 3 * P
+            out = torch.zeros((3, PAGE), dtype=torch.uint8)
+            assert cc.fetch(m, out={0: out}).complete and torch.equal(out, data)
+        f = health(c)["fleet"]
+        assert f["peer_rows"] == 3 and f["peer_copied"] == 3
+    finally:
+        c.stop()
+
+
+def test_fleet_rows_held_here_are_not_leased_again_only_the_missing_are_received(
+        nodes: list[NodeProcess]) -> None:
+    """B holds the prompt's first two rows (a reader holds them leased); a match fetches
+    only what B lacks into leased slots: the rows held here are never leased for writing
+    (that would conflict with the reader), and all four fetch bit-exact."""
+    a, b = nodes
+    data = pages(4, 7)
+    toks = list(range(40000, 40000 + 4 * P))
+    had = int(health(a)["fleet"]["published"])
+    lid = _store(a, toks, data)
+    wait_for(lambda: _published(a, had + 4), 10, "A to publish")
+    before = health(b)["fleet"]
+    with Client(b.url) as cb:
+        cb.register(LAYOUT)
+        names = cb.put(lid, toks[:2 * P], group=0, pages=data[:2])
+        reader = cb.lend(names)
+        try:
+            m = cb.match(lid, [*toks, 1])
+        finally:
+            cb.release(reader.id)
+        assert m.resume.tokens == 4 * P
+        out = torch.zeros((4, PAGE), dtype=torch.uint8)
+        assert cb.fetch(m, out={0: out}).complete and torch.equal(out, data)
+    after = health(b)["fleet"]
+    assert after["peer_rows"] - before["peer_rows"] == 2
+    assert after["peer_copied"] == before["peer_copied"]
 
 
 def test_fleet_same_prefix_on_both_nodes_has_both_holders(
@@ -219,9 +300,10 @@ def test_fleet_dead_holder_rows_are_misses_and_its_entries_withdrawn(
     a, b = nodes
     data = pages(4, 4)
     toks = list(range(13000, 13000 + 4 * P))
+    wait_for(lambda: health(a)["fleet"]["state"] == "ok", 10, "A to be in the fleet")
+    had = int(health(a)["fleet"]["published"])
     lid = _store(a, toks, data)
-    wait_for(lambda: health(a)["fleet"]["state"] == "ok" and _published(a, 4), 10,
-             "A to publish")
+    wait_for(lambda: _published(a, had + 4), 10, "A to publish")
     before = int(health(b)["fleet"]["peer_rows"])
     a.kill()  # its heartbeat is still fresh: B's index still lists it
     with Client(b.url, same_host=False) as cb:

@@ -7,15 +7,23 @@ import shutil
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
+import httpx
 import pytest
 import redis.cluster
+import torch
 
-from kvbank.bench.redis_procs import RedisClusterProcs
+from kvbank import Client, full_attention
+from kvbank.bench.redis_procs import RedisClusterProcs, free_pairs
 from kvbank.service.fleet_index import FleetIndex
 from kvbank.testing.servers import in_ci
 from kvbank.testing.tiers import name_of, page_of
 from kvbank.tiers.remote import RedisFrameStore, connect
+
+from .conftest import start_node
+
+LAYOUT = full_attention("fleet-cluster@1", num_layers=2, num_kv_heads=2, head_dim=64)
 
 
 def _need_binaries() -> None:
@@ -121,3 +129,35 @@ def test_cluster_failover_is_waited_out_with_a_deadline() -> None:
     finally:
         rc.close()
         cl.stop()
+
+
+def test_cluster_node_starts_with_no_seed_answering_and_joins_when_it_appears(
+        tmp_path: Path) -> None:
+    """``--redis-cluster`` whose seeds do not answer yet: the node serves (degraded:
+    fleet), and registers and publishes once the cluster comes up on those seeds."""
+    _need_binaries()
+    ports = free_pairs(3)
+    node = start_node(tmp_path / "n", "--redis-cluster",
+                      ",".join(f"127.0.0.1:{p}" for p in ports))
+    cl: RedisClusterProcs | None = None
+    try:
+        h = httpx.get(node.url + "/v1/health", timeout=5).json()
+        assert h["degraded"] == "fleet" and h["fleet"]["state"] == "degraded"
+        with Client(node.url, same_host=False) as c:  # local serving is unaffected
+            lid = c.register(LAYOUT)
+            c.put(lid, list(range(2 * 16)), group=0,
+                  pages=torch.zeros((2, LAYOUT.group_page_bytes[0]), dtype=torch.uint8))
+        cl = RedisClusterProcs.start(masters=3, ports=ports)
+
+        def joined() -> bool:
+            f = httpx.get(node.url + "/v1/health", timeout=5).json()["fleet"]
+            return bool(f["state"] == "ok" and f["published"] >= 2)
+
+        deadline = time.monotonic() + 60  # a hang bound only: the rejoin time is a benchmark's
+        while not joined():
+            assert time.monotonic() < deadline, "the node never joined the cluster"
+            time.sleep(0.1)
+    finally:
+        node.stop()
+        if cl is not None:
+            cl.stop()

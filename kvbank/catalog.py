@@ -34,6 +34,7 @@ rows stay, and workers register their layouts again; a torn log record ends the 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -164,7 +165,8 @@ class Catalog:
         if files is None:
             return []
         restored: list[PageLayout] = []
-        for layout in files.load_layouts():
+        loaded = files.load_layouts()
+        for layout in loaded:
             why = refuses(layout)
             if why is not None:
                 logger.warning("catalog: layout %s… not restored: %s", layout.layout_id.hex()[:16], why)
@@ -187,9 +189,17 @@ class Catalog:
                 if len(self._namespaces) > self._max:
                     self._namespaces.popitem(last=False)
             # Both files rewritten: refused layouts and pairs without rows are dropped,
-            # and a torn last log record is cut before anything is appended after it.
-            files.save_layouts(list(self._registered.values()))
-            files.rewrite_namespaces(kept.items())
+            # and a torn last log record is cut before anything is appended after it. The
+            # old files stay valid when that fails (a full disk must not stop the start):
+            # only appending stops, since a record after a torn one would not be read.
+            try:
+                if len(restored) != len(loaded):
+                    files.save_layouts(list(self._registered.values()))
+                files.rewrite_namespaces(kept.items())
+            except TierUnavailable as exc:
+                files.stop_appending()
+                logger.warning("catalog: kept the files as they were at open (%s); namespaces "
+                               "learnt from now on are not kept across a restart", exc)
         if restored:
             logger.debug("catalog: restored %d layouts, %d namespaces", len(restored), len(kept))
         return restored
@@ -244,6 +254,8 @@ class _Files:
             finally:
                 os.close(dfd)
         except OSError as exc:
+            with contextlib.suppress(OSError):  # a half-written copy must not fill a full disk more
+                tmp.unlink(missing_ok=True)
             raise TierUnavailable(f"catalog: cannot write {path}: {exc}") from exc
 
     def save_layouts(self, layouts: Iterable[PageLayout]) -> None:
@@ -301,6 +313,9 @@ class _Files:
         self.close()
         self._replace(self.namespaces, b"".join(_RECORD.pack(ns, lid, zlib.crc32(ns + lid))
                                                 for ns, lid in pairs))
+
+    def stop_appending(self) -> None:
+        self._broken = True
 
     def append_namespace(self, ns: bytes, layout_id: bytes) -> None:
         if self._broken:

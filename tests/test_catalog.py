@@ -109,3 +109,27 @@ def test_catalog_restore_survives_a_torn_log_a_damaged_layouts_file_and_refusals
     assert (tmp_path / (LAYOUTS_FILE + ".damaged")).exists()
     assert damaged.namespaces_of(lid) == []  # no layout, so none of its namespaces
     damaged.close()
+
+
+def test_catalog_restore_opens_when_its_files_cannot_be_rewritten(tmp_path) -> None:
+    """Regression: a node restarted on a full disk failed to start, because the restore
+    rewrote its files (``TierUnavailable: cannot write layouts.json``). The rewrite is
+    housekeeping: the files stay as they were, the layouts come back, and appending stops
+    (a record after a torn one would never be read)."""
+    from kvbank.catalog import LAYOUTS_FILE, NAMESPACES_FILE
+
+    cat = Catalog(data_dir=tmp_path)
+    lid = cat.register(FA)
+    cat.learn(lid, Scope("t"))
+    cat.close()
+    before = (tmp_path / LAYOUTS_FILE).read_bytes(), (tmp_path / NAMESPACES_FILE).read_bytes()
+    for name in (LAYOUTS_FILE, NAMESPACES_FILE):  # where the rewrite's copy would go
+        (tmp_path / f"{name}.tmp").mkdir()
+
+    again = Catalog(data_dir=tmp_path)
+    restored = again.restore(lambda layout: None, lambda ns: True)
+    assert [x.layout_id for x in restored] == [lid]
+    assert again.namespaces_of(lid) == [namespace(lid, Scope("t"))]
+    again.learn(lid, Scope("u"))  # not appended after a log it could not tidy
+    again.close()
+    assert ((tmp_path / LAYOUTS_FILE).read_bytes(), (tmp_path / NAMESPACES_FILE).read_bytes()) == before

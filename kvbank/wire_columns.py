@@ -158,9 +158,17 @@ def rows_columns(rows: Sequence[LeaseRow], location: Callable[[Location], Any]) 
     deliveries = list(dict.fromkeys(r.delivery for r in rows))
     code = {d: _DIGITS[i] for i, d in enumerate(deliveries)}
     shapes: dict[tuple[Region, ...], int] = {}
+    # Rows of one group share one regions tuple: look it up by identity first, since
+    # hashing 64 regions per row was most of a 64-row lease's encoding time.
+    seen: dict[int, int] = {}
+    shape: list[int] = []
     segments: dict[str, int] = {}
     at: list[Any] = []
     for r in rows:
+        k = seen.get(id(r.regions))
+        if k is None:
+            k = seen[id(r.regions)] = shapes.setdefault(r.regions, len(shapes))
+        shape.append(k)
         loc = r.location
         if loc is None:
             at.append(None)
@@ -173,7 +181,7 @@ def rows_columns(rows: Sequence[LeaseRow], location: Callable[[Location], Any]) 
         "present": "".join("1" if r.present else "0" for r in rows),
         "delivery": [d.name for d in deliveries],
         "state": "".join(code[r.delivery] for r in rows),
-        "shape": [shapes.setdefault(r.regions, len(shapes)) for r in rows],
+        "shape": shape,
         "shapes": [[[g.layer, g.role, g.offset, g.nbytes] for g in s] for s in shapes],
         "segments": list(segments),
         "at": at,

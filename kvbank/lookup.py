@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from kvbank.errors import InvalidInput
 from kvbank.keys import Scope, TokenIds, engine_keys, namespace, page_keys, row_names
 from kvbank.layout import PageLayout
-from kvbank.lender.resume import resume_bound, resume_boundaries
+from kvbank.lender.resume import resume_and_boundaries, resume_bound
 from kvbank.results import Match, Presence
 from kvbank.tiers.base import TierKind
 
@@ -73,9 +73,8 @@ def build_match(layout: PageLayout, scope: Scope, prompt_tokens: int, chain: lis
     names = tuple(tuple(row_names(ns, chain, g, layout.shard_count, shard_index))
                   for g in range(len(layout.groups)))
     tiers = tiers_of(layout, names, locate)
-    have = _have(tiers)
-    return Match(layout.layout_id, scope, prompt_tokens, resume_bound(layout, prompt_tokens, have, names),
-                 names, tiers, resume_boundaries(layout, prompt_tokens, have))
+    bound, boundaries = resume_and_boundaries(layout, prompt_tokens, _have(tiers), names)
+    return Match(layout.layout_id, scope, prompt_tokens, bound, names, tiers, boundaries)
 
 
 def resumed_at(layout: PageLayout, match: Match, tokens: int) -> Match:

@@ -46,6 +46,10 @@ class Obstacle(enum.Enum):
     SINK_EVICTED = "sink evicted"  # a sliding-window group's sink page is gone
     NO_SNAPSHOT = "no snapshot"  # a STATE group has no snapshot at exactly that boundary
     LAST_TOKEN = "last token"  # it would leave no prompt token to compute logits from
+    # Nothing at all is stored under the layout and scope (not a single row of any
+    # prompt): a cold cache, or a layout whose model fingerprint differs from the one
+    # that stored the pages. Only a match says this (it asks the store); r is 0.
+    NOTHING_STORED = "nothing stored"
 
 
 @dataclass(frozen=True, slots=True)

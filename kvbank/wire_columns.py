@@ -350,5 +350,20 @@ def read_rows(doc: object, path: str, device: Callable[[object, str], DeviceLoca
                       map(lut.__getitem__, state)) if n else ()
 
 
-__all__ = ["MISS", "bound_doc", "chain_names", "groups", "implied_rows", "read_chain_names", "rows_from", "match_doc", "names_blob", "read_ints", "read_names", "read_rows", "read_tiers",
-           "rows_columns", "tiers_column"]
+__all__ = [
+    "MISS",
+    "bound_doc",
+    "chain_names",
+    "groups",
+    "implied_rows",
+    "match_doc",
+    "names_blob",
+    "read_chain_names",
+    "read_ints",
+    "read_names",
+    "read_rows",
+    "read_tiers",
+    "rows_columns",
+    "rows_from",
+    "tiers_column",
+]

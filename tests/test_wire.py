@@ -34,7 +34,6 @@ from kvbank.lender.ledger import FetchInfo
 from kvbank.lender.resume import ResumeBound, resume_bound, resume_boundaries
 from kvbank.results import BankStats, FetchResult, Match, Presence
 from kvbank.tiers.base import TierKind
-from kvbank.wire_columns import names_blob
 from kvbank.tiers.store import (
     EventKind,
     EvictResult,
@@ -46,6 +45,7 @@ from kvbank.tiers.store import (
     TierHealth,
     TierStats,
 )
+from kvbank.wire_columns import names_blob
 
 counts = st.integers(0, 2**40)
 small = st.integers(0, 64)

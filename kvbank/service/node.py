@@ -22,7 +22,8 @@ Primitives:
 
 The remote ledger is the service's own :class:`~kvbank.lender.ledger.FetchLedger`, apart
 from the bank's, because a streamed fetch never copies into caller buffers in this
-process (``Bank.fetch`` does); ``Bank.stats().open_fetches`` counts only in-process ones.
+process (``Bank.fetch`` does); ``Bank.stats().open_fetches`` counts only in-process ones,
+and ``/v1/stats`` reports this ledger's open entries beside it as ``served_fetches``.
 """
 
 from __future__ import annotations

@@ -13,6 +13,7 @@ Lifecycle in the borrowing process::
     with Borrower() as b:
         n = b.read_into(lease, name, out)  # copy, then check the deadline again
         b.view(lease, name)[:] = page      # WRITE lease: fill in place; the owner commits
+        b.copy_rows(lease, [(name, out), ...], into_rows=False)  # a batch, on two lanes
 
 ``Borrower(populate=True)`` also builds this process's page tables for each segment it
 maps, in the background (``madvise(MADV_POPULATE_READ/WRITE)`` in 64 MiB steps, through
@@ -35,7 +36,8 @@ import logging
 import mmap
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from types import TracebackType
 
 import numpy as np
@@ -49,6 +51,12 @@ logger = logging.getLogger(__name__)
 _MADV_POPULATE_READ = 22  # Linux >= 5.14; not exported by the mmap module on 3.11
 _MADV_POPULATE_WRITE = 23
 POPULATE_STEP = 64 << 20  # populated per madvise call: a close waits at most one step
+LANE_MIN_BYTES = 8 << 20  # a batch this large is copied on two lanes (below: one)
+
+
+def _copy_all(jobs: Sequence[tuple[np.ndarray, np.ndarray]]) -> None:
+    for dst, src in jobs:
+        np.copyto(dst, src)
 
 
 def _madvise() -> Callable[[int, int, int], int] | None:
@@ -106,6 +114,7 @@ class Borrower:
         self._maps: dict[str, mmap.mmap] = {}
         self._views: dict[str, memoryview] = {}
         self._warming: dict[str, _Populate] = {}
+        self._pool: ThreadPoolExecutor | None = None  # the second copy lane, on first use
 
     def segment(self, name: str) -> memoryview:
         """The whole segment ``name``, mapped on first use."""
@@ -161,11 +170,55 @@ class Borrower:
         self.check(lease)
         return len(src)
 
+    def copy_rows(self, lease: Lease, pairs: Sequence[tuple[bytes, memoryview]], *,
+                  into_rows: bool) -> None:
+        """Copy a batch: ``into_rows`` — each page into its row's slot (a WRITE lease);
+        else each row into its buffer. Both cores: the batch is split into two lanes by
+        bytes and the copies (``np.copyto``, which frees the GIL) run at once. Buffers
+        must be at least the row's size; a READ batch is then checked against the
+        deadline once (:meth:`check`)."""
+        jobs: list[tuple[np.ndarray, np.ndarray]] = []
+        total = 0
+        for name, buf in pairs:
+            row = self.view(lease, name)
+            dst = memoryview(buf).cast("B")
+            if len(dst) < len(row):
+                raise InvalidInput(f"out: {len(dst)} bytes, row {name.hex()[:16]}… holds {len(row)}")
+            a = np.frombuffer(row, dtype=np.uint8)
+            b = np.frombuffer(dst, dtype=np.uint8, count=len(row))
+            jobs.append((a, b) if into_rows else (b, a))
+            total += len(row)
+        if total >= LANE_MIN_BYTES and len(jobs) > 1:
+            half, acc, cut = total // 2, 0, len(jobs)
+            for i, (d, _) in enumerate(jobs):
+                acc += d.nbytes
+                if acc >= half:
+                    cut = i + 1
+                    break
+            lane = self._lanes().submit(_copy_all, jobs[cut:])
+            try:
+                _copy_all(jobs[:cut])
+            finally:
+                lane.result()
+        else:
+            _copy_all(jobs)
+        del jobs  # no array may keep the mapping exported
+        if not into_rows:
+            self.check(lease)
+
+    def _lanes(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvbank-borrow-copy")
+        return self._pool
+
     def close(self) -> None:
         """Unmap every segment. Views handed out must no longer be used."""
         for warm in self._warming.values():
             warm.stop()  # before the unmap: it works on the mapping's addresses
         self._warming.clear()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
         for mv in self._views.values():
             mv.release()
         for mm in self._maps.values():

@@ -294,7 +294,7 @@ class Client:
 
     def _fill(self, lease: Lease, names: list[bytes], views: list[memoryview]) -> None:
         b = self._borrower(writable=True)
-        arrived: list[bytes] = []
+        pairs: list[tuple[bytes, memoryview]] = []
         try:
             for name, page in zip(names, views, strict=True):
                 try:
@@ -302,13 +302,13 @@ class Client:
                 except KeyError:
                     continue  # stored already: not in the lease
                 if row.delivery is Delivery.RESERVED:
-                    b.view(lease, name)[:] = page
-                    arrived.append(name)
+                    pairs.append((name, page))
+            b.copy_rows(lease, pairs, into_rows=True)
             b.check(lease)
         except BaseException:
             self.release(lease.id)
             raise
-        self.commit(lease.id, arrived)
+        self.commit(lease.id, [n for n, _ in pairs])
 
     def put(self, layout_id: bytes, tokens: TokenIds | None = None, *, group: int, pages: Pages,
             scope: Scope = DEFAULT_SCOPE, keys: Sequence[bytes] | None = None, first_page: int = 0,
@@ -416,11 +416,13 @@ class Client:
         lease = wire.from_dict(Lease, doc["lease"])
         b = self._borrower(writable=False)
         got: list[int] = []
+        pairs: list[tuple[bytes, memoryview]] = []
         try:
             for (pos, g, slot, size), name in zip(doc["rows"], lease.names, strict=True):
                 if lease.row(name).delivery is Delivery.READY:
-                    b.read_into(lease, name, views[g][slot][:size])
+                    pairs.append((name, views[g][slot][:size]))
                     got.append(pos)
+            b.copy_rows(lease, pairs, into_rows=False)  # then checks the lease is live
         except BaseException:
             self.release(lease.id)
             raise

@@ -382,12 +382,18 @@ class Bank(AdminOps, FleetOps):
 
         The prompt is ``tokens``, or an engine's page-key chain ``keys`` with its length
         ``prompt_tokens`` (default: exactly the keyed pages, so the last-token rule keeps the
-        last page to compute)."""
+        last page to compute). When no row at all is stored under the layout and scope
+        (a cold cache, or pages stored under another model fingerprint) the bound's reason
+        is ``Obstacle.NOTHING_STORED``, not ``MISSING_PAGE``."""
         layout, chain, index = self._chain(layout_id, tokens, keys, scope, shard)
         t = lookup.prompt_length(layout, tokens, chain, prompt_tokens)
         # Rows missing under the caller's shard may be stored under another shard count.
         locate = CrossLocate(self._store.locate, layout, index, scope, self._counts.others(layout))
-        return locate.annotate(lookup.build_match(layout, scope, t, chain, index, locate))
+        return locate.annotate(lookup.build_match(layout, scope, t, chain, index, locate, self._any_stored))
+
+    def _any_stored(self, prefix: bytes) -> bool:
+        """Some row's name starts with ``prefix`` (a namespace: the layout and scope)."""
+        return bool(self._store.scan(prefix, limit=1))
 
     def resume_at(self, match: Match, tokens: int) -> Match:
         """``match`` resumed at ``tokens``, one of ``match.boundaries`` (or 0): its bound

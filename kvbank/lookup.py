@@ -17,11 +17,12 @@ from collections.abc import Callable, Sequence
 from kvbank.errors import InvalidInput
 from kvbank.keys import Scope, TokenIds, engine_keys, namespace, page_keys, row_names
 from kvbank.layout import PageLayout
-from kvbank.lender.resume import resume_bound, resume_boundaries
+from kvbank.lender.resume import Obstacle, resume_and_boundaries, resume_bound
 from kvbank.results import Match, Presence
 from kvbank.tiers.base import TierKind
 
 Locate = Callable[[Sequence[bytes]], list[TierKind | None]]  # the store's locate
+AnyStored = Callable[[bytes], bool]  # a row name prefix -> some stored row starts with it
 Tiers = tuple[tuple[TierKind | None, ...], ...]  # per group, per page: where the row is
 
 
@@ -63,19 +64,28 @@ def tiers_of(layout: PageLayout, names: Sequence[Sequence[bytes]], locate: Locat
     )
 
 
+# Reasons that mean "a row needed for the first boundary is not here" (not LAST_TOKEN,
+# not None: a prompt too short to resume from is not a miss)
+_BLOCKED = frozenset({Obstacle.MISSING_PAGE, Obstacle.WINDOW_EVICTED, Obstacle.SINK_EVICTED,
+                      Obstacle.NO_SNAPSHOT})
+
+
 def _have(tiers: Tiers) -> Callable[[int, int], bool]:
     return lambda g, j: tiers[g][j] is not None
 
 
 def build_match(layout: PageLayout, scope: Scope, prompt_tokens: int, chain: list[bytes],
-                shard_index: int, locate: Locate) -> Match:
+                shard_index: int, locate: Locate, any_stored: AnyStored | None = None) -> Match:
     ns = namespace(layout.layout_id, scope)
     names = tuple(tuple(row_names(ns, chain, g, layout.shard_count, shard_index))
                   for g in range(len(layout.groups)))
     tiers = tiers_of(layout, names, locate)
-    have = _have(tiers)
-    return Match(layout.layout_id, scope, prompt_tokens, resume_bound(layout, prompt_tokens, have, names),
-                 names, tiers, resume_boundaries(layout, prompt_tokens, have))
+    bound, boundaries = resume_and_boundaries(layout, prompt_tokens, _have(tiers), names)
+    if (any_stored is not None and bound.tokens == 0 and bound.reason in _BLOCKED
+            and not any(t is not None for g in tiers for t in g) and not any_stored(ns)):
+        # Asked only on a total miss, so a hit pays nothing for it.
+        bound = dataclasses.replace(bound, reason=Obstacle.NOTHING_STORED, blocking_group=None)
+    return Match(layout.layout_id, scope, prompt_tokens, bound, names, tiers, boundaries)
 
 
 def resumed_at(layout: PageLayout, match: Match, tokens: int) -> Match:

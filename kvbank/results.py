@@ -81,5 +81,9 @@ class BankStats:
     layouts: int
     live_leases: int
     leases_expired: int
-    open_fetches: int
+    open_fetches: int  # open entries of the bank's own fetch ledger (Bank.fetch)
     store: StoreStats
+    # open entries of a served node's ledger: fetches through the service (streamed, or
+    # read in place by a same-host client), which never enter the bank's ledger. 0 for an
+    # embedded bank; ``Client.stats()`` reports the node's.
+    served_fetches: int = 0

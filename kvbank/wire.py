@@ -333,12 +333,13 @@ _MATCH_FIELDS = ("layout_id", "scope", "prompt_tokens", "resume", "names", "tier
 
 def _match(doc: object, path: str) -> Match:
     obj = _object(doc, Match, path, _MATCH_FIELDS)
+    names = cols.read_chain_names(obj["names"], f"{path}.names")
     m = _build(Match, {
         "layout_id": _bytes(obj["layout_id"], f"{path}.layout_id", LAYOUT_ID_BYTES),
         "scope": _dec(Scope, obj["scope"], f"{path}.scope"),
         "prompt_tokens": _dec(int, obj["prompt_tokens"], f"{path}.prompt_tokens"),
-        "resume": _resume(obj["resume"], f"{path}.resume"),
-        "names": cols.groups(obj["names"], f"{path}.names", cols.read_names),
+        "resume": _resume(obj["resume"], f"{path}.resume", names),
+        "names": names,
         "tiers": cols.read_tiers(obj["tier_names"], obj["tiers"], f"{path}.tiers", f"{path}.tier_names"),
         "boundaries": cols.read_ints(obj["boundaries"], f"{path}.boundaries"),
         "via": cols.groups(obj["via"], f"{path}.via", cols.read_ints),
@@ -352,13 +353,18 @@ def _match(doc: object, path: str) -> Match:
     return m
 
 
-def _resume(doc: object, path: str) -> ResumeBound:
+def _resume(doc: object, path: str, match_names: tuple[tuple[bytes, ...], ...] | None = None) -> ResumeBound:
+    """A bound; inside a Match (``match_names``) its rows may be ``null``: implied by its
+    pages and the match's names."""
     names = _init_fields(ResumeBound)
     obj = _object(doc, ResumeBound, path, names)
     hints = _hints(ResumeBound)
     kwargs = {n: _dec(hints[n], obj[n], f"{path}.{n}") for n in names if n not in ("pages", "rows")}
     kwargs["pages"] = cols.groups(obj["pages"], f"{path}.pages", cols.read_ints)
-    kwargs["rows"] = cols.groups(obj["rows"], f"{path}.rows", cols.read_names)
+    if obj["rows"] is None and match_names is not None:
+        kwargs["rows"] = cols.rows_from(kwargs["pages"], match_names, path)
+    else:
+        kwargs["rows"] = cols.groups(obj["rows"], f"{path}.rows", cols.read_names)
     b = _build(ResumeBound, kwargs, path)
     if len(b.rows) != len(b.pages) or any(
         rows and len(rows) != len(pages) for rows, pages in zip(b.rows, b.pages, strict=True)

@@ -45,6 +45,7 @@ from kvbank.tiers.store import (
     TierHealth,
     TierStats,
 )
+from kvbank.wire_columns import names_blob
 
 counts = st.integers(0, 2**40)
 small = st.integers(0, 64)
@@ -271,13 +272,63 @@ def test_wire_hostile_documents_raise_only_invalid_input(cls: type) -> None:
     check()
 
 
-def _match_doc() -> dict[str, Any]:
+def _match_doc(chain: bool = False) -> dict[str, Any]:
+    """A match's form: by default with its names as per-group blobs and its bound's rows
+    written out (the general form); ``chain=True``: as a match writes them (chain form,
+    rows implied)."""
     lay = full_attention("w@1", 1, 1, 16)
     ns = namespace(lay.layout_id)
     names = (tuple(row_names(ns, [bytes([i]) * 32 for i in range(2)], 0)),)
     tiers = ((TierKind.HOST, None),)
     b = resume_bound(lay, 40, lambda g, j: tiers[g][j] is not None, names)
-    return through_json(wire.to_dict(Match(lay.layout_id, Scope("t"), 40, b, names, tiers, (16,))))
+    doc = through_json(wire.to_dict(Match(lay.layout_id, Scope("t"), 40, b, names, tiers, (16,))))
+    assert isinstance(doc["names"], dict) and doc["resume"]["rows"] is None
+    if not chain:
+        doc["names"] = [names_blob(g) for g in names]
+        doc["resume"]["rows"] = [names_blob(r) for r in b.rows]
+    return doc
+
+
+def test_wire_match_both_name_forms_read_back_the_same() -> None:
+    assert wire.from_dict(Match, _match_doc()) == wire.from_dict(Match, _match_doc(chain=True))
+
+
+def test_wire_match_chain_form_is_used_only_where_it_fits() -> None:
+    """Names that are not one key chain under one namespace (per group one tail) keep
+    the per-group blobs, and rows that are not implied by the pages are written out."""
+    lay = full_attention("w@1", 1, 1, 16)
+    odd = ((bytes([1]) * 54, bytes([2]) * 54),)
+    tiers = ((TierKind.HOST, TierKind.HOST),)
+    b = resume_bound(lay, 40, lambda g, j: True, odd)
+    doc = through_json(wire.to_dict(Match(lay.layout_id, Scope("t"), 40, b, odd, tiers, (16, 32))))
+    assert isinstance(doc["names"], list) and doc["resume"]["rows"] is None
+    assert wire.from_dict(Match, doc).names == odd
+    other = dataclasses.replace(b, rows=((bytes([3]) * 54, bytes([4]) * 54),))
+    doc = through_json(wire.to_dict(Match(lay.layout_id, Scope("t"), 40, other, odd, tiers, (16, 32))))
+    assert wire.from_dict(Match, doc).resume.rows == other.rows
+
+
+@pytest.mark.parametrize(
+    ("edit", "field"),
+    [
+        (lambda d: d["names"].__setitem__("ns", "00"), "match.names.ns"),
+        (lambda d: d["names"].__setitem__("ns", "AB" * 16), "match.names.ns"),
+        (lambda d: d["names"].__setitem__("keys", d["names"]["keys"][:-4]), "match.names.keys"),
+        (lambda d: d["names"].__setitem__("keys", ""), "match.names.keys"),
+        (lambda d: d["names"].__setitem__("keys", 7), "match.names.keys"),
+        (lambda d: d["names"].__setitem__("tails", []), "match.names.tails"),
+        (lambda d: d["names"].__setitem__("tails", ["00"]), "match.names.tails[0]"),
+        (lambda d: d["names"].pop("tails"), "match.names"),
+        (lambda d: d["resume"]["pages"][0].append(5), "match.resume.pages[0]"),
+        (lambda d: d["resume"]["pages"][0].insert(0, 0), "match.resume.pages[0]"),
+    ],
+)
+def test_wire_bad_match_chain_names_the_field(edit: Any, field: str) -> None:
+    doc = _match_doc(chain=True)
+    edit(doc)
+    with pytest.raises(InvalidInput) as info:
+        wire.from_dict(Match, doc)
+    assert info.value.field == field, str(info.value)
 
 
 @pytest.mark.parametrize(

@@ -4,7 +4,8 @@ The node runs as ``kvbank serve`` in its own process; a raw TCP server (a thread
 connection, ``sendall`` / ``recv_into`` of preallocated 2 MiB pages) runs in another; the
 clients run in further processes (``python -m kvbank.bench.service _client SPEC``), each
 timing ours and its baseline in turns, medians of several runs, into preallocated and
-pre-touched buffers.
+pre-touched buffers. A same-host client maps the node's segment (and builds its page
+tables) before timing, as a worker does once at start (``Client.map_host``).
 
 ====================  ==========================================  ============================
 case                  ours                                        baseline (same run)
@@ -142,6 +143,8 @@ def _client(spec: dict[str, Any]) -> dict[str, Any]:
         np.copyto(out.numpy(), src)
 
     client = Client(spec["url"], same_host=case in ("fetch-local", "put-local"))
+    if case in ("fetch-local", "put-local") and not client.map_host(wait_s=300.0):
+        raise RuntimeError("bench client: the node's segment did not map (or populate) in time")
     lid = client.register(layout)
     pages = _pages(page) if case in ("put-remote", "put-local") else torch.empty((0, page), dtype=torch.uint8)
     m = client.match(lid, [*_tokens(0, n_pages), 1])

@@ -46,6 +46,10 @@ class Obstacle(enum.Enum):
     SINK_EVICTED = "sink evicted"  # a sliding-window group's sink page is gone
     NO_SNAPSHOT = "no snapshot"  # a STATE group has no snapshot at exactly that boundary
     LAST_TOKEN = "last token"  # it would leave no prompt token to compute logits from
+    # Nothing at all is stored under the layout and scope (not a single row of any
+    # prompt): a cold cache, or a layout whose model fingerprint differs from the one
+    # that stored the pages. Only a match says this (it asks the store); r is 0.
+    NOTHING_STORED = "nothing stored"
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,7 +163,20 @@ class _Availability:
 
     def boundaries(self) -> tuple[int, ...]:
         """Every usable boundary ``r > 0``, ascending."""
+        if len(self.runs) == len(self.active):
+            # Only full-attention groups: a boundary is usable exactly when each group
+            # holds every page below it, so the usable ones are every boundary up to the
+            # shortest run (without asking obstacle() once per page).
+            top = min(self.matched_pages * self.p, self.best_candidate)
+            return tuple(range(self.p, top + 1, self.p))
         return tuple(r for r in range(self.p, self.best_candidate + 1, self.p) if self.obstacle(r) is None)
+
+    def best(self) -> int:
+        """The largest usable boundary (0 when none is)."""
+        for cand in range(self.best_candidate, 0, -self.p):
+            if self.obstacle(cand) is None:
+                return cand
+        return 0
 
     def bound(self, r: int, names: Sequence[Sequence[bytes]] | None) -> ResumeBound:
         layout, n_groups = self.layout, len(self.layout.groups)
@@ -195,12 +212,7 @@ def resume_bound(
     """
     avail = _Availability(layout, prompt_tokens, present, names)
     if at is None:
-        r = 0
-        for cand in range(avail.best_candidate, 0, -avail.p):
-            if avail.obstacle(cand) is None:
-                r = cand
-                break
-        return avail.bound(r, names)
+        return avail.bound(avail.best(), names)
     if isinstance(at, bool) or not isinstance(at, int) or at < 0 or at % avail.p \
             or at > avail.best_candidate or (at and avail.obstacle(at) is not None):
         raise InvalidInput(
@@ -208,6 +220,15 @@ def resume_bound(
             f"(usable: {[0, *avail.boundaries()]})"
         )
     return avail.bound(at, names)
+
+
+def resume_and_boundaries(layout: PageLayout, prompt_tokens: int, present: Presence,
+                          names: Sequence[Sequence[bytes]] | None = None,
+                          ) -> tuple[ResumeBound, tuple[int, ...]]:
+    """``resume_bound(...)`` and ``resume_boundaries(...)`` of one prompt, with presence
+    read once for both (what a match answers)."""
+    avail = _Availability(layout, prompt_tokens, present, names)
+    return avail.bound(avail.best(), names), avail.boundaries()
 
 
 def resume_boundaries(layout: PageLayout, prompt_tokens: int, present: Presence) -> tuple[int, ...]:

@@ -15,7 +15,10 @@ Paths, chosen per client (``same_host=None``: automatically):
   HOST lease, fills the reserved slots in place and commits what arrived whole.
 - **TCP** — page bodies go over a plain ``http.client`` connection: a fetch stream is
   read with ``readinto`` straight into each destination row, a put body is sent from the
-  caller's page buffers. JSON control calls go through a pooled ``httpx`` client.
+  caller's page buffers. JSON control calls go over the same pool of keep-alive
+  ``http.client`` connections (httpx cost ~0.3 ms more a call, which a same-host put or
+  fetch makes two of and a match one); a pooled connection the node closed while idle is
+  dropped before use.
 
 Retries only where a call is idempotent (``match``, GETs, ``fetch`` — which resumes under
 its fetch id), until ``retry_s`` has passed.
@@ -29,6 +32,7 @@ import base64
 import http.client
 import json
 import os
+import select
 import socket
 import threading
 import time
@@ -37,8 +41,6 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
 from urllib.parse import urlsplit
-
-import httpx
 
 from kvbank import wire
 from kvbank.buffers import OutBuffers, Pages, out_views, page_views
@@ -66,6 +68,40 @@ from kvbank.tiers.store import StoreHealth
 DEFAULT_URL = f"http://{DEFAULT_BIND}:{DEFAULT_PORT}"
 DEFAULT_TIMEOUT_S = 120.0
 DEFAULT_RETRY_S = 5.0
+
+
+JSON = "application/json"
+OCTETS = "application/octet-stream"
+
+
+_ONE_SEND = 1 << 20  # a request body up to this size goes out with its headers (a copy of it costs less than a second wakeup)
+
+
+class _Connection(http.client.HTTPConnection):
+    """``http.client`` sends a request's headers and its body in two ``send`` calls; with
+    TCP_NODELAY that is two segments, and the node wakes, parses and waits once more per
+    call. A small bytes body goes out with its headers in one."""
+
+    def _send_output(self, message_body: Any = None, encode_chunked: bool = False) -> None:
+        if isinstance(message_body, bytes) and len(message_body) <= _ONE_SEND:
+            self._buffer.extend((b"", message_body))  # type: ignore[attr-defined]
+            msg = b"\r\n".join(self._buffer)  # type: ignore[attr-defined]
+            del self._buffer[:]  # type: ignore[attr-defined]
+            self.send(msg)
+            return
+        super()._send_output(message_body, encode_chunked)  # type: ignore[misc]
+
+
+def _usable(conn: http.client.HTTPConnection) -> bool:
+    """An idle pooled connection the node has not closed: nothing to read on it yet
+    (a readable idle socket is an EOF or bytes no request asked for)."""
+    sock = conn.sock
+    if sock is None:
+        return False
+    try:
+        return not select.select([sock], [], [], 0)[0]
+    except (OSError, ValueError):
+        return False
 
 
 def _raise_for(status: int, body: bytes) -> None:
@@ -97,8 +133,6 @@ class Client:
         self._retry = float(retry_s)
         # ``token``: a tenant token, sent on every call (the node binds the caller to it)
         self._auth = {} if token is None else {"Authorization": f"Bearer {token}"}
-        self._http = httpx.Client(base_url=self.url, timeout=timeout_s, headers=self._auth,
-                                  limits=httpx.Limits(max_keepalive_connections=16))
         self._layouts: dict[bytes, PageLayout] = {}
         self._want_local = same_host
         self._local: bool | None = None if same_host is None else same_host
@@ -106,31 +140,55 @@ class Client:
         self._conns: list[http.client.HTTPConnection] = []
         self._reader: Borrower | None = None
         self._writer: Borrower | None = None
+        self._segment: str | None = None  # the node's host segment (same host)
+        self._resident = False  # the node keeps it resident: populate our mapping up front
 
     # ---- plumbing --------------------------------------------------------------------
 
     def _call(self, method: str, path: str, *, body: Any = None, content: bytes | None = None,
               idempotent: bool = False) -> Any:
+        payload = content if content is not None else (
+            None if body is None else json.dumps(body, separators=(",", ":")).encode())
+        headers = {**self._auth, "Content-Type": OCTETS if content is not None else JSON}
         deadline = time.monotonic() + self._retry
         delay = 0.05
         while True:
             try:
-                r = self._http.request(method, path, json=body, content=content)
-            except httpx.TransportError as exc:
+                conn = self._conn()
+                try:
+                    conn.request(method, path, body=payload, headers=headers)
+                    resp = conn.getresponse()
+                    status, data = resp.status, resp.read()
+                except (OSError, http.client.HTTPException) as exc:
+                    conn.close()
+                    raise TierUnavailable(f"node: {self.url} unreachable: {exc}") from exc
+            except TierUnavailable:
                 if idempotent and time.monotonic() + delay < deadline:
                     time.sleep(delay)
                     delay = min(delay * 2, 1.0)
                     continue
-                raise TierUnavailable(f"node: {self.url} unreachable: {exc}") from exc
-            if r.status_code >= 400:
-                _raise_for(r.status_code, r.content)
-            return r.json()
+                raise
+            if resp.will_close:
+                conn.close()
+            else:
+                self._give_back(conn)
+            if status >= 400:
+                _raise_for(status, data)
+            try:
+                return json.loads(data)
+            except ValueError as exc:
+                raise TierUnavailable(f"node: {method} {path} answered {status} without JSON") from exc
 
     def _conn(self) -> http.client.HTTPConnection:
-        with self._lock:
-            if self._conns:
-                return self._conns.pop()
-        conn = http.client.HTTPConnection(self._host, self._port, timeout=self._timeout)
+        while True:
+            with self._lock:
+                conn = self._conns.pop() if self._conns else None
+            if conn is None:
+                break
+            if _usable(conn):
+                return conn
+            conn.close()  # the node closed it while idle (its keep-alive timeout)
+        conn = _Connection(self._host, self._port, timeout=self._timeout)
         try:
             conn.connect()
         except OSError as exc:
@@ -150,8 +208,15 @@ class Client:
             self._local = self._detect()
         return self._local
 
+    def _host_info(self) -> dict[str, Any]:
+        info: dict[str, Any] = self._call("GET", "/v1/node", idempotent=True)["host"]
+        seg = info.get("segment")
+        self._segment = seg if isinstance(seg, str) and seg else None
+        self._resident = info.get("resident") is True
+        return info
+
     def _detect(self) -> bool:
-        info = self._call("GET", "/v1/node", idempotent=True)["host"]
+        info = self._host_info()
         try:
             boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
         except OSError:
@@ -162,17 +227,43 @@ class Client:
         if info.get("shm_dir") != str(SHM_DIR):
             return False
         try:  # another mount namespace can share the boot id but not /dev/shm
-            return bool((SHM_DIR / seg).stat().st_size == info.get("segment_bytes"))
+            if (SHM_DIR / seg).stat().st_size != info.get("segment_bytes"):
+                return False
         except OSError:
             return False
+        return True
 
     def _borrower(self, writable: bool) -> Borrower:
+        if self._segment is None and (self._reader if not writable else self._writer) is None:
+            self._host_info()  # same_host=True skips detection: learn the segment's state
         with self._lock:
             if writable:
-                self._writer = self._writer or Borrower(writable=True)
+                self._writer = self._writer or Borrower(writable=True, populate=self._resident)
                 return self._writer
-            self._reader = self._reader or Borrower()
+            self._reader = self._reader or Borrower(populate=self._resident)
             return self._reader
+
+    def map_host(self, wait_s: float | None = None) -> bool:
+        """Map the node's host segment now, for reading and for writing, as the first
+        same-host fetch and put would; where the node keeps it resident, wait up to
+        ``wait_s`` seconds for this process's page tables of it to be built (a worker
+        does this once at start, so no put later pays a fault per 4 KiB page). Whether
+        it is ready; False on the TCP path."""
+        if not self.same_host:
+            return False
+        if self._segment is None:
+            self._host_info()
+        if self._segment is None:
+            return False
+        deadline = None if wait_s is None else time.monotonic() + wait_s
+        ready = True
+        for writable in (True, False):
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                ready = self._borrower(writable).wait_populated(self._segment, left) and ready
+            except KvbankError as exc:
+                raise TierUnavailable(f"node: cannot map its segment {self._segment}: {exc}") from exc
+        return ready
 
     # ---- layouts ---------------------------------------------------------------------
 
@@ -221,7 +312,7 @@ class Client:
 
     def _fill(self, lease: Lease, names: list[bytes], views: list[memoryview]) -> None:
         b = self._borrower(writable=True)
-        arrived: list[bytes] = []
+        pairs: list[tuple[bytes, memoryview]] = []
         try:
             for name, page in zip(names, views, strict=True):
                 try:
@@ -229,13 +320,13 @@ class Client:
                 except KeyError:
                     continue  # stored already: not in the lease
                 if row.delivery is Delivery.RESERVED:
-                    b.view(lease, name)[:] = page
-                    arrived.append(name)
+                    pairs.append((name, page))
+            b.copy_rows(lease, pairs, into_rows=True)
             b.check(lease)
         except BaseException:
             self.release(lease.id)
             raise
-        self.commit(lease.id, arrived)
+        self.commit(lease.id, [n for n, _ in pairs])
 
     def put(self, layout_id: bytes, tokens: TokenIds | None = None, *, group: int, pages: Pages,
             scope: Scope = DEFAULT_SCOPE, keys: Sequence[bytes] | None = None, first_page: int = 0,
@@ -343,11 +434,13 @@ class Client:
         lease = wire.from_dict(Lease, doc["lease"])
         b = self._borrower(writable=False)
         got: list[int] = []
+        pairs: list[tuple[bytes, memoryview]] = []
         try:
             for (pos, g, slot, size), name in zip(doc["rows"], lease.names, strict=True):
                 if lease.row(name).delivery is Delivery.READY:
-                    b.read_into(lease, name, views[g][slot][:size])
+                    pairs.append((name, views[g][slot][:size]))
                     got.append(pos)
+            b.copy_rows(lease, pairs, into_rows=False)  # then checks the lease is live
         except BaseException:
             self.release(lease.id)
             raise
@@ -417,7 +510,6 @@ class Client:
 
     def close(self) -> None:
         """Close every connection and unmap the node's segments. Idempotent."""
-        self._http.close()
         with self._lock:
             conns, self._conns = self._conns, []
             borrowers = [b for b in (self._reader, self._writer) if b is not None]

@@ -22,7 +22,8 @@ Primitives:
 
 The remote ledger is the service's own :class:`~kvbank.lender.ledger.FetchLedger`, apart
 from the bank's, because a streamed fetch never copies into caller buffers in this
-process (``Bank.fetch`` does); ``Bank.stats().open_fetches`` counts only in-process ones.
+process (``Bank.fetch`` does); ``Bank.stats().open_fetches`` counts only in-process ones,
+and ``/v1/stats`` reports this ledger's open entries beside it as ``served_fetches``.
 """
 
 from __future__ import annotations
@@ -129,7 +130,10 @@ class Node:
         return {
             "version": __version__,
             "host": {**self.identity, "segment": None if segment is None else segment.segment,
-                     "segment_bytes": None if segment is None else segment.size},
+                     "segment_bytes": None if segment is None else segment.size,
+                     # kept resident (reserve_host): a same-host client may build its page
+                     # tables for the whole segment up front without claiming new memory
+                     "resident": segment is not None and self.bank.reservation is not None},
             "data_dir": None if cfg.data_dir is None else str(cfg.data_dir),
             "host_bytes": cfg.host_bytes,
             "disk_bytes": cfg.disk_bytes,

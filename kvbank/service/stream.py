@@ -140,19 +140,24 @@ async def receive_put_lease(node: Node, request: Request) -> tuple[list[bytes], 
     try:
         async with asyncio.timeout(node.config.body_timeout_s):
             header, total = await _head(node, body, declared, with_pages=False, request=request)
-            names, _, _ = await node.call(plan_put, node, header, await body.read(header.key_bytes))
+            key_bytes = await body.read(header.key_bytes)
             if not await body.at_end():
                 raise InvalidInput(f"body: longer than the {total} bytes its header declares")
     except TimeoutError:
         raise InvalidInput(f"body: did not arrive within {node.config.body_timeout_s}s") from None
     except ClientDisconnect:
         raise InvalidInput("body: the client went away mid-body") from None
-    where = await node.call(node.bank.locate, names)
+    return await node.call(_lease_put, node, header, key_bytes)  # one hop to the pool
+
+
+def _lease_put(node: Node, header: PutHeader, key_bytes: bytearray) -> tuple[list[bytes], Lease | None, bool]:
+    names, _, _ = plan_put(node, header, key_bytes)
+    where = node.bank.locate(names)
     todo = [n for n, w in zip(names, where, strict=True) if w is None]
     if not todo:
         return names, None, False
     try:
-        lease = await node.call(node.bank.lend, todo, mode=LeaseMode.WRITE, kind=MemoryKind.HOST)
+        lease = node.bank.lend(todo, mode=LeaseMode.WRITE, kind=MemoryKind.HOST)
     except (LeaseConflict, TierError) as exc:
         logger.debug("put lease: none (%s); the client puts over TCP", exc)
         return names, None, True

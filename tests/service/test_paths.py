@@ -137,3 +137,20 @@ def test_stream_holds_its_read_leases_until_the_ack(node: NodeProcess) -> None:
         result = c._ack(fid, got, None, read.stream)
         assert result.complete and torch.equal(out, data)
         assert c.stats().live_leases == before
+
+
+def test_paths_map_host_then_put_and_fetch_agree(node: NodeProcess) -> None:
+    """A worker that maps the node's (resident) segment up front, its page tables built
+    before the first put, still puts and fetches exactly the bytes given."""
+    data = pages(4, 7)
+    toks = list(range(9_000, 9_000 + 4 * 16))
+    with Client(node.url, same_host=True) as shm:
+        assert shm.map_host(wait_s=120.0) is True
+        lid = shm.register(BIG)
+        shm.put(lid, toks, group=0, pages=data)
+        m = shm.match(lid, [*toks, 1])
+        out = torch.zeros((4, BIG_PAGE), dtype=torch.uint8)
+        assert shm.fetch(m, out={0: out}).complete
+    assert torch.equal(out, data)
+    with Client(node.url, same_host=False) as tcp:
+        assert tcp.map_host() is False  # the TCP path maps nothing

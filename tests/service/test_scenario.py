@@ -19,6 +19,7 @@ from kvbank.errors import (
     UnknownLayout,
 )
 from kvbank.lender.base import CommitResult, Delivery, Lease
+from kvbank.lender.resume import Obstacle
 from kvbank.results import BankStats, FetchResult, Match
 from kvbank.service.launch import NodeProcess
 from kvbank.tiers.base import TierKind
@@ -62,11 +63,26 @@ def test_scenario_same_results_on_bank_and_client(api: Any, request: pytest.Fixt
                         prompt_tokens=93)
     assert by_keys.resume.tokens == 80 and by_keys.resume.rows == m.resume.rows
     assert api.match(lid, prompt, scope=Scope(tenant="other")).resume.tokens == 0
+    # Nothing at all under a scope, or under a layout of another model fingerprint, is
+    # told apart from a prompt whose first page is missing under a scope that has rows.
+    cold = api.match(lid, prompt, scope=Scope(tenant="other", cache_salt=salt)).resume
+    assert (cold.tokens, cold.reason) == (0, Obstacle.NOTHING_STORED) and cold.blocking_group is None
+    short = api.match(lid, prompt[:16], scope=Scope(tenant="other", cache_salt=salt)).resume
+    assert short.reason is Obstacle.LAST_TOKEN  # too short to resume from: not a miss
+    refp = api.register(full_attention("svc@2", num_layers=2, num_kv_heads=4, head_dim=64))
+    assert api.match(refp, prompt, scope=scope).resume.reason is Obstacle.NOTHING_STORED
+    miss = api.match(lid, list(range(9000, 9040)), scope=scope).resume
+    assert (miss.tokens, miss.reason, miss.blocking_group) == (0, Obstacle.MISSING_PAGE, 0)
 
     buf = torch.zeros((5, PAGE), dtype=torch.uint8)
     part = api.fetch(m, out={0: buf}, max_rows=2)
     assert isinstance(part, FetchResult) and not part.complete and part.delivered == ((0, 1),)
     assert part.resume.tokens == 32 and part.nbytes == 2 * PAGE
+    open_now = api.stats()  # the half-done fetch is open in the ledger that serves it
+    if isinstance(api, Bank):
+        assert open_now.open_fetches >= 1 and open_now.served_fetches == 0
+    else:
+        assert open_now.served_fetches >= 1
     rest = api.fetch(m, out={0: buf}, fetch_id=part.fetch_id)
     assert rest.complete and rest.fetch_id == part.fetch_id and rest.nbytes == 3 * PAGE
     assert rest.resume.tokens == 80 and torch.equal(buf, pages[:5])

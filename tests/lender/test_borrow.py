@@ -1,0 +1,114 @@
+"""The borrower's mappings: page tables built up front (``populate=True``) show the
+owner's bytes, and a close during population stops it before unmapping; batch copies
+(one lane or two) move exactly each row, and a READ batch is refused after expiry."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import secrets
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from kvbank.errors import InvalidInput, LeaseExpired
+from kvbank.lender.base import (
+    Delivery,
+    HostLocation,
+    Lease,
+    LeaseMode,
+    LeaseRow,
+    MemoryKind,
+    Selection,
+)
+from kvbank.lender.borrow import POPULATE_STEP, Borrower
+from kvbank.tiers.host import SHM_DIR
+
+
+@pytest.fixture
+def segment() -> Iterator[tuple[str, np.ndarray]]:
+    """A resident shared-memory segment of three populate steps, filled by its owner."""
+    name = f"kvbank-test-borrow-{secrets.token_hex(4)}"
+    size = 3 * POPULATE_STEP
+    fd = os.open(SHM_DIR / name, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.ftruncate(fd, size)
+        mm = mmap.mmap(fd, size)
+    finally:
+        os.close(fd)
+    data = np.random.default_rng(3).integers(0, 256, size, dtype=np.uint8)
+    np.frombuffer(mm, dtype=np.uint8)[:] = data
+    try:
+        yield name, data
+    finally:
+        mm.close()
+        os.unlink(SHM_DIR / name)
+
+
+@pytest.mark.parametrize("writable", [False, True])
+def test_borrow_populated_mapping_shows_the_owners_bytes(segment: tuple[str, np.ndarray],
+                                                         writable: bool) -> None:
+    name, data = segment
+    with Borrower(writable=writable, populate=True) as b:
+        assert b.wait_populated(name, timeout=120.0)
+        assert np.array_equal(np.frombuffer(b.segment(name), dtype=np.uint8), data)
+
+
+def test_borrow_close_during_population_unmaps_cleanly(segment: tuple[str, np.ndarray]) -> None:
+    name, data = segment
+    b = Borrower(populate=True)
+    view = b.segment(name)
+    assert view[:16] == data[:16].tobytes()
+    b.close()  # joins the populating thread (at most one step) before unmapping
+    assert b.wait_populated(name, timeout=120.0)  # maps it again, populates again
+    b.close()
+
+
+def test_borrow_without_populate_starts_no_thread(segment: tuple[str, np.ndarray]) -> None:
+    name, _ = segment
+    with Borrower() as b:
+        assert b.wait_populated(name, timeout=0.0)  # nothing to wait for
+
+
+def _lease(name: str, rows: int, size: int, expires_at: float, mode: LeaseMode) -> Lease:
+    """A lease on ``rows`` rows of ``size`` bytes, every other slot of the segment."""
+    out = tuple(LeaseRow(bytes([i]) * 54, True, HostLocation(name, (2 * i + 1) * size, size), (),
+                         Delivery.READY if mode is LeaseMode.READ else Delivery.RESERVED)
+                for i in range(rows))
+    return Lease("L", MemoryKind.HOST, mode, Selection.NAMED, expires_at, 0.0, out)
+
+
+@pytest.mark.parametrize("rows", [1, 6])  # one lane, and a batch split over two (>= 8 MiB)
+def test_borrow_copy_rows_moves_exactly_each_row(segment: tuple[str, np.ndarray], rows: int) -> None:
+    name, data = segment
+    size = 2 << 20
+    got = np.zeros((rows, size), dtype=np.uint8)
+    with Borrower(clock=lambda: 0.0) as b:
+        lease = _lease(name, rows, size, 10.0, LeaseMode.READ)
+        b.copy_rows(lease, [(r.name, memoryview(got[i])) for i, r in enumerate(lease.rows)], into_rows=False)
+    for i in range(rows):
+        off = (2 * i + 1) * size
+        assert np.array_equal(got[i], data[off : off + size])
+    pages = np.random.default_rng(5).integers(0, 256, (rows, size), dtype=np.uint8)
+    with Borrower(writable=True, clock=lambda: 0.0) as w:
+        lease = _lease(name, rows, size, 10.0, LeaseMode.WRITE)
+        w.copy_rows(lease, [(r.name, memoryview(pages[i])) for i, r in enumerate(lease.rows)], into_rows=True)
+        seg = np.frombuffer(w.segment(name), dtype=np.uint8)
+        for i in range(rows):
+            off = (2 * i + 1) * size
+            assert np.array_equal(seg[off : off + size], pages[i])
+            assert np.array_equal(seg[off - size : off], data[off - size : off])  # neighbours untouched
+        del seg
+
+
+def test_borrow_copy_rows_refuses_an_expired_lease_and_a_short_buffer(segment: tuple[str, np.ndarray]) -> None:
+    name, _ = segment
+    size = 2 << 20
+    with Borrower(clock=lambda: 20.0) as b:
+        lease = _lease(name, 2, size, 10.0, LeaseMode.READ)
+        bufs = [memoryview(bytearray(size)) for _ in range(2)]
+        with pytest.raises(LeaseExpired):
+            b.copy_rows(lease, list(zip(lease.names, bufs, strict=True)), into_rows=False)
+        with pytest.raises(InvalidInput, match="out"):
+            b.copy_rows(lease, [(lease.names[0], memoryview(bytearray(size - 1)))], into_rows=False)

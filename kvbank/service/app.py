@@ -46,7 +46,6 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from pydantic import BaseModel, Field
-from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvbank import __version__, wire
 from kvbank.errors import (
@@ -72,6 +71,7 @@ from kvbank.lender.base import Lease, LeaseMode, MemoryKind
 from kvbank.results import Match
 from kvbank.service.admin import install_admin
 from kvbank.service.auth import Forbidden, Unauthorized
+from kvbank.service.connections import RequestLimits
 from kvbank.service.framing import PutKind, encode_fetch_prefix, fetch_stream_bytes
 from kvbank.service.node import Node
 from kvbank.service.stream import BodyTooLarge, RowStream, receive_put, receive_put_lease
@@ -79,6 +79,7 @@ from kvbank.service.stream import BodyTooLarge, RowStream, receive_put, receive_
 logger = logging.getLogger(__name__)
 
 JSON = "application/json"
+STREAMED_PATHS = ("/v1/put", "/v1/put_state", "/v1/put/lease")  # binary bodies, read by the routes
 
 
 def status_of(exc: KvbankError) -> int:
@@ -166,32 +167,14 @@ def _hex(value: str, field: str, nbytes: int | None = None) -> bytes:
     return out
 
 
-class _Limits:
-    """ASGI middleware: bounded header count (431)."""
-
-    def __init__(self, app: ASGIApp, max_headers: int) -> None:
-        self.app = app
-        self.max_headers = max_headers
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and len(scope["headers"]) > self.max_headers:
-            body = json.dumps({"type": "InvalidInput", "field": "headers",
-                               "message": f"headers: more than {self.max_headers}"}).encode()
-            await send({"type": "http.response.start", "status": 431,
-                        "headers": [(b"content-type", JSON.encode()),
-                                    (b"content-length", str(len(body)).encode())]})
-            await send({"type": "http.response.body", "body": body})
-            return
-        await self.app(scope, receive, send)
-
-
 def create_app(node: Node) -> FastAPI:
     """The FastAPI application serving ``node``."""
     app = FastAPI(title="kvbank node", version=__version__,
                   description="Data API of one kvbank node: layouts, pages, matches, fetches, leases.")
-    app.add_middleware(_Limits, max_headers=node.config.max_headers)
     bank = node.bank
     admin = install_admin(app, node)
+    # outermost: header and body bounds hold before any gate, token check or route runs
+    app.add_middleware(RequestLimits, config=node.config, streamed=STREAMED_PATHS)
     guard, metrics = admin.guard, admin.metrics
 
     def _lease(lease: Lease) -> dict[str, Any]:

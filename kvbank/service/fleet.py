@@ -37,7 +37,7 @@ from typing import Any
 
 from kvbank import __version__
 from kvbank.bank import Bank
-from kvbank.errors import KvbankError, TierUnavailable
+from kvbank.errors import Forbidden, KvbankError, TierUnavailable, Unauthorized
 from kvbank.results import Match
 from kvbank.service.fleet_index import DEFAULT_ENTRY_TTL_S, FleetIndex, NodeInfo
 from kvbank.tiers.redis_client import RedisClient
@@ -55,8 +55,12 @@ class Fleet:
 
     def __init__(self, bank: Bank, client: RedisClient, *, name: str, address: str,
                  heartbeat_s: float = DEFAULT_HEARTBEAT_S,
-                 entry_ttl_s: float = DEFAULT_ENTRY_TTL_S, **index_args: Any) -> None:
+                 entry_ttl_s: float = DEFAULT_ENTRY_TTL_S,
+                 tenants: tuple[tuple[str, str], ...] = (), **index_args: Any) -> None:
         self.bank = bank
+        # A fleet's nodes share their tenant tokens: a peer fetch for a tenant's match
+        # goes to the peer under that tenant's token, so the peer holds it to the same scope.
+        self._tenant_tokens = dict(tenants)
         self.store = bank._store  # take_events / scan: Bank wrappers land with the admin API
         self.index = FleetIndex(client, entry_ttl_s=entry_ttl_s, **index_args)
         self.name = name
@@ -70,7 +74,7 @@ class Fleet:
         self.peer_rows = 0  # rows fetched from peers
         self.peer_misses = 0  # rows a peer was listed for but did not deliver whole
         self._held: set[bytes] = set()  # rows this node has published (what it holds)
-        self._peers: dict[str, Any] = {}  # address -> a kvbank Client kept for reuse
+        self._peers: dict[tuple[str, str | None], Any] = {}  # (address, token) -> a Client kept for reuse
         self._peers_lock = threading.Lock()  # apart from _lock: a match never waits on a beat
         self._live: set[int] = set()  # live peers, read once a beat (not on every match)
         self._last_full = 0.0
@@ -221,10 +225,16 @@ class Fleet:
         address = self.index.address(peer)
         if address is None:
             return 0
+        token: str | None = None
+        if self._tenant_tokens:
+            token = self._tenant_tokens.get(getattr(args.get("scope"), "tenant", ""))
+            if token is None:
+                return 0  # no tenant to ask the peer as: a local miss
+        key = (address, token)
         with self._peers_lock:  # one client per peer: making one costs ~50 ms (TLS context)
-            client = self._peers.pop(address, None)
+            client = self._peers.pop(key, None)
         if client is None:
-            client = Client(address, timeout_s=5.0, retry_s=1.0, same_host=False)
+            client = Client(address, timeout_s=5.0, retry_s=1.0, same_host=False, token=token)
         planned: list[bytes] = []
         ok = False
         try:
@@ -235,6 +245,9 @@ class Fleet:
                 planned = pm.needed
                 res = client.fetch(pm, out=out)
                 ok = True
+            except (Unauthorized, Forbidden) as exc:
+                # the peer refused us, not its rows: its index entries are not stale
+                raise TierUnavailable(f"fleet: node {peer} refused the fetch: {exc}") from exc
             except KvbankError as exc:
                 self._withdraw_peer(peer, planned or [])
                 raise TierUnavailable(f"fleet: fetch from node {peer}: {exc}") from exc
@@ -244,8 +257,8 @@ class Fleet:
         finally:
             if ok:
                 with self._peers_lock:
-                    old = self._peers.pop(address, None)
-                    self._peers[address] = client
+                    old = self._peers.pop(key, None)
+                    self._peers[key] = client
                 if old is not None:
                     old.close()
             else:
@@ -283,6 +296,6 @@ def join_fleet(bank: Bank, config: Any) -> Fleet | None:
         return None
     seeds = [s.strip() for s in (config.redis_cluster or "").split(",") if s.strip()]
     client = connect(config.redis, cluster=seeds, retries=2)  # the loop retries, not the call
-    fleet = Fleet(bank, client, name=config.url, address=config.url)
+    fleet = Fleet(bank, client, name=config.url, address=config.url, tenants=config.tenants)
     fleet.start()
     return fleet

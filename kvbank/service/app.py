@@ -46,6 +46,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from pydantic import BaseModel, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvbank import __version__, wire
 from kvbank.errors import (
@@ -184,6 +185,15 @@ def create_app(node: Node) -> FastAPI:
     @app.exception_handler(KvbankError)
     async def _typed(request: Request, exc: KvbankError) -> Response:
         return _error(exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> Response:
+        # FastAPI's own refusals (an unparsable body, an unknown route or method) in the
+        # node's error form, so every 4xx a client sees is {type, field, message}
+        field = {404: "path", 405: "method"}.get(exc.status_code, "body")
+        doc = {"type": "InvalidInput", "field": field, "message": f"{field}: {exc.detail}"}
+        return Response(json.dumps(doc), status_code=exc.status_code, media_type=JSON,
+                        headers=getattr(exc, "headers", None))
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> Response:

@@ -71,7 +71,7 @@ DEFAULT_RETRY_S = 5.0
 def _raise_for(status: int, body: bytes) -> None:
     try:
         exc = wire.error_from_dict(json.loads(body))
-    except (ValueError, KvbankError):
+    except (ValueError, RecursionError, KvbankError):
         exc = TierUnavailable(f"server: answered {status} without an error document: {body[:200]!r}")
     raise exc
 

@@ -243,7 +243,8 @@ def create_app(node: Node) -> FastAPI:
         await node.call(bank.flush)
         return _json({"flushed": True})
 
-    @app.post("/v1/layouts")
+    @app.post("/v1/layouts", responses=_links(get_layout=("get_layout_v1_layouts__layout_id__get",
+                                                          {"layout_id": "$response.body#/layout_id"})))
     async def register(doc: dict[str, Any]) -> Response:
         layout = wire.from_dict(PageLayout, doc.get("layout", doc))
         lid = await node.call(bank.register, layout)
@@ -262,14 +263,16 @@ def create_app(node: Node) -> FastAPI:
     async def put_state(request: Request) -> Response:
         return _json(await receive_put(node, request, PutKind.STATE))
 
-    @app.post("/v1/put/lease", openapi_extra=_binary_doc("pages or state, without page bytes"))
+    @app.post("/v1/put/lease", openapi_extra=_binary_doc("pages or state, without page bytes"),
+              responses=_lease_links("$response.body#/lease/id"))
     async def put_lease(request: Request) -> Response:
         names, lease, fallback = await receive_put_lease(node, request)
         guard.own_lease(request, lease)
         return _json({"names": [n.hex() for n in names], "fallback": fallback,
                       "lease": None if lease is None else _lease(lease)})
 
-    @app.post("/v1/match")
+    @app.post("/v1/match", responses=_links(fetch=("fetch_v1_fetch_post", None,
+                                                   {"match": "$response.body", "via": "lease"})))
     async def match(body: MatchBody, request: Request) -> Response:
         lid = _hex(body.layout_id, "layout_id", 32)
         scope = guard.scope(request, lid, body.scope.scope())
@@ -295,7 +298,9 @@ def create_app(node: Node) -> FastAPI:
             m = await node.call(bank.match, lid, **args)  # now with the rows a peer sent
         return _json(wire.to_dict(m))
 
-    @app.post("/v1/fetch", responses={200: {"description": "a fetch stream (framing), or a lease"}})
+    @app.post("/v1/fetch", responses=_links(
+        "a fetch stream (framing), or (via=lease) a lease",
+        ack=("ack_v1_fetch__fetch_id__ack_post", {"fetch_id": "$response.body#/fetch_id"}, None)))
     async def fetch(body: FetchBody, request: Request) -> Response:
         m = guard.match(request, wire.from_dict(Match, body.match))
         guard.fetch(request, body.fetch_id)
@@ -323,7 +328,7 @@ def create_app(node: Node) -> FastAPI:
             metrics.add_moved("out", "shm", result.nbytes)
         return _json(wire.to_dict(result))
 
-    @app.post("/v1/leases")
+    @app.post("/v1/leases", responses=_lease_links("$response.body#/id"))
     async def lend(body: LendBody, request: Request) -> Response:
         mode, kind = LeaseMode[body.mode], MemoryKind[body.kind]
         if mode is LeaseMode.WRITE:
@@ -342,7 +347,7 @@ def create_app(node: Node) -> FastAPI:
         guard.own_lease(request, lease)
         return _json(_lease(lease))
 
-    @app.post("/v1/leases/{lease_id}/renew")
+    @app.post("/v1/leases/{lease_id}/renew", responses=_lease_links("$response.body#/id"))
     async def renew(lease_id: str, body: RenewBody, request: Request) -> Response:
         guard.lease(request, lease_id)
         return _json(_lease(await node.call(bank.renew, lease_id, body.ttl_s)))
@@ -373,6 +378,29 @@ def create_app(node: Node) -> FastAPI:
         return _json(wire.to_dict(await node.call(bank.stats)))
 
     return app
+
+
+def _links(description: str = "Successful Response", /, **links: tuple[Any, ...]) -> dict[int | str, Any]:
+    """OpenAPI links of a 200 answer: what a client (or a stateful fuzzer) may call next
+    with values taken from it."""
+    out: dict[str, Any] = {}
+    for name, (operation, parameters, *body) in links.items():
+        link: dict[str, Any] = {"operationId": operation}
+        if parameters:
+            link["parameters"] = parameters
+        if body and body[0] is not None:
+            link["requestBody"] = body[0]
+        out[name] = link
+    return {200: {"description": description, "links": out}}
+
+
+def _lease_links(lease_id: str) -> dict[int | str, Any]:
+    """A lease's follow-ups, the lease id taken from ``lease_id`` (a runtime expression)."""
+    at = {"lease_id": lease_id}
+    return _links(renew=("renew_v1_leases__lease_id__renew_post", at),
+                  commit=("commit_v1_leases__lease_id__commit_post", at, {"arrived": []}),
+                  check=("check_v1_leases__lease_id__check_post", at),
+                  release=("release_v1_leases__lease_id__delete", at))
 
 
 def _binary_doc(what: str) -> dict[str, Any]:

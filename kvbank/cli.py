@@ -58,11 +58,12 @@ _SERVE_FLAGS: tuple[tuple[str, str, str], ...] = (
     ("--threads", "threads", "threads for blocking bank calls (default 16)"),
     ("--max-body-bytes", "max_body_bytes", "largest request body (default 1G)"),
     ("--idle-timeout-s", "idle_timeout_s", "close idle connections after this (default 30)"),
+    ("--header-timeout-s", "header_timeout_s", "request headers must arrive within this (default 10)"),
     ("--body-timeout-s", "body_timeout_s", "a request body must arrive within this (default 60)"),
     ("--shutdown-timeout-s", "shutdown_timeout_s", "in-flight requests get this long on SIGTERM (default 10)"),
 )
 _INT_FIELDS = {"port", "threads"}
-_FLOAT_FIELDS = {"idle_timeout_s", "body_timeout_s", "shutdown_timeout_s"}
+_FLOAT_FIELDS = {"idle_timeout_s", "header_timeout_s", "body_timeout_s", "shutdown_timeout_s"}
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:

@@ -406,6 +406,8 @@ def from_json(cls: type[T], text: str | bytes, *, now: float | None = None) -> T
         doc = json.loads(text)
     except (ValueError, TypeError) as exc:  # JSONDecodeError and undecodable bytes
         _fail(_root(cls), f"not JSON: {exc}")
+    except RecursionError:  # nested brackets past the parser's depth limit
+        _fail(_root(cls), "not JSON: nested too deeply")
     return from_dict(cls, doc, now=now)
 
 

@@ -193,7 +193,9 @@ def _router(admin: Admin) -> APIRouter:
     async def layouts() -> M.LayoutsModel:
         return M.LayoutsModel(layouts=[wire.to_dict(x) for x in await node.call(bank.layouts)])
 
-    @r.get("/leases")
+    @r.get("/leases", responses={200: {"description": "Successful Response", "links": {
+        "force_release": {"operationId": "force_release_admin_leases__lease_id__delete",
+                          "parameters": {"lease_id": "$response.body#/leases/0/id"}}}}})
     async def leases() -> M.LeasesModel:
         now = bank.clock()
         return M.LeasesModel(leases=[wire.to_dict(x, now=now) for x in await node.call(bank.leases)])

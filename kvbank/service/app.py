@@ -47,7 +47,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from pydantic import BaseModel, Field
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvbank import __version__, wire
 from kvbank.errors import (
@@ -73,6 +73,7 @@ from kvbank.lender.base import Lease, LeaseMode, MemoryKind
 from kvbank.results import Match
 from kvbank.service.admin import install_admin
 from kvbank.service.auth import Forbidden, Unauthorized
+from kvbank.service.connections import RequestLimits
 from kvbank.service.framing import PutKind, encode_fetch_prefix, fetch_stream_bytes
 from kvbank.service.node import Node
 from kvbank.service.stream import BodyTooLarge, RowStream, receive_put, receive_put_lease
@@ -80,6 +81,7 @@ from kvbank.service.stream import BodyTooLarge, RowStream, receive_put, receive_
 logger = logging.getLogger(__name__)
 
 JSON = "application/json"
+STREAMED_PATHS = ("/v1/put", "/v1/put_state", "/v1/put/lease")  # binary bodies, read by the routes
 
 
 def status_of(exc: KvbankError) -> int:
@@ -167,32 +169,14 @@ def _hex(value: str, field: str, nbytes: int | None = None) -> bytes:
     return out
 
 
-class _Limits:
-    """ASGI middleware: bounded header count (431)."""
-
-    def __init__(self, app: ASGIApp, max_headers: int) -> None:
-        self.app = app
-        self.max_headers = max_headers
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and len(scope["headers"]) > self.max_headers:
-            body = json.dumps({"type": "InvalidInput", "field": "headers",
-                               "message": f"headers: more than {self.max_headers}"}).encode()
-            await send({"type": "http.response.start", "status": 431,
-                        "headers": [(b"content-type", JSON.encode()),
-                                    (b"content-length", str(len(body)).encode())]})
-            await send({"type": "http.response.body", "body": body})
-            return
-        await self.app(scope, receive, send)
-
-
 def create_app(node: Node) -> FastAPI:
     """The FastAPI application serving ``node``."""
     app = FastAPI(title="kvbank node", version=__version__,
                   description="Data API of one kvbank node: layouts, pages, matches, fetches, leases.")
-    app.add_middleware(_Limits, max_headers=node.config.max_headers)
     bank = node.bank
     admin = install_admin(app, node)
+    # outermost: header and body bounds hold before any gate, token check or route runs
+    app.add_middleware(RequestLimits, config=node.config, streamed=STREAMED_PATHS)
     guard, metrics = admin.guard, admin.metrics
 
     def _lease(lease: Lease) -> dict[str, Any]:
@@ -202,6 +186,15 @@ def create_app(node: Node) -> FastAPI:
     @app.exception_handler(KvbankError)
     async def _typed(request: Request, exc: KvbankError) -> Response:
         return _error(exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> Response:
+        # FastAPI's own refusals (an unparsable body, an unknown route or method) in the
+        # node's error form, so every 4xx a client sees is {type, field, message}
+        field = {404: "path", 405: "method"}.get(exc.status_code, "body")
+        doc = {"type": "InvalidInput", "field": field, "message": f"{field}: {exc.detail}"}
+        return Response(json.dumps(doc), status_code=exc.status_code, media_type=JSON,
+                        headers=getattr(exc, "headers", None))
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> Response:
@@ -239,7 +232,8 @@ def create_app(node: Node) -> FastAPI:
         await node.call(bank.flush)
         return _json({"flushed": True})
 
-    @app.post("/v1/layouts")
+    @app.post("/v1/layouts", responses=_links(get_layout=("get_layout_v1_layouts__layout_id__get",
+                                                          {"layout_id": "$response.body#/layout_id"})))
     async def register(doc: dict[str, Any]) -> Response:
         layout = wire.from_dict(PageLayout, doc.get("layout", doc))
         lid = await node.call(bank.register, layout)
@@ -258,14 +252,16 @@ def create_app(node: Node) -> FastAPI:
     async def put_state(request: Request) -> Response:
         return _json(await receive_put(node, request, PutKind.STATE))
 
-    @app.post("/v1/put/lease", openapi_extra=_binary_doc("pages or state, without page bytes"))
+    @app.post("/v1/put/lease", openapi_extra=_binary_doc("pages or state, without page bytes"),
+              responses=_lease_links("$response.body#/lease/id"))
     async def put_lease(request: Request) -> Response:
         names, lease, fallback = await receive_put_lease(node, request)
         guard.own_lease(request, lease)
         return _json({"names": [n.hex() for n in names], "fallback": fallback,
                       "lease": None if lease is None else _lease(lease)})
 
-    @app.post("/v1/match")
+    @app.post("/v1/match", responses=_links(fetch=("fetch_v1_fetch_post", None,
+                                                   {"match": "$response.body", "via": "lease"})))
     async def match(body: MatchBody, request: Request) -> Response:
         lid = _hex(body.layout_id, "layout_id", 32)
         scope = guard.scope(request, lid, body.scope.scope())
@@ -291,7 +287,9 @@ def create_app(node: Node) -> FastAPI:
             m = await node.call(bank.match, lid, **args)  # now with the rows a peer sent
         return _json(wire.to_dict(m))
 
-    @app.post("/v1/fetch", responses={200: {"description": "a fetch stream (framing), or a lease"}})
+    @app.post("/v1/fetch", responses=_links(
+        "a fetch stream (framing), or (via=lease) a lease",
+        ack=("ack_v1_fetch__fetch_id__ack_post", {"fetch_id": "$response.body#/fetch_id"}, None)))
     async def fetch(body: FetchBody, request: Request) -> Response:
         m = guard.match(request, wire.from_dict(Match, body.match))
         guard.fetch(request, body.fetch_id)
@@ -319,7 +317,7 @@ def create_app(node: Node) -> FastAPI:
             metrics.add_moved("out", "shm", result.nbytes)
         return _json(wire.to_dict(result))
 
-    @app.post("/v1/leases")
+    @app.post("/v1/leases", responses=_lease_links("$response.body#/id"))
     async def lend(body: LendBody, request: Request) -> Response:
         mode, kind = LeaseMode[body.mode], MemoryKind[body.kind]
         if mode is LeaseMode.WRITE:
@@ -338,7 +336,7 @@ def create_app(node: Node) -> FastAPI:
         guard.own_lease(request, lease)
         return _json(_lease(lease))
 
-    @app.post("/v1/leases/{lease_id}/renew")
+    @app.post("/v1/leases/{lease_id}/renew", responses=_lease_links("$response.body#/id"))
     async def renew(lease_id: str, body: RenewBody, request: Request) -> Response:
         guard.lease(request, lease_id)
         return _json(_lease(await node.call(bank.renew, lease_id, body.ttl_s)))
@@ -371,6 +369,29 @@ def create_app(node: Node) -> FastAPI:
         return _json(wire.to_dict(got))
 
     return app
+
+
+def _links(description: str = "Successful Response", /, **links: tuple[Any, ...]) -> dict[int | str, Any]:
+    """OpenAPI links of a 200 answer: what a client (or a stateful fuzzer) may call next
+    with values taken from it."""
+    out: dict[str, Any] = {}
+    for name, (operation, parameters, *body) in links.items():
+        link: dict[str, Any] = {"operationId": operation}
+        if parameters:
+            link["parameters"] = parameters
+        if body and body[0] is not None:
+            link["requestBody"] = body[0]
+        out[name] = link
+    return {200: {"description": description, "links": out}}
+
+
+def _lease_links(lease_id: str) -> dict[int | str, Any]:
+    """A lease's follow-ups, the lease id taken from ``lease_id`` (a runtime expression)."""
+    at = {"lease_id": lease_id}
+    return _links(renew=("renew_v1_leases__lease_id__renew_post", at),
+                  commit=("commit_v1_leases__lease_id__commit_post", at, {"arrived": []}),
+                  check=("check_v1_leases__lease_id__check_post", at),
+                  release=("release_v1_leases__lease_id__delete", at))
 
 
 def _binary_doc(what: str) -> dict[str, Any]:

@@ -107,7 +107,7 @@ def _usable(conn: http.client.HTTPConnection) -> bool:
 def _raise_for(status: int, body: bytes) -> None:
     try:
         exc = wire.error_from_dict(json.loads(body))
-    except (ValueError, KvbankError):
+    except (ValueError, RecursionError, KvbankError):
         exc = TierUnavailable(f"server: answered {status} without an error document: {body[:200]!r}")
     raise exc
 

@@ -29,6 +29,7 @@ from kvbank.service.framing import (
     FrameKind,
     PutHeader,
     PutKind,
+    StreamRow,
     decode_fetch_header,
     decode_frame,
     decode_prefix,
@@ -86,7 +87,8 @@ def fetch_stream(conn: http.client.HTTPConnection, body: bytes, views: Mapping[i
     if resp.status != 200:
         try:
             return StreamRead([], None, None, wire.error_from_dict(json.loads(resp.read())))
-        except (ValueError, KvbankError, OSError, http.client.HTTPException) as exc:
+        except (ValueError, RecursionError, KvbankError, OSError, http.client.HTTPException) as exc:
+            resp.close()
             return StreamRead([], None, None, TierUnavailable(f"node: fetch answered {resp.status}: {exc}"))
     got: list[int] = []
     fid: str | None = None
@@ -97,8 +99,9 @@ def fetch_stream(conn: http.client.HTTPConnection, body: bytes, views: Mapping[i
         header = bytearray(decode_prefix(head, FETCH_MAGIC))
         _read_exact(resp, memoryview(header))
         fid, sid, rows = decode_fetch_header(header)
-        where = {r.position: r for r in rows}
+        where = _check_rows(rows, views)
         frame = bytearray(FRAME.size)
+        seen: set[int] = set()
         while True:
             _read_exact(resp, memoryview(frame))
             kind, pos, length = decode_frame(frame)
@@ -110,16 +113,37 @@ def fetch_stream(conn: http.client.HTTPConnection, body: bytes, views: Mapping[i
                     length -= k
                 break
             row = where.get(pos)
-            if row is None or (kind is FrameKind.ROW and length != row.size):
+            if row is None or (kind is FrameKind.ROW and length != row.size) \
+                    or (kind is FrameKind.MISSING and length != 0):
                 raise InvalidInput(f"stream.frame: position {pos} / length {length} is not in the plan")
+            if pos in seen:
+                raise InvalidInput(f"stream.frame: position {pos} framed twice")
+            seen.add(pos)
             if kind is FrameKind.ROW:
                 _read_exact(resp, views[row.group][row.slot][: row.size])
                 got.append(pos)
         if resp.read(1):
             raise InvalidInput("stream: bytes after the END frame")
     except (OSError, http.client.HTTPException, InvalidInput) as exc:
+        resp.close()  # a broken stream: let its socket go now, not when it is collected
         return StreamRead(got, fid, sid, exc)
     return StreamRead(got, fid, sid, None)
+
+
+def _check_rows(rows: list[StreamRow], views: Mapping[int, list[memoryview]]) -> dict[int, StreamRow]:
+    """The stream's planned rows by position, each checked against the caller's buffers:
+    a group or slot the caller has no buffer for, or a row larger than its buffer, is
+    refused before a byte lands (a row read short would misalign every frame after it)."""
+    where: dict[int, StreamRow] = {}
+    for i, r in enumerate(rows):
+        slots = views.get(r.group)
+        if slots is None or r.slot >= len(slots) or r.size > len(slots[r.slot]):
+            raise InvalidInput(f"stream.rows[{i}]: group {r.group} slot {r.slot} size {r.size} "
+                               "does not fit the fetch's output buffers")
+        if r.position in where:
+            raise InvalidInput(f"stream.rows[{i}]: position {r.position} planned twice")
+        where[r.position] = r
+    return where
 
 
 def put_head(kind: PutKind, layout_id: bytes, tokens: TokenIds | None,

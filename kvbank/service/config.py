@@ -12,10 +12,14 @@ field                environment                 meaning
 bind                 KVBANK_BIND                 address to listen on (127.0.0.1)
 port                 KVBANK_PORT                 TCP port (7410; 0 = a free one)
 threads              KVBANK_THREADS              bounded pool for blocking bank calls
-max_body_bytes       KVBANK_MAX_BODY_BYTES       largest request body (413 above it)
+max_body_bytes       KVBANK_MAX_BODY_BYTES       largest put body (413 above it)
+max_json_bytes       KVBANK_MAX_JSON_BYTES       largest JSON request body (413 above it)
 max_headers          KVBANK_MAX_HEADERS          most request headers (431 above it)
-max_connections      KVBANK_MAX_CONNECTIONS      concurrent connections (503 above it)
+max_header_bytes     KVBANK_MAX_HEADER_BYTES     largest request line + headers (431)
+max_connections      KVBANK_MAX_CONNECTIONS      open connections (503 and closed above it)
 idle_timeout_s       KVBANK_IDLE_TIMEOUT_S       an idle keep-alive connection is closed
+header_timeout_s     KVBANK_HEADER_TIMEOUT_S     request headers must arrive within this
+                                                 (408 and closed past it)
 body_timeout_s       KVBANK_BODY_TIMEOUT_S       a request body must arrive within this
 shutdown_timeout_s   KVBANK_SHUTDOWN_TIMEOUT_S   SIGTERM: in-flight requests get this long
 redis                KVBANK_REDIS                join a fleet through this Redis URL
@@ -61,9 +65,12 @@ DEFAULT_BIND = "127.0.0.1"
 DEFAULT_PORT = 7410
 DEFAULT_THREADS = 16
 DEFAULT_MAX_BODY_BYTES = 1 << 30
+DEFAULT_MAX_JSON_BYTES = 16 << 20  # a 1M-token match as a JSON list is ~7 MiB
 DEFAULT_MAX_HEADERS = 64
+DEFAULT_MAX_HEADER_BYTES = 64 << 10
 DEFAULT_MAX_CONNECTIONS = 512
 DEFAULT_IDLE_TIMEOUT_S = 30.0
+DEFAULT_HEADER_TIMEOUT_S = 10.0
 DEFAULT_BODY_TIMEOUT_S = 60.0
 DEFAULT_SHUTDOWN_TIMEOUT_S = 10.0
 
@@ -72,8 +79,8 @@ HOST_SHARE, HOST_CAP = 0.25, 64 << 30  # of MemAvailable; /dev/shm's free half c
 DISK_SHARE, DISK_CAP = 0.50, 1 << 40  # of the data dir file system's free space
 
 _INTS = ("port", "threads", "max_headers", "max_connections")
-_SIZES = ("max_body_bytes",)
-_SECONDS = ("idle_timeout_s", "body_timeout_s", "shutdown_timeout_s")
+_SIZES = ("max_body_bytes", "max_json_bytes", "max_header_bytes")
+_SECONDS = ("idle_timeout_s", "header_timeout_s", "body_timeout_s", "shutdown_timeout_s")
 
 
 def default_data_dir(env: Mapping[str, str] | None = None) -> Path:
@@ -127,9 +134,12 @@ class ServiceConfig:
     port: int = DEFAULT_PORT
     threads: int = DEFAULT_THREADS
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    max_json_bytes: int = DEFAULT_MAX_JSON_BYTES
     max_headers: int = DEFAULT_MAX_HEADERS
+    max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES
     max_connections: int = DEFAULT_MAX_CONNECTIONS
     idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S
+    header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S
     body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
     shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S
     redis: str | None = None  # the fleet's Redis (registry and prefix index)
@@ -145,7 +155,8 @@ class ServiceConfig:
             raise ConfigError(f"bank: expected a BankConfig, got {type(self.bank).__name__}")
         if not isinstance(self.bind, str) or not self.bind:
             raise ConfigError(f"bind: expected an address, got {self.bind!r}")
-        object.__setattr__(self, "max_body_bytes", parse_bytes(self.max_body_bytes, "max_body_bytes"))
+        for name in _SIZES:
+            object.__setattr__(self, name, parse_bytes(getattr(self, name), name))
         for name in _INTS:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int):
@@ -157,6 +168,10 @@ class ServiceConfig:
                 raise ConfigError(f"{name}: must be >= 1, got {getattr(self, name)}")
         if self.max_body_bytes < 1 << 20:
             raise ConfigError(f"max_body_bytes: must be >= 1 MiB, got {self.max_body_bytes}")
+        if self.max_json_bytes < 64 << 10:  # the limit a JSON route applies: min(this, max_body_bytes)
+            raise ConfigError(f"max_json_bytes: must be >= 64 KiB, got {self.max_json_bytes}")
+        if self.max_header_bytes < 4 << 10:
+            raise ConfigError(f"max_header_bytes: must be >= 4 KiB, got {self.max_header_bytes}")
         if self.redis is not None and self.redis_cluster is not None:
             raise ConfigError("redis: give --redis or --redis-cluster, not both")
         for name in _SECONDS:

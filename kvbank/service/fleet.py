@@ -45,7 +45,7 @@ from typing import Any
 
 from kvbank import __version__
 from kvbank.bank import Bank
-from kvbank.errors import KvbankError, TierUnavailable
+from kvbank.errors import Forbidden, KvbankError, TierUnavailable, Unauthorized
 from kvbank.lender.base import Lease, LeaseMode, MemoryKind
 from kvbank.results import FetchResult, Match
 from kvbank.service.fleet_index import DEFAULT_ENTRY_TTL_S, FleetIndex, NodeInfo
@@ -63,8 +63,12 @@ class Fleet:
 
     def __init__(self, bank: Bank, client: RedisClient | None, *, name: str, address: str,
                  heartbeat_s: float = DEFAULT_HEARTBEAT_S,
-                 entry_ttl_s: float = DEFAULT_ENTRY_TTL_S, **index_args: Any) -> None:
+                 entry_ttl_s: float = DEFAULT_ENTRY_TTL_S,
+                 tenants: tuple[tuple[str, str], ...] = (), **index_args: Any) -> None:
         self.bank = bank
+        # A fleet's nodes share their tenant tokens: a peer fetch for a tenant's match
+        # goes to the peer under that tenant's token, so the peer holds it to the same scope.
+        self._tenant_tokens = dict(tenants)
         self.index = FleetIndex(client, entry_ttl_s=entry_ttl_s, **index_args)
         self.name = name
         self.address = address
@@ -80,7 +84,7 @@ class Fleet:
         self._held: set[bytes] = set()  # rows this node has published (what it holds)
         self._refresh: collections.deque[bytes] = collections.deque()  # TTL refresh order
         self.republishes = 0  # full republishes (joins, rejoins, feed overflows)
-        self._peers: dict[str, Any] = {}  # address -> a kvbank Client kept for reuse
+        self._peers: dict[tuple[str, str | None], Any] = {}  # (address, token) -> a Client kept for reuse
         self._peers_lock = threading.Lock()  # apart from _lock: a match never waits on a beat
         self._live: set[int] = set()  # live peers, read once a beat (not on every match)
         self._last_full = 0.0
@@ -249,19 +253,19 @@ class Fleet:
 
         return fetch_in_order(listed, peers, fetch) > 0
 
-    def _peer_client(self, address: str) -> Any:
+    def _peer_client(self, address: str, token: str | None) -> Any:
         from kvbank.service.client import Client
 
         with self._peers_lock:  # one client per peer: making one costs ~50 ms (TLS context)
-            client = self._peers.pop(address, None)
+            client = self._peers.pop((address, token), None)
         if client is None:
-            client = Client(address, timeout_s=5.0, retry_s=1.0, same_host=False)
+            client = Client(address, timeout_s=5.0, retry_s=1.0, same_host=False, token=token)
         return client
 
-    def _keep_client(self, address: str, client: Any) -> None:
+    def _keep_client(self, address: str, token: str | None, client: Any) -> None:
         with self._peers_lock:
-            old = self._peers.pop(address, None)
-            self._peers[address] = client
+            old = self._peers.pop((address, token), None)
+            self._peers[(address, token)] = client
         if old is not None:
             old.close()
 
@@ -270,11 +274,17 @@ class Fleet:
         the index has it hold, about). The peer is asked to stream the match as if it
         held every missing row: it sends what it has, reports the rest missing, and the
         fetch's bound covers only what arrived whole (no round trip for its own match).
-        The peer's entries for listed rows it did not deliver are withdrawn."""
+        The peer's entries for listed rows it did not deliver are withdrawn. With tenant
+        tokens, the peer is asked under the match's tenant's token."""
         address = self.index.address(peer)
         if address is None:
             return 0
-        client = self._peer_client(address)
+        token: str | None = None
+        if self._tenant_tokens:
+            token = self._tenant_tokens.get(match.scope.tenant)
+            if token is None:
+                return 0  # no tenant to ask the peer as: a local miss
+        client = self._peer_client(address, token)
         pm = self.bank.as_if_held(match)
         lease: Lease | None = None
         try:
@@ -285,9 +295,12 @@ class Fleet:
             if lease is not None:
                 self.bank.release(lease.id)
             client.close()
+            if isinstance(exc, Unauthorized | Forbidden):
+                # the peer refused us, not its rows: its index entries are not stale
+                raise TierUnavailable(f"fleet: node {peer} refused the fetch: {exc}") from exc
             self._withdraw_peer(peer, listed)
             raise TierUnavailable(f"fleet: fetch from node {peer}: {exc}") from exc
-        self._keep_client(address, client)
+        self._keep_client(address, token, client)
         arrived, undelivered = _outcome(pm, res)
         try:
             if lease is not None:
@@ -398,6 +411,7 @@ def join_fleet(bank: Bank, config: Any) -> Fleet | None:
 
     # A cluster client reads the slot table when it is made, so it cannot be made before
     # a seed answers: the index makes it on its first call, and the loop retries until then.
-    fleet = Fleet(bank, None, name=config.url, address=config.url, connect=dial)
+    fleet = Fleet(bank, None, name=config.url, address=config.url, connect=dial,
+                  tenants=config.tenants)
     fleet.start()
     return fleet

@@ -147,6 +147,8 @@ def _json_object(data: bytes | bytearray | memoryview, what: str) -> dict[str, A
         doc = json.loads(bytes(data).decode("utf-8"))
     except (UnicodeDecodeError, ValueError) as exc:
         raise InvalidInput(f"{what}: not UTF-8 JSON ({exc})") from None
+    except RecursionError:  # a header of nested brackets: the parser's depth limit
+        raise InvalidInput(f"{what}: JSON nested too deeply") from None
     if not isinstance(doc, dict):
         raise InvalidInput(f"{what}: expected a JSON object, got {type(doc).__name__}")
     return doc

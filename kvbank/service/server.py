@@ -4,7 +4,8 @@ Lifecycle::
 
     serve(config)
       ├─ bind 127.0.0.1:port (0 = a free port) ── open the Bank (disk tier recovered)
-      ├─ uvicorn (uvloop + httptools) starts ──► one ready line on stdout:
+      ├─ uvicorn (uvloop + httptools, with the connection limits of
+      │  :mod:`kvbank.service.connections`) starts ──► one ready line on stdout:
       │     "kvbank serve: ready on http://127.0.0.1:7410 (data dir …, host tier …, …)"
       ├─ requests: blocking bank calls on the node's bounded pool, never on the loop
       └─ SIGTERM / SIGINT: stop accepting, let in-flight requests finish (at most
@@ -34,6 +35,7 @@ from kvbank.errors import ConfigError, TierUnavailable
 from kvbank.service.admin import admin_of
 from kvbank.service.app import create_app
 from kvbank.service.config import ServiceConfig
+from kvbank.service.connections import protocol
 from kvbank.service.fleet import join_fleet
 from kvbank.service.node import Node
 
@@ -79,10 +81,12 @@ def serve(config: ServiceConfig, *, out: TextIO = sys.stdout) -> int:
     try:
         node.fleet = join_fleet(bank, config)
         app = create_app(node)
+        # The protocol (httptools, with the node's header timeout, header-size and
+        # connection limits) answers 503 to a connection over max_connections at accept,
+        # so uvicorn's own limit_concurrency (checked only once headers arrive) is not used.
         uv = uvicorn.Config(
-            app, loop="uvloop", http="httptools", lifespan="off", access_log=False,
+            app, loop="uvloop", http=protocol(config), lifespan="off", access_log=False,
             log_level="warning", timeout_keep_alive=int(max(1, config.idle_timeout_s)),
-            limit_concurrency=config.max_connections,
             timeout_graceful_shutdown=int(max(1, config.shutdown_timeout_s)),
         )
         admin = admin_of(app)

@@ -11,7 +11,8 @@ Primitives:
   chunks count fully against the budget. With CUDA present each chunk is registered as
   pinned host memory (``cudaHostRegister``) so device copies from it are DMA.
 - :func:`map_segment` — the one way another process maps a host segment (by name, with
-  the one name check); :func:`attach` / :class:`SlotMapping` map just one slot given a
+  the one name check: no path separator, no leading dot, no NUL; and only a regular
+  file, never through a symbolic link, never blocking on a FIFO); :func:`attach` / :class:`SlotMapping` map just one slot given a
   :class:`~kvbank.tiers.base.HostSlot` (segment name, offset, size), and the borrower
   (:mod:`kvbank.lender.borrow`) maps whole segments through it.
 - :func:`cleanup_stale` — unlinks segments left by dead processes (``kill -9``); every
@@ -36,6 +37,7 @@ import logging
 import mmap
 import os
 import secrets
+import stat
 from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
@@ -66,14 +68,22 @@ def map_segment(name: str, *, writable: bool, offset: int = 0,
     of the allocation granularity). ``InvalidInput`` for a bad name or a range beyond the
     segment, ``TierUnavailable`` when it cannot be opened or mapped (owner gone?)."""
     path = _segment_path(name)
+    # A segment name comes from a lease, i.e. from another process: never follow a link
+    # planted in the shared directory, never block on a FIFO, map only a regular file.
+    flags = (os.O_RDWR if writable else os.O_RDONLY) | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
     try:
-        fd = os.open(path, os.O_RDWR if writable else os.O_RDONLY)
+        fd = os.open(path, flags)
     except FileNotFoundError:
         raise TierUnavailable(f"segment {name}: not found (owner closed?)") from None
     except OS_ERRORS as exc:
+        if getattr(exc, "errno", None) == errno.ELOOP:
+            raise InvalidInput(f"segment: {name!r} is a symbolic link, not a segment") from None
         raise TierUnavailable(f"segment {name}: cannot open: {exc}") from exc
     try:
-        size = os.fstat(fd).st_size
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise InvalidInput(f"segment: {name!r} is not a regular file")
+        size = st.st_size
         if length is None:
             length = size - offset
         if offset + length > size or length <= 0:

@@ -53,6 +53,8 @@ def test_service_config_print_form_reads_back_equal(tmp_path: Path) -> None:
     [("porty = 1\n", "porty"), ("[bank]\nhost_byte = 1\n", "bank.host_byte"),
      ("port = 70000\n", "port"), ("threads = 0\n", "threads"),
      ("body_timeout_s = -1\n", "body_timeout_s"), ("port = 'x'\n", "port"),
+     ("header_timeout_s = 0\n", "header_timeout_s"), ("max_header_bytes = 100\n", "max_header_bytes"),
+     ("max_json_bytes = '1K'\n", "max_json_bytes"),
      ("port = = 1\n", "config")],
 )
 def test_service_config_refuses_bad_settings_naming_the_field(tmp_path: Path, toml: str, field: str) -> None:

@@ -181,20 +181,53 @@ def test_lanes_never_run_more_threads_than_configured() -> None:
 
 
 def test_lanes_raise_after_every_lane_finished() -> None:
-    done: list[int] = []
-
+    """The first exception is raised only once no lane runs an item any more, and no lane
+    starts an item after it."""
+    lock = threading.Lock()
+    running = [0]
+    started: list[int] = []
     def work(i: int) -> int:
-        if i == 0:
-            raise ValueError("boom")
-        time.sleep(0.001)
-        done.append(i)
-        return i
+        with lock:
+            started.append(i)
+            running[0] += 1
+        try:
+            if i == 0:
+                time.sleep(0.01)  # the other lane is inside an item when this raises
+                raise ValueError("boom")
+            time.sleep(0.002)
+            return i
+        finally:
+            with lock:
+                running[0] -= 1
 
     lanes = Lanes(2)
     try:
         with pytest.raises(ValueError, match="boom"):
-            lanes.map(work, list(range(6)))
-        assert sorted(done) == [1, 3, 5]  # the other lane ran to its end first
+            lanes.map(work, list(range(200)))
+        assert running[0] == 0  # every lane finished its item before map raised
+        assert 0 in started and len(started) < 200  # the rest were never started
+    finally:
+        lanes.close()
+
+
+def test_lanes_share_the_work_when_a_lane_is_slow() -> None:
+    """Lanes take the next item when free: a lane stuck on one item does not hold back
+    the items another lane can run (results stay in item order)."""
+    release = threading.Event()
+    ran_by: dict[int, int] = {}
+
+    def work(i: int) -> int:
+        ran_by[i] = threading.get_ident()
+        if i == 0:
+            assert release.wait(30), "the other lane never ran the rest"
+        elif i == 9:
+            release.set()
+        return -i
+
+    lanes = Lanes(2)
+    try:
+        assert lanes.map(work, list(range(10))) == [-i for i in range(10)]
+        assert {ran_by[i] for i in range(1, 10)} == {ran_by[9]} != {ran_by[0]}
     finally:
         lanes.close()
 

@@ -14,8 +14,10 @@ A :class:`Copier` runs with no store lock held, on slots the caller keeps busy (
 :class:`Lanes` spreads a batch's copies and codec work over ``copy_threads`` threads: the
 caller's own thread runs one lane and a pool of ``copy_threads - 1`` workers the others,
 so one batch never runs on more threads than configured, and a single item never leaves
-the caller's thread. memcpy (numpy/memoryview), zstd and the plane kernels release the
-GIL, so the lanes run in parallel.
+the caller's thread. zstd, the plane kernels and numpy's copies release the GIL, so the
+lanes run in parallel; a memoryview slice assignment does not (CPython copies under the
+GIL), which is why every host copy here is an ``np.copyto`` between array views and
+never ``slot[...] = data``.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import TypeVar
 
+import numpy as np
+import numpy.typing as npt
 import torch
 
 from kvbank.errors import TierUnavailable
@@ -32,6 +36,7 @@ from kvbank.tiers.base import FrameStore, SlotPool
 from kvbank.tiers.device import DevicePool
 from kvbank.tiers.host import HostSlab
 
+U8Array = npt.NDArray[np.uint8]
 T = TypeVar("T")
 R = TypeVar("R")
 
@@ -47,9 +52,12 @@ def default_copy_threads() -> int:
 class Lanes:
     """Run a function over a batch on at most ``threads`` threads (the caller's included).
 
-    ``map(fn, items)`` returns the results in item order. Every lane finishes before it
-    returns (the items name slots the caller keeps busy until then); the first exception
-    is raised after that. ``close()`` stops the workers (idempotent)."""
+    ``map(fn, items)`` returns the results in item order. Lanes take the next item as
+    they become free (not a fixed share each): a worker that wakes late, or a core taken
+    by another process, costs only the items that lane ran. Every lane finishes its item
+    before ``map`` returns (the items name slots the caller keeps busy until then); after
+    an exception no lane starts another item, and the first exception is raised.
+    ``close()`` stops the workers (idempotent)."""
 
     def __init__(self, threads: int) -> None:
         self.threads = threads
@@ -62,19 +70,28 @@ class Lanes:
         if lanes <= 1 or self._pool is None:
             return [fn(x) for x in items]
         out: list[R | None] = [None] * n
+        todo = iter(range(n))  # shared: next() on a range iterator is atomic under the GIL
+        failed = False
 
-        def lane(k: int) -> None:
-            for i in range(k, n, lanes):  # strided: neighbouring pages run side by side
-                out[i] = fn(items[i])
+        def lane() -> None:
+            nonlocal failed
+            for i in todo:
+                if failed:
+                    return
+                try:
+                    out[i] = fn(items[i])
+                except BaseException:
+                    failed = True
+                    raise
 
-        futs: list[Future[None]] = [self._pool.submit(lane, k) for k in range(1, lanes)]
+        futs: list[Future[None]] = [self._pool.submit(lane) for _ in range(1, lanes)]
         try:
-            lane(0)
+            lane()
         finally:
             wait(futs)
         for f in futs:
             f.result()
-        return out  # type: ignore[return-value]  # every slot was filled by its lane
+        return out  # type: ignore[return-value]  # every slot was filled by a lane
 
     def close(self) -> None:
         if self._pool is not None:
@@ -85,12 +102,18 @@ class Copier:
     """The default copier: plain memory copies, torch for device memory."""
 
     def fill(self, pool: SlotPool, off: int, src: memoryview) -> None:
+        if isinstance(pool, HostSlab):
+            _copy(pool.numpy()[off : off + src.nbytes], _u8(src))
+            return
         try:
             pool.write(off, src)
         except RuntimeError as exc:
             raise TierUnavailable(f"copy into a memory slot failed: {exc}") from exc
 
     def read(self, pool: SlotPool, off: int, size: int, dst: memoryview) -> None:
+        if isinstance(pool, HostSlab):
+            _copy(_u8(dst)[:size], pool.numpy()[off : off + size])
+            return
         try:
             pool.read_into(off, size, dst)
         except RuntimeError as exc:
@@ -138,3 +161,15 @@ class Copier:
         except RuntimeError as exc:
             raise TierUnavailable(f"device copy-out of {size} bytes failed: {exc}") from exc
         return frames.frame(data, dtype)
+
+
+def _u8(buf: memoryview) -> U8Array:
+    """A flat uint8 array over a contiguous byte view (no copy)."""
+    return np.frombuffer(buf, np.uint8)
+
+
+def _copy(dst: U8Array, src: U8Array) -> None:
+    """``dst[:] = src`` with the GIL released (same length, checked)."""
+    if dst.size != src.size:
+        raise ValueError(f"copy of {src.size} bytes into a {dst.size}-byte slot")
+    np.copyto(dst, src, casting="no")

@@ -773,6 +773,29 @@ def test_store_close_writes_dirty_rows_to_disk_in_lru_order(
     assert by_seq == list(range(5, 20)) + list(range(5))
 
 
+def test_store_close_writes_back_in_group_commits(make_store: MakeStore, tmp_path: Path) -> None:
+    """Regression: a close commits its dirty rows a group per LMDB transaction, not one
+    each (every commit is an fsync), and the write clocks still follow the LRU order."""
+    import lmdb
+
+    s = make_store(host_bytes=1 << 20, disk_bytes=1 << 20)
+    for i in range(40):
+        s.put(name_of(i), page_of(i, P), parent=name_of(i - 1) if i else None)
+    for i in range(3):
+        assert read(s, i) == page_of(i, P)  # rows 0..2 are now the most recent
+    assert s.stats().tier(D).rows == 0  # 160 KiB in a 1 MiB host tier: nothing demoted
+    s.close()
+    env = lmdb.open(str(tmp_path / "data" / "lmdb"), subdir=True, max_dbs=2, lock=True)
+    commits = env.info()["last_txnid"]  # every write transaction since the file was made
+    env.close()
+    assert commits <= 2 + 40 // 4, f"{commits} transactions for 40 rows"
+    disk = DiskTier(tmp_path / "data", 1 << 20, sync=False)
+    by_seq = [int.from_bytes(r.name[-8:], "big")
+              for r in sorted(disk.scan(), key=lambda r: r.seq)]
+    disk.close()
+    assert by_seq == list(range(3, 40)) + list(range(3))
+
+
 def test_store_close_without_persist_drops_dirty_rows(make_store: MakeStore) -> None:
     s = make_store(host_bytes=1 << 20, disk_bytes=1 << 20)
     for i in range(5):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -21,9 +21,9 @@ from kvbank.errors import (
 )
 from kvbank.testing.tiers import name_of, page_of, size_of, stored
 from kvbank.tiers.base import HostSlot, TierKind
-from kvbank.tiers.device import gpu_memory
+from kvbank.tiers.device import DevicePool, gpu_memory
 from kvbank.tiers.disk import DiskTier
-from kvbank.tiers.host import attach
+from kvbank.tiers.host import HostSlab, attach
 from kvbank.tiers.store import Copier, HealthState, TieredStore
 
 from .conftest import MakeStore
@@ -497,15 +497,30 @@ def test_store_stage_host_many_matches_stage_host(make_store: MakeStore) -> None
     assert results[1][3] is None and results[1][6] is None
 
 
-def test_store_stage_host_many_copies_device_rows_and_keeps_both(make_store: MakeStore) -> None:
-    s = make_store(device="cpu", device_bytes=32 * 1024, host_bytes=64 * 1024,
-                   disk_bytes=1 << 20)
+@pytest.mark.parametrize("device", ["cpu", _CUDA])
+def test_store_stage_host_many_copies_device_rows_and_keeps_both(make_store: MakeStore,
+                                                                  device: str) -> None:
+    """A lease's device rows reach host as one batch of copies (one wait, not one per
+    row), each slot holding its row's bytes."""
+    batches: list[int] = []
+
+    class Counting(Copier):
+        def between_many(self, host: HostSlab, dev: DevicePool,
+                         copies: Sequence[tuple[int, int, int]], *, to_host: bool) -> None:
+            if to_host:
+                batches.append(len(copies))
+            super().between_many(host, dev, copies, to_host=to_host)
+
+    s = make_store(device=device, device_bytes=32 * 1024, host_bytes=64 * 1024,
+                   disk_bytes=1 << 20, copier=Counting())
     for i in range(4):
         s.put(name_of(i), page_of(i, P))
     assert s.locate([name_of(i) for i in range(4)]) == [K] * 4
     names = [name_of(i) for i in range(4)]
     s.locks.lock(names, "lease")
+    batches.clear()
     slots = s.host.stage_many(names)
+    assert batches == [4]
     for i, slot in enumerate(slots):
         assert slot is not None and s.host.view(slot).tobytes() == page_of(i, P)
     assert s.residency(names) == [frozenset({K, H})] * 4

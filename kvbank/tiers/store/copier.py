@@ -8,6 +8,7 @@ A :class:`Copier` runs with no store lock held, on slots the caller keeps busy (
 - :meth:`~Copier.fill` — caller bytes into a memory slot (a put);
 - :meth:`~Copier.read` — a memory slot into caller bytes (a get);
 - :meth:`~Copier.between` — device ↔ host (demotion to host, staging either way);
+  :meth:`~Copier.between_many` — a batch of them, queued together and waited for once;
 - :meth:`~Copier.from_frames` — decode a frame-store row into a memory slot;
 - :meth:`~Copier.encode` — a memory slot's bytes as a codec frame (demotion, close).
 
@@ -121,15 +122,30 @@ class Copier:
 
     def between(self, host: HostSlab, host_off: int, dev: DevicePool, dev_off: int,
                 size: int, *, to_host: bool) -> None:
-        h = torch.from_numpy(host.numpy()[host_off : host_off + size])
-        d = dev.tensor(dev_off, size)
+        self.between_many(host, dev, [(host_off, dev_off, size)], to_host=to_host)
+
+    def between_many(self, host: HostSlab, dev: DevicePool,
+                     copies: Sequence[tuple[int, int, int]], *, to_host: bool) -> None:
+        """``(host offset, device offset, size)`` copies one way, all queued before one
+        wait: on CUDA each is an asynchronous DMA from or to the pinned slab (a
+        synchronous copy per row would wait for each in turn), then one stream sync."""
+        arr = host.numpy()
+        cuda = False
         try:
-            if to_host:
-                h.copy_(d)
-            else:
-                d.copy_(h)
+            for host_off, dev_off, size in copies:
+                h = torch.from_numpy(arr[host_off : host_off + size])
+                d = dev.tensor(dev_off, size)
+                cuda = cuda or d.device.type == "cuda"
+                if to_host:
+                    h.copy_(d, non_blocking=d.device.type == "cuda")
+                else:
+                    d.copy_(h, non_blocking=d.device.type == "cuda")
+            if cuda:
+                torch.cuda.current_stream(torch.device(dev.device)).synchronize()
         except RuntimeError as exc:
-            raise TierUnavailable(f"device/host copy of {size} bytes failed: {exc}") from exc
+            total = sum(c[2] for c in copies)
+            raise TierUnavailable(f"device/host copy of {len(copies)} rows ({total} bytes) "
+                                  f"failed: {exc}") from exc
 
     def from_frames(self, frames: FrameStore, name: bytes, pool: SlotPool, off: int,
                     size: int) -> int | None:

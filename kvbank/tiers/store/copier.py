@@ -26,7 +26,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from typing import TypeVar
+from typing import Generic, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -58,6 +58,9 @@ class Lanes:
     by another process, costs only the items that lane ran. Every lane finishes its item
     before ``map`` returns (the items name slots the caller keeps busy until then); after
     an exception no lane starts another item, and the first exception is raised.
+    ``start(fn, items)`` begins a batch on the workers alone and returns it; the caller
+    does other work (a disk commit) and then ``join()`` s it, running what is left on its
+    own thread too — so a pipeline never runs more than ``threads`` threads either.
     ``close()`` stops the workers (idempotent)."""
 
     def __init__(self, threads: int) -> None:
@@ -66,37 +69,63 @@ class Lanes:
                       if threads > 1 else None)
 
     def map(self, fn: Callable[[T], R], items: Sequence[T]) -> list[R]:
-        n = len(items)
-        lanes = min(self.threads, n)
-        if lanes <= 1 or self._pool is None:
-            return [fn(x) for x in items]
-        out: list[R | None] = [None] * n
-        todo = iter(range(n))  # shared: next() on a range iterator is atomic under the GIL
-        failed = False
+        if min(self.threads, len(items)) <= 1 or self._pool is None:
+            return [fn(x) for x in items]  # a single item stays on the caller's thread
+        return self._begin(fn, items, min(self.threads, len(items)) - 1).join()
 
-        def lane() -> None:
-            nonlocal failed
-            for i in todo:
-                if failed:
-                    return
-                try:
-                    out[i] = fn(items[i])
-                except BaseException:
-                    failed = True
-                    raise
+    def start(self, fn: Callable[[T], R], items: Sequence[T]) -> Batch[T, R]:
+        """Begin ``fn`` over ``items`` on the workers; ``join()`` for the results."""
+        workers = 0 if self._pool is None else min(self.threads - 1, len(items))
+        return self._begin(fn, items, workers)
 
-        futs: list[Future[None]] = [self._pool.submit(lane) for _ in range(1, lanes)]
-        try:
-            lane()
-        finally:
-            wait(futs)
-        for f in futs:
-            f.result()
-        return out  # type: ignore[return-value]  # every slot was filled by a lane
+    def _begin(self, fn: Callable[[T], R], items: Sequence[T], workers: int) -> Batch[T, R]:
+        batch = Batch(fn, items)
+        if self._pool is not None:
+            batch.futs = [self._pool.submit(batch.lane) for _ in range(workers)]
+        return batch
 
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
+
+
+class Batch(Generic[T, R]):
+    """A batch begun by :meth:`Lanes.start` (or :meth:`Lanes.map`)."""
+
+    def __init__(self, fn: Callable[[T], R], items: Sequence[T]) -> None:
+        self._fn = fn
+        self._items = items
+        self._out: list[R | None] = [None] * len(items)
+        self._todo = iter(range(len(items)))  # shared: next() on a range iterator is atomic under the GIL
+        self._failed = False
+        self.futs: list[Future[None]] = []
+
+    def lane(self) -> None:
+        for i in self._todo:
+            if self._failed:
+                return
+            try:
+                self._out[i] = self._fn(self._items[i])
+            except BaseException:
+                self._failed = True
+                raise
+
+    def abandon(self) -> None:
+        """Stop starting items and wait for the lanes; their results and errors are
+        dropped (the caller is already raising)."""
+        self._failed = True
+        wait(self.futs)
+
+    def join(self) -> list[R]:
+        """Run what is left on this thread too, wait for every lane, and return the results
+        in item order (or raise the first exception once every lane has stopped)."""
+        try:
+            self.lane()
+        finally:
+            wait(self.futs)
+        for f in self.futs:
+            f.result()
+        return self._out  # type: ignore[return-value]  # every slot was filled by a lane
 
 
 class Copier:

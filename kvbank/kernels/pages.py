@@ -38,7 +38,9 @@ share the cores with other work.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import torch
 
@@ -50,6 +52,10 @@ logger = logging.getLogger(__name__)
 Pool = Mapping[tuple[int, Role], torch.Tensor]  # (layer, role) -> the pool tensor
 Span = tuple[int, int, torch.Tensor]  # (page offset, bytes, pool rows as uint8 [blocks, bytes])
 STAGING_BYTES = 64 << 20
+# A CPU gather or scatter of at least this many bytes is split by rows over
+# ``torch.get_num_threads()`` threads (the caller's included): one indexed copy per core
+# reaches the memory bandwidth a 2-thread memcpy does, one alone about half of it.
+PARALLEL_BYTES = 8 << 20
 _WORDS = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8))
 
 
@@ -266,15 +272,68 @@ def _gather(
         out[start : start + part.numel()].copy_(stage)
 
 
+_pool_lock = threading.Lock()
+_pool: ThreadPoolExecutor | None = None
+_pool_size = 0
+
+
+def _cpu_parts(fn: Callable[[slice], None], count: int, nbytes: int) -> None:
+    """Run ``fn`` over row slices of ``0..count`` on up to ``torch.get_num_threads()``
+    threads; a small move stays on the caller's thread. Slices of about
+    ``PARALLEL_BYTES / 2`` are taken by whichever thread is free (a thread whose core is
+    busy elsewhere holds back only the slices it took). Raises the first failure after
+    every thread stopped."""
+    global _pool, _pool_size
+    k = max(1, min(torch.get_num_threads(), nbytes // PARALLEL_BYTES, count))
+    if k == 1:
+        fn(slice(0, count))
+        return
+    with _pool_lock:
+        if _pool is None or _pool_size < k - 1:
+            old, _pool, _pool_size = _pool, ThreadPoolExecutor(k - 1, thread_name_prefix="kvbank-pages"), k - 1
+            if old is not None:
+                old.shutdown(wait=False)
+        pool = _pool
+    step = max(1, min(count // k, count * (PARALLEL_BYTES // 2) // max(nbytes, 1)))
+    todo = iter(range(0, count, step))  # shared: next() on a range iterator is atomic under the GIL
+    failed = False
+
+    def lane() -> None:
+        nonlocal failed
+        for start in todo:
+            if failed:
+                return
+            try:
+                fn(slice(start, min(start + step, count)))
+            except BaseException:
+                failed = True
+                raise
+
+    futs: list[Future[None]] = [pool.submit(lane) for _ in range(1, k)]
+    try:
+        lane()
+    finally:
+        wait(futs)
+    for f in futs:
+        f.result()
+
+
 def _gather_rows(
     resolved: list[tuple[BufferRegion, torch.Tensor]],
     ids: torch.Tensor,
     out: torch.Tensor,
     gaps: list[tuple[int, int]],
 ) -> None:
-    for off, nbytes, rows in _spans(resolved):
-        src, dst = _word_views(rows, out[:, off : off + nbytes])
-        torch.index_select(src, 0, ids, out=dst)
+    views = [_word_views(rows, out[:, off : off + nbytes]) for off, nbytes, rows in _spans(resolved)]
+    if ids.device.type != "cpu" or out.device.type != "cpu":
+        for src, dst in views:
+            torch.index_select(src, 0, ids, out=dst)
+    else:
+        def part(rows: slice) -> None:
+            for src, dst in views:
+                torch.index_select(src, 0, ids[rows], out=dst[rows])
+
+        _cpu_parts(part, ids.numel(), ids.numel() * out.shape[1])
     for start, end in gaps:
         out[:, start:end].zero_()
 
@@ -321,12 +380,18 @@ def _scatter(
 def _scatter_rows(
     resolved: list[tuple[BufferRegion, torch.Tensor]], ids: torch.Tensor, pages: torch.Tensor
 ) -> None:
-    on_cpu = ids.device.type == "cpu" and pages.device.type == "cpu"
-    idn = ids.numpy() if on_cpu else None
-    for off, nbytes, rows in _spans(resolved):
-        dst, src = _word_views(rows, pages[:, off : off + nbytes])
-        if idn is not None:
-            # Block ids were checked distinct and in range: a plain fancy assignment.
-            dst.detach().numpy()[idn] = src.detach().numpy()
-        else:
+    views = [_word_views(rows, pages[:, off : off + nbytes]) for off, nbytes, rows in _spans(resolved)]
+    if ids.device.type != "cpu" or pages.device.type != "cpu":
+        for dst, src in views:
             dst.index_copy_(0, ids, src)
+        return
+    idn = ids.numpy()
+    arrays = [(dst.detach().numpy(), src.detach().numpy()) for dst, src in views]
+
+    def part(rows: slice) -> None:
+        # Block ids were checked distinct and in range: a plain fancy assignment, and
+        # the parts write disjoint blocks.
+        for dst, src in arrays:
+            dst[idn[rows]] = src[rows]
+
+    _cpu_parts(part, ids.numel(), ids.numel() * pages.shape[1])

@@ -158,6 +158,39 @@ def test_neighbour_regions_fuse_only_when_the_pool_holds_them_side_by_side() -> 
             assert not t[[0, *range(4, BLOCKS)]].contiguous().view(torch.uint8).any()
 
 
+@pytest.mark.parametrize("name", ["gqa-bf16", "odd-int8"])
+def test_cpu_moves_split_over_threads_match_one_thread(name: str,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """A gather or scatter split by rows over several threads moves exactly what one
+    thread does: every page right, untouched blocks unchanged."""
+    from kvbank.kernels import pages as kernel
+
+    layout, group = LAYOUTS[name]
+    blocks = 64
+    pool = _pool(layout, group, blocks=blocks, seed=3)
+    ids = torch.randperm(blocks, generator=torch.Generator().manual_seed(4))[:41]
+    monkeypatch.setattr(kernel, "PARALLEL_BYTES", 1)  # split even these small moves
+    threads = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        out = torch.empty((41, layout.group_page_bytes[group]), dtype=torch.uint8)
+        gather_pages(pool, ids, layout, group, out)
+        for i, block in enumerate(ids.tolist()):
+            assert torch.equal(out[i], _expected_page(layout, group, pool, block))
+        target = _pool(layout, group, blocks=blocks, seed=5)
+        before = _clone(target)
+        dest = torch.randperm(blocks, generator=torch.Generator().manual_seed(6))[:41]
+        scatter_pages(out, target, dest, layout, group)
+    finally:
+        torch.set_num_threads(threads)
+    moved = set(dest.tolist())
+    for key, t in target.items():
+        for src_block, dst_block in zip(ids.tolist(), dest.tolist(), strict=True):
+            assert _eq(t[dst_block], pool[key][src_block])
+        untouched = [b for b in range(blocks) if b not in moved]
+        assert _eq(t[untouched], before[key][untouched])
+
+
 def test_gather_pages_empty_ids_is_a_no_op() -> None:
     layout, group = LAYOUTS["gqa-bf16"]
     gather_pages(_pool(layout, group), [], layout, group,

@@ -476,6 +476,53 @@ def _disk_only_store(make_store: MakeStore, n: int, **kw: object):  # type: igno
     return make_store(**fields)
 
 
+@pytest.mark.parametrize("path", ["device-to-host", "host-to-disk"])
+def test_a_demotion_in_flight_keeps_a_row_pinned_meanwhile(make_store: MakeStore,
+                                                           path: str) -> None:
+    """The mover copies (or encodes) a victim with no lock held; a pin taken in that
+    window keeps the row where it was: the demotion completes without dropping the
+    pinned copy. (The device state machine found this by timing luck.)"""
+    entered, gate = threading.Event(), threading.Event()
+
+    class Held(Copier):
+        def between_many(self, host: HostSlab, dev: DevicePool,
+                         copies: Sequence[tuple[int, int, int]], *, to_host: bool) -> None:
+            if to_host and path == "device-to-host":
+                entered.set()
+                assert gate.wait(60)
+            super().between_many(host, dev, copies, to_host=to_host)
+
+        def encode(self, frames, pool, off, size, dtype):  # type: ignore[no-untyped-def]
+            if path == "host-to-disk":
+                entered.set()
+                assert gate.wait(60)
+            return super().encode(frames, pool, off, size, dtype)
+
+    if path == "device-to-host":
+        s = make_store(device="cpu", device_bytes=32 * 1024, host_bytes=1 << 20,
+                       disk_bytes=1 << 22, pin_bytes=1 << 20, copier=Held())
+        tier, count = K, 12
+    else:
+        s = make_store(host_bytes=256 * 1024, disk_bytes=1 << 23, high_watermark=0.5,
+                       low_watermark=0.25, dirty_expire_s=0, pin_bytes=1 << 20, copier=Held())
+        tier, count = H, 48
+    names = [name_of(i) for i in range(count)]
+    try:
+        for i, n in enumerate(names):
+            s.put(n, page_of(i, P))
+        assert entered.wait(60), "no demotion started"
+        held = [n for n, r in zip(names, s.residency(names), strict=True) if tier in r]
+        assert held
+        assert s.pin(held) == ()  # the row in flight too
+    finally:
+        gate.set()
+    s.flush()
+    assert all(tier in r for r in s.residency(held))
+    for n in held:
+        assert read(s, names.index(n)) == page_of(names.index(n), P)
+    s.check_invariants()
+
+
 def test_store_stage_host_many_matches_stage_host(make_store: MakeStore) -> None:
     """Hits in host, disk-only rows, misses and a repeated name give what stage_host gives
     row by row: the same misses, slots holding the row's bytes, rows left in host."""

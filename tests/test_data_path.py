@@ -100,17 +100,17 @@ def test_put_state_and_lease_commit_carry_the_layout_dtype(tmp_path: Path) -> No
 
 
 def test_batched_put_and_fetch_match_bytes_and_counters(tmp_path: Path) -> None:
-    """A 20-page put and fetch (more than one fetch batch) give back the exact bytes, and
-    the store counts one put and one hit per row, as row by row would."""
-    pages = bf16_pages(20, 4)
+    """A 70-page put and fetch (more than one put and fetch batch) give back the exact
+    bytes, and the store counts one put and one hit per row, as row by row would."""
+    pages = bf16_pages(70, 4)
     with Bank.open(host_bytes="64M", device_bytes=0, copy_threads=2) as b:
         lid = b.register(LAYOUT)
-        b.put(lid, tokens(20), group=0, pages=pages)
-        out = torch.zeros(20, PAGE, dtype=torch.uint8)
-        got = b.fetch(b.match(lid, [*tokens(20), 0]), out={0: out})
+        b.put(lid, tokens(70), group=0, pages=pages)
+        out = torch.zeros(70, PAGE, dtype=torch.uint8)
+        got = b.fetch(b.match(lid, [*tokens(70), 0]), out={0: out})
         assert got.complete and torch.equal(out, pages)
         st = b.stats().store
-        assert (st.puts, st.gets, st.hits, st.misses) == (20, 20, 20, 0)
+        assert (st.puts, st.gets, st.hits, st.misses) == (70, 70, 70, 0)
         b.check_invariants()
 
 
@@ -131,6 +131,34 @@ def test_group_commit_is_durable_and_fetched_from_disk_after_reopen(tmp_path: Pa
         out = torch.zeros(12, PAGE, dtype=torch.uint8)
         assert b2.fetch(m, out={0: out}).complete and torch.equal(out, pages)
         b2.check_invariants()
+
+
+def test_write_through_batch_commits_chunk_by_chunk(tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A write-through batch larger than a chunk is committed a chunk per transaction
+    (the next chunk encodes while one commits), every page durable when the put returns."""
+    import lmdb
+
+    from kvbank.tiers.store import writes
+
+    monkeypatch.setattr(writes, "WRITE_CHUNK_BYTES", 4 * PAGE)
+    pages = bf16_pages(12, 8)
+    b = Bank.open(host_bytes="64M", device_bytes=0, data_dir=tmp_path, copy_threads=2,
+                  write_policy=WritePolicy.WRITE_THROUGH)
+    lid = b.register(LAYOUT)
+    before = b._store._st.disk._env.info()["last_txnid"]  # type: ignore[union-attr]
+    b.put(lid, tokens(12), group=0, pages=pages)
+    b._lender.close()
+    b._store.close(persist=False)  # memory rows dropped, as a crash would drop them
+    env = lmdb.open(str(tmp_path / "lmdb"), subdir=True, max_dbs=2, lock=True)
+    commits = env.info()["last_txnid"] - before
+    env.close()
+    assert commits == 3, f"{commits} transactions for 3 chunks of 4 pages"
+    with Bank.open(host_bytes="64M", device_bytes=0, data_dir=tmp_path) as b2:
+        lid = b2.register(LAYOUT)
+        out = torch.zeros(12, PAGE, dtype=torch.uint8)
+        assert b2.fetch(b2.match(lid, [*tokens(12), 0]), out={0: out}).complete
+        assert torch.equal(out, pages)
 
 
 def test_write_frames_is_all_or_nothing(tmp_path: Path) -> None:
@@ -181,20 +209,53 @@ def test_lanes_never_run_more_threads_than_configured() -> None:
 
 
 def test_lanes_raise_after_every_lane_finished() -> None:
-    done: list[int] = []
-
+    """The first exception is raised only once no lane runs an item any more, and no lane
+    starts an item after it."""
+    lock = threading.Lock()
+    running = [0]
+    started: list[int] = []
     def work(i: int) -> int:
-        if i == 0:
-            raise ValueError("boom")
-        time.sleep(0.001)
-        done.append(i)
-        return i
+        with lock:
+            started.append(i)
+            running[0] += 1
+        try:
+            if i == 0:
+                time.sleep(0.01)  # the other lane is inside an item when this raises
+                raise ValueError("boom")
+            time.sleep(0.002)
+            return i
+        finally:
+            with lock:
+                running[0] -= 1
 
     lanes = Lanes(2)
     try:
         with pytest.raises(ValueError, match="boom"):
-            lanes.map(work, list(range(6)))
-        assert sorted(done) == [1, 3, 5]  # the other lane ran to its end first
+            lanes.map(work, list(range(200)))
+        assert running[0] == 0  # every lane finished its item before map raised
+        assert 0 in started and len(started) < 200  # the rest were never started
+    finally:
+        lanes.close()
+
+
+def test_lanes_share_the_work_when_a_lane_is_slow() -> None:
+    """Lanes take the next item when free: a lane stuck on one item does not hold back
+    the items another lane can run (results stay in item order)."""
+    release = threading.Event()
+    ran_by: dict[int, int] = {}
+
+    def work(i: int) -> int:
+        ran_by[i] = threading.get_ident()
+        if i == 0:
+            assert release.wait(30), "the other lane never ran the rest"
+        elif i == 9:
+            release.set()
+        return -i
+
+    lanes = Lanes(2)
+    try:
+        assert lanes.map(work, list(range(10))) == [-i for i in range(10)]
+        assert {ran_by[i] for i in range(1, 10)} == {ran_by[9]} != {ran_by[0]}
     finally:
         lanes.close()
 

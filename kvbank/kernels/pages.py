@@ -23,12 +23,24 @@ Why word views: every region is moved as a ``[n, nbytes / w]`` tensor of the wid
 integer ``w`` in (8, 4, 2, 1) bytes that divides its offsets, strides and size.
 ``index_select(out=)`` runs at copy speed whatever the width, but ``index_copy_`` on
 ``uint8`` takes a slow path (1.9 GB/s here) and 12-13 GB/s on an ``int64`` view.
+
+Why neighbouring regions are fused: in a pool whose block holds several buffers side by
+side (FlashInfer's ``[blocks, 2, P, heads, dim]``: K then V of a layer), the regions of
+those buffers are neighbours in the page too, so they move as one row of twice the width
+(one indexed copy instead of two strided ones).
+
+Why a CPU scatter is a numpy fancy assignment: ``dst[ids] = src`` on word views copies
+each row with one contiguous memcpy (15 GB/s measured, near a plain copy), while torch's
+``index_copy_`` runs 5-13 GB/s on the same words and worse when its intra-op threads
+share the cores with other work.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import torch
 
@@ -38,7 +50,12 @@ from kvbank.layout import BufferRegion, GroupKind, PageLayout, Role
 logger = logging.getLogger(__name__)
 
 Pool = Mapping[tuple[int, Role], torch.Tensor]  # (layer, role) -> the pool tensor
+Span = tuple[int, int, torch.Tensor]  # (page offset, bytes, pool rows as uint8 [blocks, bytes])
 STAGING_BYTES = 64 << 20
+# A CPU gather or scatter of at least this many bytes is split by rows over
+# ``torch.get_num_threads()`` threads (the caller's included): one indexed copy per core
+# reaches the memory bandwidth a 2-thread memcpy does, one alone about half of it.
+PARALLEL_BYTES = 8 << 20
 _WORDS = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8))
 
 
@@ -172,6 +189,26 @@ def _padding(layout: PageLayout, group: int) -> list[tuple[int, int]]:
     return gaps
 
 
+def _spans(resolved: list[tuple[BufferRegion, torch.Tensor]]) -> list[Span]:
+    """The regions as page spans, neighbours fused where the pool holds them side by side
+    too (same storage, the next region's rows start where the previous ones end, same
+    row stride): one wider indexed copy instead of several."""
+    spans: list[Span] = []
+    for region, rows in resolved:
+        if spans:
+            off, nbytes, prev = spans[-1]
+            if (off + nbytes == region.offset and prev.device == rows.device
+                    and prev.shape[0] == rows.shape[0] and prev.stride(0) == rows.stride(0)
+                    and prev.untyped_storage().data_ptr() == rows.untyped_storage().data_ptr()
+                    and prev.storage_offset() + nbytes == rows.storage_offset()
+                    and nbytes + region.nbytes <= prev.stride(0)):
+                wide = prev.as_strided((prev.shape[0], nbytes + region.nbytes), (prev.stride(0), 1))
+                spans[-1] = (off, nbytes + region.nbytes, wide)
+                continue
+        spans.append((region.offset, region.nbytes, rows))
+    return spans
+
+
 def gather_pages(
     pool: Pool,
     block_ids: Sequence[int] | torch.Tensor,
@@ -235,15 +272,68 @@ def _gather(
         out[start : start + part.numel()].copy_(stage)
 
 
+_pool_lock = threading.Lock()
+_pool: ThreadPoolExecutor | None = None
+_pool_size = 0
+
+
+def _cpu_parts(fn: Callable[[slice], None], count: int, nbytes: int) -> None:
+    """Run ``fn`` over row slices of ``0..count`` on up to ``torch.get_num_threads()``
+    threads; a small move stays on the caller's thread. Slices of about
+    ``PARALLEL_BYTES / 2`` are taken by whichever thread is free (a thread whose core is
+    busy elsewhere holds back only the slices it took). Raises the first failure after
+    every thread stopped."""
+    global _pool, _pool_size
+    k = max(1, min(torch.get_num_threads(), nbytes // PARALLEL_BYTES, count))
+    if k == 1:
+        fn(slice(0, count))
+        return
+    with _pool_lock:
+        if _pool is None or _pool_size < k - 1:
+            old, _pool, _pool_size = _pool, ThreadPoolExecutor(k - 1, thread_name_prefix="kvbank-pages"), k - 1
+            if old is not None:
+                old.shutdown(wait=False)
+        pool = _pool
+    step = max(1, min(count // k, count * (PARALLEL_BYTES // 2) // max(nbytes, 1)))
+    todo = iter(range(0, count, step))  # shared: next() on a range iterator is atomic under the GIL
+    failed = False
+
+    def lane() -> None:
+        nonlocal failed
+        for start in todo:
+            if failed:
+                return
+            try:
+                fn(slice(start, min(start + step, count)))
+            except BaseException:
+                failed = True
+                raise
+
+    futs: list[Future[None]] = [pool.submit(lane) for _ in range(1, k)]
+    try:
+        lane()
+    finally:
+        wait(futs)
+    for f in futs:
+        f.result()
+
+
 def _gather_rows(
     resolved: list[tuple[BufferRegion, torch.Tensor]],
     ids: torch.Tensor,
     out: torch.Tensor,
     gaps: list[tuple[int, int]],
 ) -> None:
-    for region, rows in resolved:
-        src, dst = _word_views(rows, out[:, region.offset : region.offset + region.nbytes])
-        torch.index_select(src, 0, ids, out=dst)
+    views = [_word_views(rows, out[:, off : off + nbytes]) for off, nbytes, rows in _spans(resolved)]
+    if ids.device.type != "cpu" or out.device.type != "cpu":
+        for src, dst in views:
+            torch.index_select(src, 0, ids, out=dst)
+    else:
+        def part(rows: slice) -> None:
+            for src, dst in views:
+                torch.index_select(src, 0, ids[rows], out=dst[rows])
+
+        _cpu_parts(part, ids.numel(), ids.numel() * out.shape[1])
     for start, end in gaps:
         out[:, start:end].zero_()
 
@@ -290,6 +380,18 @@ def _scatter(
 def _scatter_rows(
     resolved: list[tuple[BufferRegion, torch.Tensor]], ids: torch.Tensor, pages: torch.Tensor
 ) -> None:
-    for region, rows in resolved:
-        dst, src = _word_views(rows, pages[:, region.offset : region.offset + region.nbytes])
-        dst.index_copy_(0, ids, src)
+    views = [_word_views(rows, pages[:, off : off + nbytes]) for off, nbytes, rows in _spans(resolved)]
+    if ids.device.type != "cpu" or pages.device.type != "cpu":
+        for dst, src in views:
+            dst.index_copy_(0, ids, src)
+        return
+    idn = ids.numpy()
+    arrays = [(dst.detach().numpy(), src.detach().numpy()) for dst, src in views]
+
+    def part(rows: slice) -> None:
+        # Block ids were checked distinct and in range: a plain fancy assignment, and
+        # the parts write disjoint blocks.
+        for dst, src in arrays:
+            dst[idn[rows]] = src[rows]
+
+    _cpu_parts(part, ids.numel(), ids.numel() * pages.shape[1])

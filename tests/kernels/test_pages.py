@@ -11,7 +11,7 @@ import torch
 
 from kvbank.builders import full_attention, hybrid_mamba
 from kvbank.errors import InvalidInput, PageSizeMismatch
-from kvbank.kernels.pages import _gather, _scatter, gather_pages, scatter_pages
+from kvbank.kernels.pages import _gather, _resolve, _scatter, _spans, gather_pages, scatter_pages
 from kvbank.layout import BufferSpec, GroupKind, LayerGroup, PageLayout, QuantMode, Role
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -128,6 +128,67 @@ def test_gather_pages_strided_pool_blocks() -> None:
                   [1, 2], layout, 0)
     assert _eq(target[1], kv[3]) and _eq(target[2], kv[8])
     assert not target[[0, *range(3, BLOCKS)]].view(torch.uint8).any()
+
+
+def test_neighbour_regions_fuse_only_when_the_pool_holds_them_side_by_side() -> None:
+    """K and V of a combined cache move as one span; the same views swapped (V first in
+    memory) or a pool of separate tensors stay separate spans, and every shape moves the
+    right bytes to the right blocks."""
+    layout = full_attention("m", 2, 2, 8, tokens_per_page=4)
+    kv = [torch.randn(BLOCKS, 2, 4, 2, 8).to(torch.bfloat16) for _ in range(2)]
+    fused = {(layer, role): kv[layer][:, i] for layer in range(2)
+             for i, role in enumerate((Role.KEY, Role.VALUE))}
+    swapped = {(layer, role): kv[layer][:, 1 - i] for layer in range(2)
+               for i, role in enumerate((Role.KEY, Role.VALUE))}
+    split = _pool(layout, 0)
+    pages = torch.empty((1, layout.group_page_bytes[0]), dtype=torch.uint8)
+    for pool, spans in ((fused, 2), (swapped, 4), (split, 4)):
+        resolved, _ = _resolve(pool, layout, 0, 1, pages, "pages")
+        assert len(_spans(resolved)) == spans
+        ids = [5, 0, 11]
+        out = torch.empty((3, layout.group_page_bytes[0]), dtype=torch.uint8)
+        gather_pages(pool, ids, layout, 0, out)
+        for i, block in enumerate(ids):
+            assert torch.equal(out[i], _expected_page(layout, 0, pool, block))
+        target = {k: torch.zeros_like(v) for k, v in pool.items()}
+        scatter_pages(out, target, [1, 2, 3], layout, 0)
+        for key, t in target.items():
+            for src_block, dst_block in zip(ids, [1, 2, 3], strict=True):
+                assert _eq(t[dst_block], pool[key][src_block])
+            assert not t[[0, *range(4, BLOCKS)]].contiguous().view(torch.uint8).any()
+
+
+@pytest.mark.parametrize("name", ["gqa-bf16", "odd-int8"])
+def test_cpu_moves_split_over_threads_match_one_thread(name: str,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """A gather or scatter split by rows over several threads moves exactly what one
+    thread does: every page right, untouched blocks unchanged."""
+    from kvbank.kernels import pages as kernel
+
+    layout, group = LAYOUTS[name]
+    blocks = 64
+    pool = _pool(layout, group, blocks=blocks, seed=3)
+    ids = torch.randperm(blocks, generator=torch.Generator().manual_seed(4))[:41]
+    monkeypatch.setattr(kernel, "PARALLEL_BYTES", 1)  # split even these small moves
+    threads = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        out = torch.empty((41, layout.group_page_bytes[group]), dtype=torch.uint8)
+        gather_pages(pool, ids, layout, group, out)
+        for i, block in enumerate(ids.tolist()):
+            assert torch.equal(out[i], _expected_page(layout, group, pool, block))
+        target = _pool(layout, group, blocks=blocks, seed=5)
+        before = _clone(target)
+        dest = torch.randperm(blocks, generator=torch.Generator().manual_seed(6))[:41]
+        scatter_pages(out, target, dest, layout, group)
+    finally:
+        torch.set_num_threads(threads)
+    moved = set(dest.tolist())
+    for key, t in target.items():
+        for src_block, dst_block in zip(ids.tolist(), dest.tolist(), strict=True):
+            assert _eq(t[dst_block], pool[key][src_block])
+        untouched = [b for b in range(blocks) if b not in moved]
+        assert _eq(t[untouched], before[key][untouched])
 
 
 def test_gather_pages_empty_ids_is_a_no_op() -> None:

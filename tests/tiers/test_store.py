@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -21,9 +21,9 @@ from kvbank.errors import (
 )
 from kvbank.testing.tiers import name_of, page_of, size_of, stored
 from kvbank.tiers.base import HostSlot, TierKind
-from kvbank.tiers.device import gpu_memory
+from kvbank.tiers.device import DevicePool, gpu_memory
 from kvbank.tiers.disk import DiskTier
-from kvbank.tiers.host import attach
+from kvbank.tiers.host import HostSlab, attach
 from kvbank.tiers.store import Copier, HealthState, TieredStore
 
 from .conftest import MakeStore
@@ -476,6 +476,53 @@ def _disk_only_store(make_store: MakeStore, n: int, **kw: object):  # type: igno
     return make_store(**fields)
 
 
+@pytest.mark.parametrize("path", ["device-to-host", "host-to-disk"])
+def test_a_demotion_in_flight_keeps_a_row_pinned_meanwhile(make_store: MakeStore,
+                                                           path: str) -> None:
+    """The mover copies (or encodes) a victim with no lock held; a pin taken in that
+    window keeps the row where it was: the demotion completes without dropping the
+    pinned copy. (The device state machine found this by timing luck.)"""
+    entered, gate = threading.Event(), threading.Event()
+
+    class Held(Copier):
+        def between_many(self, host: HostSlab, dev: DevicePool,
+                         copies: Sequence[tuple[int, int, int]], *, to_host: bool) -> None:
+            if to_host and path == "device-to-host":
+                entered.set()
+                assert gate.wait(60)
+            super().between_many(host, dev, copies, to_host=to_host)
+
+        def encode(self, frames, pool, off, size, dtype):  # type: ignore[no-untyped-def]
+            if path == "host-to-disk":
+                entered.set()
+                assert gate.wait(60)
+            return super().encode(frames, pool, off, size, dtype)
+
+    if path == "device-to-host":
+        s = make_store(device="cpu", device_bytes=32 * 1024, host_bytes=1 << 20,
+                       disk_bytes=1 << 22, pin_bytes=1 << 20, copier=Held())
+        tier, count = K, 12
+    else:
+        s = make_store(host_bytes=256 * 1024, disk_bytes=1 << 23, high_watermark=0.5,
+                       low_watermark=0.25, dirty_expire_s=0, pin_bytes=1 << 20, copier=Held())
+        tier, count = H, 48
+    names = [name_of(i) for i in range(count)]
+    try:
+        for i, n in enumerate(names):
+            s.put(n, page_of(i, P))
+        assert entered.wait(60), "no demotion started"
+        held = [n for n, r in zip(names, s.residency(names), strict=True) if tier in r]
+        assert held
+        assert s.pin(held) == ()  # the row in flight too
+    finally:
+        gate.set()
+    s.flush()
+    assert all(tier in r for r in s.residency(held))
+    for n in held:
+        assert read(s, names.index(n)) == page_of(names.index(n), P)
+    s.check_invariants()
+
+
 def test_store_stage_host_many_matches_stage_host(make_store: MakeStore) -> None:
     """Hits in host, disk-only rows, misses and a repeated name give what stage_host gives
     row by row: the same misses, slots holding the row's bytes, rows left in host."""
@@ -497,15 +544,30 @@ def test_store_stage_host_many_matches_stage_host(make_store: MakeStore) -> None
     assert results[1][3] is None and results[1][6] is None
 
 
-def test_store_stage_host_many_copies_device_rows_and_keeps_both(make_store: MakeStore) -> None:
-    s = make_store(device="cpu", device_bytes=32 * 1024, host_bytes=64 * 1024,
-                   disk_bytes=1 << 20)
+@pytest.mark.parametrize("device", ["cpu", _CUDA])
+def test_store_stage_host_many_copies_device_rows_and_keeps_both(make_store: MakeStore,
+                                                                  device: str) -> None:
+    """A lease's device rows reach host as one batch of copies (one wait, not one per
+    row), each slot holding its row's bytes."""
+    batches: list[int] = []
+
+    class Counting(Copier):
+        def between_many(self, host: HostSlab, dev: DevicePool,
+                         copies: Sequence[tuple[int, int, int]], *, to_host: bool) -> None:
+            if to_host:
+                batches.append(len(copies))
+            super().between_many(host, dev, copies, to_host=to_host)
+
+    s = make_store(device=device, device_bytes=32 * 1024, host_bytes=64 * 1024,
+                   disk_bytes=1 << 20, copier=Counting())
     for i in range(4):
         s.put(name_of(i), page_of(i, P))
     assert s.locate([name_of(i) for i in range(4)]) == [K] * 4
     names = [name_of(i) for i in range(4)]
     s.locks.lock(names, "lease")
+    batches.clear()
     slots = s.host.stage_many(names)
+    assert batches == [4]
     for i, slot in enumerate(slots):
         assert slot is not None and s.host.view(slot).tobytes() == page_of(i, P)
     assert s.residency(names) == [frozenset({K, H})] * 4
@@ -771,6 +833,29 @@ def test_store_close_writes_dirty_rows_to_disk_in_lru_order(
               for r in sorted(disk.scan(), key=lambda r: r.seq)]
     disk.close()
     assert by_seq == list(range(5, 20)) + list(range(5))
+
+
+def test_store_close_writes_back_in_group_commits(make_store: MakeStore, tmp_path: Path) -> None:
+    """Regression: a close commits its dirty rows a group per LMDB transaction, not one
+    each (every commit is an fsync), and the write clocks still follow the LRU order."""
+    import lmdb
+
+    s = make_store(host_bytes=1 << 20, disk_bytes=1 << 20)
+    for i in range(40):
+        s.put(name_of(i), page_of(i, P), parent=name_of(i - 1) if i else None)
+    for i in range(3):
+        assert read(s, i) == page_of(i, P)  # rows 0..2 are now the most recent
+    assert s.stats().tier(D).rows == 0  # 160 KiB in a 1 MiB host tier: nothing demoted
+    s.close()
+    env = lmdb.open(str(tmp_path / "data" / "lmdb"), subdir=True, max_dbs=2, lock=True)
+    commits = env.info()["last_txnid"]  # every write transaction since the file was made
+    env.close()
+    assert commits <= 2 + 40 // 4, f"{commits} transactions for 40 rows"
+    disk = DiskTier(tmp_path / "data", 1 << 20, sync=False)
+    by_seq = [int.from_bytes(r.name[-8:], "big")
+              for r in sorted(disk.scan(), key=lambda r: r.seq)]
+    disk.close()
+    assert by_seq == list(range(3, 40)) + list(range(3))
 
 
 def test_store_close_without_persist_drops_dirty_rows(make_store: MakeStore) -> None:

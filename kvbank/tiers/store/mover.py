@@ -284,8 +284,10 @@ class Mover:
             ix.flags[rid] = int(ix.flags[rid]) & ~MOVING
         moved = same and written
         if job.kind is JobKind.COPY_DOWN:
-            # A lock taken since it was queued may be a holder handed the device slot.
-            if moved and not int(ix.where[rid]) & HOST and job.name not in st.locks:
+            # A lock taken since it was queued may be a holder handed the device slot; a
+            # pin taken meanwhile keeps the row where it was pinned.
+            if (moved and not int(ix.where[rid]) & HOST and job.name not in st.locks
+                    and job.name not in st.pins):
                 res.free_slot(DEV, job.off)
                 ix.set_off(rid, job.dst_off)
                 ix.where[rid] = (int(ix.where[rid]) & ~DEV) | HOST
@@ -295,7 +297,7 @@ class Mover:
                 moved = False
         elif moved:
             ix.where[rid] = int(ix.where[rid]) | DISK
-            if job.name not in st.locks:  # a lock taken meanwhile keeps the copy
+            if job.name not in st.locks and job.name not in st.pins:  # taken meanwhile: keep it
                 res.drop_copy(rid, job.bit)
                 st.counters[job.bit].demotions += 1
         return moved

@@ -251,7 +251,8 @@ def _claim(st: StoreState, pool: HostSlab, plan: list[Staging], deadline: float)
 def _fill(st: StoreState, pool: HostSlab, plan: list[Staging],
           encoder: ThreadPoolExecutor | None) -> None:
     """Copy each planned row into its private slot (no store lock held). Disk rows are
-    decoded on the codec workers (zstd releases the GIL)."""
+    decoded on the codec workers (zstd releases the GIL); device rows are copied as one
+    batch meanwhile."""
     from_disk = [s for s in plan if s.src == DISK]
     decodes: list[Future[None]] = []
     if encoder is not None and len(from_disk) > 1:
@@ -260,10 +261,13 @@ def _fill(st: StoreState, pool: HostSlab, plan: list[Staging],
     try:
         for s in from_disk:
             _read_into_slot(st, pool, s)
-        for s in plan:
-            if s.src == DEV:
-                assert st.device is not None
-                st.copier.between(pool, s.off, st.device, s.src_off, s.size, to_host=True)
+        from_dev = [s for s in plan if s.src == DEV]
+        if from_dev:
+            # One batch: queued together, one wait (while the decodes run on the workers).
+            assert st.device is not None
+            st.copier.between_many(pool, st.device, [(s.off, s.src_off, s.size) for s in from_dev],
+                                   to_host=True)
+            for s in from_dev:
                 s.n = s.size
     finally:
         wait(decodes)  # every decode is done with its slot before anyone frees it

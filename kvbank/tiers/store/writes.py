@@ -9,9 +9,11 @@ writable again under the store lock before and after, so a lock taken meanwhile 
 On failure nothing changed, and the slot goes back (a commit's stays reserved).
 
 A batch (:func:`put_many`) plans every row under one lock, fills and encodes them on the
-copy lanes, and writes its disk frames in one LMDB transaction (group commit: one fsync):
-when it returns every row it stored is published and, with a disk write, durable; when it
-raises, a row of it is either fully stored or not at all (see ``docs/tiers.md``).
+copy lanes, and writes its disk frames in group commits of up to ``WRITE_CHUNK_BYTES``
+of pages each (one transaction, one fsync), the workers encoding the next chunk while one
+commits: when it returns every row it stored is published and, with a disk write,
+durable; when it raises, a row of it is either fully stored or not at all (see
+``docs/tiers.md``).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from kvbank.config import WritePolicy
 from kvbank.errors import InvalidInput, RowLocked, TierError, TierFull, TierUnavailable
 from kvbank.tiers.base import Buffer, as_bytes_view, check_name
 from kvbank.tiers.index import DEV, DISK, HOST
-from kvbank.tiers.store.copier import Lanes
+from kvbank.tiers.store.copier import Batch, Lanes
 from kvbank.tiers.store.mover import Mover
 from kvbank.tiers.store.placement import alloc_memory
 from kvbank.tiers.store.state import MAX_PAGE, StoreState
@@ -33,6 +35,11 @@ from kvbank.tiers.store.state import MAX_PAGE, StoreState
 logger = logging.getLogger("kvbank.tiers.store")
 
 Reserve = tuple[str, int] | None  # a commit's (holder, size): where a failed slot goes back
+
+# Raw bytes per LMDB transaction of a batch's disk writes: big enough that a commit's
+# fixed costs (two fdatasyncs) stay small, small enough that a batch of 2 MiB pages has a
+# next chunk to encode while one commits.
+WRITE_CHUNK_BYTES = 32 << 20
 
 
 def put(st: StoreState, mover: Mover, name: bytes, data: Buffer, dtype: str,
@@ -143,65 +150,98 @@ def _commit_one(st: StoreState, r: _Row, code: int, *, on_disk: bool) -> None:
 
 def _write_batch(st: StoreState, mover: Mover, lanes: Lanes, rows: list[_Row],
                  code: int) -> None:
-    """Encode on the lanes, write every frame in one transaction, publish each row."""
-    from kvbank.tiers.disk import FrameWrite  # lmdb loads only with a disk tier
-
+    """Encode on the lanes and write the frames a chunk per transaction, publishing each
+    chunk's rows once it is durable. While one chunk commits (its fsync is disk time, no
+    CPU), the workers encode the next, so the disk and the cores work at once."""
     disk = st.disk
     assert disk is not None  # off is None only when there is a disk tier
     dtype = st.ix.dtypes[code]
+    batch = {r.name for r in rows}
+    chunks: list[list[_Row]] = [[]]
+    size = 0
+    for r in rows:
+        if chunks[-1] and size + r.src.nbytes > WRITE_CHUNK_BYTES:
+            chunks.append([])
+            size = 0
+        chunks[-1].append(r)
+        size += r.src.nbytes
+
+    def encode(r: _Row) -> bytes:
+        assert disk is not None
+        return disk.frame(r.src, dtype)
+
     try:
-        frames = lanes.map(lambda r: disk.frame(r.src, dtype), rows)
-        with st.disk_lock:
-            with st.lock:
-                st.check_open()
-                ids, locks = st.ix.ids, st.locks
-                batch = {r.name for r in rows}
-                todo: list[_Row] = []
-                writes: list[FrameWrite] = []
-                for r, f in zip(rows, frames, strict=True):
-                    if locks.locked_by_other(r.name, None):
-                        continue  # a lease took the name meanwhile: it fills these bytes
-                    st.check_writable(r.name, r.src.nbytes, None)
-                    todo.append(r)
-                    writes.append(FrameWrite(r.name, f, r.src.nbytes, dtype,
-                                             r.parent if r.parent in ids or r.parent in batch
-                                             else None))
-            mover.make_disk_room(sum(len(w.frame) for w in writes))
-            group = getattr(disk, "write_frames", None)  # the disk tier's group commit
-            if group is not None and writes:
-                group(writes, replace=True)
-            else:  # a frame store without one: a transaction per frame
-                for w in writes:
-                    disk.write_frame(w.name, w.frame, raw_len=w.raw_len, dtype=w.dtype,
-                                     parent=w.parent, replace=True)
-            orphans: list[bytes] = []
+        pending: Batch[_Row, bytes] | None = lanes.start(encode, chunks[0])
+        for j, chunk in enumerate(chunks):
+            assert pending is not None
+            frames = pending.join()
+            pending = lanes.start(encode, chunks[j + 1]) if j + 1 < len(chunks) else None
             try:
-                with st.lock:
-                    if st.disk_error is not None:
-                        logger.warning("store: disk tier writes again")
-                    st.disk_error = None
-                    for r in todo:
-                        _commit_one(st, r, code, on_disk=True)
-                        if not r.stored:
-                            orphans.append(r.name)  # locked meanwhile: the frame is no row's
+                _write_chunk(st, mover, chunk, frames, code, batch)
             except BaseException:
-                # Refused after the write (closed meanwhile): a frame the index does not
-                # hold must not outlive this call.
-                with st.lock:
-                    for r in todo:
-                        rid = st.ix.ids.get(r.name)
-                        if not r.stored and (rid is None or not int(st.ix.where[rid]) & DISK):
-                            orphans.append(r.name)
+                if pending is not None:
+                    pending.abandon()
                 raise
-            finally:
-                if orphans:
-                    with contextlib.suppress(TierError):  # closing: nothing more to do
-                        disk.delete_many(orphans)
     except BaseException as exc:
         with st.lock:
             if isinstance(exc, TierFull | TierUnavailable) and not st.closed:
                 st.note_disk_error(str(exc))
         raise
+
+
+def _write_chunk(st: StoreState, mover: Mover, rows: list[_Row], frames: list[bytes],
+                 code: int, batch: set[bytes]) -> None:
+    """Write one chunk's frames in one transaction and publish its rows."""
+    from kvbank.tiers.disk import FrameWrite  # lmdb loads only with a disk tier
+
+    disk = st.disk
+    assert disk is not None
+    dtype = st.ix.dtypes[code]
+    with st.disk_lock:
+        with st.lock:
+            st.check_open()
+            ids, locks = st.ix.ids, st.locks
+            todo: list[_Row] = []
+            writes: list[FrameWrite] = []
+            for r, f in zip(rows, frames, strict=True):
+                if locks.locked_by_other(r.name, None):
+                    continue  # a lease took the name meanwhile: it fills these bytes
+                st.check_writable(r.name, r.src.nbytes, None)
+                todo.append(r)
+                writes.append(FrameWrite(r.name, f, r.src.nbytes, dtype,
+                                         r.parent if r.parent in ids or r.parent in batch
+                                         else None))
+        mover.make_disk_room(sum(len(w.frame) for w in writes))
+        group = getattr(disk, "write_frames", None)  # the disk tier's group commit
+        if group is not None and writes:
+            group(writes, replace=True)
+        else:  # a frame store without one: a transaction per frame
+            for w in writes:
+                disk.write_frame(w.name, w.frame, raw_len=w.raw_len, dtype=w.dtype,
+                                 parent=w.parent, replace=True)
+        orphans: list[bytes] = []
+        try:
+            with st.lock:
+                if st.disk_error is not None:
+                    logger.warning("store: disk tier writes again")
+                st.disk_error = None
+                for r in todo:
+                    _commit_one(st, r, code, on_disk=True)
+                    if not r.stored:
+                        orphans.append(r.name)  # locked meanwhile: the frame is no row's
+        except BaseException:
+            # Refused after the write (closed meanwhile): a frame the index does not
+            # hold must not outlive this call.
+            with st.lock:
+                for r in todo:
+                    rid = st.ix.ids.get(r.name)
+                    if not r.stored and (rid is None or not int(st.ix.where[rid]) & DISK):
+                        orphans.append(r.name)
+            raise
+        finally:
+            if orphans:
+                with contextlib.suppress(TierError):  # closing: nothing more to do
+                    disk.delete_many(orphans)
 
 
 def publish(st: StoreState, mover: Mover, name: bytes, size: int, code: int,

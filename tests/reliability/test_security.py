@@ -241,9 +241,11 @@ def test_tenant_b_never_sees_tenant_a_rows_through_the_fleet_index(
         out = torch.zeros((4, PAGE), dtype=torch.uint8)
         assert a2.fetch(ma, out={0: out}).complete and torch.equal(out, data)
         assert b2.match(lid, [*toks, 1]).resume.tokens == 0  # still a miss after A's fetch
-        listing = httpx.get(two.url + "/v1/fleet", headers=_bearer(TB), timeout=30)
-        assert listing.status_code in (200, 401, 403)  # open to tenants or admin-only; never rows
+        # the fleet listing is an admin route: a tenant's token is refused there
+        listing = httpx.get(two.url + "/admin/fleet", headers=_bearer(TB), timeout=30)
+        assert listing.status_code == 403
         assert not any(n.hex() in listing.text for n in names)
+        assert httpx.get(two.url + "/v1/fleet", headers=_bearer(TB), timeout=30).status_code == 404
 
 
 # ---- nothing received is executed ---------------------------------------------------------

@@ -226,7 +226,9 @@ def test_fleet_rows_held_here_are_not_leased_again_only_the_missing_are_received
         nodes: list[NodeProcess]) -> None:
     """B holds the prompt's first two rows (a reader holds them leased); a match fetches
     only what B lacks into leased slots: the rows held here are never leased for writing
-    (that would conflict with the reader), and all four fetch bit-exact."""
+    (that would conflict with the reader), and all four fetch bit-exact. Regression: found
+    by the reliability soak, where storing a peer's rows over a leased row made the match
+    raise ``RowLocked`` instead of answering."""
     a, b = nodes
     data = pages(4, 7)
     toks = list(range(40000, 40000 + 4 * P))

@@ -18,6 +18,10 @@ follows). Primitives:
   names are equal bytes. The fleet's fast path receives rows straight into host slots
   under a WRITE lease (:meth:`~kvbank.bank.Bank.lend`); this is its fallback when no
   host slot can be leased.
+- :meth:`~FleetOps.recall_remote` — the rows of a match missing locally that the remote
+  tier (Redis, below the disk) still holds, read back and stored locally in chain order,
+  so the next match sees them. A match is a pure query and never asks Redis; the node
+  calls this when a served match stops short (before asking peers) and matches again.
 """
 
 from __future__ import annotations
@@ -28,12 +32,14 @@ from collections.abc import Callable, Iterator, Sequence
 from kvbank.catalog import Catalog
 from kvbank.errors import InvalidInput
 from kvbank.keys import ROW_NAME_BYTES, group_of, same_chain
+from kvbank.layout import GroupKind
 from kvbank.lender.resume import resume_bound, resume_boundaries
 from kvbank.results import Match
 from kvbank.tiers.base import Buffer, TierKind
 from kvbank.tiers.store import TieredStore
 
 DEFAULT_NAME_PAGE = 4096  # rows per page of held_names (one store scan each)
+RECALL_BATCH_ROWS = 64  # rows per store batch of a recall from the remote tier
 
 
 class FleetOps:
@@ -106,4 +112,47 @@ class FleetOps:
         for g in sorted({group_of(n) for n, _, _ in new}):
             batch = [r for r in new if group_of(r[0]) == g]
             stored += sum(self._store.put_many(batch, dtype=layout.page_dtype(g)))
+        return stored
+
+    def recall_remote(self, match: Match, *, max_rows: int = RECALL_BATCH_ROWS * 16) -> int:
+        """Rows of ``match``'s prompt that no local tier holds but the remote tier does,
+        read back (checksums verified) and stored here; how many. Attention rows are taken
+        in chain order up to the first row the remote tier lacks too (a later one could
+        not extend the bound); state snapshots wherever they are. One remote lookup for
+        the whole prompt; 0 at once without a remote tier, or when nothing is missing."""
+        self._check_open()
+        if not isinstance(match, Match):
+            raise InvalidInput(f"match: expected a Match, got {type(match).__name__}", field="match")
+        store = self._store
+        if not store.has_remote:
+            return 0
+        layout = self._catalog.layout(match.layout_id)
+        missing = [[n for n, t in zip(names, tiers, strict=True) if t is None]
+                   for names, tiers in zip(match.names, match.tiers, strict=True)]
+        flat = [n for g in missing for n in g]
+        if not flat:
+            return 0
+        held = dict(zip(flat, store.remote_has(flat), strict=True))
+        stored = 0
+        for g, names in enumerate(match.names):
+            size = layout.group_page_bytes[g]
+            state = layout.groups[g].kind is GroupKind.STATE
+            rows: list[tuple[bytes, Buffer]] = []
+            for name, tier in zip(names, match.tiers[g], strict=True):
+                if tier is not None:
+                    continue
+                if not held.get(name, False):
+                    if state:
+                        continue
+                    break  # the chain stops here: nothing after it extends the bound
+                buf = bytearray(size)
+                if store.get_into(name, buf) != size:  # gone since, or failed its checks
+                    if state:
+                        continue
+                    break
+                rows.append((name, buf))
+                if len(rows) >= max_rows:
+                    break
+            for i in range(0, len(rows), RECALL_BATCH_ROWS):
+                stored += self.put_rows(match.layout_id, rows[i:i + RECALL_BATCH_ROWS])
         return stored

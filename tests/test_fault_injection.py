@@ -313,6 +313,7 @@ def _bank_entry_points(c: _Ctx) -> dict[str, Callable[[], object]]:
         "fetch": lambda: b.fetch(c.match, out=b.out_buffers(c.match)),
         "reshard_rows": lambda: b.reshard_rows(c.match),
         "as_if_held": lambda: b.as_if_held(c.match),
+        "recall_remote": lambda: b.recall_remote(c.match),
         "layout_ids": b.layout_ids,
         "held_names": lambda: list(b.held_names()),
         "put_rows": lambda: b.put_rows(c.lid, [(n[0], bytes(PAGE))]),
@@ -356,6 +357,7 @@ def _store_entry_points(s: TieredStore, names: list[bytes]) -> dict[str, Callabl
     page = bytes(PAGE)
     return {
         "locate": lambda: s.locate(names),
+        "remote_has": lambda: s.remote_has(names),
         "residency": lambda: s.residency(names),
         "get_into": lambda: s.get_into(names[0], bytearray(PAGE)),
         "get_many_into": lambda: s.get_many_into(names, [bytearray(PAGE) for _ in names]),

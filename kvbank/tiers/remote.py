@@ -25,8 +25,9 @@ its header against the metadata: wrong bytes are ``CorruptPage``, never returned
 
 Visibility: a row held only here is read by ``get_into`` on a local miss, but
 ``TieredStore.locate`` (and so a match) does not ask this tier: a locate is a pure lookup
-under the store lock, and a Redis round trip there would sit on every match that misses
-locally (and an outage's timeouts with it). See docs/fleet.md.
+under the store lock. ``contains_many`` answers for many rows in one round trip, outside
+that lock; ``Bank.recall_remote`` uses it to bring a match's missing rows back, and the
+served match calls that when it stops short. See docs/fleet.md.
 
 Lifecycle: ``RedisFrameStore(client, budget)`` scans the bucket hashes → reads and
 writes from any thread (writes serialised by a lock) → ``close()`` (idempotent; closes
@@ -320,6 +321,22 @@ class RedisFrameStore:
                     self._used -= _unpack_meta(name, bytes(meta))[0].frame_len
                 except CorruptPage:
                     self.corrupt_rows += 1
+
+    def contains_many(self, names: Sequence[bytes]) -> list[bool]:
+        """Whether each row's frame lives here, in one pipelined round trip (one per
+        master on a cluster). Touches nothing: no TTL refresh, no read."""
+        names = [check_name(n) for n in names]
+        self._check_open()
+        if not names:
+            return []
+
+        def run() -> list[Any]:
+            pipe = self.client.pipeline(transaction=False)
+            for n in names:
+                pipe.exists(self.frame_key(n))
+            return list(pipe.execute())
+
+        return [bool(x) for x in self._call(run, f"looking up {len(names)} rows")]
 
     def read_frame(self, name: bytes) -> bytes | None:
         """The frame as stored, after its header is checked; ``None`` if absent."""

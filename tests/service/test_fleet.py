@@ -359,3 +359,34 @@ def test_fleet_holder_killed_mid_fetch_leaves_only_whole_rows(
                 assert res.complete and torch.equal(out, data[:r])
     finally:
         holder.kill()
+
+
+def test_served_match_recalls_rows_only_the_remote_tier_holds(
+        rds: Redis, tmp_path: Path) -> None:
+    """A node whose small tiers pushed a prompt's rows down to the remote tier (Redis):
+    a served match reads them back before it answers, so the prompt resumes in full and
+    fetches bit-exact over TCP; a worker never has to know which tier held them."""
+    node = NodeProcess.start(["--data-dir", str(tmp_path), "--host-bytes", "64K",
+                              "--disk-bytes", "192K", "--device-bytes", "0",
+                              "--remote-url", rds.url, "--remote-bytes", "16M"])
+    try:
+        layout = full_attention("fleet-recall@1", num_layers=1, num_kv_heads=1, head_dim=64,
+                                dtype="float16")
+        page = layout.group_page_bytes[0]
+        rng = np.random.default_rng(11)
+        a = torch.from_numpy(rng.integers(0, 256, (24, page), dtype=np.uint8))
+        b = torch.from_numpy(rng.integers(0, 256, (64, page), dtype=np.uint8))
+        ta, tb = list(range(24 * 16)), list(range(20_000, 20_000 + 64 * 16))
+        with Client(node.url, same_host=False) as c:
+            lid = c.register(layout)
+            names = c.put(lid, ta, group=0, pages=a)
+            c.put(lid, tb, group=0, pages=b)  # a's rows leave for the remote tier
+            c.flush()
+            assert None in c.locate(names)  # not held locally any more
+            m = c.match(lid, [*ta, 1])
+            assert m.resume.tokens == 24 * 16
+            out = torch.zeros((24, page), dtype=torch.uint8)
+            got = c.fetch(m, out={0: out})
+            assert got.complete and torch.equal(out, a)
+    finally:
+        assert node.stop() == 0

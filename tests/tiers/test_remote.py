@@ -8,6 +8,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 import redis
+import torch
 from redis.crc import key_slot
 
 from kvbank.codec import HEADER_SIZE
@@ -174,6 +175,7 @@ def test_remote_every_entry_point_of_an_unreachable_tier_raises_only_kvbank_erro
     server.stop()
     calls = {
         "check": fs.check,
+        "contains_many": lambda: fs.contains_many([name_of(0)]),
         "delete_many": lambda: fs.delete_many([name_of(0)]),
         "drop_corrupt": lambda: fs.drop_corrupt(name_of(0)),
         "frame": lambda: fs.frame(page_of(2, 4096), "uint8"),
@@ -204,3 +206,38 @@ def test_remote_every_entry_point_of_an_unreachable_tier_raises_only_kvbank_erro
         c.close()
     assert not leaked, leaked
     assert {"read_frame", "write_frame"} <= set(raised), raised
+
+
+def test_remote_rows_are_recalled_for_a_match_and_fetch_bit_exact(
+        tmp_path, redis_server: RedisServer, client: redis.Redis) -> None:
+    """A prompt pushed out of the local tiers into the remote tier by a later prompt:
+    its match stops short (a match never asks Redis); ``recall_remote`` reads those rows
+    back, checksums verified, and stores them here in chain order, so the next match
+    covers the prompt again and a fetch returns its exact bytes."""
+    from kvbank import Bank, full_attention
+
+    client.flushall()
+    layout = full_attention("remote-recall@1", num_layers=1, num_kv_heads=1, head_dim=64,
+                            dtype="float16")
+    page = layout.group_page_bytes[0]
+    assert page == 4096
+    rng = np.random.default_rng(3)
+    a = torch.from_numpy(rng.integers(0, 256, (20, page), dtype=np.uint8))
+    b = torch.from_numpy(rng.integers(0, 256, (30, page), dtype=np.uint8))
+    ta, tb = list(range(20 * 16)), list(range(10_000, 10_000 + 30 * 16))
+    with Bank.open(data_dir=tmp_path, host_bytes=32 * 1024, disk_bytes=96 * 1024,
+                   device_bytes=0, remote_url=redis_server.url, remote_bytes=1 << 20) as bank:
+        lid = bank.register(layout)
+        bank.put(lid, ta, group=0, pages=a)
+        bank.put(lid, tb, group=0, pages=b)  # a's rows leave for the remote tier
+        bank.flush()
+        before = bank.match(lid, [*ta, 1])
+        assert before.resume.tokens < 20 * 16
+        assert bank.recall_remote(before) > 0
+        after = bank.match(lid, [*ta, 1])
+        assert after.resume.tokens == 20 * 16
+        out = torch.zeros((20, page), dtype=torch.uint8)
+        got = bank.fetch(after, out={0: out})
+        assert got.complete and torch.equal(out, a)
+        assert bank.recall_remote(after) == 0  # nothing missing: no lookup, nothing stored
+        bank.check_invariants()  # raises naming the first broken invariant

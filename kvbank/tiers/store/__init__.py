@@ -62,7 +62,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from kvbank.config import BankConfig
-from kvbank.errors import ConfigError, InvalidInput, RowLocked
+from kvbank.errors import ConfigError, InvalidInput, RowLocked, TierUnavailable
 from kvbank.tiers.base import Buffer, FrameStore, TierKind, as_bytes_view, check_name
 from kvbank.tiers.device import DevicePool, device_budget
 from kvbank.tiers.host import HostSlab
@@ -223,6 +223,24 @@ class TieredStore:
                 return False
             st.remove_row(rid)
             return True
+
+    @property
+    def has_remote(self) -> bool:
+        """Whether a remote tier lies below the disk."""
+        return self._st.remote is not None
+
+    def remote_has(self, names: Sequence[bytes]) -> list[bool]:
+        """Whether the remote tier holds each row (one round trip, outside the store
+        lock); all ``False`` without a remote tier or while it is unreachable (its
+        health says why): a lookup there never turns a local answer into an error."""
+        contains = getattr(self._st.remote, "contains_many", None)  # the Redis tier's
+        if contains is None or not names:
+            return [False] * len(names)
+        try:
+            return [bool(x) for x in contains(names)]
+        except TierUnavailable as exc:
+            logger.debug("store: remote lookup of %d rows failed: %s", len(names), exc)
+            return [False] * len(names)
 
     def locate(self, names: Sequence[bytes]) -> list[TierKind | None]:
         """The fastest tier holding each row (``None`` = absent). Touches nothing."""

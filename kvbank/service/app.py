@@ -283,8 +283,10 @@ def create_app(node: Node) -> FastAPI:
         args = dict(tokens=tokens, scope=scope, shard=body.shard, keys=keys,
                     prompt_tokens=body.prompt_tokens)
         m = await node.call(bank.match, lid, **args)
-        if any(t is None for ts in m.tiers for t in ts) and await node.call(bank.recall_remote, m):
-            m = await node.call(bank.match, lid, **args)  # now with the rows Redis still held
+        if any(t is None for ts in m.tiers for t in ts):
+            recalled: int = await node.call(bank.recall_remote, m)
+            if recalled:
+                m = await node.call(bank.match, lid, **args)  # now with the rows Redis still held
         if node.fleet is not None and await node.call(node.fleet.complete, m, args):
             m = await node.call(bank.match, lid, **args)  # now with the rows a peer sent
         return _json(wire.to_dict(m))

@@ -67,7 +67,6 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
-import math
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -88,7 +87,7 @@ from kvbank.fleet_ops import FleetOps
 from kvbank.keys import DEFAULT_SCOPE, Scope, TokenIds, group_of, namespace
 from kvbank.keys import row_names as _row_names
 from kvbank.layout import GroupKind, PageLayout
-from kvbank.lender.base import CommitResult, Lease, LeaseMode, MemoryKind
+from kvbank.lease_ops import LeaseOps
 from kvbank.lender.ledger import FetchInfo, FetchLedger
 from kvbank.lender.lender import Lender
 from kvbank.results import BankStats, FetchResult, Match, Presence
@@ -133,7 +132,7 @@ def _closed_state(cls: B) -> B:
 
 
 @_closed_state
-class Bank(AdminOps, FleetOps):
+class Bank(LeaseOps, AdminOps, FleetOps):
     """A worker's KV-cache bank over a tiered store. See the module docstring."""
 
     def __init__(self, config: BankConfig | None = None, *, clock: Clock = time.monotonic,
@@ -485,66 +484,6 @@ class Bank(AdminOps, FleetOps):
         """Open fetch-ledger entries (a pure query)."""
         return self._ledger.entries()
 
-    # ---- leases ----------------------------------------------------------------------------
-
-    def _deadline(self, timeout: float | None) -> float | None:
-        if timeout is None:
-            return None
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) \
-                or not math.isfinite(timeout) or timeout < 0:
-            raise InvalidInput(f"timeout: must be a finite number of seconds >= 0, got {timeout!r}")
-        return self._clock() + timeout
-
-    def lend(self, rows: Match | Sequence[bytes], *, mode: LeaseMode = LeaseMode.READ,
-             kind: MemoryKind = MemoryKind.HOST, ttl_s: float | None = None,
-             timeout: float | None = None) -> Lease:
-        """A NAMED lease on rows (a Match lends the rows its resume bound needs)."""
-        deadline = self._deadline(timeout)
-        if isinstance(rows, Match):
-            self.layout(rows.layout_id)
-            self._catalog.learn(rows.layout_id, rows.scope)
-            names: Sequence[bytes] = rows.needed
-        else:
-            names = rows
-        lease = self._lender.lend(names, kind=kind, mode=mode, ttl_s=ttl_s)
-        if deadline is not None and self._clock() > deadline:
-            self._lender.release(lease.id)  # the caller gave up: hold nothing for it
-            raise Busy(f"timeout: the lease was ready after its {timeout} s deadline and was "
-                       "released", field="timeout")
-        return lease
-
-    def lend_all(self, *, kind: MemoryKind = MemoryKind.HOST, mode: LeaseMode = LeaseMode.READ,
-                 ttl_s: float | None = None) -> Lease:
-        """An ALL lease: the tier's pools, for a transfer engine's one-time registration."""
-        return self._lender.lend_all(kind=kind, mode=mode, ttl_s=ttl_s)
-
-    def renew(self, lease_id: str, ttl_s: float | None = None) -> Lease:
-        return self._lender.renew(lease_id, ttl_s)
-
-    def release(self, lease_id: str) -> bool:
-        """End a lease; False if it had already ended (safe in a ``finally``)."""
-        return self._lender.release(lease_id)
-
-    def commit(self, lease_id: str, arrived: Sequence[bytes] | Sequence[bool]) -> CommitResult:
-        """Publish the WRITE lease's rows that arrived whole; the rest are discarded."""
-        return self._lender.commit(lease_id, arrived)
-
-    def view(self, lease_id: str, name: bytes) -> memoryview:
-        """A HOST lease row's bytes in place (READ: read, then :meth:`check_live`; WRITE: fill)."""
-        return self._lender.view(lease_id, name)
-
-    def device_view(self, lease_id: str, name: bytes) -> torch.Tensor:
-        """A DEVICE lease row's bytes in place (a uint8 tensor)."""
-        return self._lender.device_view(lease_id, name)
-
-    def write(self, lease_id: str, name: bytes, data: bytes | bytearray | memoryview) -> None:
-        """Fill a WRITE lease's reserved row (a copy; :meth:`view` fills in place)."""
-        self._lender.write(lease_id, name, data)
-
-    def read(self, lease_id: str, name: bytes) -> bytes:
-        """A leased row's bytes, only if the lease outlived the copy (else LeaseExpired)."""
-        return self._lender.read(lease_id, name)
-
     def get_into(self, name: bytes, out: memoryview | bytearray) -> int | None:
         """Copy one stored row into ``out`` without a lease; its size, or ``None`` on a miss
         (absent, or dropped because its frame failed the checksum). Needs no free host
@@ -552,24 +491,6 @@ class Bank(AdminOps, FleetOps):
         self._check_open()
         return self._store.get_into(name, out)
 
-    def read_into(self, lease_id: str, name: bytes, out: memoryview | bytearray) -> int:
-        """Copy a leased row into ``out``; its size, only if the lease outlived the copy."""
-        return self._lender.read_into(lease_id, name, out)
-
-    def check_live(self, lease_id: str) -> None:
-        """The completion check after reading in place: :class:`LeaseExpired` (or
-        LeaseNotFound) if the lease ended, in which case the bytes read must not be used."""
-        self._lender.finish_read(lease_id)
-
-    def leases(self) -> tuple[Lease, ...]:
-        """A snapshot of every live lease."""
-        out: list[Lease] = []
-        for lid in self._lender.live_ids():
-            try:
-                out.append(self._lender.lease(lid))
-            except KeyError:  # LeaseNotFound: ended between the two calls
-                continue
-        return tuple(out)
 
     # ---- the rest --------------------------------------------------------------------------
 

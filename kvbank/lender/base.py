@@ -29,7 +29,7 @@ from __future__ import annotations
 import enum
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from itertools import repeat
 from operator import attrgetter
 from typing import TYPE_CHECKING, Any, Protocol
@@ -176,12 +176,15 @@ class Lease:
     expires_wall: float  # the same deadline as a wall-clock time.time(), for display
     rows: tuple[LeaseRow, ...]
     pools: tuple[Location, ...] = ()  # ALL leases: every pool of the tier, offset 0
+    # name -> row, built on the first row() call (a batch looks up every row by name)
+    _by_name: dict[bytes, LeaseRow] | None = field(default=None, init=False, repr=False, compare=False)
 
     def row(self, name: bytes) -> LeaseRow:
-        for r in self.rows:
-            if r.name == name:
-                return r
-        raise KeyError(name)
+        index = self._by_name
+        if index is None:
+            index = {r.name: r for r in reversed(self.rows)}  # the first row of a name wins
+            object.__setattr__(self, "_by_name", index)
+        return index[name]
 
     @property
     def names(self) -> tuple[bytes, ...]:

@@ -173,21 +173,38 @@ class Borrower:
     def copy_rows(self, lease: Lease, pairs: Sequence[tuple[bytes, memoryview]], *,
                   into_rows: bool) -> None:
         """Copy a batch: ``into_rows`` — each page into its row's slot (a WRITE lease);
-        else each row into its buffer. Both cores: the batch is split into two lanes by
-        bytes and the copies (``np.copyto``, which frees the GIL) run at once. Buffers
-        must be at least the row's size; a READ batch is then checked against the
-        deadline once (:meth:`check`)."""
+        else each row into its buffer. Buffers must be at least the row's size; a READ
+        batch is then checked against the deadline once (:meth:`check`). See
+        :meth:`copy_slots`."""
+        slots: list[tuple[str, int, int, memoryview]] = []
+        for name, buf in pairs:
+            loc = self._location(lease, name)
+            slots.append((loc.segment, loc.offset, loc.size, buf))
+        self.copy_slots(slots, into_slots=into_rows)
+        if not into_rows:
+            self.check(lease)
+
+    def copy_slots(self, slots: Sequence[tuple[str, int, int, memoryview]], *, into_slots: bool) -> None:
+        """Copy a batch of ``(segment, offset, size, buffer)``: ``into_slots`` — each
+        buffer into its slot; else each slot into its buffer (a buffer must hold at least
+        ``size`` bytes). A slot beyond its segment is refused before anything is copied.
+        Both cores: a batch of ``LANE_MIN_BYTES`` or more is split into two lanes by
+        bytes and the copies (``np.copyto``, which frees the GIL) run at once. The caller
+        checks its lease's deadline after a read (bytes read after it may be another
+        row's)."""
         jobs: list[tuple[np.ndarray, np.ndarray]] = []
         total = 0
-        for name, buf in pairs:
-            row = self.view(lease, name)
+        for segment, offset, size, buf in slots:
+            seg = self.segment(segment)
+            if offset < 0 or size < 0 or offset + size > len(seg):
+                raise InvalidInput(f"lease: slot at {offset}+{size} is beyond segment {segment}")
             dst = memoryview(buf).cast("B")
-            if len(dst) < len(row):
-                raise InvalidInput(f"out: {len(dst)} bytes, row {name.hex()[:16]}… holds {len(row)}")
-            a = np.frombuffer(row, dtype=np.uint8)
-            b = np.frombuffer(dst, dtype=np.uint8, count=len(row))
-            jobs.append((a, b) if into_rows else (b, a))
-            total += len(row)
+            if len(dst) < size:
+                raise InvalidInput(f"out: {len(dst)} bytes, the slot at {segment}+{offset} holds {size}")
+            a = np.frombuffer(seg, dtype=np.uint8, count=size, offset=offset)
+            b = np.frombuffer(dst, dtype=np.uint8, count=size)
+            jobs.append((a, b) if into_slots else (b, a))
+            total += size
         if total >= LANE_MIN_BYTES and len(jobs) > 1:
             half, acc, cut = total // 2, 0, len(jobs)
             for i, (d, _) in enumerate(jobs):
@@ -203,8 +220,6 @@ class Borrower:
         else:
             _copy_all(jobs)
         del jobs  # no array may keep the mapping exported
-        if not into_rows:
-            self.check(lease)
 
     def _lanes(self) -> ThreadPoolExecutor:
         if self._pool is None:

@@ -69,13 +69,14 @@ from kvbank.errors import (
 from kvbank.keys import ROW_NAME_BYTES
 from kvbank.keys import Scope as KeyScope
 from kvbank.layout import PageLayout
-from kvbank.lender.base import Lease, LeaseMode, MemoryKind
+from kvbank.lender.base import Delivery, Lease, LeaseMode, MemoryKind
 from kvbank.results import Match
 from kvbank.service.admin import install_admin
 from kvbank.service.auth import Forbidden, Unauthorized
 from kvbank.service.connections import RequestLimits
 from kvbank.service.framing import PutKind, encode_fetch_prefix, fetch_stream_bytes
-from kvbank.service.node import Node
+from kvbank.service.hot import NodeAPI
+from kvbank.service.node import Node, slots_doc
 from kvbank.service.stream import BodyTooLarge, RowStream, receive_put, receive_put_lease
 
 logger = logging.getLogger(__name__)
@@ -171,7 +172,7 @@ def _hex(value: str, field: str, nbytes: int | None = None) -> bytes:
 
 def create_app(node: Node) -> FastAPI:
     """The FastAPI application serving ``node``."""
-    app = FastAPI(title="kvbank node", version=__version__,
+    app = NodeAPI(title="kvbank node", version=__version__, errors=_error,
                   description="Data API of one kvbank node: layouts, pages, matches, fetches, leases.")
     bank = node.bank
     admin = install_admin(app, node)
@@ -199,7 +200,9 @@ def create_app(node: Node) -> FastAPI:
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> Response:
         errs = exc.errors()
-        loc = ".".join(str(p) for p in errs[0]["loc"][1:]) if errs else "body"
+        # an unparsable body is the body's fault, not a position's (as on the hot path)
+        loc = "" if not errs or errs[0].get("type") == "json_invalid" else ".".join(
+            str(p) for p in errs[0]["loc"][1:])
         msg = errs[0]["msg"] if errs else "invalid request"
         return _error(InvalidInput(f"{loc or 'body'}: {msg}", field=loc or "body"))
 
@@ -257,12 +260,17 @@ def create_app(node: Node) -> FastAPI:
     async def put_lease(request: Request) -> Response:
         names, lease, fallback = await receive_put_lease(node, request)
         guard.own_lease(request, lease)
-        return _json({"names": [n.hex() for n in names], "fallback": fallback,
-                      "lease": None if lease is None else _lease(lease)})
+        doc: dict[str, Any] = {"names": [n.hex() for n in names], "fallback": fallback, "lease": None}
+        if lease is not None:
+            doc["lease"] = slots_doc(lease, names, Delivery.RESERVED, bank.clock())
+        return _json(doc)
 
     @app.post("/v1/match", responses=_links(fetch=("fetch_v1_fetch_post", None,
                                                    {"match": "$response.body", "via": "lease"})))
     async def match(body: MatchBody, request: Request) -> Response:
+        return await match_core(request, body)
+
+    async def match_core(request: Request, body: MatchBody) -> Response:
         lid = _hex(body.layout_id, "layout_id", 32)
         scope = guard.scope(request, lid, body.scope.scope())
         given = [x is not None for x in (body.tokens, body.tokens_b64, body.keys)]
@@ -295,26 +303,30 @@ def create_app(node: Node) -> FastAPI:
         "a fetch stream (framing), or (via=lease) a lease",
         ack=("ack_v1_fetch__fetch_id__ack_post", {"fetch_id": "$response.body#/fetch_id"}, None)))
     async def fetch(body: FetchBody, request: Request) -> Response:
+        return await fetch_core(request, body)
+
+    async def fetch_core(request: Request, body: FetchBody) -> Response:
         m = guard.match(request, wire.from_dict(Match, body.match))
         guard.fetch(request, body.fetch_id)
-        opened = await node.call(node.open_fetch, m, body.fetch_id, body.max_rows)
-        guard.own_fetch(request, opened.fetch_id)
         if body.via == "lease":
-            lease = None
-            names = opened.names
-            if names:
-                lease = await node.call(bank.lend, names, mode=LeaseMode.READ, kind=MemoryKind.HOST)
-                guard.own_lease(request, lease)
-                node.lent(opened.fetch_id, lease.id,
-                          {r.name for r in lease.rows if r.location is not None})
+            # one hop to the pool: open the fetch and lend its rows
+            opened, lease = await node.call(node.lend_fetch, m, body.fetch_id, body.max_rows)
+            guard.own_fetch(request, opened.fetch_id)
+            guard.own_lease(request, lease)
             return _json({"fetch_id": opened.fetch_id,
                           "rows": [[r.position, r.group, r.slot, r.size] for r in opened.rows],
-                          "lease": None if lease is None else _lease(lease)})
+                          "lease": None if lease is None
+                          else slots_doc(lease, opened.names, Delivery.READY, bank.clock())})
+        opened = await node.call(node.open_fetch, m, body.fetch_id, body.max_rows)
+        guard.own_fetch(request, opened.fetch_id)
         prefix = encode_fetch_prefix(opened.fetch_id, opened.rows, opened.stream)
         return RowStream(node, opened, prefix, fetch_stream_bytes(len(prefix), opened.rows))
 
     @app.post("/v1/fetch/{fetch_id}/ack")
     async def ack(fetch_id: str, body: AckBody, request: Request) -> Response:
+        return await ack_core(request, body, fetch_id)
+
+    async def ack_core(request: Request, body: AckBody, fetch_id: str) -> Response:
         guard.fetch(request, fetch_id)
         result = await node.call(node.acknowledge, fetch_id, body.rows, body.lease_id, body.stream)
         if metrics is not None and body.lease_id is not None:
@@ -347,6 +359,9 @@ def create_app(node: Node) -> FastAPI:
 
     @app.post("/v1/leases/{lease_id}/commit")
     async def commit(lease_id: str, body: CommitBody, request: Request) -> Response:
+        return await commit_core(request, body, lease_id)
+
+    async def commit_core(request: Request, body: CommitBody, lease_id: str) -> Response:
         guard.lease(request, lease_id)
         arrived: list[bytes] | list[bool] = (
             [a for a in body.arrived if isinstance(a, bool)]
@@ -372,7 +387,24 @@ def create_app(node: Node) -> FastAPI:
         got = dataclasses.replace(await node.call(bank.stats), served_fetches=len(node.ledger))
         return _json(wire.to_dict(got))
 
+    for method, path, handler, model in (
+        ("POST", "/v1/match", match_core, MatchBody),
+        ("POST", "/v1/fetch", fetch_core, FetchBody),
+        ("POST", "/v1/fetch/{fetch_id}/ack", ack_core, AckBody),
+        ("POST", "/v1/leases/{lease_id}/commit", commit_core, CommitBody),
+        ("POST", "/v1/put", put, None),
+        ("POST", "/v1/put_state", put_state, None),
+        ("POST", "/v1/put/lease", put_lease, None),
+    ):
+        app.hot.add(method, path, handler, model, _route(app, method, path))
     return app
+
+
+def _route(app: FastAPI, method: str, path: str) -> object:
+    for r in app.router.routes:
+        if getattr(r, "path", None) == path and method in (getattr(r, "methods", None) or ()):
+            return r
+    raise LookupError(f"{method} {path}: no such route")  # a hot route must also be a FastAPI one
 
 
 def _links(description: str = "Successful Response", /, **links: tuple[Any, ...]) -> dict[int | str, Any]:

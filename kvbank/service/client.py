@@ -44,10 +44,10 @@ from urllib.parse import urlsplit
 
 from kvbank import wire
 from kvbank.buffers import OutBuffers, Pages, out_views, page_views
-from kvbank.errors import InvalidInput, KvbankError, TierFull, TierUnavailable
+from kvbank.errors import InvalidInput, KvbankError, LeaseExpired, TierFull, TierUnavailable
 from kvbank.keys import DEFAULT_SCOPE, Scope, TokenIds, tokens_to_bytes
 from kvbank.layout import PageLayout
-from kvbank.lender.base import CommitResult, Delivery, Lease, LeaseMode, MemoryKind
+from kvbank.lender.base import CommitResult, Lease, LeaseMode, MemoryKind
 from kvbank.lender.borrow import Borrower
 from kvbank.results import BankStats, FetchResult, Match
 from kvbank.service.client_io import (
@@ -110,6 +110,19 @@ def _raise_for(status: int, body: bytes) -> None:
     except (ValueError, RecursionError, KvbankError):
         exc = TierUnavailable(f"server: answered {status} without an error document: {body[:200]!r}")
     raise exc
+
+
+def _slots(doc: dict[str, Any], bufs: Sequence[memoryview]) -> list[tuple[int, tuple[str, int, int, memoryview]]]:
+    """A lease's slots form (``kvbank.service.node.slots_doc``) → ``(i, (segment, offset,
+    size, bufs[i]))`` for each slot; an answer of another shape is the node's fault."""
+    try:
+        segments = doc["segments"]
+        out = []
+        for i, seg, offset, size in doc["slots"]:
+            out.append((i, (str(segments[seg]), int(offset), int(size), bufs[i])))
+        return out
+    except (KeyError, IndexError, TypeError, ValueError) as exc:
+        raise TierUnavailable(f"node: a lease answer of an unexpected shape: {exc!r}") from exc
 
 
 class Client:
@@ -293,8 +306,7 @@ class Client:
             doc = self._call("POST", "/v1/put/lease", content=head)
             names = [bytes.fromhex(n) for n in doc["names"]]
             if doc["lease"] is not None:
-                lease = wire.from_dict(Lease, doc["lease"])
-                self._fill(lease, names, views)
+                self._fill(doc["lease"], names, views)
                 return names
             if not doc["fallback"]:
                 return names  # every row was stored already
@@ -310,23 +322,20 @@ class Client:
             _raise_for(status, body)
         return [bytes.fromhex(n) for n in json.loads(body)["names"]]
 
-    def _fill(self, lease: Lease, names: list[bytes], views: list[memoryview]) -> None:
-        b = self._borrower(writable=True)
-        pairs: list[tuple[bytes, memoryview]] = []
+    def _fill(self, doc: dict[str, Any], names: list[bytes], views: list[memoryview]) -> None:
+        """Fill a WRITE lease's reserved slots (its slots form, ``slots_doc``) from the
+        page buffers and commit them; the lease is released if anything fails first."""
+        deadline = time.monotonic() + float(doc["ttl_s"])
+        lease_id = doc["id"]
         try:
-            for name, page in zip(names, views, strict=True):
-                try:
-                    row = lease.row(name)
-                except KeyError:
-                    continue  # stored already: not in the lease
-                if row.delivery is Delivery.RESERVED:
-                    pairs.append((name, page))
-            b.copy_rows(lease, pairs, into_rows=True)
-            b.check(lease)
+            slots = _slots(doc, views)
+            self._borrower(writable=True).copy_slots([s for _, s in slots], into_slots=True)
+            if time.monotonic() >= deadline:
+                raise LeaseExpired(f"lease_id: lease {lease_id} expired before its slots were filled")
         except BaseException:
-            self.release(lease.id)
+            self.release(lease_id)
             raise
-        self.commit(lease.id, [n for n, _ in pairs])
+        self.commit(lease_id, [names[i] for i, _ in slots])
 
     def put(self, layout_id: bytes, tokens: TokenIds | None = None, *, group: int, pages: Pages,
             scope: Scope = DEFAULT_SCOPE, keys: Sequence[bytes] | None = None, first_page: int = 0,
@@ -429,22 +438,22 @@ class Client:
     def _fetch_local(self, req: dict[str, Any], views: dict[int, list[memoryview]]) -> FetchResult:
         doc = self._call("POST", "/v1/fetch", body={**req, "via": "lease"})
         fid = doc["fetch_id"]
-        if doc["lease"] is None:
+        lease = doc["lease"]
+        if lease is None:
             return self._ack(fid, [], None)
-        lease = wire.from_dict(Lease, doc["lease"])
-        b = self._borrower(writable=False)
-        got: list[int] = []
-        pairs: list[tuple[bytes, memoryview]] = []
+        deadline = time.monotonic() + float(lease["ttl_s"])
         try:
-            for (pos, g, slot, size), name in zip(doc["rows"], lease.names, strict=True):
-                if lease.row(name).delivery is Delivery.READY:
-                    pairs.append((name, views[g][slot][:size]))
-                    got.append(pos)
-            b.copy_rows(lease, pairs, into_rows=False)  # then checks the lease is live
+            rows = doc["rows"]
+            bufs = [views[g][slot][:size] for _, g, slot, size in rows]
+            slots = _slots(lease, bufs)
+            self._borrower(writable=False).copy_slots([s for _, s in slots], into_slots=False)
+            if time.monotonic() >= deadline:  # the node checks again at the acknowledgement
+                raise LeaseExpired(f"lease_id: lease {lease['id']} expired during the copies")
         except BaseException:
-            self.release(lease.id)
+            self.release(lease["id"])
             raise
-        return self._ack(fid, got, lease.id)  # the node checks the lease outlived the copies
+        # the node counts these rows only if the lease outlived the copies
+        return self._ack(fid, [rows[i][0] for i, _ in slots], lease["id"])
 
     # ---- leases ----------------------------------------------------------------------
 

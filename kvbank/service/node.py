@@ -43,7 +43,7 @@ from typing import Any, TypeVar
 from kvbank import __version__
 from kvbank.bank import Bank
 from kvbank.errors import InvalidInput, KvbankError
-from kvbank.lender.base import MemoryKind
+from kvbank.lender.base import Delivery, HostLocation, Lease, LeaseMode, MemoryKind
 from kvbank.lender.ledger import FetchLedger, PlannedRow
 from kvbank.results import FetchResult, Match
 from kvbank.service.config import ServiceConfig
@@ -65,6 +65,27 @@ def host_identity() -> dict[str, Any]:
     except OSError:
         boot_id = ""
     return {"boot_id": boot_id, "shm_dir": str(SHM_DIR), "uid": os.getuid()}
+
+
+def slots_doc(lease: Lease, names: list[bytes], delivery: Delivery, now: float) -> dict[str, Any]:
+    """A HOST lease in the form a same-host client copies by: its id, the seconds it has
+    left at ``now`` (on the bank's clock), the segments, and ``slots`` — for each entry
+    ``i`` of ``names`` whose row has ``delivery`` (READY to read, RESERVED to fill)
+    ``[i, segment index, offset, size]``. A 64-row lease's full wire form lists every
+    row's buffer regions, which neither side needs to copy."""
+    segments: dict[str, int] = {}
+    slots: list[list[int]] = []
+    for i, name in enumerate(names):
+        try:
+            row = lease.row(name)
+        except KeyError:
+            continue
+        loc = row.location
+        if row.delivery is delivery and isinstance(loc, HostLocation):
+            seg = segments.setdefault(loc.segment, len(segments))
+            slots.append([i, seg, loc.offset, loc.size])
+    return {"id": lease.id, "ttl_s": lease.expires_at - now, "segments": list(segments),
+            "slots": slots}
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,6 +199,17 @@ class Node:
             while len(state.streams) > _STREAMS:
                 state.streams.popitem(last=False)
         return OpenFetch(fetch_id, rows, [r.name for r in todo], stream)
+
+    def lend_fetch(self, match: Match, fetch_id: str | None,
+                   max_rows: int | None) -> tuple[OpenFetch, Lease | None]:
+        """A same-host fetch in one call: :meth:`open_fetch`, then a READ HOST lease on
+        its rows (None when there are none), recorded for the acknowledgement."""
+        opened = self.open_fetch(match, fetch_id, max_rows)
+        if not opened.names:
+            return opened, None
+        lease = self.bank.lend(opened.names, mode=LeaseMode.READ, kind=MemoryKind.HOST)
+        self.lent(opened.fetch_id, lease.id, {r.name for r in lease.rows if r.location is not None})
+        return opened, lease
 
     def _stream(self, fetch_id: str, stream: str) -> _Stream | None:
         with self._lock:

@@ -85,7 +85,8 @@ def serve(config: ServiceConfig, *, out: TextIO = sys.stdout) -> int:
         # connection limits) answers 503 to a connection over max_connections at accept,
         # so uvicorn's own limit_concurrency (checked only once headers arrive) is not used.
         uv = uvicorn.Config(
-            app, loop="uvloop", http=protocol(config), lifespan="off", access_log=False,
+            # proxy_headers off: the node binds loopback and trusts no forwarder's headers
+            app, loop="uvloop", http=protocol(config), lifespan="off", access_log=False, proxy_headers=False,
             log_level="warning", timeout_keep_alive=int(max(1, config.idle_timeout_s)),
             timeout_graceful_shutdown=int(max(1, config.shutdown_timeout_s)),
         )

@@ -58,7 +58,10 @@ class _Lru:
 
 def tenant_of(request: Request) -> str | None:
     """The tenant a request is bound to (None: no tenant tokens configured)."""
-    return getattr(request.state, "tenant", None)
+    # from the scope itself: request.state raises (and catches) AttributeError for an
+    # unset name, which every route pays several times a request without tenants
+    state = request.scope.get("state")
+    return None if state is None else state.get("tenant")
 
 
 def bind_put_header(request: Request, header: PutHeader) -> PutHeader:

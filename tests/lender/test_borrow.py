@@ -112,3 +112,31 @@ def test_borrow_copy_rows_refuses_an_expired_lease_and_a_short_buffer(segment: t
             b.copy_rows(lease, list(zip(lease.names, bufs, strict=True)), into_rows=False)
         with pytest.raises(InvalidInput, match="out"):
             b.copy_rows(lease, [(lease.names[0], memoryview(bytearray(size - 1)))], into_rows=False)
+
+
+def test_borrow_copy_slots_refuses_a_slot_beyond_its_segment_before_copying(
+        segment: tuple[str, np.ndarray]) -> None:
+    name, data = segment
+    size = 1 << 20
+    end = len(data)
+    with Borrower(writable=True) as w:
+        good = np.full(size, 9, dtype=np.uint8)
+        for offset in (end - size + 1, -1, end):
+            with pytest.raises(InvalidInput, match="beyond segment"):
+                # the first slot is fine: nothing may be written before the refusal
+                w.copy_slots([(name, 0, size, memoryview(good)), (name, offset, size, memoryview(good))],
+                             into_slots=True)
+        seg = np.frombuffer(w.segment(name), dtype=np.uint8)
+        assert np.array_equal(seg[:size], data[:size])
+        del seg
+
+
+def test_lease_row_finds_every_row_by_name_and_the_first_of_a_repeated_name() -> None:
+    rows = tuple(LeaseRow(bytes([i % 5]) * 54, True, None, (), Delivery.READY if i < 5 else Delivery.MISSING)
+                 for i in range(8))
+    lease = Lease("L", MemoryKind.HOST, LeaseMode.READ, Selection.NAMED, 1.0, 0.0, rows)
+    for i in range(5):
+        assert lease.row(bytes([i]) * 54) is rows[i]
+    with pytest.raises(KeyError):
+        lease.row(b"\x09" * 54)
+    assert lease == Lease("L", MemoryKind.HOST, LeaseMode.READ, Selection.NAMED, 1.0, 0.0, rows)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import redis
 import redis.cluster
 import torch
 
@@ -90,6 +91,25 @@ def test_cluster_remote_tier_round_trip(cluster: RedisClusterProcs) -> None:
         rc.close()
 
 
+def _caught_up(cl: RedisClusterProcs, timeout_s: float = 20.0) -> None:
+    """Wait until every master's replicas have acknowledged its whole replication stream."""
+    deadline = time.monotonic() + timeout_s
+    for port in cl.ports:
+        r = redis.Redis(port=port)
+        try:
+            while True:
+                info = r.info("replication")
+                if info.get("role") != "master":
+                    break
+                offsets = [v["offset"] for k, v in info.items() if k.startswith("slave") and isinstance(v, dict)]
+                if offsets and min(offsets) >= info["master_repl_offset"]:
+                    break
+                assert time.monotonic() < deadline, f"replicas of :{port} did not catch up: {info}"
+                time.sleep(0.05)
+        finally:
+            r.close()
+
+
 def test_cluster_failover_is_waited_out_with_a_deadline() -> None:
     """A master killed mid-run: its replica takes over (~2x node timeout) and index calls
     made meanwhile succeed late instead of failing; the retries are counted."""
@@ -102,6 +122,10 @@ def test_cluster_failover_is_waited_out_with_a_deadline() -> None:
         names = [name_of(i) for i in range(200)]
         ix.publish(names, a)
         victim = cl.master_of(ix.entry_key(names[0]))
+        # Redis replicates asynchronously: a master killed before its replica has the
+        # entries loses them at failover. This test is about waiting the outage out, so
+        # the kill comes once every master's replica has caught up.
+        _caught_up(cl)
         errors: list[BaseException] = []
         done = threading.Event()
 

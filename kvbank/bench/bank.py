@@ -8,6 +8,12 @@ and times one call on it; the baseline is a memcpy of the same bytes between two
 preallocated tensors in the same process, on 2 torch threads, timed right after it.
 Values are medians over the repetitions.
 
+The host baseline is timed after the fetch, not between the put and the fetch: torch's
+OpenMP workers keep spinning for a while after a parallel copy returns (libgomp's default
+wait policy), so a baseline timed just before the fetch took one of the two cores from
+the fetch's copy lanes (3-10 % of ``bank-fetch-host``, measured with
+``OMP_WAIT_POLICY=PASSIVE`` as the control). After the fetch it costs nothing timed.
+
 =========================  ===========================================================
 case                       what is timed (GB/s of raw page bytes)
 =========================  ===========================================================
@@ -103,10 +109,10 @@ def _host(pages: torch.Tensor, tokens: list[int], repeat: int, tail: str) -> Ite
                 r.wait(60)
             lid = b.register(LAYOUT)
             put_t.append(_timed(functools.partial(b.put, lid, tokens, group=0, pages=pages)))
-            base_t.append(memcpy())
             t0 = time.perf_counter()
             got = b.fetch(b.match(lid, tokens), out={0: out})
             fetch_t.append(time.perf_counter() - t0)
+            base_t.append(memcpy())  # after the fetch: see the module docstring
             assert got.complete, "bench: the fetch missed rows"
     nbytes = n * PAGE
     v, bv = _rates(nbytes, put_t, base_t)

@@ -56,6 +56,21 @@ def as_u8(data: BytesLike | npt.NDArray[np.generic], what: str = "data") -> U8Ar
     return np.frombuffer(view, dtype=np.uint8)
 
 
+_ZERO = np.uint8(0)
+
+
+def copy_bytes(dst: U8Array, src: U8Array) -> None:
+    """``dst[:] = src`` for two flat ``uint8`` arrays of one length, GIL released.
+
+    Why a ufunc and not ``np.copyto``: numpy's copy calls libc ``memmove``, which on the
+    AMD EPYC machines kvbank is measured on (glibc, ``rep movsb`` for MiB sizes) moves a
+    2 MiB page at 6-9 GB/s on one core, while numpy's SIMD ``bitwise_or`` loop with a
+    zero scalar streams the same bytes at 11-13 GB/s (and torch's copy kernel, the
+    benches' memcpy baseline, at 10-12). Same result bit for bit, no temporary.
+    """
+    np.bitwise_or(src, _ZERO, out=dst)
+
+
 def check_itemsize(itemsize: int) -> None:
     if isinstance(itemsize, bool) or itemsize not in _SUPPORTED:
         raise InvalidInput(f"itemsize: must be one of {_SUPPORTED}, got {itemsize!r}")

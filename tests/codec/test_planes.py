@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvbank.codec.planes import merge_planes, split_planes
+from kvbank.codec.planes import copy_bytes, merge_planes, split_planes
 from kvbank.errors import InvalidInput
 
 
@@ -88,3 +88,22 @@ def test_merge_planes_unequal_planes_raise() -> None:
 
 
 # ---- torch -------------------------------------------------------------------------------
+
+
+@settings(max_examples=50, deadline=None)
+@given(size=st.integers(0, 5000), src_at=st.integers(0, 63), dst_at=st.integers(0, 63),
+       seed=st.integers(0, 2**32 - 1))
+def test_copy_bytes_copies_exactly_and_leaves_the_rest(size: int, src_at: int, dst_at: int,
+                                                       seed: int) -> None:
+    """Any length at any alignment: the destination range holds the source's bytes, every
+    byte around it is untouched and the source is unchanged."""
+    rng = np.random.default_rng(seed)
+    src = rng.integers(0, 256, src_at + size, dtype=np.uint8)
+    before = src.copy()
+    dst = rng.integers(0, 256, dst_at + size + 64, dtype=np.uint8)
+    around = dst.copy()
+    copy_bytes(dst[dst_at : dst_at + size], src[src_at:])
+    assert np.array_equal(dst[dst_at : dst_at + size], src[src_at:])
+    assert np.array_equal(dst[:dst_at], around[:dst_at])
+    assert np.array_equal(dst[dst_at + size :], around[dst_at + size :])
+    assert np.array_equal(src, before)

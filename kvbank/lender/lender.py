@@ -557,25 +557,37 @@ class Lender:
         already: list[bytes] = []
         pending = dict(held.slots)
         try:
-            for row in lease.rows:
-                slot = pending.get(row.name)
-                if slot is None:
-                    continue  # PRESENT at lend: nothing was reserved
-                if row.name not in got:
-                    discarded.append(row.name)
+            arrived = [r.name for r in lease.rows if r.name in pending and r.name in got]
+            discarded = [r.name for r in lease.rows if r.name in pending and r.name not in got]
+            where = self._store.locate(arrived) if arrived else []
+            host: list[tuple[bytes, HostSlot, str, bytes | None]] = []
+            device: list[tuple[bytes, DeviceSlot, str, bytes | None]] = []
+            for name, w in zip(arrived, where, strict=True):
+                if w is not None:
+                    already.append(name)  # equal names are equal bytes: keep theirs
                     continue
-                if self._store.locate([row.name])[0] is not None:
-                    already.append(row.name)  # equal names are equal bytes: keep theirs
-                    continue
-                parent = held.parents.get(row.name)
-                shape = self._shape(_shape_key(row.name), row.name)
-                dtype = shape.dtype if shape is not None else "uint8"
+                slot = pending[name]
+                shape = self._shape(_shape_key(name), name)
+                dtype, parent = shape.dtype if shape is not None else "uint8", held.parents.get(name)
                 if isinstance(slot, HostSlot):
-                    self._store.host.commit(row.name, slot, dtype=dtype, parent=parent)
+                    host.append((name, slot, dtype, parent))
                 else:
-                    self._store.device.commit(row.name, slot, dtype=dtype, parent=parent)
-                del held.slots[row.name]  # published: the store owns it now
-                committed.append(row.name)
+                    device.append((name, slot, dtype, parent))
+            # One batch per memory kind: published in order; on a refusal the rows before
+            # it are the store's, the rest go back below with every unpublished slot.
+            for kind, batch in ((MemoryKind.HOST, host), (MemoryKind.DEVICE, device)):
+                if not batch:
+                    continue
+                published: list[bytes] = []
+                try:
+                    if kind is MemoryKind.HOST:
+                        self._store.host.commit_many(host, published)
+                    else:
+                        self._store.device.commit_many(device, published)
+                finally:
+                    for name in published:
+                        del held.slots[name]  # published: the store owns it now
+                    committed.extend(published)
         finally:
             # Every slot not published goes back, whatever happened above.
             self._release_store(lease_id, False, LeaseMode.WRITE, held.slots)

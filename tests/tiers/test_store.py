@@ -327,6 +327,38 @@ def test_store_commit_keeps_reservation_when_refused(make_store: MakeStore) -> N
     s.locks.unlock_all("reader")
 
 
+@pytest.mark.parametrize("policy", ["write-back", "write-through"])
+def test_store_commit_many_publishes_in_order_and_stops_at_a_refusal(make_store: MakeStore,
+                                                                     policy: str) -> None:
+    s = make_store(host_bytes=64 * 1024, disk_bytes=1 << 20, write_policy=policy)
+    s.put(name_of(3), page_of(3, P))
+    s.locks.lock([name_of(3)], "reader")  # row 3 refuses a new copy while read
+    slots = [s.host.reserve(P, "writer") for _ in range(5)]
+    for i, slot in enumerate(slots):
+        view, close = attach(slot)
+        view[:] = page_of(10 + i, P)
+        view.release()
+        close()
+    rows = [(name_of(10 + i), slot, "uint8", None) for i, slot in enumerate(slots)]
+    rows[2] = (name_of(3), slots[2], "uint8", None)
+    published: list[bytes] = []
+    with pytest.raises(RowLocked):
+        s.host.commit_many(rows, published)
+    assert published == [name_of(10), name_of(11)]
+    assert [read(s, i) for i in (10, 11)] == [page_of(10, P), page_of(11, P)]
+    assert read(s, 13) is None and read(s, 3) == page_of(3, P)
+    assert s.stats().reserved_slots == 3  # the refused slot and those after it
+    s.locks.unlock_all("reader")
+    published.clear()
+    s.host.commit_many(rows[3:], published)
+    assert published == [name_of(13), name_of(14)] and read(s, 14) == page_of(14, P)
+    s.host.abort(slots[2])
+    assert s.stats().reserved_slots == 0
+    s.flush()
+    if policy == "write-through":
+        assert all(TierKind.DISK in r for r in s.residency([name_of(i) for i in (10, 11, 13, 14)]))
+
+
 def test_store_reserved_slots_are_never_evicted(make_store: MakeStore) -> None:
     s = make_store(data_dir=None, host_bytes=32 * 1024)
     slots = [s.host.reserve(P, "w") for _ in range(8)]

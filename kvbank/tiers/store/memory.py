@@ -36,7 +36,7 @@ from kvbank.tiers.store import staging
 from kvbank.tiers.store.mover import Mover
 from kvbank.tiers.store.placement import alloc_for_stage
 from kvbank.tiers.store.state import MAX_PAGE, StoreState, deadline_after
-from kvbank.tiers.store.writes import publish
+from kvbank.tiers.store.writes import commit_locked, publish
 
 SlotT = TypeVar("SlotT", HostSlot, DeviceSlot)
 
@@ -114,6 +114,38 @@ class MemoryOps(Generic[SlotT], abc.ABC):
             src.release()
             with st.lock:
                 st.release(bit, off)
+
+    def commit_many(self, rows: Sequence[tuple[bytes, SlotT, str, bytes | None]],
+                    published: list[bytes]) -> None:
+        """:meth:`commit` of each ``(name, slot, dtype, parent)``, in order, appending each
+        name to ``published`` once it is. A write lease's batch: under write-back the rows
+        are published under one hold of the store lock (a row's own commit takes it three
+        times); with write-through each row is written to disk as :meth:`commit` does.
+        The first refusal raises: the rows before it stay published, it and the rows after
+        it keep their reservations."""
+        for name, _, _, parent in rows:
+            check_name(name)
+            if parent is not None:
+                check_name(parent)
+        st, bit = self._st, self.bit
+        if st.config.write_policy is WritePolicy.WRITE_THROUGH and st.disk is not None:
+            for name, slot, dtype, parent in rows:
+                self.commit(name, slot, dtype=dtype, parent=parent)
+                published.append(name)
+            return
+        st.pool(bit, "commit")
+        with st.lock:
+            st.check_open()
+            for name, slot, dtype, parent in rows:
+                off, holder = self._reserved(slot)
+                size = slot.size
+                code = st.dtype_code(dtype)
+                st.check_writable(name, size, holder)  # failing here keeps the reservation
+                del st.res.reserved[(bit, off)]
+                # a refusal in there puts the reservation back (reserve=...)
+                commit_locked(st, name, size, code, parent, bit, off, holder, on_disk=False,
+                              reserve=(holder, size))
+                published.append(name)
 
     def abort(self, slot: SlotT) -> None:
         st = self._st

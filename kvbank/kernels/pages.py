@@ -41,7 +41,10 @@ over threads of ours as well started one OpenMP team per thread of ours (4 threa
 cores): 0.71x memcpy for the split pool, 0.84-0.87x for the fused one (medians of 12
 bench runs, twice), against 0.77-0.82x and 0.91x with one call per span in the same runs.
 Small calls that stay on threads of ours (at most 512 KiB each, so torch starts no
-threads) ran 0.71-0.79x and 0.84-0.85x: one call costs a few microseconds.
+threads) ran 0.71-0.79x and 0.84-0.85x: one call costs a few microseconds. While other
+processes keep both cores busy, a fork and join of torch's threads can wait a scheduler
+slice (8 ms seen), so the split pool's four calls then fall to about 0.4x for a run
+while small calls on threads of ours stay near 0.6x; the medians above include such runs.
 
 Why a CPU scatter is a numpy fancy assignment: ``dst[ids] = src`` on word views copies
 each row with one contiguous memcpy (15 GB/s measured, near a plain copy), while torch's

@@ -13,11 +13,17 @@ Primitives:
 - :func:`scatter_pages` — canonical pages -> pool blocks, the fetch path.
 
 Both validate everything first (pool keys, dtypes, shapes, devices, block ids in range,
-no duplicate targets for a scatter) and raise :class:`~kvbank.errors.InvalidInput` or
-:class:`~kvbank.errors.PageSizeMismatch` naming the field; nothing is moved unless all
-checks pass. Pool and pages may be on different devices (a CUDA pool, host pages): the
-bytes then go through a device-side staging buffer of at most ``STAGING_BYTES`` so the
-cross-device copy is one contiguous transfer per chunk.
+no duplicate targets for a scatter, pages sharing no memory with the pool, rows of a
+gather's ``out`` sharing none with each other) and raise
+:class:`~kvbank.errors.InvalidInput` or :class:`~kvbank.errors.PageSizeMismatch` naming
+the field; nothing is moved unless all checks pass. A torch failure during the move
+(:data:`~kvbank.tiers.device.TORCH_ERRORS`: a CUDA fault, a tensor with no data) leaves
+as the :func:`~kvbank.tiers.device.torch_fault` of it, ``TierFull`` for out of device
+memory, else ``TierUnavailable``.
+
+Pool and pages may be on different devices (a CUDA pool, host pages): the bytes then go
+through a device-side staging buffer of at most ``STAGING_BYTES`` so the cross-device
+copy is one contiguous transfer per chunk.
 
 Why word views: every region is moved as a ``[n, nbytes / w]`` tensor of the widest
 integer ``w`` in (8, 4, 2, 1) bytes that divides its offsets, strides and size.
@@ -28,6 +34,17 @@ Why neighbouring regions are fused: in a pool whose block holds several buffers 
 side (FlashInfer's ``[blocks, 2, P, heads, dim]``: K then V of a layer), the regions of
 those buffers are neighbours in the page too, so they move as one row of twice the width
 (one indexed copy instead of two strided ones).
+
+Why a CPU gather is one ``index_select`` per span: on word views it copies each row with
+one ``memcpy`` and splits the rows over torch's own intra-op threads. Splitting the rows
+over threads of ours as well started one OpenMP team per thread of ours (4 threads on 2
+cores): 0.71x memcpy for the split pool, 0.84-0.87x for the fused one (medians of 12
+bench runs, twice), against 0.77-0.82x and 0.91x with one call per span in the same runs.
+Small calls that stay on threads of ours (at most 512 KiB each, so torch starts no
+threads) ran 0.71-0.79x and 0.84-0.85x: one call costs a few microseconds. While other
+processes keep both cores busy, a fork and join of torch's threads can wait a scheduler
+slice (8 ms seen), so the split pool's four calls then fall to about 0.4x for a run
+while small calls on threads of ours stay near 0.6x; the medians above include such runs.
 
 Why a CPU scatter is a numpy fancy assignment: ``dst[ids] = src`` on word views copies
 each row with one contiguous memcpy (15 GB/s measured, near a plain copy), while torch's
@@ -46,17 +63,19 @@ import torch
 
 from kvbank.errors import InvalidInput, PageSizeMismatch
 from kvbank.layout import BufferRegion, GroupKind, PageLayout, Role
+from kvbank.tiers.device import TORCH_ERRORS, torch_fault
 
 logger = logging.getLogger(__name__)
 
 Pool = Mapping[tuple[int, Role], torch.Tensor]  # (layer, role) -> the pool tensor
 Span = tuple[int, int, torch.Tensor]  # (page offset, bytes, pool rows as uint8 [blocks, bytes])
 STAGING_BYTES = 64 << 20
-# A CPU gather or scatter of at least this many bytes is split by rows over
-# ``torch.get_num_threads()`` threads (the caller's included): one indexed copy per core
-# reaches the memory bandwidth a 2-thread memcpy does, one alone about half of it.
+# A CPU scatter of at least this many bytes is split by rows over
+# ``torch.get_num_threads()`` threads (the caller's included): a numpy fancy assignment
+# copies on the calling thread only.
 PARALLEL_BYTES = 8 << 20
 _WORDS = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8))
+_INT64 = range(-(1 << 63), 1 << 63)
 
 
 def _torch_dtype(name: str) -> torch.dtype:
@@ -66,20 +85,23 @@ def _torch_dtype(name: str) -> torch.dtype:
     return dtype
 
 
-def _block_ids(
-    block_ids: Sequence[int] | torch.Tensor, device: torch.device, what: str
-) -> torch.Tensor:
+def _block_ids(block_ids: Sequence[int] | torch.Tensor, what: str) -> torch.Tensor:
+    """The block ids as a CPU ``int64`` tensor, where they are checked."""
     if isinstance(block_ids, torch.Tensor):
-        if block_ids.dim() != 1 or block_ids.dtype.is_floating_point or block_ids.dtype == torch.bool:
+        dtype = block_ids.dtype
+        if block_ids.dim() != 1 or dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
             raise InvalidInput(f"{what}: expected a 1-D integer tensor, got {block_ids.dtype} "
                                f"{tuple(block_ids.shape)}")
-        ids = block_ids.to(device=device, dtype=torch.long)
-    else:
-        for b in block_ids:
-            if isinstance(b, bool) or not isinstance(b, int):
-                raise InvalidInput(f"{what}: expected integers, got {b!r}")
-        ids = torch.tensor(list(block_ids), dtype=torch.long, device=device)
-    return ids
+        try:
+            return block_ids.to(device="cpu", dtype=torch.long)
+        except TORCH_ERRORS as exc:
+            raise torch_fault(f"reading {what} from {block_ids.device}", exc) from exc
+    for b in block_ids:
+        if isinstance(b, bool) or not isinstance(b, int):
+            raise InvalidInput(f"{what}: expected integers, got {b!r}")
+        if b not in _INT64:  # torch.tensor would raise a bare overflow error
+            raise InvalidInput(f"{what}: block id {b} is outside int64")
+    return torch.tensor(list(block_ids), dtype=torch.long)
 
 
 def _byte_rows(t: torch.Tensor, what: str) -> torch.Tensor:
@@ -90,6 +112,20 @@ def _byte_rows(t: torch.Tensor, what: str) -> torch.Tensor:
         raise InvalidInput(
             f"{what}: each block must be contiguous in memory (stride {t.stride()})"
         ) from exc
+
+
+def _extent(t: torch.Tensor) -> tuple[int, int]:
+    """The ``[start, end)`` addresses of the bytes ``t`` (non-empty) may touch."""
+    last = sum((n - 1) * stride for n, stride in zip(t.shape, t.stride(), strict=True))
+    return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` may share bytes (their address ranges meet)."""
+    if a.device != b.device or a.device.type == "meta" or a.numel() == 0 or b.numel() == 0:
+        return False
+    (a0, a1), (b0, b1) = _extent(a), _extent(b)
+    return a0 < b1 and b0 < a1
 
 
 def _word_views(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -108,10 +144,12 @@ def _word_views(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.T
 
 
 def _resolve(
-    pool: Pool, layout: PageLayout, group: int, count: int, pages: torch.Tensor, what: str
+    pool: Pool, layout: PageLayout, group: int, count: int, pages: torch.Tensor, what: str,
+    *, writes_pages: bool = False,
 ) -> tuple[list[tuple[BufferRegion, torch.Tensor]], int]:
     """Validate and return ``(region, pool rows as uint8 [blocks, nbytes])`` pairs and the
-    number of blocks every buffer can address."""
+    number of blocks every buffer can address. ``writes_pages``: the move writes
+    ``pages``, so its rows must not share bytes with each other either."""
     if not isinstance(layout, PageLayout):
         raise InvalidInput(f"layout: expected a PageLayout, got {type(layout).__name__}")
     if isinstance(group, bool) or not isinstance(group, int) or not 0 <= group < len(layout.groups):
@@ -133,6 +171,9 @@ def _resolve(
         )
     if pages.stride(1) != 1:
         raise InvalidInput(f"{what}: each page must be contiguous (stride {pages.stride()})")
+    if writes_pages and count > 1 and pages.stride(0) < page_bytes:
+        raise InvalidInput(f"{what}: rows overlap (row stride {pages.stride(0)} bytes, pages "
+                           f"are {page_bytes})")
     kind = layout.groups[group].kind
     resolved: list[tuple[BufferRegion, torch.Tensor]] = []
     blocks: int | None = None
@@ -158,6 +199,8 @@ def _resolve(
         elif t.device != device:
             raise InvalidInput(f"{name}: on {t.device}, other pool tensors on {device}")
         rows = _byte_rows(t, name)
+        if _overlap(rows, pages):  # one side is written while the other is read
+            raise InvalidInput(f"{what}: shares memory with {name}")
         if rows.shape[1] != region.nbytes:  # pragma: no cover - follows from the shape check
             raise PageSizeMismatch(f"{name}: {rows.shape[1]} bytes per block, region has {region.nbytes}")
         blocks = rows.shape[0] if blocks is None else min(blocks, rows.shape[0])
@@ -231,16 +274,16 @@ def _plan(
     *,
     unique: bool,
 ) -> tuple[list[tuple[BufferRegion, torch.Tensor]], torch.Tensor, torch.device, int] | None:
-    """Validate a gather or scatter and resolve its regions and block ids on the pool's
-    device; None when there is nothing to move."""
+    """Validate a gather (``unique=False``: it writes ``pages``) or a scatter and resolve its
+    regions, its block ids (on the CPU) and the pool's device; None when there is nothing
+    to move."""
     count = len(block_ids)
-    resolved, blocks = _resolve(pool, layout, group, count, pages, field)
+    resolved, blocks = _resolve(pool, layout, group, count, pages, field, writes_pages=not unique)
     if not resolved or count == 0:
         return None
-    device = resolved[0][1].device
-    ids = _block_ids(block_ids, device, "block_ids")
+    ids = _block_ids(block_ids, "block_ids")
     _check_ids(ids, blocks, "block_ids", unique=unique)
-    return resolved, ids, device, count
+    return resolved, ids, resolved[0][1].device, count
 
 
 def _gather(
@@ -257,6 +300,23 @@ def _gather(
     resolved, ids, device, count = plan
     if staging is None:
         staging = out.device != device
+    try:
+        _gather_checked(resolved, ids.to(device), layout, group, out, staging)
+    except TORCH_ERRORS as exc:  # checked input: a fault of torch or of the device
+        raise torch_fault(f"gather_pages: {count} pages from {device} into {out.device}",
+                          exc) from exc
+
+
+def _gather_checked(
+    resolved: list[tuple[BufferRegion, torch.Tensor]],
+    ids: torch.Tensor,
+    layout: PageLayout,
+    group: int,
+    out: torch.Tensor,
+    staging: bool,
+) -> None:
+    count = ids.numel()
+    device = ids.device
     gaps = _padding(layout, group)
     if not staging:
         _gather_rows(resolved, ids, out, gaps)
@@ -324,16 +384,9 @@ def _gather_rows(
     out: torch.Tensor,
     gaps: list[tuple[int, int]],
 ) -> None:
-    views = [_word_views(rows, out[:, off : off + nbytes]) for off, nbytes, rows in _spans(resolved)]
-    if ids.device.type != "cpu" or out.device.type != "cpu":
-        for src, dst in views:
-            torch.index_select(src, 0, ids, out=dst)
-    else:
-        def part(rows: slice) -> None:
-            for src, dst in views:
-                torch.index_select(src, 0, ids[rows], out=dst[rows])
-
-        _cpu_parts(part, ids.numel(), ids.numel() * out.shape[1])
+    for off, nbytes, rows in _spans(resolved):
+        src, dst = _word_views(rows, out[:, off : off + nbytes])
+        torch.index_select(src, 0, ids, out=dst)  # on CPU, over torch's intra-op threads
     for start, end in gaps:
         out[:, start:end].zero_()
 
@@ -364,6 +417,21 @@ def _scatter(
     resolved, ids, device, count = plan
     if staging is None:
         staging = pages.device != device
+    try:
+        _scatter_checked(pages, resolved, ids.to(device), staging)
+    except TORCH_ERRORS as exc:  # checked input: a fault of torch or of the device
+        raise torch_fault(f"scatter_pages: {count} pages from {pages.device} into {device}",
+                          exc) from exc
+
+
+def _scatter_checked(
+    pages: torch.Tensor,
+    resolved: list[tuple[BufferRegion, torch.Tensor]],
+    ids: torch.Tensor,
+    staging: bool,
+) -> None:
+    count = ids.numel()
+    device = ids.device
     if not staging:
         _scatter_rows(resolved, ids, pages)
         return

@@ -1,16 +1,19 @@
 """Page gather/scatter between a worker's pool layout and canonical pages.
 
 Checks in the style of vLLM's kv_offload kernel tests: moved pages match, untouched
-blocks are unchanged, the source is unchanged.
+blocks are unchanged, the source is unchanged; a Hypothesis round trip over random pool
+shapes, split and fused.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvbank.builders import full_attention, hybrid_mamba
-from kvbank.errors import InvalidInput, PageSizeMismatch
+from kvbank.errors import InvalidInput, PageSizeMismatch, TierUnavailable
 from kvbank.kernels.pages import _gather, _resolve, _scatter, _spans, gather_pages, scatter_pages
 from kvbank.layout import BufferSpec, GroupKind, LayerGroup, PageLayout, QuantMode, Role
 
@@ -161,8 +164,8 @@ def test_neighbour_regions_fuse_only_when_the_pool_holds_them_side_by_side() -> 
 @pytest.mark.parametrize("name", ["gqa-bf16", "odd-int8"])
 def test_cpu_moves_split_over_threads_match_one_thread(name: str,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    """A gather or scatter split by rows over several threads moves exactly what one
-    thread does: every page right, untouched blocks unchanged."""
+    """A scatter split by rows over several threads moves exactly what one thread does
+    (every page right, untouched blocks unchanged), as does a gather of the same size."""
     from kvbank.kernels import pages as kernel
 
     layout, group = LAYOUTS[name]
@@ -189,6 +192,50 @@ def test_cpu_moves_split_over_threads_match_one_thread(name: str,
             assert _eq(t[dst_block], pool[key][src_block])
         untouched = [b for b in range(blocks) if b not in moved]
         assert _eq(t[untouched], before[key][untouched])
+
+
+@settings(max_examples=40, deadline=None)
+@given(layers=st.integers(1, 3), heads=st.integers(1, 3), dim=st.sampled_from([1, 3, 8]),
+       tokens=st.integers(1, 4), blocks=st.integers(1, 24), fused=st.booleans(),
+       dtype=st.sampled_from(["bfloat16", "float32", "int8"]), data=st.data())
+def test_round_trip_is_bit_exact_for_split_and_fused_pools(
+    layers: int, heads: int, dim: int, tokens: int, blocks: int, fused: bool, dtype: str,
+    data: st.DataObject,
+) -> None:
+    """For any pool shape, a gather writes each block's bytes at its region's offset, and a
+    scatter of those pages into another pool makes the target blocks bit-equal to the
+    source blocks while every other block keeps its bytes."""
+    layout = full_attention("m", layers, heads, dim, tokens_per_page=tokens, dtype=dtype)
+    count = data.draw(st.integers(0, blocks))
+    ids = data.draw(st.permutations(range(blocks)))[:count]
+    targets = data.draw(st.permutations(range(blocks)))[:count]
+    gen = torch.Generator().manual_seed(blocks * 31 + count)
+    tdtype = getattr(torch, dtype)
+
+    def make() -> dict[tuple[int, Role], torch.Tensor]:
+        if not fused:
+            return _pool(layout, 0, blocks=blocks, seed=int(torch.randint(0, 1 << 30, (1,), generator=gen)))
+        pool = {}
+        for layer in range(layers):  # FlashInfer's [blocks, 2, P, heads, dim]: K, V side by side
+            raw = torch.randint(0, 256, (blocks, 2 * tokens * heads * dim * tdtype.itemsize),
+                                dtype=torch.uint8, generator=gen)
+            kv = raw.view(tdtype).view(blocks, 2, tokens, heads, dim)
+            pool[(layer, Role.KEY)], pool[(layer, Role.VALUE)] = kv[:, 0], kv[:, 1]
+        return pool
+
+    src, dst = make(), make()
+    src_before, dst_before = _clone(src), _clone(dst)
+    pages = torch.full((count, layout.group_page_bytes[0]), 0xEE, dtype=torch.uint8)
+    gather_pages(src, ids, layout, 0, pages)
+    for i, block in enumerate(ids):
+        assert torch.equal(pages[i], _expected_page(layout, 0, src, block))
+    scatter_pages(pages, dst, targets, layout, 0)
+    for key, t in dst.items():
+        assert _eq(src[key], src_before[key])
+        for src_block, dst_block in zip(ids, targets, strict=True):
+            assert _eq(t[dst_block], src[key][src_block])
+        untouched = [b for b in range(blocks) if b not in set(targets)]
+        assert not untouched or _eq(t[untouched], dst_before[key][untouched])
 
 
 def test_gather_pages_empty_ids_is_a_no_op() -> None:
@@ -264,6 +311,65 @@ def test_scatter_pages_duplicate_ids_raise_and_change_nothing() -> None:
         scatter_pages(out, pool, [3, 3], layout, 0)
     for key in pool:
         assert _eq(pool[key], before[key])
+
+
+@pytest.mark.parametrize("row_stride", [0, 768])
+def test_gather_pages_out_rows_that_overlap_raise_before_any_write(row_stride: int) -> None:
+    """An ``out`` whose rows share bytes (an expanded row, a stride under the page size) is
+    refused before anything is written: torch raised a bare RuntimeError for the first
+    and wrote one page over another for the second."""
+    layout, pool, _ = _setup()
+    page_bytes = layout.group_page_bytes[0]
+    assert row_stride < page_bytes
+    base = torch.full((3 * page_bytes,), 0xEE, dtype=torch.uint8)
+    out = base.as_strided((3, page_bytes), (row_stride, 1))
+    with pytest.raises(InvalidInput, match=r"out: rows overlap"):
+        gather_pages(pool, [0, 1, 2], layout, 0, out)
+    assert bool((base == 0xEE).all())
+
+
+def test_pages_sharing_memory_with_the_pool_raise_and_change_nothing() -> None:
+    """Pages that alias a pool tensor are refused before anything moves: a gather into
+    them overwrote pool blocks as it read them."""
+    layout, pool, _ = _setup()
+    page_bytes = layout.group_page_bytes[0]
+    before = _clone(pool)
+    key = pool[(0, Role.KEY)]
+    alias = key.view(torch.uint8).view(-1)[: 2 * page_bytes].view(2, page_bytes)
+    with pytest.raises(InvalidInput, match=r"out: shares memory with pool\[\(0, KEY\)\]"):
+        gather_pages(pool, [5, 6], layout, 0, alias)
+    with pytest.raises(InvalidInput, match=r"pages: shares memory with pool\[\(0, KEY\)\]"):
+        scatter_pages(alias, pool, [5, 6], layout, 0)
+    for k in pool:
+        assert _eq(pool[k], before[k])
+
+
+def test_block_ids_beyond_int64_or_complex_raise_invalid_input() -> None:
+    """torch raised a bare ValueError ("Overflow when unpacking long") for the first and
+    took the real part of the second."""
+    layout, pool, out = _setup()
+    with pytest.raises(InvalidInput, match="outside int64"):
+        gather_pages(pool, [0, 1 << 64], layout, 0, out)
+    with pytest.raises(InvalidInput, match="outside int64"):
+        scatter_pages(out, pool, [-(1 << 63) - 1, 0], layout, 0)
+    with pytest.raises(InvalidInput, match="integer tensor"):
+        gather_pages(pool, torch.tensor([0j, 1j]), layout, 0, out)
+
+
+def test_a_torch_failure_during_a_move_leaves_as_a_typed_error() -> None:
+    """A pool on the meta device passes every check (dtypes, shapes) but holds no bytes:
+    torch's NotImplementedError leaves as TierUnavailable with it as the cause, as do the
+    block ids of a meta tensor, and ``out`` keeps its bytes."""
+    layout, pool, out = _setup()
+    meta = {k: torch.empty_like(v, device="meta") for k, v in pool.items()}
+    out.fill_(0xEE)
+    with pytest.raises(TierUnavailable, match="gather_pages: 2 pages from meta into cpu") as info:
+        gather_pages(meta, [0, 1], layout, 0, out)
+    assert isinstance(info.value.__cause__, RuntimeError)
+    assert bool((out == 0xEE).all())
+    with pytest.raises(TierUnavailable, match="block_ids") as info:
+        gather_pages(pool, torch.empty(2, dtype=torch.long, device="meta"), layout, 0, out)
+    assert isinstance(info.value.__cause__, RuntimeError)
 
 
 def test_gather_pages_non_contiguous_block_raises() -> None:

@@ -62,8 +62,8 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 import torch
 
 from kvbank.errors import InvalidInput, PageSizeMismatch
+from kvbank.kernels.faults import TORCH_ERRORS, torch_fault
 from kvbank.layout import BufferRegion, GroupKind, PageLayout, Role
-from kvbank.tiers.device import TORCH_ERRORS, torch_fault
 
 logger = logging.getLogger(__name__)
 

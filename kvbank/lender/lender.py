@@ -667,7 +667,7 @@ class Lender:
         else:
             import torch
 
-            from kvbank.tiers.device import TORCH_ERRORS, torch_fault
+            from kvbank.kernels.faults import TORCH_ERRORS, torch_fault
 
             dev = self._store.device.view(slot)[: slot.size]
             try:
@@ -706,7 +706,7 @@ class Lender:
             else:
                 import torch
 
-                from kvbank.tiers.device import TORCH_ERRORS, torch_fault
+                from kvbank.kernels.faults import TORCH_ERRORS, torch_fault
 
                 try:
                     self._store.device.view(slot)[: slot.size].copy_(

@@ -30,25 +30,15 @@ import numpy as np
 import torch
 
 from kvbank.config import BankConfig
-from kvbank.errors import InvalidInput, TierFull, TierUnavailable
+from kvbank.errors import InvalidInput, TierUnavailable
+from kvbank.kernels.faults import TORCH_ERRORS, torch_fault
 from kvbank.tiers.base import DeviceSlot
 from kvbank.tiers.slots import AllocatorBacked, SlotAllocator
 
 logger = logging.getLogger(__name__)
 
-# The one table of what torch raises under a tier copy or allocation: RuntimeError covers
-# CUDA faults (torch.AcceleratorError, torch.cuda.CudaError), torch.OutOfMemoryError
-# (mapped to TierFull first) and NotImplementedError (a tensor with no storage). Every
-# torch call of the device tier catches exactly these and maps them to TierFull or
-# TierUnavailable, so only KvbankError leaves it.
-TORCH_ERRORS: tuple[type[Exception], ...] = (RuntimeError,)
-
-
-def torch_fault(what: str, exc: BaseException) -> TierFull | TierUnavailable:
-    """The typed error for a torch failure ``exc`` during ``what`` (``raise … from exc``)."""
-    if isinstance(exc, torch.OutOfMemoryError):
-        return TierFull(f"device tier: {what}: out of device memory: {exc}")
-    return TierUnavailable(f"device tier: {what}: {exc}")
+# TORCH_ERRORS / torch_fault: the one torch error table (kvbank.kernels.faults), kept
+# importable from here, where the device tier's callers have always found it.
 
 
 @dataclass(frozen=True, slots=True)

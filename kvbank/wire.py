@@ -256,6 +256,8 @@ def _dec(tp: Any, doc: object, path: str, nbytes: int | None = None) -> Any:
             raise TypeError(f"wire: unsupported tuple type {tp}")  # a bug here, not input
         if not isinstance(doc, list):
             _fail(path, f"expected a list, got {type(doc).__name__}")
+        if args[0] is int:  # page indices: every row of a fetch result, checked in C passes
+            return cols.read_ints(doc, path)
         return tuple(_dec(args[0], v, f"{path}[{i}]", nbytes) for i, v in enumerate(doc))
     if origin is frozenset:
         if not isinstance(doc, list):

@@ -180,12 +180,13 @@ class Node:
             # until built; the stream and the lease read rows by name.
             self.bank.reshard_rows(match)
         plan = self.ledger.plan(fetch_id)
-        position = {row: i for i, row in enumerate(plan)}
-        todo: tuple[PlannedRow, ...] = self.ledger.pending(fetch_id)
+        got = self.ledger.delivered(fetch_id)
+        # the rows not yet delivered, in plan order, with their plan positions
+        todo: list[tuple[int, PlannedRow]] = [(i, r) for i, r in enumerate(plan) if r.name not in got]
         if max_rows is not None:
             todo = todo[:max_rows]
         sizes = layout.group_page_bytes
-        rows = [StreamRow(position[r], r.group, r.out_index, sizes[r.group]) for r in todo]
+        rows = [StreamRow(i, r.group, r.out_index, sizes[r.group]) for i, r in todo]
         stream = secrets.token_hex(8)
         with self._lock:
             state = self._fetches.get(fetch_id)
@@ -198,7 +199,7 @@ class Node:
             state.streams[stream] = _Stream()
             while len(state.streams) > _STREAMS:
                 state.streams.popitem(last=False)
-        return OpenFetch(fetch_id, rows, [r.name for r in todo], stream)
+        return OpenFetch(fetch_id, rows, [r.name for _, r in todo], stream)
 
     def lend_fetch(self, match: Match, fetch_id: str | None,
                    max_rows: int | None) -> tuple[OpenFetch, Lease | None]:

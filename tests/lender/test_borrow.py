@@ -79,7 +79,7 @@ def _lease(name: str, rows: int, size: int, expires_at: float, mode: LeaseMode) 
     return Lease("L", MemoryKind.HOST, mode, Selection.NAMED, expires_at, 0.0, out)
 
 
-@pytest.mark.parametrize("rows", [1, 6])  # one lane, and a batch split over two (>= 8 MiB)
+@pytest.mark.parametrize("rows", [1, 6])  # one lane, and a batch split over two (>= 2 MiB)
 def test_borrow_copy_rows_moves_exactly_each_row(segment: tuple[str, np.ndarray], rows: int) -> None:
     name, data = segment
     size = 2 << 20

@@ -35,17 +35,6 @@ side (FlashInfer's ``[blocks, 2, P, heads, dim]``: K then V of a layer), the reg
 those buffers are neighbours in the page too, so they move as one row of twice the width
 (one indexed copy instead of two strided ones).
 
-Why a CPU gather is one ``index_select`` per span: on word views it copies each row with
-one ``memcpy`` and splits the rows over torch's own intra-op threads. Splitting the rows
-over threads of ours as well started one OpenMP team per thread of ours (4 threads on 2
-cores): 0.71x memcpy for the split pool, 0.84-0.87x for the fused one (medians of 12
-bench runs, twice), against 0.77-0.82x and 0.91x with one call per span in the same runs.
-Small calls that stay on threads of ours (at most 512 KiB each, so torch starts no
-threads) ran 0.71-0.79x and 0.84-0.85x: one call costs a few microseconds. While other
-processes keep both cores busy, a fork and join of torch's threads can wait a scheduler
-slice (8 ms seen), so the split pool's four calls then fall to about 0.4x for a run
-while small calls on threads of ours stay near 0.6x; the medians above include such runs.
-
 Why a CPU scatter is a numpy fancy assignment: ``dst[ids] = src`` on word views copies
 each row with one contiguous memcpy (15 GB/s measured, near a plain copy), while torch's
 ``index_copy_`` runs 5-13 GB/s on the same words and worse when its intra-op threads
@@ -70,9 +59,9 @@ logger = logging.getLogger(__name__)
 Pool = Mapping[tuple[int, Role], torch.Tensor]  # (layer, role) -> the pool tensor
 Span = tuple[int, int, torch.Tensor]  # (page offset, bytes, pool rows as uint8 [blocks, bytes])
 STAGING_BYTES = 64 << 20
-# A CPU scatter of at least this many bytes is split by rows over
-# ``torch.get_num_threads()`` threads (the caller's included): a numpy fancy assignment
-# copies on the calling thread only.
+# A CPU gather or scatter of at least this many bytes is split by rows over
+# ``torch.get_num_threads()`` threads (the caller's included): one indexed copy per core
+# reaches the memory bandwidth a 2-thread memcpy does, one alone about half of it.
 PARALLEL_BYTES = 8 << 20
 _WORDS = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8))
 _INT64 = range(-(1 << 63), 1 << 63)
@@ -384,9 +373,16 @@ def _gather_rows(
     out: torch.Tensor,
     gaps: list[tuple[int, int]],
 ) -> None:
-    for off, nbytes, rows in _spans(resolved):
-        src, dst = _word_views(rows, out[:, off : off + nbytes])
-        torch.index_select(src, 0, ids, out=dst)  # on CPU, over torch's intra-op threads
+    views = [_word_views(rows, out[:, off : off + nbytes]) for off, nbytes, rows in _spans(resolved)]
+    if ids.device.type != "cpu" or out.device.type != "cpu":
+        for src, dst in views:
+            torch.index_select(src, 0, ids, out=dst)
+    else:
+        def part(rows: slice) -> None:
+            for src, dst in views:
+                torch.index_select(src, 0, ids[rows], out=dst[rows])
+
+        _cpu_parts(part, ids.numel(), ids.numel() * out.shape[1])
     for start, end in gaps:
         out[:, start:end].zero_()
 

@@ -164,8 +164,8 @@ def test_neighbour_regions_fuse_only_when_the_pool_holds_them_side_by_side() -> 
 @pytest.mark.parametrize("name", ["gqa-bf16", "odd-int8"])
 def test_cpu_moves_split_over_threads_match_one_thread(name: str,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    """A scatter split by rows over several threads moves exactly what one thread does
-    (every page right, untouched blocks unchanged), as does a gather of the same size."""
+    """A gather or scatter split by rows over several threads moves exactly what one
+    thread does: every page right, untouched blocks unchanged."""
     from kvbank.kernels import pages as kernel
 
     layout, group = LAYOUTS[name]

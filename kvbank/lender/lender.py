@@ -573,21 +573,16 @@ class Lender:
                     host.append((name, slot, dtype, parent))
                 else:
                     device.append((name, slot, dtype, parent))
-            # One batch per memory kind: published in order; on a refusal the rows before
+            # One batch per memory kind, published in order: on a refusal the rows before
             # it are the store's, the rest go back below with every unpublished slot.
-            for kind, batch in ((MemoryKind.HOST, host), (MemoryKind.DEVICE, device)):
-                if not batch:
-                    continue
-                published: list[bytes] = []
-                try:
-                    if kind is MemoryKind.HOST:
-                        self._store.host.commit_many(host, published)
-                    else:
-                        self._store.device.commit_many(device, published)
-                finally:
-                    for name in published:
-                        del held.slots[name]  # published: the store owns it now
-                    committed.extend(published)
+            try:
+                if host:
+                    self._store.host.commit_many(host, committed)
+                if device:
+                    self._store.device.commit_many(device, committed)
+            finally:
+                for name in committed:
+                    del held.slots[name]  # published: the store owns it now
         finally:
             # Every slot not published goes back, whatever happened above.
             self._release_store(lease_id, False, LeaseMode.WRITE, held.slots)

@@ -37,7 +37,7 @@ import socket
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
@@ -117,7 +117,10 @@ def _raise_for(status: int, body: bytes) -> None:
     raise exc
 
 
-def _slots(doc: dict[str, Any], bufs: Sequence[memoryview]) -> list[tuple[int, tuple[str, int, int, memoryview]]]:
+Slot = tuple[str, int, int, memoryview]  # (segment, offset, size, buffer): one copy of a leased row
+
+
+def _slots(doc: dict[str, Any], bufs: Sequence[memoryview]) -> list[tuple[int, Slot]]:
     """A lease's slots form (``kvbank.service.node.slots_doc``) → ``(i, (segment, offset,
     size, bufs[i]))`` for each slot; an answer of another shape is the node's fault."""
     try:
@@ -130,13 +133,12 @@ def _slots(doc: dict[str, Any], bufs: Sequence[memoryview]) -> list[tuple[int, t
         raise TierUnavailable(f"node: a lease answer of an unexpected shape: {exc!r}") from exc
 
 
-def _runs(slots: list[tuple[int, tuple[str, int, int, memoryview]]], rows: Sequence[Sequence[int]],
-          out: OutBuffers) -> list[tuple[str, int, int, memoryview]]:
+def _runs(slots: list[tuple[int, Slot]], rows: Sequence[Sequence[int]], out: OutBuffers) -> list[Slot]:
     """The copies of a same-host fetch, rows merged into one copy where they lie back to
     back both in the node's segment and in one destination tensor (rows ``k, k+1, ...``
     of ``out[g]``): a lease's slots are usually handed out in order, and a copy per 32 KiB
     row costs more in per-row work than in bytes."""
-    jobs: list[tuple[str, int, int, memoryview]] = []
+    jobs: list[Slot] = []
     # the open run: its group, destination rows, first row, segment, offset, row size, rows
     run: tuple[int, np.ndarray, int, str, int, int] | None = None
     count = 0
@@ -348,7 +350,8 @@ class Client:
             doc = self._call("POST", "/v1/put/lease", content=head)
             names = [bytes.fromhex(n) for n in doc["names"]]
             if doc["lease"] is not None:
-                self._fill(doc["lease"], names, views)
+                filled = self._copy_leased(doc["lease"], views, into_slots=True)
+                self.commit(doc["lease"]["id"], [names[i] for i in filled])
                 return names
             if not doc["fallback"]:
                 return names  # every row was stored already
@@ -364,20 +367,24 @@ class Client:
             _raise_for(status, body)
         return [bytes.fromhex(n) for n in json.loads(body)["names"]]
 
-    def _fill(self, doc: dict[str, Any], names: list[bytes], views: list[memoryview]) -> None:
-        """Fill a WRITE lease's reserved slots (its slots form, ``slots_doc``) from the
-        page buffers and commit them; the lease is released if anything fails first."""
-        deadline = time.monotonic() + float(doc["ttl_s"])
-        lease_id = doc["id"]
+    def _copy_leased(self, lease: dict[str, Any], bufs: Sequence[memoryview], *, into_slots: bool,
+                     jobs: Callable[[list[tuple[int, Slot]]], list[Slot]] | None = None) -> list[int]:
+        """Copy between ``bufs`` and a HOST lease in slots form (``slots_doc``): into its
+        slots (a WRITE lease) or out of them, ``jobs`` merging the copies where it can;
+        the entries copied. The lease is released
+        if anything fails first, or if its deadline passed by the end of the copies (the
+        node checks again when it is committed or acknowledged)."""
+        deadline = time.monotonic() + float(lease["ttl_s"])
         try:
-            slots = _slots(doc, views)
-            self._borrower(writable=True).copy_slots([s for _, s in slots], into_slots=True)
+            slots = _slots(lease, bufs)
+            copies = [job for _, job in slots] if jobs is None else jobs(slots)
+            self._borrower(writable=into_slots).copy_slots(copies, into_slots=into_slots)
             if time.monotonic() >= deadline:
-                raise LeaseExpired(f"lease_id: lease {lease_id} expired before its slots were filled")
+                raise LeaseExpired(f"lease_id: lease {lease['id']} expired during the copies")
         except BaseException:
-            self.release(lease_id)
+            self.release(lease["id"])
             raise
-        self.commit(lease_id, [names[i] for i, _ in slots])
+        return [i for i, _ in slots]
 
     def put(self, layout_id: bytes, tokens: TokenIds | None = None, *, group: int, pages: Pages,
             scope: Scope = DEFAULT_SCOPE, keys: Sequence[bytes] | None = None, first_page: int = 0,
@@ -500,19 +507,15 @@ class Client:
         lease = doc["lease"]
         if lease is None:
             return self._ack(fid, [], None)
-        deadline = time.monotonic() + float(lease["ttl_s"])
+        rows = doc["rows"]
         try:
-            rows = doc["rows"]
             bufs = [views[g][slot][:size] for _, g, slot, size in rows]
-            slots = _slots(lease, bufs)
-            self._borrower(writable=False).copy_slots(_runs(slots, rows, out), into_slots=False)
-            if time.monotonic() >= deadline:  # the node checks again at the acknowledgement
-                raise LeaseExpired(f"lease_id: lease {lease['id']} expired during the copies")
-        except BaseException:
+        except (KeyError, IndexError, TypeError, ValueError) as exc:
             self.release(lease["id"])
-            raise
+            raise TierUnavailable(f"node: a fetch answer of an unexpected shape: {exc!r}") from exc
+        got = self._copy_leased(lease, bufs, into_slots=False, jobs=lambda ss: _runs(ss, rows, out))
         # the node counts these rows only if the lease outlived the copies
-        return self._ack(fid, [rows[i][0] for i, _ in slots], lease["id"])
+        return self._ack(fid, [rows[i][0] for i in got], lease["id"])
 
     # ---- leases ----------------------------------------------------------------------
 

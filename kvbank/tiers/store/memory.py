@@ -91,6 +91,16 @@ class MemoryOps(Generic[SlotT], abc.ABC):
     def _source(self, off: int, size: int) -> memoryview:
         """Implemented per memory kind."""
 
+    def _claim_locked(self, name: bytes, slot: SlotT, dtype: str) -> tuple[int, str, int, int]:
+        """Take a reserved slot out of its reservation to publish it as ``name``: its
+        offset, holder, size and dtype code. A refusal here keeps the reservation."""
+        st = self._st
+        off, holder = self._reserved(slot)
+        code = st.dtype_code(dtype)
+        st.check_writable(name, slot.size, holder)
+        del st.res.reserved[(self.bit, off)]
+        return off, holder, slot.size, code
+
     def commit(self, name: bytes, slot: SlotT, *, dtype: str = "uint8",
                parent: bytes | None = None) -> None:
         check_name(name)
@@ -100,11 +110,7 @@ class MemoryOps(Generic[SlotT], abc.ABC):
         st.pool(bit, "commit")
         with st.lock:
             st.check_open()
-            off, holder = self._reserved(slot)
-            size = slot.size
-            code = st.dtype_code(dtype)
-            st.check_writable(name, size, holder)  # failing here keeps the reservation
-            del st.res.reserved[(bit, off)]
+            off, holder, size, code = self._claim_locked(name, slot, dtype)
             st.res.hold(bit, off)
         src = self._source(off, size)
         try:
@@ -137,11 +143,7 @@ class MemoryOps(Generic[SlotT], abc.ABC):
         with st.lock:
             st.check_open()
             for name, slot, dtype, parent in rows:
-                off, holder = self._reserved(slot)
-                size = slot.size
-                code = st.dtype_code(dtype)
-                st.check_writable(name, size, holder)  # failing here keeps the reservation
-                del st.res.reserved[(bit, off)]
+                off, holder, size, code = self._claim_locked(name, slot, dtype)
                 # a refusal in there puts the reservation back (reserve=...)
                 commit_locked(st, name, size, code, parent, bit, off, holder, on_disk=False,
                               reserve=(holder, size))

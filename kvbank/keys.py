@@ -27,10 +27,8 @@ Nothing here depends on ``PYTHONHASHSEED``, the process or the host; golden vect
 
 from __future__ import annotations
 
-import array
 import hashlib
 import struct
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from operator import itemgetter
@@ -52,7 +50,6 @@ _ENGINE_TAG = b"kvbank/engine-key\x00"
 _SCOPE_TAG = b"kvbank/scope\x00"
 _NAMESPACE_TAG = b"kvbank/namespace\x00"
 _INT32_MAX = 2**31 - 1
-_NATIVE_I4 = array.array("i").itemsize == 4 and sys.byteorder == "little"
 
 TokenIds = Sequence[int] | npt.NDArray[np.integer]  # a prompt's token ids, 1-D
 
@@ -98,18 +95,19 @@ def _scope_digest(scope: Scope | bytes) -> bytes:
 
 def tokens_to_bytes(tokens: TokenIds) -> bytes:
     """Token ids as little-endian int32 bytes, refusing ids outside ``[0, 2**31)``."""
-    if isinstance(tokens, (list, tuple)) and _NATIVE_I4:
-        # array('i') converts a list 25% faster than numpy and refuses floats and ids
-        # beyond int32 itself; only negatives are left to check.
+    if isinstance(tokens, (list, tuple)):
+        # struct packs a list of ints about twice as fast as array('i') or numpy (16,000
+        # ids: 0.2 ms) and refuses floats and ids beyond int32 itself; only negatives
+        # (and bools) are left to check.
         try:
-            packed = array.array("i", tokens)
-        except (TypeError, OverflowError) as exc:
+            packed = struct.pack(f"<{len(tokens)}i", *tokens)
+        except struct.error as exc:
             raise InvalidTokens(f"tokens: every id must be an int in [0, {_INT32_MAX}]: {exc}") from None
         ids = np.frombuffer(packed, dtype="<i4")
         if packed and int(ids.min()) < 0:
-            raise InvalidTokens(f"tokens: negative id {min(packed)}; ids must be in [0, {_INT32_MAX}]")
+            raise InvalidTokens(f"tokens: negative id {int(ids.min())}; ids must be in [0, {_INT32_MAX}]")
         _refuse_bools(tokens, ids)
-        return packed.tobytes()
+        return packed
     try:
         arr = np.asarray(tokens)
     except (TypeError, ValueError) as exc:  # ragged nesting; a tensor numpy cannot read (GPU)
@@ -133,7 +131,7 @@ def tokens_to_bytes(tokens: TokenIds) -> bytes:
 
 
 def _refuse_bools(tokens: list[int] | tuple[int, ...], ids: np.ndarray) -> None:
-    """array('i') and numpy both take True/False as 1/0: a bug upstream, not an id. Only
+    """struct and numpy both take True/False as 1/0: a bug upstream, not an id. Only
     the positions holding 0 or 1 can be bools, so only those are looked at."""
     if ids.size and int(ids.min()) <= 1:
         for i in np.flatnonzero(ids <= 1).tolist():
@@ -313,7 +311,8 @@ def row_names(
     tail = bytes(RowName(ns, b"\0" * PAGE_KEY_BYTES, group, shard_count, shard_index))[
         NAMESPACE_BYTES + PAGE_KEY_BYTES :
     ]
-    for k in keys:
-        if not isinstance(k, bytes) or len(k) != PAGE_KEY_BYTES:
-            raise InvalidInput(f"page key: expected {PAGE_KEY_BYTES} bytes, got {k!r}")
+    if not (set(map(type, keys)) <= {bytes} and set(map(len, keys)) <= {PAGE_KEY_BYTES}):  # C passes
+        for k in keys:
+            if not isinstance(k, bytes) or len(k) != PAGE_KEY_BYTES:
+                raise InvalidInput(f"page key: expected {PAGE_KEY_BYTES} bytes, got {k!r}")
     return [ns + k + tail for k in keys]

@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from kvbank.errors import InvalidInput
 from kvbank.keys import Scope, TokenIds, engine_keys, namespace, page_keys, row_names
 from kvbank.layout import PageLayout
-from kvbank.lender.resume import Obstacle, resume_and_boundaries, resume_bound
+from kvbank.lender.resume import Columns, Obstacle, resume_and_boundaries, resume_bound
 from kvbank.results import Match, Presence
 from kvbank.tiers.base import TierKind
 
@@ -56,12 +56,21 @@ def prompt_length(layout: PageLayout, tokens: TokenIds | None, chain: list[bytes
 def tiers_of(layout: PageLayout, names: Sequence[Sequence[bytes]], locate: Locate) -> Tiers:
     """Where each row is, group by group, in one lookup (groups of 0-byte pages: None)."""
     n_groups = len(layout.groups)
-    flat = [n for i, g in enumerate(names) if layout.group_page_bytes[i % n_groups] for n in g]
-    where = iter(locate(flat) if flat else [])
-    return tuple(
-        tuple(next(where) for _ in g) if layout.group_page_bytes[i % n_groups] else tuple(None for _ in g)
-        for i, g in enumerate(names)
-    )
+    carried = [bool(layout.group_page_bytes[i % n_groups]) for i in range(len(names))]
+    flat: list[bytes] = []
+    for g, c in zip(names, carried, strict=True):
+        if c:
+            flat.extend(g)
+    where = locate(flat) if flat else []
+    out: list[tuple[TierKind | None, ...]] = []
+    at = 0
+    for g, c in zip(names, carried, strict=True):
+        if c:
+            out.append(tuple(where[at : at + len(g)]))
+            at += len(g)
+        else:
+            out.append((None,) * len(g))
+    return tuple(out)
 
 
 # Reasons that mean "a row needed for the first boundary is not here" (not LAST_TOKEN,
@@ -70,8 +79,8 @@ _BLOCKED = frozenset({Obstacle.MISSING_PAGE, Obstacle.WINDOW_EVICTED, Obstacle.S
                       Obstacle.NO_SNAPSHOT})
 
 
-def _have(tiers: Tiers) -> Callable[[int, int], bool]:
-    return lambda g, j: tiers[g][j] is not None
+def _have(tiers: Tiers) -> Columns:
+    return Columns(tiers)
 
 
 def build_match(layout: PageLayout, scope: Scope, prompt_tokens: int, chain: list[bytes],

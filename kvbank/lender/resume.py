@@ -38,6 +38,27 @@ from kvbank.layout import GroupKind, PageLayout
 Presence = Callable[[int, int], bool]  # (group index, key index) -> the row is available
 
 
+class Columns:
+    """A :data:`Presence` read from per-group columns: ``columns[g][j]`` is not None when
+    the row is available (a match's tiers). The bound reads whole columns at once instead
+    of calling it once per page."""
+
+    __slots__ = ("columns",)
+
+    def __init__(self, columns: Sequence[Sequence[object]]) -> None:
+        self.columns = columns
+
+    def __call__(self, group: int, key: int) -> bool:
+        return self.columns[group][key] is not None
+
+    def column(self, group: int, n: int) -> list[bool]:
+        """Availability of key indices ``[0, n)`` of ``group``."""
+        col = self.columns[group]
+        if len(col) < n:
+            raise InvalidInput(f"present[{group}]: {len(col)} pages known, {n} keyed")
+        return [t is not None for t in col[:n]]
+
+
 class Obstacle(enum.Enum):
     """Why the next boundary above ``r`` is not usable."""
 
@@ -116,16 +137,19 @@ class _Availability:
                     raise InvalidInput(f"names[{gi}]: {len(gn)} names for {keyed} keyed pages")
         self.active = [gi for gi in range(n_groups) if layout.group_page_bytes[gi] > 0]
         # have[g][j] for keyed pages; prefix[g][k] = number available among j < k
-        self.have = {gi: [bool(present(gi, j)) for j in range(keyed)] for gi in self.active}
-        self.prefix = {gi: [0, *accumulate(int(x) for x in self.have[gi])] for gi in self.active}
+        if isinstance(present, Columns):
+            self.have = {gi: present.column(gi, keyed) for gi in self.active}
+        else:
+            self.have = {gi: [bool(present(gi, j)) for j in range(keyed)] for gi in self.active}
+        # prefix[g][k] = number available among j < k: only sliding-window groups ask
+        self.prefix = {gi: [0, *accumulate(map(int, self.have[gi]))] for gi in self.active
+                       if layout.groups[gi].window is not None}
         self.runs: dict[int, int] = {}  # full-attention group -> pages held contiguously from 0
         for gi in self.active:
             g = layout.groups[gi]
             if g.kind is GroupKind.ATTENTION and g.window is None:
-                run = 0
-                while run < keyed and self.have[gi][run]:
-                    run += 1
-                self.runs[gi] = run
+                have = self.have[gi]
+                self.runs[gi] = have.index(False) if False in have else keyed
         self.matched_pages = min(self.runs.values(), default=keyed)
         # The largest boundary that leaves a prompt token to compute logits from.
         self.best_candidate = ((t - 1) // p) * p if t > 0 else 0
@@ -186,7 +210,9 @@ class _Availability:
         if names is None:
             rows = tuple(() for _ in range(n_groups))
         else:
-            rows = tuple(tuple(names[gi][j] for j in pages[gi]) for gi in range(n_groups))
+            # pages [0, n) (a full-attention group's) are a slice of the names
+            rows = tuple(tuple(names[gi][: len(p)]) if p and p[-1] == len(p) - 1
+                         else tuple(names[gi][j] for j in p) for gi, p in enumerate(pages))
         return ResumeBound(
             tokens=r, prompt_tokens=self.t, tokens_per_page=self.p, keyed_pages=self.keyed,
             matched_tokens=self.matched_pages * self.p, pages=pages, rows=rows, reason=reason,

@@ -104,6 +104,15 @@ def check_name(name: object) -> bytes:
     return name
 
 
+def check_names(names: Sequence[object]) -> None:
+    """Raise InvalidRowName for the first of ``names`` that is not a raw row name. Two C
+    passes when all are well (what a lookup of a whole prompt's rows pays)."""
+    if set(map(type, names)) <= {bytes} and set(map(len, names)) <= {ROW_NAME_BYTES}:  # type: ignore[arg-type]
+        return
+    for name in names:
+        check_name(name)
+
+
 def as_bytes_view(data: object, field: str = "data") -> memoryview:
     """A flat unsigned-byte view of ``data`` (bytes, bytearray or a contiguous memoryview)."""
     if not isinstance(data, (bytes, bytearray, memoryview)):

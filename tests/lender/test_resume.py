@@ -9,7 +9,14 @@ from hypothesis import strategies as st
 from kvbank.builders import full_attention, hybrid_mamba, mla, sliding_window
 from kvbank.errors import InvalidInput
 from kvbank.layout import BufferSpec, GroupKind, LayerGroup, PageLayout, QuantMode, Role
-from kvbank.lender.resume import Obstacle, required_pages, resume_bound, resume_boundaries
+from kvbank.lender.resume import (
+    Columns,
+    Obstacle,
+    required_pages,
+    resume_and_boundaries,
+    resume_bound,
+    resume_boundaries,
+)
 
 P = 4
 FA = full_attention("m@1", 2, 4, 8, tokens_per_page=P)
@@ -208,3 +215,28 @@ def test_resume_bound_at_refuses_an_unusable_boundary() -> None:
     for bad in (8, 6, -4, 20, True, "4"):
         with pytest.raises(InvalidInput, match="at:"):
             resume_bound(FA, 20, have, at=bad)  # type: ignore[arg-type]
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    li=st.integers(0, len(LAYOUTS) - 1),
+    t=st.integers(0, 60),
+    holes=st.sets(st.tuples(st.integers(0, 2), st.integers(0, 15)), max_size=12),
+)
+def test_columns_answer_as_the_presence_callable_does(li: int, t: int, holes: set[tuple[int, int]]) -> None:
+    """A match hands the bound its tiers as columns (read whole, not a call per page):
+    every bound, boundary list and named row is the one the callable form gives."""
+    layout = LAYOUTS[li]
+    n = t // P
+    cols = [tuple(None if (g, j) in holes else "here" for j in range(n)) for g in range(len(layout.groups))]
+    names = [tuple(bytes([g, j]) for j in range(n)) for g in range(len(layout.groups))]
+    have = lambda g, j: (g, j) not in holes  # noqa: E731
+    assert resume_bound(layout, t, Columns(cols), names) == resume_bound(layout, t, have, names)
+    assert resume_boundaries(layout, t, Columns(cols)) == resume_boundaries(layout, t, have)
+    assert resume_and_boundaries(layout, t, Columns(cols), names) == (
+        resume_bound(layout, t, have, names), resume_boundaries(layout, t, have))
+
+
+def test_columns_shorter_than_the_keyed_pages_are_refused() -> None:
+    with pytest.raises(InvalidInput, match="2 pages known, 5 keyed"):
+        resume_bound(FA, 21, Columns([("x", "x")]))

@@ -68,6 +68,11 @@ def test_store_bad_input_is_typed_and_stores_nothing(make_store: MakeStore) -> N
     with pytest.raises(InvalidInput):
         s.get_into(name_of(1), bytearray(10))
     assert stored(s, [name_of(2)]) == [False]
+    # a lookup of many names checks them all before it answers any
+    for bad in ([name_of(1), b"short"], [name_of(1), bytearray(name_of(2))], [name_of(1), 7]):
+        with pytest.raises(InvalidRowName):
+            s.locate(bad)  # type: ignore[arg-type]
+    assert s.locate([name_of(2), name_of(1)]) == [None, TierKind.HOST]
     assert s.stats().rows == 1
 
 

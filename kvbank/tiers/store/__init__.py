@@ -58,12 +58,13 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
+from itertools import repeat
 
 import numpy as np
 
 from kvbank.config import BankConfig
 from kvbank.errors import ConfigError, InvalidInput, RowLocked, TierUnavailable
-from kvbank.tiers.base import Buffer, FrameStore, TierKind, as_bytes_view, check_name
+from kvbank.tiers.base import Buffer, FrameStore, TierKind, as_bytes_view, check_name, check_names
 from kvbank.tiers.device import DevicePool, device_budget
 from kvbank.tiers.host import HostSlab
 from kvbank.tiers.index import DEV, DISK, HOST, KIND_OF_BIT
@@ -90,6 +91,8 @@ from kvbank.tiers.store.types import (
 )
 
 logger = logging.getLogger("kvbank.tiers.store")
+# locate's tier codes: 0 = absent, then the fastest tier holding the row
+_TIER_OF_CODE: tuple[TierKind | None, ...] = (None, TierKind.DEVICE, TierKind.HOST, TierKind.DISK)
 
 DEFAULT_CLOSE_DEADLINE_S = 30.0  # how long close() may spend writing dirty rows to disk
 
@@ -244,20 +247,16 @@ class TieredStore:
 
     def locate(self, names: Sequence[bytes]) -> list[TierKind | None]:
         """The fastest tier holding each row (``None`` = absent). Touches nothing."""
+        check_names(names)
         st = self._st
         with st.lock:
             st.check_open()
-            ids, where = st.ix.ids, st.ix.where
-            out: list[TierKind | None] = []
-            for name in names:
-                rid = ids.get(check_name(name))
-                if rid is None:
-                    out.append(None)
-                    continue
-                w = int(where[rid])
-                out.append(TierKind.DEVICE if w & DEV else TierKind.HOST if w & HOST
-                           else TierKind.DISK)
-            return out
+            # One C pass over the names, one numpy pass over their tier bits: a match
+            # locates every page of a prompt (1,000 rows: 0.4 ms a row at a time).
+            rids = np.fromiter(map(st.ix.ids.get, names, repeat(-1)), np.int64, len(names))
+            bits = st.ix.where[rids]
+        code = np.where(rids < 0, 0, np.where(bits & DEV, 1, np.where(bits & HOST, 2, 3)))
+        return list(map(_TIER_OF_CODE.__getitem__, code.tolist()))
 
     def residency(self, names: Sequence[bytes]) -> list[frozenset[TierKind]]:
         """Every tier holding a copy of each row (empty = absent). Touches nothing."""

@@ -148,7 +148,7 @@ def _enc(value: object, now: float) -> Any:
         return doc
     if isinstance(value, (ResumeBound, Match)):
         return cols.bound_doc(value, _enc(value.reason, now)) if isinstance(value, ResumeBound) else \
-            cols.match_doc(value, _enc(value.scope, now), _enc(value.resume, now))
+            cols.match_doc(value, _enc(value.scope, now), _enc(value.resume.reason, now))
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return {f: _enc(getattr(value, f), now) for f in _init_fields(type(value))}
     raise InvalidInput(f"value: {type(value).__name__} has no wire form")

@@ -25,8 +25,12 @@ no state.
 from __future__ import annotations
 
 import base64
+import functools
+import struct
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn, TypeVar
+
+import numpy as np
 
 from kvbank.errors import InvalidInput
 from kvbank.keys import ROW_NAME_BYTES
@@ -71,7 +75,21 @@ def read_names(doc: object, path: str) -> tuple[bytes, ...]:
         _fail(path, "expected base64 of concatenated row names")
     if len(raw) % ROW_NAME_BYTES or base64.b64encode(raw) != doc.encode("ascii"):
         _fail(path, f"{len(raw)} bytes, not a whole number of {ROW_NAME_BYTES}-byte row names")
-    return tuple(raw[i : i + ROW_NAME_BYTES] for i in range(0, len(raw), ROW_NAME_BYTES))
+    return split(raw, ROW_NAME_BYTES)
+
+
+@functools.lru_cache(maxsize=64)
+def _splitter(size: int, n: int) -> struct.Struct:
+    return struct.Struct(f"{size}s" * n)
+
+
+def split(raw: bytes, size: int) -> tuple[bytes, ...]:
+    """``raw`` cut into ``size``-byte pieces (its length a multiple of ``size``): one C
+    call for the common counts (7x faster than slicing 1,000 names in a loop)."""
+    n = len(raw) // size
+    if n > 4096:
+        return tuple(raw[i : i + size] for i in range(0, len(raw), size))
+    return _splitter(size, n).unpack(raw)
 
 
 _NS, _KEY = 16, 32  # a row name: namespace + page key + tail (group, shard count, shard index)
@@ -84,18 +102,24 @@ def chain_names(names: Sequence[Sequence[bytes]]) -> dict[str, Any] | None:
     None when the names do not have that shape (the per-group blobs are written then)."""
     if not names or not names[0]:
         return None
-    first = names[0]
-    ns = first[0][:_NS]
-    keys = [n[_NS : _NS + _KEY] for n in first]
-    tails: list[str] = []
+    n = len(names[0])
+    # Each group as an [n, 54] byte array: its namespace and tail columns must be one
+    # value each and its key column the first group's (numpy passes, not a name at a time).
+    cols = []
     for g in names:
-        if len(g) != len(first):
+        if len(g) != n or set(map(type, g)) != {bytes} or set(map(len, g)) != {ROW_NAME_BYTES}:
             return None
-        tail = g[0][_NS + _KEY :]
-        if set(map(len, g)) != {ROW_NAME_BYTES} or [ns + k + tail for k in keys] != list(g):
+        cols.append(np.frombuffer(b"".join(g), np.uint8).reshape(n, ROW_NAME_BYTES))
+    first = cols[0]
+    ns, keys = first[0, :_NS], first[:, _NS : _NS + _KEY]
+    tails: list[str] = []
+    for c in cols:
+        tail = c[0, _NS + _KEY :]
+        if not ((c[:, :_NS] == ns).all() and (c[:, _NS + _KEY :] == tail).all()
+                and (c is first or (c[:, _NS : _NS + _KEY] == keys).all())):
             return None
-        tails.append(tail.hex())
-    return {"ns": ns.hex(), "keys": base64.b64encode(b"".join(keys)).decode("ascii"), "tails": tails}
+        tails.append(tail.tobytes().hex())
+    return {"ns": ns.tobytes().hex(), "keys": base64.b64encode(keys.tobytes()).decode("ascii"), "tails": tails}
 
 
 def read_chain_names(doc: object, path: str) -> tuple[tuple[bytes, ...], ...]:
@@ -119,8 +143,15 @@ def read_chain_names(doc: object, path: str) -> tuple[tuple[bytes, ...], ...]:
         _fail(f"{path}.keys", "expected base64 of concatenated 32-byte page keys")
     if not raw or len(raw) % _KEY or base64.b64encode(raw) != raw_doc.encode("ascii"):
         _fail(f"{path}.keys", f"{len(raw)} bytes, not a non-zero whole number of {_KEY}-byte page keys")
-    keys = [raw[i : i + _KEY] for i in range(0, len(raw), _KEY)]
-    return tuple(tuple([ns + k + t for k in keys]) for t in tail_bytes)
+    keys = np.frombuffer(raw, np.uint8).reshape(-1, _KEY)
+    built = np.empty((len(keys), ROW_NAME_BYTES), np.uint8)
+    built[:, :_NS] = np.frombuffer(ns, np.uint8)
+    built[:, _NS : _NS + _KEY] = keys
+    out = []
+    for t in tail_bytes:
+        built[:, _NS + _KEY :] = np.frombuffer(t, np.uint8)
+        out.append(split(built.tobytes(), ROW_NAME_BYTES))
+    return tuple(out)
 
 
 def _hexed(doc: object, path: str, nbytes: int) -> bytes:
@@ -139,7 +170,14 @@ def implied_rows(b: ResumeBound, names: Sequence[Sequence[bytes]]) -> bool:
     """Whether a bound's rows are exactly ``names[g][j]`` for its pages (then a Match's
     form leaves them out: the reader rebuilds them from the names)."""
     return len(b.rows) == len(b.pages) == len(names) and all(
-        tuple(r) == tuple(map(n.__getitem__, p)) for r, p, n in zip(b.rows, b.pages, names, strict=True))
+        tuple(r) == _picked(n, p) for r, p, n in zip(b.rows, b.pages, names, strict=True))
+
+
+def _picked(names: Sequence[bytes], pages: Sequence[int]) -> tuple[bytes, ...]:
+    """``names[j]`` for each of ``pages`` (ascending key indices); a slice for ``[0, n)``."""
+    if pages and pages[-1] == len(pages) - 1:
+        return tuple(names[: len(pages)])
+    return tuple(map(names.__getitem__, pages))
 
 
 def rows_from(pages: Sequence[Sequence[int]], names: Sequence[Sequence[bytes]],
@@ -151,7 +189,7 @@ def rows_from(pages: Sequence[Sequence[int]], names: Sequence[Sequence[bytes]],
     for g, (p, n) in enumerate(zip(pages, names, strict=True)):
         if p and (p[-1] >= len(n) or list(p) != sorted(set(p))):
             _fail(f"{path}.pages[{g}]", f"expected ascending key indices below {len(n)}")
-        out.append(tuple(map(n.__getitem__, p)))
+        out.append(_picked(n, p))
     return tuple(out)
 
 
@@ -220,24 +258,23 @@ def read_tiers(names_doc: object, doc: object, path: str,
 # ---- match and resume bound ---------------------------------------------------------------
 
 
-def bound_doc(b: ResumeBound, reason: Any) -> dict[str, Any]:
-    """A ResumeBound's form (``reason`` already encoded)."""
+def bound_doc(b: ResumeBound, reason: Any, rows: bool = True) -> dict[str, Any]:
+    """A ResumeBound's form (``reason`` already encoded; its rows ``null`` without ``rows``)."""
     return {"tokens": b.tokens, "prompt_tokens": b.prompt_tokens, "tokens_per_page": b.tokens_per_page,
             "keyed_pages": b.keyed_pages, "matched_tokens": b.matched_tokens,
-            "pages": [list(p) for p in b.pages], "rows": [names_blob(r) for r in b.rows],
+            "pages": [list(p) for p in b.pages], "rows": [names_blob(r) for r in b.rows] if rows else None,
             "reason": reason, "blocking_group": b.blocking_group}
 
 
-def match_doc(m: Match, scope: Any, resume: dict[str, Any]) -> dict[str, Any]:
-    """A Match's form (``scope`` and ``resume`` already encoded). Its names in chain form
-    where they have that shape, and its bound's rows left out (``null``) where they are
-    implied by its pages and names: together 3x smaller for a one-group match."""
+def match_doc(m: Match, scope: Any, reason: Any) -> dict[str, Any]:
+    """A Match's form (``scope`` and its bound's ``reason`` already encoded). Its names in
+    chain form where they have that shape, and its bound's rows left out (``null``) where
+    they are implied by its pages and names: together 3x smaller for a one-group match."""
     tier_names, tiers = tiers_column(m.tiers)
     names: Any = chain_names(m.names)
     if names is None:
         names = [names_blob(n) for n in m.names]
-    if implied_rows(m.resume, m.names):
-        resume = {**resume, "rows": None}
+    resume = bound_doc(m.resume, reason, rows=not implied_rows(m.resume, m.names))
     return {"layout_id": m.layout_id.hex(), "scope": scope, "prompt_tokens": m.prompt_tokens,
             "resume": resume, "names": names, "tier_names": tier_names,
             "tiers": tiers, "boundaries": list(m.boundaries), "via": [list(v) for v in m.via]}

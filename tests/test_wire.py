@@ -478,3 +478,12 @@ def test_wire_row_info_sets_cross_as_sorted_lists() -> None:
     with pytest.raises(InvalidInput) as e:
         wire.from_dict(EvictResult, {"evicted": ["00"], "locked": [], "missing": [], "pinned": []})
     assert e.value.field == "evict_result.evicted[0]"
+
+
+def test_split_cuts_any_count_of_names_exactly() -> None:
+    """Names are cut with one C call up to 4,096 of them, by slicing beyond: the same."""
+    from kvbank.wire_columns import split
+
+    for n in (0, 1, 3, 4096, 4097, 5000):
+        raw = bytes(i % 251 for i in range(n * 54))
+        assert split(raw, 54) == tuple(raw[i : i + 54] for i in range(0, len(raw), 54))

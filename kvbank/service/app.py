@@ -74,7 +74,7 @@ from kvbank.results import Match
 from kvbank.service.admin import install_admin
 from kvbank.service.auth import Forbidden, Unauthorized
 from kvbank.service.connections import RequestLimits
-from kvbank.service.framing import PutKind, encode_fetch_prefix, fetch_stream_bytes
+from kvbank.service.framing import PutKind, decode_match, encode_fetch_prefix, fetch_stream_bytes
 from kvbank.service.hot import NodeAPI
 from kvbank.service.node import Node, slots_doc
 from kvbank.service.stream import BodyTooLarge, RowStream, receive_put, receive_put_lease
@@ -265,10 +265,20 @@ def create_app(node: Node) -> FastAPI:
             doc["lease"] = slots_doc(lease, names, Delivery.RESERVED, bank.clock())
         return _json(doc)
 
-    @app.post("/v1/match", responses=_links(fetch=("fetch_v1_fetch_post", None,
-                                                   {"match": "$response.body", "via": "lease"})))
+    @app.post("/v1/match", openapi_extra=_match_binary_doc(), responses=_links(
+        fetch=("fetch_v1_fetch_post", None, {"match": "$response.body", "via": "lease"})))
     async def match(body: MatchBody, request: Request) -> Response:
         return await match_core(request, body)
+
+    async def match_binary(request: Request) -> Response:
+        # the binary form (decode_match); the JSON one is match_core
+        head, raw = decode_match(await request.body())
+        lid = head.layout_id
+        scope = guard.scope(request, lid, KeyScope(head.tenant, head.cache_salt, head.lora))
+        import numpy as np
+
+        return await matched(lid, dict(tokens=np.frombuffer(raw, dtype="<i4"), scope=scope, shard=head.shard,
+                                       keys=None, prompt_tokens=None))
 
     async def match_core(request: Request, body: MatchBody) -> Response:
         lid = _hex(body.layout_id, "layout_id", 32)
@@ -288,10 +298,12 @@ def create_app(node: Node) -> FastAPI:
             if len(raw) % 4:
                 raise InvalidInput(f"tokens_b64: {len(raw)} bytes, not whole int32 tokens")
             tokens = np.frombuffer(raw, dtype="<i4")
-        args = dict(tokens=tokens, scope=scope, shard=body.shard, keys=keys,
-                    prompt_tokens=body.prompt_tokens)
+        return await matched(lid, dict(tokens=tokens, scope=scope, shard=body.shard, keys=keys,
+                                       prompt_tokens=body.prompt_tokens))
+
+    async def matched(lid: bytes, args: dict[str, Any]) -> Response:
         m = await node.call(bank.match, lid, **args)
-        if any(t is None for ts in m.tiers for t in ts):
+        if any(None in ts for ts in m.tiers):
             recalled: int = await node.call(bank.recall_remote, m)
             if recalled:
                 m = await node.call(bank.match, lid, **args)  # now with the rows Redis still held
@@ -396,7 +408,8 @@ def create_app(node: Node) -> FastAPI:
         ("POST", "/v1/put_state", put_state, None),
         ("POST", "/v1/put/lease", put_lease, None),
     ):
-        app.hot.add(method, path, handler, model, _route(app, method, path))
+        app.hot.add(method, path, handler, model, _route(app, method, path),
+                    binary=match_binary if path == "/v1/match" else None)
     return app
 
 
@@ -428,6 +441,14 @@ def _lease_links(lease_id: str) -> dict[int | str, Any]:
                   commit=("commit_v1_leases__lease_id__commit_post", at, {"arrived": []}),
                   check=("check_v1_leases__lease_id__check_post", at),
                   release=("release_v1_leases__lease_id__delete", at))
+
+
+def _match_binary_doc() -> dict[str, Any]:
+    """The match body's binary form, beside its JSON schema (merged into the operation)."""
+    return {"requestBody": {"description": "a JSON body, or (application/octet-stream) a binary match "
+                                           "body: see docs/service.md",
+                            "content": {"application/octet-stream": {"schema": {"type": "string",
+                                                                                "format": "binary"}}}}}
 
 
 def _binary_doc(what: str) -> dict[str, Any]:

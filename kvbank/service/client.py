@@ -64,7 +64,7 @@ from kvbank.service.client_io import (
     send_put,
 )
 from kvbank.service.config import DEFAULT_BIND, DEFAULT_PORT
-from kvbank.service.framing import PutKind
+from kvbank.service.framing import PutKind, encode_match
 from kvbank.tiers.base import TierKind
 from kvbank.tiers.host import SHM_DIR
 from kvbank.tiers.store import StoreHealth
@@ -424,9 +424,14 @@ class Client:
             raise InvalidInput(f"scope: expected a Scope, got {type(scope).__name__}")
         if (tokens is None) == (keys is None):
             raise InvalidInput("tokens: give either tokens or keys (a page-key chain), not both or neither")
+        scope_doc = {"tenant": scope.tenant, "cache_salt": scope.cache_salt, "lora": scope.lora}
+        if tokens is not None and prompt_tokens is None:
+            # the binary form: the ids as they are, no base64 in JSON around them
+            doc = self._call("POST", "/v1/match", idempotent=True,
+                             content=encode_match(layout_id, scope_doc, shard, tokens_to_bytes(tokens)))
+            return self._matched(doc)
         body: dict[str, Any] = {
-            "layout_id": layout_id.hex(), "shard": shard, "prompt_tokens": prompt_tokens,
-            "scope": {"tenant": scope.tenant, "cache_salt": scope.cache_salt, "lora": scope.lora}}
+            "layout_id": layout_id.hex(), "shard": shard, "prompt_tokens": prompt_tokens, "scope": scope_doc}
         if keys is not None:
             if isinstance(keys, (bytes, str)) or not isinstance(keys, Sequence):
                 raise InvalidInput(f"keys: expected a sequence of page keys, got {type(keys).__name__}")
@@ -436,7 +441,9 @@ class Client:
             body["keys"] = [k.hex() for k in keys]
         elif tokens is not None:
             body["tokens_b64"] = base64.b64encode(tokens_to_bytes(tokens)).decode()
-        doc = self._call("POST", "/v1/match", body=body, idempotent=True)
+        return self._matched(self._call("POST", "/v1/match", body=body, idempotent=True))
+
+    def _matched(self, doc: Any) -> Match:
         m = wire.from_dict(Match, doc)
         with self._lock:  # a fetch of this very Match sends the node's document back as is
             self._matches[id(m)] = (m, doc)

@@ -12,6 +12,16 @@ The header says exactly how long the body is (:meth:`PutHeader.body_bytes`), so 
 refuses a wrong page size or a wrong length from the header alone, before it reads (or
 stores) a single page.
 
+A **match body** (``POST /v1/match`` with ``Content-Type: application/octet-stream``, what
+:class:`~kvbank.service.client.Client` sends for a prompt given by its tokens) is::
+
+    prefix   "KVBM" | version u8 | 3 zero bytes | header length u32
+    header   UTF-8 JSON: layout_id (hex), scope, shard, tokens (a count)
+    tokens   count × int32 little-endian
+
+It asks exactly what the JSON body ``{layout_id, scope, shard, tokens_b64}`` asks, without
+base64 in JSON around 4 bytes a token (16,000 tokens: 0.5 ms less between the two ends).
+
 A **fetch stream** (the answer to ``POST /v1/fetch``) is::
 
     prefix   "KVBF" | version u8 | 3 zero bytes | header length u32
@@ -43,6 +53,7 @@ from kvbank.errors import InvalidInput
 from kvbank.keys import PAGE_KEY_BYTES
 
 PUT_MAGIC = b"KVBP"
+MATCH_MAGIC = b"KVBM"
 FETCH_MAGIC = b"KVBF"
 VERSION = 1
 PREFIX = struct.Struct("<4sB3xI")  # magic, version, header length
@@ -154,6 +165,24 @@ def _json_object(data: bytes | bytearray | memoryview, what: str) -> dict[str, A
     return doc
 
 
+def _layout_id(doc: dict[str, Any]) -> bytes:
+    lid = doc.get("layout_id")
+    try:
+        layout_id = bytes.fromhex(lid) if isinstance(lid, str) else b""
+    except ValueError:
+        layout_id = b""
+    if len(layout_id) != LAYOUT_ID_BYTES:
+        raise InvalidInput(f"header.layout_id: expected {LAYOUT_ID_BYTES} bytes as hex, got {lid!r}")
+    return layout_id
+
+
+def _scope(doc: dict[str, Any]) -> dict[str, Any]:
+    scope = doc.get("scope") or {}
+    if not isinstance(scope, dict) or set(scope) - {"tenant", "cache_salt", "lora"}:
+        raise InvalidInput("header.scope: expected {tenant, cache_salt, lora} strings")
+    return scope
+
+
 def decode_put_header(data: bytes | bytearray | memoryview) -> PutHeader:
     """Validate a put body's JSON header (every field; unknown fields are refused)."""
     doc = _json_object(data, "header")
@@ -166,16 +195,8 @@ def decode_put_header(data: bytes | bytearray | memoryview) -> PutHeader:
         kind = PutKind(doc.get("kind"))
     except ValueError:
         raise InvalidInput(f"header.kind: expected 'pages' or 'state', got {doc.get('kind')!r}") from None
-    lid = doc.get("layout_id")
-    try:
-        layout_id = bytes.fromhex(lid) if isinstance(lid, str) else b""
-    except ValueError:
-        layout_id = b""
-    if len(layout_id) != LAYOUT_ID_BYTES:
-        raise InvalidInput(f"header.layout_id: expected {LAYOUT_ID_BYTES} bytes as hex, got {lid!r}")
-    scope = doc.get("scope") or {}
-    if not isinstance(scope, dict) or set(scope) - {"tenant", "cache_salt", "lora"}:
-        raise InvalidInput("header.scope: expected {tenant, cache_salt, lora} strings")
+    layout_id = _layout_id(doc)
+    scope = _scope(doc)
     tokens = _opt_int(doc, "tokens")
     keys = _opt_int(doc, "keys")
     if (tokens is None) == (keys is None):
@@ -193,6 +214,48 @@ def decode_put_header(data: bytes | bytearray | memoryview) -> PutHeader:
         _opt_int(doc, "shard"), _opt_int(doc, "at", lo=1),
         tokens, keys, pages, page_bytes,
     )
+
+
+@dataclass(frozen=True, slots=True)
+class MatchHeader:
+    """What a match body declares before its token ids."""
+
+    layout_id: bytes
+    tenant: str
+    cache_salt: str
+    lora: str
+    shard: int | None
+    tokens: int  # count of int32 tokens that follow
+
+
+def encode_match(layout_id: bytes, scope: dict[str, str], shard: int | None, tokens: bytes) -> bytes:
+    """A whole match body: prefix, header, ``tokens`` (int32 little-endian ids)."""
+    doc = {"layout_id": layout_id.hex(), "scope": scope, "shard": shard, "tokens": len(tokens) // TOKEN_BYTES}
+    text = json.dumps(doc, separators=(",", ":")).encode()
+    return b"".join((PREFIX.pack(MATCH_MAGIC, VERSION, len(text)), text, tokens))
+
+
+def decode_match(data: bytes) -> tuple[MatchHeader, bytes]:
+    """A match body's header and its token bytes, every field and the length checked."""
+    n = decode_prefix(data, MATCH_MAGIC)
+    if len(data) < PREFIX.size + n:
+        raise InvalidInput(f"body: {len(data)} bytes, shorter than its {n}-byte header says")
+    doc = _json_object(memoryview(data)[PREFIX.size : PREFIX.size + n], "header")
+    extra = sorted(set(doc) - {"layout_id", "scope", "shard", "tokens"})
+    if extra:
+        raise InvalidInput(f"header.{extra[0]}: not a match header field")
+    layout_id = _layout_id(doc)
+    scope = _scope(doc)
+    count = _int(doc, "tokens")
+    if count > MAX_COUNT:
+        raise InvalidInput(f"header.tokens: at most {MAX_COUNT}, got {count}")
+    tokens = data[PREFIX.size + n :]
+    if len(tokens) != count * TOKEN_BYTES:
+        raise InvalidInput(f"body: {len(tokens)} bytes of token ids, the header says {count} tokens "
+                           f"({count * TOKEN_BYTES} bytes)")
+    header = MatchHeader(layout_id, _str(scope, "tenant"), _str(scope, "cache_salt"), _str(scope, "lora"),
+                         _opt_int(doc, "shard"), count)
+    return header, tokens
 
 
 @dataclass(frozen=True, slots=True)

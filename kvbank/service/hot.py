@@ -13,8 +13,10 @@ own middlewares exactly as installed (``user_middleware``: limits, tenant bindin
 gate, counters — same classes, same settings, same shared state) around
 :class:`_HotHandler`, which validates the JSON body with the route's own pydantic model
 (``model_validate_json``, pydantic's compiled core) and awaits the same handler the
-FastAPI route awaits, so the two cannot answer differently. Every other request, and a
-hot route's request whose body is not JSON, takes the full application. The FastAPI
+FastAPI route awaits, so the two cannot answer differently. A hot route may also take a
+binary body (``binary``: ``POST /v1/match``'s, :func:`kvbank.service.framing.decode_match`),
+which only the lean chain reads. Every other request, and a body that is not JSON to a
+hot route without a binary form, takes the full application. The FastAPI
 routes stay registered: they describe the API in ``/openapi.json``.
 
 A handler's typed errors answer as everywhere on the node (``errors``); a body the model
@@ -47,6 +49,7 @@ class _Hot:
     model: type[BaseModel] | None  # the JSON body's model (None: no body)
     handler: Handler  # awaited as handler(request, body?, **params)
     route: object  # the FastAPI route of the same path (what counters label by)
+    binary: Handler | None = None  # awaited as binary(request, **params) for an octet-stream body
 
 
 class HotTable:
@@ -56,7 +59,7 @@ class HotTable:
         self._by_method: dict[str, list[_Hot]] = {}
 
     def add(self, method: str, template: str, handler: Handler, model: type[BaseModel] | None,
-            route: object) -> None:
+            route: object, *, binary: Handler | None = None) -> None:
         parts: list[str | None] = []
         params: list[str] = []
         for seg in template.split("/"):
@@ -65,7 +68,8 @@ class HotTable:
                 params.append(seg[1:-1])
             else:
                 parts.append(seg)
-        self._by_method.setdefault(method, []).append(_Hot(tuple(parts), tuple(params), model, handler, route))
+        self._by_method.setdefault(method, []).append(
+            _Hot(tuple(parts), tuple(params), model, handler, route, binary))
 
     def find(self, method: str, path: str) -> tuple[_Hot, dict[str, str]] | None:
         segs = path.split("/")
@@ -85,12 +89,13 @@ class HotTable:
         return None
 
 
-def _json_body(scope: Scope) -> bool:
-    """Whether the request says its body is JSON (or says nothing, as FastAPI allows)."""
+def _media_type(scope: Scope) -> bytes:
+    """The request's declared body type; ``application/json`` when it says none, as
+    FastAPI allows."""
     for k, v in scope["headers"]:
         if k == b"content-type":
-            return bool(v.split(b";", 1)[0].strip().lower() == b"application/json")
-    return True
+            return bytes(v.split(b";", 1)[0].strip().lower())
+    return b"application/json"
 
 
 class _HotHandler:
@@ -103,10 +108,14 @@ class _HotHandler:
         hot: _Hot = scope["kvbank.hot"]
         request = Request(scope, receive)
         try:
-            args: list[Any] = [request]
-            if hot.model is not None:
-                args.append(_validate(hot.model, await request.body()))
-            response = await hot.handler(*args, **scope["path_params"])
+            if scope["kvbank.binary"]:
+                assert hot.binary is not None  # only such routes are given a binary body
+                response = await hot.binary(request, **scope["path_params"])
+            else:
+                args: list[Any] = [request]
+                if hot.model is not None:
+                    args.append(_validate(hot.model, await request.body()))
+                response = await hot.handler(*args, **scope["path_params"])
         except KvbankError as exc:
             response = self.errors(exc)
         await response(scope, receive, send)
@@ -130,7 +139,9 @@ class NodeAPI(FastAPI):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         found = self.hot.find(scope["method"], scope["path"]) if scope["type"] == "http" else None
-        if found is None or (found[0].model is not None and not _json_body(scope)):
+        kind = _media_type(scope) if found is not None and found[0].model is not None else b"application/json"
+        binary = kind == b"application/octet-stream" and found is not None and found[0].binary is not None
+        if found is None or (kind != b"application/json" and not binary):
             await super().__call__(scope, receive, send)
             return
         if self._lean is None:
@@ -140,6 +151,7 @@ class NodeAPI(FastAPI):
         scope["route"] = hot.route  # as the router would: counters label by template
         scope["path_params"] = params
         scope["kvbank.hot"] = hot
+        scope["kvbank.binary"] = binary
         await self._lean(scope, receive, send)
 
 

@@ -1,4 +1,5 @@
-"""The binary put body and fetch stream forms: round trips, and hostile bytes fuzzed."""
+"""The binary put body, match body and fetch stream forms: round trips, and hostile bytes
+fuzzed."""
 
 from __future__ import annotations
 
@@ -9,21 +10,26 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvbank.errors import InvalidInput
+from kvbank.keys import tokens_to_bytes
 from kvbank.service.framing import (
     FETCH_MAGIC,
     FRAME,
+    MATCH_MAGIC,
     PREFIX,
     PUT_MAGIC,
     FrameKind,
+    MatchHeader,
     PutHeader,
     PutKind,
     StreamRow,
     decode_fetch_header,
     decode_frame,
+    decode_match,
     decode_prefix,
     decode_put_header,
     encode_fetch_prefix,
     encode_frame,
+    encode_match,
     encode_put_prefix,
     fetch_stream_bytes,
 )
@@ -130,3 +136,44 @@ def test_frames_and_prefixes_refuse_wrong_magic_and_sizes() -> None:
     with pytest.raises(InvalidInput, match=r"stream\.stream"):
         decode_fetch_header(b'{"fetch_id": "f", "rows": []}')
     assert decode_frame(encode_frame(FrameKind.END, 0, 5)) == (FrameKind.END, 0, 5)
+
+
+@given(st.lists(st.integers(0, 2**31 - 1), max_size=300), st.one_of(st.none(), st.integers(0, 7)),
+       st.text(max_size=8))
+def test_match_body_round_trips(tokens: list[int], shard: int | None, tenant: str) -> None:
+    raw = tokens_to_bytes(tokens)
+    scope = {"tenant": tenant, "cache_salt": "s", "lora": ""}
+    head, got = decode_match(encode_match(b"\x07" * 32, scope, shard, raw))
+    assert got == raw and head == MatchHeader(b"\x07" * 32, tenant, "s", "", shard, len(tokens))
+
+
+@given(st.binary(max_size=300))
+def test_decode_match_refuses_junk_with_invalid_input(data: bytes) -> None:
+    for body in (data, MATCH_MAGIC + data, encode_match(b"\1" * 32, {}, None, b"")[:12] + data):
+        try:
+            head, tokens = decode_match(body)
+        except InvalidInput:
+            continue
+        assert len(tokens) == 4 * head.tokens and len(head.layout_id) == 32
+
+
+def test_decode_match_names_what_is_wrong() -> None:
+    good = encode_match(b"\1" * 32, {}, None, tokens_to_bytes([5, 6, 7]))
+    for body, field in (
+        (good[:-1], "3 tokens"),  # a token short of what the header says
+        (good + b"\0\0\0\0", "3 tokens"),  # one too many
+        (PREFIX.pack(PUT_MAGIC, 1, 2) + b"{}", "magic"),
+        (PREFIX.pack(MATCH_MAGIC, 1, 40) + b"{}", "shorter than its 40-byte header"),
+        (_match_with({"layout_id": "ab", "tokens": 0}), "layout_id"),
+        (_match_with({"layout_id": "01" * 32, "tokens": 0, "keys": 3}), r"header\.keys: not a match header"),
+        (_match_with({"layout_id": "01" * 32, "tokens": -1}), r"header\.tokens"),
+        (_match_with({"layout_id": "01" * 32, "tokens": 0, "scope": {"x": ""}}), r"header\.scope"),
+        (_match_with({"layout_id": "01" * 32, "tokens": 0, "shard": "one"}), r"header\.shard"),
+    ):
+        with pytest.raises(InvalidInput, match=field):
+            decode_match(body)
+
+
+def _match_with(doc: dict[str, object]) -> bytes:
+    text = json.dumps(doc).encode()
+    return PREFIX.pack(MATCH_MAGIC, 1, len(text)) + text

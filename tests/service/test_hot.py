@@ -4,6 +4,7 @@ not take to FastAPI."""
 
 from __future__ import annotations
 
+import base64
 import json
 from pathlib import Path
 from typing import Any
@@ -11,6 +12,8 @@ from typing import Any
 import pytest
 from starlette.testclient import TestClient
 
+from kvbank.keys import tokens_to_bytes
+from kvbank.service.framing import encode_match
 from kvbank.service.hot import HotTable, NodeAPI
 from tests.service.admin_app import FA, TOKEN, auth, fill, served
 
@@ -119,3 +122,25 @@ def test_the_drain_gate_holds_on_the_lean_chain(tmp_path: Path, path: str) -> No
         assert client.post("/admin/drain", headers=auth(TOKEN)).status_code == 200
         r = client.post(path, content=b"KVBX", headers={"Content-Type": "application/octet-stream"})
         assert r.status_code == 503 and r.json()["type"] == "Busy"
+
+
+def test_a_binary_match_answers_what_the_json_match_answers(tmp_path: Path) -> None:
+    """``POST /v1/match`` with a binary body (the client's form for tokens) asks exactly
+    what the JSON body asks; a hostile one is a 400 naming the field, on the lean chain."""
+    with served(tmp_path / "a") as (client, node):
+        fill(node.bank, 4, seed=3)
+        tokens = [*range(30_000, 30_000 + 3 * FA.tokens_per_page), 5, 9]
+        scope = {"tenant": "", "cache_salt": "", "lora": ""}
+        js = client.post("/v1/match", json={"layout_id": FA.layout_id.hex(), "scope": scope,
+                                            "tokens_b64": base64.b64encode(tokens_to_bytes(tokens)).decode()})
+        octets = {"Content-Type": "application/octet-stream"}
+        bn = client.post("/v1/match", headers=octets,
+                         content=encode_match(FA.layout_id, scope, None, tokens_to_bytes(tokens)))
+        assert js.status_code == bn.status_code == 200 and js.json() == bn.json()
+        assert bn.json()["resume"]["tokens"] == 3 * FA.tokens_per_page
+        for body, field in ((b"KVBP" + bytes(12), "body.magic"),
+                            (encode_match(FA.layout_id, scope, None, tokens_to_bytes(tokens))[:-2], "body"),
+                            (encode_match(b"\1" * 32, scope, None, b""), "layout_id")):
+            r = client.post("/v1/match", headers=octets, content=body)
+            assert r.status_code in (400, 404) and field in r.json()["field"] + r.json()["message"], r.json()
+        assert 'route="/v1/match"' in client.get("/metrics").text

@@ -56,6 +56,27 @@ LANE_MIN_BYTES = 2 << 20  # a batch this large is copied on two lanes (below: on
 # hand-off to the second lane costs ~0.05 ms, a 2 MiB copy ~0.2)
 
 
+Job = tuple[np.ndarray, np.ndarray]  # (destination, source), flat uint8 of one length
+
+
+def _halves(jobs: list[Job], half: int) -> tuple[list[Job], list[Job]]:
+    """``jobs`` cut at ``half`` bytes into two lanes, the job across the cut split in
+    two: rows merged into one long copy (back to back in the segment and the
+    destination) still take both lanes."""
+    acc = 0
+    for i, (d, src) in enumerate(jobs):
+        if acc + d.nbytes >= half:
+            k = half - acc
+            first, second = jobs[:i], jobs[i + 1 :]
+            if k:
+                first.append((d[:k], src[:k]))
+            if k < d.nbytes:
+                second.insert(0, (d[k:], src[k:]))
+            return first, second
+        acc += d.nbytes
+    return jobs, []
+
+
 def _copy_all(jobs: Sequence[tuple[np.ndarray, np.ndarray]]) -> None:
     for dst, src in jobs:
         copy_bytes(dst, src)  # not np.copyto: libc memmove is the slower copy here (see it)
@@ -190,9 +211,10 @@ class Borrower:
         """Copy a batch of ``(segment, offset, size, buffer)``: ``into_slots`` — each
         buffer into its slot; else each slot into its buffer (a buffer must hold at least
         ``size`` bytes). A slot beyond its segment is refused before anything is copied.
-        Both cores: a batch of ``LANE_MIN_BYTES`` or more is split into two lanes by
-        bytes and the copies (:func:`~kvbank.codec.planes.copy_bytes`, which frees the
-        GIL) run at once. The caller checks its lease's deadline after a read (bytes read
+        Both cores: a batch of ``LANE_MIN_BYTES`` or more is cut into two lanes of equal
+        bytes (a copy across the cut split in two, so one long copy of merged rows takes
+        both too) and the copies (:func:`~kvbank.codec.planes.copy_bytes`, which frees
+        the GIL) run at once. The caller checks its lease's deadline after a read (bytes read
         after it may be another row's)."""
         jobs: list[tuple[np.ndarray, np.ndarray]] = []
         total = 0
@@ -207,16 +229,11 @@ class Borrower:
             b = np.frombuffer(dst, dtype=np.uint8, count=size)
             jobs.append((a, b) if into_slots else (b, a))
             total += size
-        if total >= LANE_MIN_BYTES and len(jobs) > 1:
-            half, acc, cut = total // 2, 0, len(jobs)
-            for i, (d, _) in enumerate(jobs):
-                acc += d.nbytes
-                if acc >= half:
-                    cut = i + 1
-                    break
-            lane = self._lanes().submit(_copy_all, jobs[cut:])
+        if total >= LANE_MIN_BYTES:
+            first, second = _halves(jobs, total // 2)
+            lane = self._lanes().submit(_copy_all, second)
             try:
-                _copy_all(jobs[:cut])
+                _copy_all(first)
             finally:
                 lane.result()
         else:

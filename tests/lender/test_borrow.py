@@ -11,6 +11,8 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvbank.errors import InvalidInput, LeaseExpired
 from kvbank.lender.base import (
@@ -22,7 +24,7 @@ from kvbank.lender.base import (
     MemoryKind,
     Selection,
 )
-from kvbank.lender.borrow import POPULATE_STEP, Borrower
+from kvbank.lender.borrow import POPULATE_STEP, Borrower, _halves
 from kvbank.tiers.host import SHM_DIR
 
 
@@ -140,3 +142,25 @@ def test_lease_row_finds_every_row_by_name_and_the_first_of_a_repeated_name() ->
     with pytest.raises(KeyError):
         lease.row(b"\x09" * 54)
     assert lease == Lease("L", MemoryKind.HOST, LeaseMode.READ, Selection.NAMED, 1.0, 0.0, rows)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 40), max_size=8), st.data())
+def test_two_lanes_cover_every_byte_once_whatever_the_cut(sizes: list[int], data: st.DataObject) -> None:
+    """A batch is cut into two lanes at a byte count, a copy across the cut split in two
+    (one long merged copy still takes both lanes): every byte is copied once, in place."""
+    total = sum(sizes)
+    half = data.draw(st.integers(0, total))
+    src = np.arange(total, dtype=np.uint64).astype(np.uint8) + 1
+    dst = np.zeros(total, dtype=np.uint8)
+    jobs, at = [], 0
+    for n in sizes:
+        jobs.append((dst[at : at + n], src[at : at + n]))
+        at += n
+    first, second = _halves(jobs, half)
+    assert sum(d.nbytes for d, _ in first) == half and sum(d.nbytes for d, _ in second) == total - half
+    for d, s in first + second:
+        assert d.nbytes == s.nbytes
+        assert not (d == s).all() or d.nbytes == 0  # no byte is copied twice
+        d[:] = s
+    assert np.array_equal(dst, src)

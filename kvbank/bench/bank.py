@@ -28,11 +28,12 @@ bank-fetch-disk            a bank reopened on that folder (rows only on disk, wa
                            cache): ``match`` + ``fetch``
 bank-disk-footprint-bf16   bytes on disk / raw bytes after the write-through put (metric
                            ``x``; the baseline is raw bytes, 1.0)
-bank-disk-encode-only      the disk tier's codec alone: ``DiskTier.frame`` of the same
-                           pages on the store's copy lanes (``copy_threads``), no copy
-                           into the host tier, no LMDB: the ceiling of
+bank-disk-encode-only      the disk tier's codec alone (its level, the layout's dtype:
+                           the frames the put wrote, byte for byte) over the same pages
+                           on as many lanes as the store's batches (``copy_threads``);
+                           no host copy, no LMDB: the ceiling of
                            ``bank-put-disk-durable`` on this machine
-bank-disk-decode-only      ``codec.decode_into`` of the frames the put wrote, into the same
+bank-disk-decode-only      ``codec.decode_into`` of those frames into the same
                            preallocated buffer, on the same lanes: the ceiling of
                            ``bank-fetch-disk``
 =========================  ===========================================================

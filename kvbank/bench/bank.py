@@ -28,6 +28,14 @@ bank-fetch-disk            a bank reopened on that folder (rows only on disk, wa
                            cache): ``match`` + ``fetch``
 bank-disk-footprint-bf16   bytes on disk / raw bytes after the write-through put (metric
                            ``x``; the baseline is raw bytes, 1.0)
+bank-disk-encode-only      the disk tier's codec alone (its level, the layout's dtype:
+                           the frames the put wrote, byte for byte) over the same pages
+                           on as many lanes as the store's batches (``copy_threads``);
+                           no host copy, no LMDB: the ceiling of
+                           ``bank-put-disk-durable`` on this machine
+bank-disk-decode-only      ``codec.decode_into`` of those frames into the same
+                           preallocated buffer, on the same lanes: the ceiling of
+                           ``bank-fetch-disk``
 =========================  ===========================================================
 """
 
@@ -47,8 +55,11 @@ import torch
 from kvbank.bank import Bank
 from kvbank.bench.common import BenchRow, row
 from kvbank.builders import full_attention
+from kvbank.codec import decode_into, encode
 from kvbank.config import WritePolicy
 from kvbank.tiers.base import TierKind
+from kvbank.tiers.disk import DEFAULT_LEVEL as DISK_LEVEL
+from kvbank.tiers.store.copier import Lanes, default_copy_threads
 
 SUITE = "bank"
 GB = 1e9
@@ -129,6 +140,8 @@ def _disk(pages: torch.Tensor, tokens: list[int], repeat: int, tail: str) -> Ite
     put_t: list[float] = []
     fetch_t: list[float] = []
     base_t: list[float] = []
+    enc_t: list[float] = []
+    dec_t: list[float] = []
     footprint = 0.0
     root = Path(tempfile.mkdtemp(prefix="kvbank-bench-bank-"))
     try:
@@ -160,6 +173,8 @@ def _disk(pages: torch.Tensor, tokens: list[int], repeat: int, tail: str) -> Ite
                 fetch_t.append(time.perf_counter() - t0)
                 assert got.complete, "bench: the disk fetch missed rows"
                 assert torch.equal(out, pages), "bench: the disk fetch returned other bytes"
+        # Not right after a memcpy: torch's OpenMP workers still spin then (see above).
+        _codec_ceilings(pages, out, repeat, enc_t, dec_t)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     nbytes = n * PAGE
@@ -168,6 +183,34 @@ def _disk(pages: torch.Tensor, tokens: list[int], repeat: int, tail: str) -> Ite
     v, bv = _rates(nbytes, fetch_t, base_t)
     yield row(SUITE, "bank-fetch-disk" + tail, "GB/s", v, BASELINE, bv)
     yield row(SUITE, "bank-disk-footprint-bf16" + tail, "x", footprint, "raw bytes", 1.0)
+    v, bv = _rates(nbytes, enc_t, base_t)
+    yield row(SUITE, "bank-disk-encode-only" + tail, "GB/s", v, BASELINE, bv)
+    v, bv = _rates(nbytes, dec_t, base_t)
+    yield row(SUITE, "bank-disk-decode-only" + tail, "GB/s", v, BASELINE, bv)
+
+
+def _codec_ceilings(pages: torch.Tensor, out: torch.Tensor, repeat: int,
+                    enc_t: list[float], dec_t: list[float]) -> None:
+    """Time the disk tier's codec alone (its level, the layout's dtype) over the pages
+    and over the frames it made (decoded into ``out``), on as many lanes as a bank's
+    batches use."""
+    dtype = LAYOUT.page_dtype(0)
+    src = [pages[i].numpy().data for i in range(pages.shape[0])]
+    dst = [out[i].numpy().data for i in range(out.shape[0])]
+
+    def enc(p: memoryview) -> bytes:
+        return encode(p, dtype, level=DISK_LEVEL)
+
+    lanes = Lanes(default_copy_threads())
+    try:
+        frames = lanes.map(enc, src)
+        for _ in range(repeat):
+            enc_t.append(_timed(functools.partial(lanes.map, enc, src)))
+            dec_t.append(_timed(functools.partial(
+                lanes.map, lambda i: decode_into(frames[i], dst[i]), range(len(frames)))))
+    finally:
+        lanes.close()
+    assert torch.equal(out, pages), "bench: the decode returned other bytes"
 
 
 def run(quick: bool = False) -> Iterator[BenchRow]:

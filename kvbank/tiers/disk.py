@@ -22,9 +22,12 @@ Primitives:
 - :meth:`DiskTier.scan` lists the committed rows that passed those checks at open, which
   is how the store rebuilds its index on restart: sizes exact, LRU order by write clock.
 
-Settings from machine-limits.md section 4: ``writemap=False`` (4-5x faster on a fresh
-file), ``readahead=True`` (cold reads of large values are 25x slower without it), one
-transaction per value. The map size is a multiple of the budget so that LMDB's map never
+Settings: ``writemap=False``, ``readahead=True`` (cold reads of large values are 25x
+slower without it), one transaction per value or per group commit. ``writemap=True`` was
+measured through ``Bank.put`` with group commits: it saves LMDB's per-value allocation and
+copy, yet the durable put was no faster and the disk fetch a little slower, and it would
+make a write on a full file system a SIGBUS (LMDB grows the file to the map size as a
+sparse file) instead of ``TierFull``. The map size is a multiple of the budget so that LMDB's map never
 fills before the budget does; the budget itself is exact and enforced here (``TierFull``),
 and the store evicts before it is reached. ``MapFullError`` and a full file system
 (``ENOSPC``) still map to ``TierFull``; any other LMDB error to ``TierUnavailable``.

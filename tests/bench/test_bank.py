@@ -8,7 +8,7 @@ from kvbank.bench import SUITES
 from kvbank.bench.bank import run
 
 CASES = ("bank-put-host", "bank-fetch-host", "bank-put-disk-durable", "bank-fetch-disk",
-         "bank-disk-footprint-bf16")
+         "bank-disk-footprint-bf16", "bank-disk-encode-only", "bank-disk-decode-only")
 
 
 def test_bench_bank_quick_rows() -> None:

@@ -79,7 +79,7 @@ def _halves(jobs: list[Job], half: int) -> tuple[list[Job], list[Job]]:
 
 def _copy_all(jobs: Sequence[tuple[np.ndarray, np.ndarray]]) -> None:
     for dst, src in jobs:
-        copy_bytes(dst, src)  # not np.copyto: libc memmove is the slower copy here (see it)
+        copy_bytes(dst, src)  # not np.copyto: it picks the faster routine by length (see it)
 
 
 def _madvise() -> Callable[[int, int, int], int] | None:

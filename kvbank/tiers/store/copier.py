@@ -18,7 +18,7 @@ so one batch never runs on more threads than configured, and a single item never
 the caller's thread. zstd, the plane kernels and numpy's copies release the GIL, so the
 lanes run in parallel; a memoryview slice assignment does not (CPython copies under the
 GIL), which is why every host copy here is a numpy loop between array views
-(:func:`~kvbank.codec.planes.copy_bytes`, faster than libc's ``memmove`` here) and never
+(:func:`~kvbank.codec.planes.copy_bytes`, see it for when it calls ``memmove``) and never
 ``slot[...] = data``.
 """
 

@@ -46,8 +46,8 @@ waits), each lane's torch ops serial, slices taken by whichever lane is free. Tw
 effects of torch's OpenMP threads decide this. An indexed copy that forks torch's own
 team per span (4 spans for a split pool) waits at every fork for a thread whose core
 another process holds; a lane that forked a team of its own on each call put 4 threads
-on 2 cores and paid a wake-up per call (``kvbank bench kernels``: gather 0.67-0.82x
-memcpy, against 0.84-0.99x with serial lanes). And libgomp's workers spin after each
+on 2 cores and paid a wake-up per call (``kvbank bench kernels``, medians of ten runs:
+gather-split 0.75x memcpy, gather-fused 0.82x, against 0.87x and 0.93x with serial lanes). And libgomp's workers spin after each
 parallel region (``GOMP_SPINCOUNT``, 300,000 by default: about 6 ms of a core here after
 a ``copy_``) unless it manages more threads than there are CPUs, when they spin 1,000
 times (the libgomp manual); serial lanes started right after a torch op of the caller
@@ -349,7 +349,7 @@ _lanes_pid = 0
 def _start_lane(starts: Iterator[int]) -> None:
     """Make a lane thread's torch ops serial (the lanes are the parallelism). The first
     lane runs one parallel region before that, so it keeps an OpenMP team of its own;
-    see "Why the moves run on lanes of ours" in the module docstring."""
+    see "Why the CPU moves run on lanes of ours" in the module docstring."""
     torch.get_num_threads()  # torch's lazy per-thread init, which would undo the next line
     if next(starts) == 0:
         torch.zeros(1 << 16, dtype=torch.uint8)  # > torch's 32,768-element grain: one region

@@ -39,13 +39,32 @@ Why a CPU scatter is a numpy fancy assignment: ``dst[ids] = src`` on word views 
 each row with one contiguous memcpy (15 GB/s measured, near a plain copy), while torch's
 ``index_copy_`` runs 5-13 GB/s on the same words and worse when its intra-op threads
 share the cores with other work.
+
+Why the CPU moves run on lanes of ours: a move of ``PARALLEL_BYTES`` or more is split by
+rows over ``torch.get_num_threads()`` threads of this module (the lanes; the caller
+waits), each lane's torch ops serial, slices taken by whichever lane is free. Two
+effects of torch's OpenMP threads decide this. An indexed copy that forks torch's own
+team per span (4 spans for a split pool) waits at every fork for a thread whose core
+another process holds; a lane that forked a team of its own on each call put 4 threads
+on 2 cores and paid a wake-up per call (``kvbank bench kernels``, medians of ten runs:
+gather-split 0.75x memcpy, gather-fused 0.82x, against 0.87x and 0.93x with serial lanes). And libgomp's workers spin after each
+parallel region (``GOMP_SPINCOUNT``, 300,000 by default: about 6 ms of a core here after
+a ``copy_``) unless it manages more threads than there are CPUs, when they spin 1,000
+times (the libgomp manual); serial lanes started right after a torch op of the caller
+would share the cores with those spinning workers. So the first lane runs one parallel
+region before it turns serial and keeps that OpenMP team, idle, for its life: after it
+the spin that follows a ``copy_`` here costs ~0.1 ms of CPU instead of ~6 ms.
+``torch.set_num_threads`` in a lane also sets the count that threads started later begin
+with; the caller gives that back once the lanes have started.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
+import os
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import torch
@@ -60,7 +79,7 @@ Pool = Mapping[tuple[int, Role], torch.Tensor]  # (layer, role) -> the pool tens
 Span = tuple[int, int, torch.Tensor]  # (page offset, bytes, pool rows as uint8 [blocks, bytes])
 STAGING_BYTES = 64 << 20
 # A CPU gather or scatter of at least this many bytes is split by rows over
-# ``torch.get_num_threads()`` threads (the caller's included): one indexed copy per core
+# ``torch.get_num_threads()`` lanes (module docstring): one indexed copy per core
 # reaches the memory bandwidth a 2-thread memcpy does, one alone about half of it.
 PARALLEL_BYTES = 8 << 20
 _WORDS = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8))
@@ -321,28 +340,55 @@ def _gather_checked(
         out[start : start + part.numel()].copy_(stage)
 
 
-_pool_lock = threading.Lock()
-_pool: ThreadPoolExecutor | None = None
-_pool_size = 0
+_lanes_lock = threading.Lock()
+_lanes: ThreadPoolExecutor | None = None
+_lanes_size = 0
+_lanes_pid = 0
+
+
+def _start_lane(starts: Iterator[int]) -> None:
+    """Make a lane thread's torch ops serial (the lanes are the parallelism). The first
+    lane runs one parallel region before that, so it keeps an OpenMP team of its own;
+    see "Why the CPU moves run on lanes of ours" in the module docstring."""
+    torch.get_num_threads()  # torch's lazy per-thread init, which would undo the next line
+    if next(starts) == 0:
+        torch.zeros(1 << 16, dtype=torch.uint8)  # > torch's 32,768-element grain: one region
+    torch.set_num_threads(1)
+
+
+def _lane_pool(k: int) -> ThreadPoolExecutor:
+    """The executor of at least ``k`` started lanes (created again after a fork)."""
+    global _lanes, _lanes_size, _lanes_pid
+    with _lanes_lock:
+        if _lanes is not None and _lanes_size >= k and _lanes_pid == os.getpid():
+            return _lanes
+        old = _lanes if _lanes_pid == os.getpid() else None
+        threads = torch.get_num_threads()
+        lanes = ThreadPoolExecutor(k, thread_name_prefix="kvbank-pages", initializer=_start_lane,
+                                   initargs=(itertools.count(),))
+        started = threading.Barrier(k)
+        for f in [lanes.submit(started.wait) for _ in range(k)]:  # start all k now
+            f.result()
+        # torch.set_num_threads in a lane also set the count that threads started later
+        # begin with: give that back (this thread's own count is unchanged).
+        torch.set_num_threads(threads)
+        _lanes, _lanes_size, _lanes_pid = lanes, k, os.getpid()
+    if old is not None:
+        old.shutdown(wait=False)
+    return lanes
 
 
 def _cpu_parts(fn: Callable[[slice], None], count: int, nbytes: int) -> None:
     """Run ``fn`` over row slices of ``0..count`` on up to ``torch.get_num_threads()``
-    threads; a small move stays on the caller's thread. Slices of about
-    ``PARALLEL_BYTES / 2`` are taken by whichever thread is free (a thread whose core is
+    lanes while the caller waits; a small move stays on the caller's thread. Slices of
+    about ``PARALLEL_BYTES / 2`` are taken by whichever lane is free (a lane whose core is
     busy elsewhere holds back only the slices it took). Raises the first failure after
-    every thread stopped."""
-    global _pool, _pool_size
+    every lane stopped."""
     k = max(1, min(torch.get_num_threads(), nbytes // PARALLEL_BYTES, count))
     if k == 1:
         fn(slice(0, count))
         return
-    with _pool_lock:
-        if _pool is None or _pool_size < k - 1:
-            old, _pool, _pool_size = _pool, ThreadPoolExecutor(k - 1, thread_name_prefix="kvbank-pages"), k - 1
-            if old is not None:
-                old.shutdown(wait=False)
-        pool = _pool
+    pool = _lane_pool(k)
     step = max(1, min(count // k, count * (PARALLEL_BYTES // 2) // max(nbytes, 1)))
     todo = iter(range(0, count, step))  # shared: next() on a range iterator is atomic under the GIL
     failed = False
@@ -358,11 +404,8 @@ def _cpu_parts(fn: Callable[[slice], None], count: int, nbytes: int) -> None:
                 failed = True
                 raise
 
-    futs: list[Future[None]] = [pool.submit(lane) for _ in range(1, k)]
-    try:
-        lane()
-    finally:
-        wait(futs)
+    futs: list[Future[None]] = [pool.submit(lane) for _ in range(k)]
+    wait(futs)
     for f in futs:
         f.result()
 

@@ -7,6 +7,8 @@ shapes, split and fused.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -396,3 +398,37 @@ def test_gather_scatter_cuda_pool_with_host_pages() -> None:
     for key in pool:
         assert _eq(target[key][[0, 2, 4]].cpu(), cpu_pool[key][[5, 1, 9]])
         assert not target[key][[1, 3, *range(5, BLOCKS)]].view(torch.uint8).any()
+
+
+def test_cpu_lanes_leave_torch_thread_counts_as_they_were(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Lanes make their own torch ops serial, but the caller's intra-op thread count and
+    the count a thread started afterwards begins with stay what they were; the moved
+    pages are right when the lanes are built again (as after a fork)."""
+    import threading
+
+    from kvbank.kernels import pages as kernel
+
+    layout, group = LAYOUTS["gqa-bf16"]
+    pool = _pool(layout, group, blocks=32, seed=7)
+    ids = torch.randperm(32, generator=torch.Generator().manual_seed(8))[:20]
+    monkeypatch.setattr(kernel, "PARALLEL_BYTES", 1)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        monkeypatch.setattr(kernel, "_lanes_pid", -1)  # as in a forked child: start new lanes
+        out = torch.empty((20, layout.group_page_bytes[group]), dtype=torch.uint8)
+        gather_pages(pool, ids, layout, group, out)
+        assert kernel._lanes_pid == os.getpid() and kernel._lanes_size == 3
+        lanes = kernel._lanes
+        assert lanes is not None
+        assert [lanes.submit(torch.get_num_threads).result() for _ in range(3)] == [1, 1, 1]
+        assert torch.get_num_threads() == 3
+        seen: list[int] = []
+        t = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
+        t.start()
+        t.join()
+        assert seen == [3]
+    finally:
+        torch.set_num_threads(threads)
+    for i, block in enumerate(ids.tolist()):
+        assert torch.equal(out[i], _expected_page(layout, group, pool, block))

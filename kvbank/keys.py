@@ -304,6 +304,13 @@ def engine_keys(
     return out
 
 
+def sized_bytes(values: Sequence[object], size: int) -> bool:
+    """Whether every one of ``values`` is ``bytes`` of exactly ``size`` bytes: two C
+    passes (a whole prompt's keys or row names), where a loop of checks costs ~0.1 ms a
+    thousand."""
+    return set(map(type, values)) <= {bytes} and set(map(len, values)) <= {size}  # type: ignore[arg-type]
+
+
 def row_names(
     ns: bytes, keys: Sequence[bytes], group: int, shard_count: int = 1, shard_index: int = 0
 ) -> list[bytes]:
@@ -311,7 +318,7 @@ def row_names(
     tail = bytes(RowName(ns, b"\0" * PAGE_KEY_BYTES, group, shard_count, shard_index))[
         NAMESPACE_BYTES + PAGE_KEY_BYTES :
     ]
-    if not (set(map(type, keys)) <= {bytes} and set(map(len, keys)) <= {PAGE_KEY_BYTES}):  # C passes
+    if not sized_bytes(keys, PAGE_KEY_BYTES):
         for k in keys:
             if not isinstance(k, bytes) or len(k) != PAGE_KEY_BYTES:
                 raise InvalidInput(f"page key: expected {PAGE_KEY_BYTES} bytes, got {k!r}")

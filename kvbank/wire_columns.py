@@ -33,7 +33,7 @@ from typing import Any, NoReturn, TypeVar
 import numpy as np
 
 from kvbank.errors import InvalidInput
-from kvbank.keys import ROW_NAME_BYTES
+from kvbank.keys import ROW_NAME_BYTES, sized_bytes
 from kvbank.lender.base import (
     Delivery,
     DeviceLocation,
@@ -43,7 +43,7 @@ from kvbank.lender.base import (
     Region,
     lease_rows,
 )
-from kvbank.lender.resume import ResumeBound
+from kvbank.lender.resume import ResumeBound, picked
 from kvbank.results import Match
 from kvbank.tiers.base import TierKind
 
@@ -107,7 +107,7 @@ def chain_names(names: Sequence[Sequence[bytes]]) -> dict[str, Any] | None:
     # value each and its key column the first group's (numpy passes, not a name at a time).
     cols = []
     for g in names:
-        if len(g) != n or set(map(type, g)) != {bytes} or set(map(len, g)) != {ROW_NAME_BYTES}:
+        if len(g) != n or not sized_bytes(g, ROW_NAME_BYTES):
             return None
         cols.append(np.frombuffer(b"".join(g), np.uint8).reshape(n, ROW_NAME_BYTES))
     first = cols[0]
@@ -170,14 +170,7 @@ def implied_rows(b: ResumeBound, names: Sequence[Sequence[bytes]]) -> bool:
     """Whether a bound's rows are exactly ``names[g][j]`` for its pages (then a Match's
     form leaves them out: the reader rebuilds them from the names)."""
     return len(b.rows) == len(b.pages) == len(names) and all(
-        tuple(r) == _picked(n, p) for r, p, n in zip(b.rows, b.pages, names, strict=True))
-
-
-def _picked(names: Sequence[bytes], pages: Sequence[int]) -> tuple[bytes, ...]:
-    """``names[j]`` for each of ``pages`` (ascending key indices); a slice for ``[0, n)``."""
-    if pages and pages[-1] == len(pages) - 1:
-        return tuple(names[: len(pages)])
-    return tuple(map(names.__getitem__, pages))
+        tuple(r) == picked(n, p) for r, p, n in zip(b.rows, b.pages, names, strict=True))
 
 
 def rows_from(pages: Sequence[Sequence[int]], names: Sequence[Sequence[bytes]],
@@ -189,7 +182,7 @@ def rows_from(pages: Sequence[Sequence[int]], names: Sequence[Sequence[bytes]],
     for g, (p, n) in enumerate(zip(pages, names, strict=True)):
         if p and (p[-1] >= len(n) or list(p) != sorted(set(p))):
             _fail(f"{path}.pages[{g}]", f"expected ascending key indices below {len(n)}")
-        out.append(_picked(n, p))
+        out.append(picked(n, p))
     return tuple(out)
 
 

@@ -77,7 +77,7 @@ def _halves(jobs: list[Job], half: int) -> tuple[list[Job], list[Job]]:
     return jobs, []
 
 
-def _copy_all(jobs: Sequence[tuple[np.ndarray, np.ndarray]]) -> None:
+def _copy_all(jobs: Sequence[Job]) -> None:
     for dst, src in jobs:
         copy_bytes(dst, src)  # not np.copyto: it picks the faster routine by length (see it)
 
@@ -216,7 +216,7 @@ class Borrower:
         both too) and the copies (:func:`~kvbank.codec.planes.copy_bytes`, which frees
         the GIL) run at once. The caller checks its lease's deadline after a read (bytes read
         after it may be another row's)."""
-        jobs: list[tuple[np.ndarray, np.ndarray]] = []
+        jobs: list[Job] = []
         total = 0
         for segment, offset, size, buf in slots:
             seg = self.segment(segment)

@@ -59,6 +59,14 @@ class Columns:
         return [t is not None for t in col[:n]]
 
 
+def picked(names: Sequence[bytes], pages: Sequence[int]) -> tuple[bytes, ...]:
+    """``names[j]`` for each of ``pages`` (ascending key indices); a slice when they are
+    ``[0, n)``, as a full-attention group's are."""
+    if pages and pages[-1] == len(pages) - 1:
+        return tuple(names[: len(pages)])
+    return tuple(map(names.__getitem__, pages))
+
+
 class Obstacle(enum.Enum):
     """Why the next boundary above ``r`` is not usable."""
 
@@ -210,9 +218,7 @@ class _Availability:
         if names is None:
             rows = tuple(() for _ in range(n_groups))
         else:
-            # pages [0, n) (a full-attention group's) are a slice of the names
-            rows = tuple(tuple(names[gi][: len(p)]) if p and p[-1] == len(p) - 1
-                         else tuple(names[gi][j] for j in p) for gi, p in enumerate(pages))
+            rows = tuple(picked(names[gi], p) for gi, p in enumerate(pages))
         return ResumeBound(
             tokens=r, prompt_tokens=self.t, tokens_per_page=self.p, keyed_pages=self.keyed,
             matched_tokens=self.matched_pages * self.p, pages=pages, rows=rows, reason=reason,

@@ -28,7 +28,9 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from itertools import repeat
 
+from kvbank import columns
 from kvbank.errors import FetchNotFound, InvalidInput
 from kvbank.layout import PageLayout
 from kvbank.lender.resume import ResumeBound, resume_bound
@@ -95,11 +97,18 @@ class FetchLedger:
             raise InvalidInput(f"fetch_id: must be a non-empty string, got {fetch_id!r}")
         if len(plan.rows) != len(layout.groups) or (plan.row_count and not plan.needed()):
             raise InvalidInput("plan: a fetch plan must carry row names for every group")
-        rows = tuple(
-            PlannedRow(gi, j, name, out_index)
-            for gi, (idx, nm) in enumerate(zip(plan.pages, plan.rows, strict=True))
-            for out_index, (j, name) in enumerate(zip(idx, nm, strict=True))
-        )
+        group: list[int] = []
+        index: list[int] = []
+        row_names: list[bytes] = []
+        out_index: list[int] = []
+        for gi, (idx, nm) in enumerate(zip(plan.pages, plan.rows, strict=True)):
+            if len(idx) != len(nm):
+                raise InvalidInput(f"plan: group {gi} lists {len(idx)} pages and {len(nm)} row names")
+            group += repeat(gi, len(idx))
+            index += idx
+            row_names += nm
+            out_index += range(len(idx))
+        rows = tuple(columns.build(PlannedRow, len(row_names), (group, index, row_names, out_index)))
         fid = fetch_id or uuid.uuid4().hex
         with self._lock:
             now = self._clock()
@@ -108,7 +117,7 @@ class FetchLedger:
                 raise InvalidInput(f"fetch_id: {fid!r} is already open")
             self._entries[fid] = _Entry(
                 layout, prompt_tokens, tuple(tuple(g) for g in names), rows, now + self._ttl,
-                frozenset(r.name for r in rows),
+                frozenset(row_names),
             )
         logger.debug("fetch %s opened: %d rows planned", fid, len(rows))
         return fid

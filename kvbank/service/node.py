@@ -37,10 +37,11 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
+from operator import attrgetter
 from pathlib import Path
 from typing import Any, TypeVar
 
-from kvbank import __version__
+from kvbank import __version__, columns
 from kvbank.bank import Bank
 from kvbank.errors import InvalidInput, KvbankError
 from kvbank.lender.base import Delivery, HostLocation, Lease, LeaseMode, MemoryKind
@@ -54,6 +55,7 @@ from kvbank.tiers.host import SHM_DIR
 
 T = TypeVar("T")
 
+_name_of = attrgetter("name")
 _FETCHES = 4096  # open remote fetches the node remembers
 _STREAMS = 64  # unacknowledged streams remembered per fetch (older ones keep to their TTL)
 
@@ -168,9 +170,9 @@ class Node:
         layout = self.bank.layout(match.layout_id)
         if max_rows is not None and (isinstance(max_rows, bool) or max_rows < 0):
             raise InvalidInput(f"max_rows: must be a non-negative integer, got {max_rows!r}")
-        want = [(g, n) for g, rows in enumerate(match.resume.rows) for n in rows]
         self.ledger.expire()
         if fetch_id is not None and fetch_id in self.ledger:
+            want = [(g, n) for g, rows in enumerate(match.resume.rows) for n in rows]
             if [(r.group, r.name) for r in self.ledger.plan(fetch_id)] != want:
                 raise InvalidInput(f"fetch_id: {fetch_id!r} was opened for another match")
             self.ledger.renew(fetch_id)  # a resumed fetch is activity
@@ -182,11 +184,14 @@ class Node:
         plan = self.ledger.plan(fetch_id)
         got = self.ledger.delivered(fetch_id)
         # the rows not yet delivered, in plan order, with their plan positions
-        todo: list[tuple[int, PlannedRow]] = [(i, r) for i, r in enumerate(plan) if r.name not in got]
+        todo: list[tuple[int, PlannedRow]] = (
+            list(enumerate(plan)) if not got else [(i, r) for i, r in enumerate(plan) if r.name not in got])
         if max_rows is not None:
             todo = todo[:max_rows]
         sizes = layout.group_page_bytes
-        rows = [StreamRow(i, r.group, r.out_index, sizes[r.group]) for i, r in todo]
+        groups = [r.group for _, r in todo]
+        rows = columns.build(StreamRow, len(todo), (
+            [i for i, _ in todo], groups, [r.out_index for _, r in todo], [sizes[g] for g in groups]))
         stream = secrets.token_hex(8)
         with self._lock:
             state = self._fetches.get(fetch_id)
@@ -270,10 +275,12 @@ class Node:
             state = self._fetches.get(fetch_id)
         if state is None:
             raise InvalidInput(f"fetch_id: {fetch_id} was not opened on this node")
-        for i, p in enumerate(positions):
-            if isinstance(p, bool) or not isinstance(p, int) or not 0 <= p < len(plan):
-                raise InvalidInput(f"rows[{i}]: not a row position of fetch {fetch_id} (0..{len(plan) - 1})")
-        acked = [plan[p].name for p in positions]
+        if positions and not (set(map(type, positions)) == {int} and min(positions) >= 0
+                              and max(positions) < len(plan)):
+            for i, p in enumerate(positions):
+                if isinstance(p, bool) or not isinstance(p, int) or not 0 <= p < len(plan):
+                    raise InvalidInput(f"rows[{i}]: not a row position of fetch {fetch_id} (0..{len(plan) - 1})")
+        acked = list(map(_name_of, map(plan.__getitem__, positions)))
         if lease_id is not None:
             with self._lock:
                 ready = state.lent.pop(lease_id, None)
@@ -299,15 +306,24 @@ class Node:
         fresh = [n for n in dict.fromkeys(good) if n not in done]
         self.ledger.record(fetch_id, fresh)
         layout = self.bank.layout(state.layout_id)
-        sizes = {r.name: layout.group_page_bytes[r.group] for r in plan}
-        return self._result(fetch_id, len(layout.groups), sum(sizes[n] for n in fresh))
+        sizes = layout.group_page_bytes
+        if len(set(sizes)) == 1:  # one page size for every group: no per-row lookup
+            moved = len(fresh) * sizes[0]
+        else:
+            group = {r.name: r.group for r in plan}
+            moved = sum(sizes[group[n]] for n in fresh)
+        return self._result(fetch_id, len(layout.groups), moved)
 
     def _result(self, fetch_id: str, n_groups: int, moved: int) -> FetchResult:
         plan = self.ledger.plan(fetch_id)
         got = self.ledger.delivered(fetch_id)
         bound = self.ledger.bound(fetch_id)
-        delivered = tuple(tuple(r.index for r in plan if r.group == g and r.name in got) for g in range(n_groups))
-        missing = tuple(tuple(r.index for r in plan if r.group == g and r.name not in got) for g in range(n_groups))
+        arrived: list[list[int]] = [[] for _ in range(n_groups)]
+        lost: list[list[int]] = [[] for _ in range(n_groups)]
+        for r in plan:  # one pass, in plan order (group by group, chain order within one)
+            (arrived if r.name in got else lost)[r.group].append(r.index)
+        delivered = tuple(map(tuple, arrived))
+        missing = tuple(map(tuple, lost))
         complete = not any(missing)
         if complete:
             self.ledger.close(fetch_id)

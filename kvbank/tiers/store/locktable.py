@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvbank.errors import InvalidInput
-from kvbank.tiers.base import check_name
+from kvbank.tiers.base import check_name, check_names
 from kvbank.tiers.store.state import StoreState
 
 
@@ -18,7 +18,8 @@ class LockTable:
         self._st = st
 
     def lock(self, names: Sequence[bytes], holder: str) -> None:
-        names = [check_name(n) for n in names]
+        check_names(names)
+        names = list(names)
         if not isinstance(holder, str) or not holder:
             raise InvalidInput(f"holder: expected a non-empty string, got {holder!r}")
         with self._st.lock:

@@ -46,9 +46,23 @@ class PageLocks:
         return holder is None or any(h != holder for h in held)
 
     def lock(self, names: Sequence[bytes], holder: str) -> None:
+        by_name = self._by_name
+        if holder not in self._by_holder:
+            fresh = dict.fromkeys(names, 1)
+            if len(fresh) == len(names):  # a new holder of distinct rows: every lease's first lock
+                self._by_holder[holder] = fresh
+                for name in names:
+                    per = by_name.get(name)
+                    if per is None:
+                        by_name[name] = {holder: 1}
+                    else:
+                        per[holder] = 1
+                return
         mine = self._by_holder.setdefault(holder, {})
         for name in names:
-            per = self._by_name.setdefault(name, {})
+            per = by_name.get(name)
+            if per is None:
+                per = by_name[name] = {}
             per[holder] = per.get(holder, 0) + 1
             mine[name] = mine.get(name, 0) + 1
 

@@ -18,9 +18,11 @@ Not thread-safe: the store calls it under its lock.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import repeat
 
 import numpy as np
 
+from kvbank import columns
 from kvbank.tiers.base import HostSlot, SlotPool
 from kvbank.tiers.index import DEV, DISK, HOST, OFF_SHIFT, RowIndex
 from kvbank.tiers.store.events import EventFeed
@@ -132,7 +134,7 @@ class Residency:
     def host_slots(self, names: Sequence[bytes], segment: str) -> list[HostSlot | None]:
         """The host slot of each row (None: not in host), vectorised over the index."""
         ix = self.ix
-        rids = [ix.ids.get(n, -1) for n in names]
+        rids = list(map(ix.ids.get, names, repeat(-1)))
         arr = np.asarray(rids, dtype=np.int64)
         safe = np.maximum(arr, 0)
         in_host = ((ix.where[safe] & HOST) != 0) & (arr >= 0)
@@ -141,6 +143,8 @@ class Residency:
             offs <<= OFF_SHIFT
         sizes = ix.size[safe].tolist()
         dual = self.host_copy
+        if not dual and bool(in_host.all()):  # every row in host, none staged from device
+            return [*columns.build(HostSlot, len(rids), (repeat(segment), offs.tolist(), sizes))]
         out: list[HostSlot | None] = []
         for rid, hit, off, size in zip(rids, in_host.tolist(), offs.tolist(), sizes, strict=True):
             # A row staged from device keeps its host offset in host_copy (`off` is the device's).

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvbank.errors import CorruptPage, TierFull
-from kvbank.tiers.base import DeviceSlot, HostSlot, check_name
+from kvbank.tiers.base import DeviceSlot, HostSlot, check_name, check_names
 from kvbank.tiers.host import HostSlab
 from kvbank.tiers.index import DEV, DISK, HOST
 from kvbank.tiers.slots import slot_class
@@ -134,7 +134,8 @@ def stage(st: StoreState, name: bytes, bit: int, deadline: float) -> HostSlot | 
 
 def stage_host_many(st: StoreState, names: Sequence[bytes], encoder: ThreadPoolExecutor | None,
                     deadline: float) -> list[HostSlot | None]:
-    names = [check_name(n) for n in names]
+    check_names(names)
+    names = list(names)
     st.pool(HOST, "stage")
     pool = st.host
     assert pool is not None

@@ -114,6 +114,12 @@ class FleetOps:
             stored += sum(self._store.put_many(batch, dtype=layout.page_dtype(g)))
         return stored
 
+    @property
+    def has_remote(self) -> bool:
+        """Whether a remote tier lies below the disk (what :meth:`recall_remote` reads):
+        without one a caller need not hand it a match at all."""
+        return self._store.has_remote
+
     def recall_remote(self, match: Match, *, max_rows: int = RECALL_BATCH_ROWS * 16) -> int:
         """Rows of ``match``'s prompt that no local tier holds but the remote tier does,
         read back (checksums verified) and stored here; how many. Attention rows are taken

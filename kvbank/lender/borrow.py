@@ -17,7 +17,7 @@ Lifecycle in the borrowing process::
 
 ``Borrower(populate=True)`` also builds this process's page tables for each segment it
 maps, in the background (``madvise(MADV_POPULATE_READ/WRITE)`` in 64 MiB steps, through
-ctypes so the GIL is free meanwhile): a first touch of a shared page from another
+ctypes so the GIL is free meanwhile: :func:`kvbank.tiers.host.madvise`): a first touch of a shared page from another
 process costs a minor fault per 4 KiB — a copy into fresh slots ran at 3-4 GB/s instead
 of 17-21 — and a process that maps the segment once for its life pays that once, not on
 every put into slots it has not touched yet. Only for a segment its owner keeps resident
@@ -31,7 +31,6 @@ clock. The owner still enforces expiry on its side (:meth:`Lender.finish_read`).
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import mmap
 import threading
@@ -45,12 +44,10 @@ import numpy as np
 from kvbank.codec.planes import copy_bytes
 from kvbank.errors import InvalidInput, LeaseExpired
 from kvbank.lender.base import HostLocation, Lease, MemoryKind
-from kvbank.tiers.host import map_segment
+from kvbank.tiers.host import MADV_POPULATE_READ, MADV_POPULATE_WRITE, madvise, map_segment
 
 logger = logging.getLogger(__name__)
 
-_MADV_POPULATE_READ = 22  # Linux >= 5.14; not exported by the mmap module on 3.11
-_MADV_POPULATE_WRITE = 23
 POPULATE_STEP = 64 << 20  # populated per madvise call: a close waits at most one step
 LANE_MIN_BYTES = 2 << 20  # a batch this large is copied on two lanes (below: one; the
 # hand-off to the second lane costs ~0.05 ms, a 2 MiB copy ~0.2)
@@ -82,16 +79,6 @@ def _copy_all(jobs: Sequence[Job]) -> None:
         copy_bytes(dst, src)  # not np.copyto: it picks the faster routine by length (see it)
 
 
-def _madvise() -> Callable[[int, int, int], int] | None:
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-    fn.restype = ctypes.c_int
-    return fn
-
-
 class _Populate:
     """The background population of one mapping's page tables."""
 
@@ -100,7 +87,7 @@ class _Populate:
         self._addr, self._size = int(arr.ctypes.data), len(arr)
         del arr  # no export may outlive this line: close() must be able to unmap
         self._name = name
-        self._advice = _MADV_POPULATE_WRITE if writable else _MADV_POPULATE_READ
+        self._advice = MADV_POPULATE_WRITE if writable else MADV_POPULATE_READ
         self._stop = threading.Event()
         self.done = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"kvbank-populate-{name}", daemon=True)
@@ -108,14 +95,14 @@ class _Populate:
 
     def _run(self) -> None:
         try:
-            fn = _madvise()
             pos = 0
-            while fn is not None and pos < self._size and not self._stop.is_set():
+            while pos < self._size and not self._stop.is_set():
                 n = min(POPULATE_STEP, self._size - pos)
-                if fn(self._addr + pos, n, self._advice) != 0:
+                try:
+                    madvise(self._addr + pos, n, self._advice)
+                except OSError as exc:
                     # EINVAL: a kernel before 5.14. Copies then fault pages in themselves.
-                    logger.debug("segment %s: populate stopped at %d: errno %d", self._name, pos,
-                                 ctypes.get_errno())
+                    logger.debug("segment %s: populate stopped at %d: %s", self._name, pos, exc)
                     return
                 pos += n
         finally:

@@ -303,7 +303,7 @@ def create_app(node: Node) -> FastAPI:
 
     async def matched(lid: bytes, args: dict[str, Any]) -> Response:
         m = await node.call(bank.match, lid, **args)
-        if any(None in ts for ts in m.tiers):
+        if bank.has_remote and any(None in ts for ts in m.tiers):  # no pool hop without one
             recalled: int = await node.call(bank.recall_remote, m)
             if recalled:
                 m = await node.call(bank.match, lid, **args)  # now with the rows Redis still held

@@ -190,9 +190,16 @@ def _reply(status: int, count: int, error: bytes = b"") -> bytes:
     return REPLY.pack(REPLY_MAGIC, status, len(error), count) + error
 
 
-def _refusal(exc: KvbankError) -> bytes:
+def _refuse(conn: socket.socket, exc: KvbankError) -> None:
+    """Answer ``exc`` and end the sending side; the caller closes the connection."""
     doc = json.dumps(wire.error_to_dict(exc), separators=(",", ":")).encode()[:MAX_ERROR_BYTES]
-    return _reply(_REFUSED, 0, doc)
+    conn.sendall(_reply(_REFUSED, 0, doc))
+    conn.shutdown(socket.SHUT_WR)
+    # Take what the client sent meanwhile (a request on connecting, a request's tail)
+    # before closing: a close with bytes unread answers a reset, which can overtake the
+    # refusal. What is taken is dropped, never used.
+    if select.select([conn], [], [], 0.05)[0]:
+        conn.recv(1 << 16)
 
 
 class DataPlane:
@@ -302,8 +309,8 @@ class DataPlane:
     def _turn_away(self, conn: socket.socket) -> None:
         try:
             _set_timeouts(conn, 1.0)
-            conn.sendall(_refusal(Busy(f"data_connections: the node serves {self._max} data "
-                                       "connections at once; try again or use HTTP")))
+            _refuse(conn, Busy(f"data_connections: the node serves {self._max} data "
+                               "connections at once; try again or use HTTP"))
         except OSError:
             pass  # it left already
         finally:
@@ -326,7 +333,7 @@ class DataPlane:
                 try:
                     op, ticket = self._redeem(head)
                 except KvbankError as exc:
-                    conn.sendall(_refusal(exc))
+                    _refuse(conn, exc)
                     return
                 if op is Op.FETCH:
                     self._send(conn, ticket)
@@ -374,7 +381,7 @@ class DataPlane:
         try:
             views = self._views(ticket)
         except KvbankError as exc:  # released or reaped since the ticket was issued
-            conn.sendall(_refusal(exc))
+            _refuse(conn, exc)
             raise _Broken(f"refused: {exc}") from exc
         total = sum(len(v) for v in views)
         deadline = time.monotonic() + self._body
@@ -393,7 +400,7 @@ class DataPlane:
         try:
             views = self._views(ticket)
         except KvbankError as exc:
-            conn.sendall(_refusal(exc))
+            _refuse(conn, exc)
             raise _Broken(f"refused: {exc}") from exc
         total = sum(len(v) for v in views)
         deadline = time.monotonic() + self._body

@@ -110,9 +110,10 @@ def serve(config: ServiceConfig, *, out: TextIO = sys.stdout) -> int:
 
 
 def _dataplane(node: Node, app: object) -> DataPlane | None:
-    """The node's data port, listening (None when ``data_port`` is off)."""
+    """The node's data port, listening (None when ``data_port`` is off, or when the node
+    has no host tier: the data plane moves bodies through host slots only)."""
     config = node.config
-    if config.data_port == DATA_PORT_OFF:
+    if config.data_port == DATA_PORT_OFF or node.segment is None:
         return None
     metrics = admin_of(app).metrics
     dp = DataPlane(node.bank, bind=config.bind, port=config.data_port, max_connections=config.data_connections,
@@ -122,7 +123,7 @@ def _dataplane(node: Node, app: object) -> DataPlane | None:
     return dp
 
 
-def _ready(config: ServiceConfig, out: TextIO, token_file: Path | None, data_port: int | None) -> None:
+def _ready(config: ServiceConfig, out: TextIO, token_file: Path | None, data_port: int | None = None) -> None:
     b = config.bank
     disk = "off" if b.data_dir is None else f"{_size(b.disk_bytes)} in {b.data_dir}"
     # The ready line names the admin token's file, never the token.

@@ -54,7 +54,7 @@ import torch
 
 from kvbank import wire
 from kvbank.buffers import OutBuffers, Pages, out_views, page_views
-from kvbank.errors import InvalidInput, KvbankError, LeaseExpired, TierFull, TierUnavailable
+from kvbank.errors import Busy, InvalidInput, KvbankError, LeaseExpired, TierFull, TierUnavailable
 from kvbank.keys import DEFAULT_SCOPE, Scope, TokenIds, tokens_to_bytes
 from kvbank.layout import PageLayout
 from kvbank.lender.base import CommitResult, Lease, LeaseMode, MemoryKind
@@ -624,11 +624,14 @@ class Client:
             raise TierUnavailable(f"node: {self.url} serves no data port (data_plane=True)")
         return self._data.port is not None
 
-    def _data_lost(self, exc: DataPortUnreachable) -> None:
-        """The advertised port cannot be reached from here: HTTP from now on (unless required)."""
+    def _data_lost(self, exc: DataPortUnreachable | Busy) -> None:
+        """The data port cannot take this transfer: over HTTP instead, unless the data plane
+        is required. One unreachable from here is given up for good; a full one (``Busy``:
+        every data connection in use) is tried again next time."""
         if self._want_data:
             raise exc
-        self._data.port = None
+        if isinstance(exc, DataPortUnreachable):
+            self._data.port = None
 
     def _store_data(self, head: bytes, views: list[memoryview]) -> list[bytes] | None:
         """A put over the data port: WRITE lease and ticket, the pages, the commit of what
@@ -641,7 +644,7 @@ class Client:
         try:
             slots = _slots(lease, views)
             self._data.put(doc["ticket"], [buf for _, (_, _, size, buf) in slots])
-        except DataPortUnreachable as exc:
+        except (DataPortUnreachable, Busy) as exc:
             self.release(lease["id"])
             self._data_lost(exc)
             return None
@@ -668,7 +671,7 @@ class Client:
                 bufs = [views[g][slot][:size] for _, g, slot, size in rows]
                 slots = _slots(lease, bufs)
                 got, err = self._data.fetch(doc["ticket"], [buf[:size] for _, (_, _, size, buf) in slots])
-            except DataPortUnreachable as exc:
+            except (DataPortUnreachable, Busy) as exc:
                 self._ack(fid, [], lease["id"])  # releases the lease
                 self._data_lost(exc)
                 return None

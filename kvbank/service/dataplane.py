@@ -532,11 +532,12 @@ class DataLink:
 
     def fetch(self, ticket: str, bufs: Sequence[memoryview]) -> tuple[int, BaseException | None]:
         """Receive the ticket's slots into ``bufs`` (each exactly its slot's size): how many
-        arrived whole (a prefix), and what ended the transfer early (None: nothing)."""
+        arrived whole (a prefix), and what ended the transfer early (None: nothing).
+        Raises where it never began: :class:`DataPortUnreachable`, :class:`Busy`."""
         try:
             sock = self._start(Op.FETCH, ticket, sum(len(b) for b in bufs))
-        except DataPortUnreachable:
-            raise
+        except (DataPortUnreachable, Busy):
+            raise  # the transfer never began: the caller may take HTTP instead
         except KvbankError as exc:
             return 0, exc
         got = 0

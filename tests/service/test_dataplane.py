@@ -316,8 +316,9 @@ def test_dataplane_bad_reused_wrong_way_and_expired_tickets_are_refused(tmp_path
 
 
 def test_dataplane_connections_over_the_bound_are_refused(tmp_path: Path) -> None:
-    """With ``--data-connections 2`` a third connection is answered Busy and closed; once
-    one of the two goes, a transfer gets through again."""
+    """With ``--data-connections 2`` a third connection is answered Busy and closed: a
+    client that requires the data plane gets Busy (nothing stored), one that does not
+    goes over HTTP; once one of the two goes, a transfer gets through again."""
     n = start_node(tmp_path, "--data-connections", "2")
     try:
         port = data_port(n)
@@ -334,6 +335,17 @@ def test_dataplane_connections_over_the_bound_are_refused(tmp_path: Path) -> Non
             with pytest.raises(Busy):
                 c.put(lid, toks(90, 1), group=0, pages=rand(1, PAGE, 90))
             assert c.match(lid, [*toks(90, 1), 1]).resume.tokens == 0  # nothing half stored
+        with Client(n.url, same_host=False) as auto:  # not required: HTTP while the port is full
+            lid = auto.register(LAYOUT)
+            data = rand(2, PAGE, 92)
+            tcp_in = moved(n, "in", "tcp")
+            auto.put(lid, toks(92, 2), group=0, pages=data)
+            assert moved(n, "in", "tcp") - tcp_in > 2 * PAGE
+            out = torch.zeros((2, PAGE), dtype=torch.uint8)
+            tcp_out = moved(n, "out", "tcp")
+            assert auto.fetch(auto.match(lid, [*toks(92, 2), 1]), out={0: out}).complete
+            assert torch.equal(out, data) and moved(n, "out", "tcp") - tcp_out > 2 * PAGE
+        with Client(n.url, same_host=False, data_plane=True) as c:
             held.pop().close()
             time.sleep(0.2)
             data = rand(2, PAGE, 91)

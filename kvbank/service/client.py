@@ -643,7 +643,7 @@ class Client:
             return None if doc["fallback"] else names
         try:
             slots = _slots(lease, views)
-            self._data.put(doc["ticket"], [buf for _, (_, _, size, buf) in slots])
+            self._data.put(doc["ticket"], [buf for _, (_, _, _, buf) in slots])
         except (DataPortUnreachable, Busy) as exc:
             self.release(lease["id"])
             self._data_lost(exc)

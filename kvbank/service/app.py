@@ -258,7 +258,8 @@ def create_app(node: Node) -> FastAPI:
     async def put_state(request: Request) -> Response:
         return _json(await receive_put(node, request, PutKind.STATE))
 
-    @app.post("/v1/put/lease", openapi_extra=_binary_doc("pages or state, without page bytes"),
+    @app.post("/v1/put/lease", openapi_extra={**_binary_doc("pages or state, without page bytes"),
+                                              "parameters": [_VIA_DATA]},
               responses=_lease_links("$response.body#/lease/id"))
     async def put_lease(request: Request) -> Response:
         names, lease, fallback = await receive_put_lease(node, request)
@@ -434,6 +435,10 @@ def create_app(node: Node) -> FastAPI:
         app.hot.add(method, path, handler, model, _route(app, method, path),
                     binary=match_binary if path == "/v1/match" else None)
     return app
+
+
+_VIA_DATA = {"name": "via", "in": "query", "required": False, "schema": {"type": "string", "enum": ["data"]},
+             "description": "data: the answer adds a data-port ticket for the lease (see docs/service.md)"}
 
 
 def _data_plane(node: Node) -> DataPlane:

@@ -437,3 +437,34 @@ def test_dataplane_settings_from_every_source(tmp_path: Path) -> None:
     out = subprocess.run([sys.executable, "-m", "kvbank.cli", "serve", "--help"], capture_output=True,
                          text=True, check=True).stdout
     assert "--data-port" in out and "--data-connections" in out
+
+
+def test_dataplane_port_unreachable_from_the_client_falls_back_to_http(node: NodeProcess) -> None:
+    """A data port this client cannot connect to (as if firewalled off): a client that
+    does not require the data plane releases the lease it took and puts, or streams the
+    same fetch id, over HTTP; one that requires it gets TierUnavailable, nothing stored."""
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))
+    nowhere = closed.getsockname()[1]
+    closed.close()  # nothing listens there now
+    data = rand(3, PAGE, 101)
+    with Client(node.url, same_host=False) as c:
+        lid = c.register(LAYOUT)
+        assert c._data_on()
+        c._data.port = nowhere
+        tcp_in = moved(node, "in", "tcp")
+        c.put(lid, toks(101, 3), group=0, pages=data)
+        assert moved(node, "in", "tcp") - tcp_in > 3 * PAGE and not c._data_on()
+        m = c.match(lid, [*toks(101, 3), 1])
+        c._data.port = nowhere
+        out = torch.zeros((3, PAGE), dtype=torch.uint8)
+        got = c.fetch(m, out={0: out})
+        assert got.complete and torch.equal(out, data)
+        held = {r.name for x in c.leases() for r in x.rows}
+        assert not held & set(m.needed)  # the put's WRITE lease and the fetch's READ lease are gone
+    with Client(node.url, same_host=False, data_plane=True) as c:
+        assert c._data_on()
+        c._data.port = nowhere
+        with pytest.raises(TierUnavailable, match="unreachable"):
+            c.put(lid, toks(102, 3), group=0, pages=data)
+        assert c.match(lid, [*toks(102, 3), 1]).resume.tokens == 0

@@ -45,6 +45,9 @@ rows are written to disk) and exits 0.
 _SERVE_FLAGS: tuple[tuple[str, str, str], ...] = (
     ("--bind", "bind", "address to listen on (default 127.0.0.1)"),
     ("--port", "port", "TCP port (default 7410; 0 = any free port)"),
+    ("--data-port", "data_port", "data plane TCP port for remote page bodies (default 0 = any free "
+                                 "port, advertised in GET /v1/node; off = page bodies over HTTP)"),
+    ("--data-connections", "data_connections", "open data plane connections (default 64)"),
     ("--data-dir", "data_dir", "disk tier folder (default $XDG_CACHE_HOME/kvbank)"),
     ("--host-bytes", "host_bytes", "host tier budget (default: sized, see below)"),
     ("--disk-bytes", "disk_bytes", "disk tier budget (default: sized, see below)"),
@@ -62,7 +65,7 @@ _SERVE_FLAGS: tuple[tuple[str, str, str], ...] = (
     ("--body-timeout-s", "body_timeout_s", "a request body must arrive within this (default 60)"),
     ("--shutdown-timeout-s", "shutdown_timeout_s", "in-flight requests get this long on SIGTERM (default 10)"),
 )
-_INT_FIELDS = {"port", "threads"}
+_INT_FIELDS = {"port", "threads", "data_connections"}
 _FLOAT_FIELDS = {"idle_timeout_s", "header_timeout_s", "body_timeout_s", "shutdown_timeout_s"}
 
 
@@ -75,6 +78,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         if raw is None:
             continue
         try:
+            if name == "data_port":
+                flags[name] = -1 if raw.strip().lower() == "off" else int(raw)
+                continue
             flags[name] = int(raw) if name in _INT_FIELDS else float(raw) if name in _FLOAT_FIELDS else raw
         except ValueError:
             print(f"kvbank serve: --{name.replace('_', '-')}: not a number: {raw!r}", file=sys.stderr)

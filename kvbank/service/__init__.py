@@ -6,10 +6,13 @@ Modules:
 - :mod:`kvbank.service.framing` — the binary put body and fetch stream forms.
 - :mod:`kvbank.service.app` — the data API under ``/v1/`` (FastAPI for JSON control
   routes, raw streamed bodies for pages).
+- :mod:`kvbank.service.dataplane` — the data port: remote page bodies over a plain
+  socket, each transfer allowed by a single-use ticket from an HTTP control call.
 - :mod:`kvbank.service.server` — the uvicorn lifecycle: ready line, graceful shutdown,
   the bounded thread pool blocking bank calls run on.
 - :mod:`kvbank.service.client` — :class:`Client`, the same calls as ``Bank`` over HTTP
-  and, on the node's own host, through shared memory.
+  (page bodies over the data port where the node has one) and, on the node's own host,
+  through shared memory.
 
 Nothing here is imported by ``import kvbank``: the HTTP stack loads only when asked for.
 """

@@ -13,9 +13,11 @@ route                                    what it does
 ``GET  /v1/layouts/{layout_id}``         the registered layout
 ``POST /v1/put``, ``/v1/put_state``      binary put body (:mod:`~kvbank.service.framing`)
 ``POST /v1/put/lease``                   same body without pages → names + a WRITE lease
+                                         (``?via=data``: + a data-port ticket for it)
 ``POST /v1/match``                       layout id, tokens (or keys), scope → a Match
 ``POST /v1/fetch``                       a Match → streamed rows (or, ``via="lease"``, a
-                                         READ lease on them)
+                                         READ lease on them; ``via="data"``: that lease
+                                         and a data-port ticket for it)
 ``POST /v1/fetch/{fetch_id}/ack``        rows that arrived whole → the FetchResult
 ``POST /v1/leases``                      lend (NAMED or ALL, HOST or DEVICE, READ or WRITE)
 ``POST /v1/leases/{id}/renew``           renew → the lease
@@ -74,6 +76,7 @@ from kvbank.results import Match
 from kvbank.service.admin import install_admin
 from kvbank.service.auth import Forbidden, Unauthorized
 from kvbank.service.connections import RequestLimits
+from kvbank.service.dataplane import DataPlane, Op, slot_names
 from kvbank.service.framing import PutKind, decode_match, encode_fetch_prefix, fetch_stream_bytes
 from kvbank.service.hot import NodeAPI
 from kvbank.service.node import Node, slots_doc
@@ -131,7 +134,7 @@ class FetchBody(BaseModel):
     match: dict[str, Any] = Field(description="a Match in its wire form")
     fetch_id: str | None = None
     max_rows: int | None = Field(None, ge=0)
-    via: Literal["stream", "lease"] = "stream"
+    via: Literal["stream", "lease", "data"] = "stream"
 
 
 class AckBody(BaseModel):
@@ -255,7 +258,8 @@ def create_app(node: Node) -> FastAPI:
     async def put_state(request: Request) -> Response:
         return _json(await receive_put(node, request, PutKind.STATE))
 
-    @app.post("/v1/put/lease", openapi_extra=_binary_doc("pages or state, without page bytes"),
+    @app.post("/v1/put/lease", openapi_extra={**_binary_doc("pages or state, without page bytes"),
+                                              "parameters": [_VIA_DATA]},
               responses=_lease_links("$response.body#/lease/id"))
     async def put_lease(request: Request) -> Response:
         names, lease, fallback = await receive_put_lease(node, request)
@@ -263,6 +267,8 @@ def create_app(node: Node) -> FastAPI:
         doc: dict[str, Any] = {"names": [n.hex() for n in names], "fallback": fallback, "lease": None}
         if lease is not None:
             doc["lease"] = slots_doc(lease, names, Delivery.RESERVED, bank.clock())
+            if request.query_params.get("via") == "data":
+                doc["ticket"] = _data_plane(node).issue(Op.PUT, lease, slot_names(doc["lease"], names))
         return _json(doc)
 
     @app.post("/v1/match", openapi_extra=_match_binary_doc(), responses=_links(
@@ -320,6 +326,8 @@ def create_app(node: Node) -> FastAPI:
     async def fetch_core(request: Request, body: FetchBody) -> Response:
         m = guard.match(request, wire.from_dict(Match, body.match))
         guard.fetch(request, body.fetch_id)
+        if body.via == "data":
+            return await data_fetch(request, body, m)
         if body.via == "lease":
             # one hop to the pool: open the fetch and lend its rows
             opened, lease = await node.call(node.lend_fetch, m, body.fetch_id, body.max_rows)
@@ -334,6 +342,20 @@ def create_app(node: Node) -> FastAPI:
         prefix = encode_fetch_prefix(opened.fetch_id, opened.rows, opened.stream)
         return RowStream(node, opened, prefix, fetch_stream_bytes(len(prefix), opened.rows))
 
+    async def data_fetch(request: Request, body: FetchBody, m: Match) -> Response:
+        # the lease branch's answer, plus a ticket to read the lent slots over the data port
+        plane = _data_plane(node)
+        opened, lease = await node.call(node.lend_fetch, m, body.fetch_id, body.max_rows)
+        guard.own_fetch(request, opened.fetch_id)
+        guard.own_lease(request, lease)
+        doc: dict[str, Any] = {"fetch_id": opened.fetch_id,
+                               "rows": [[r.position, r.group, r.slot, r.size] for r in opened.rows],
+                               "lease": None, "ticket": None}
+        if lease is not None:
+            doc["lease"] = slots_doc(lease, opened.names, Delivery.READY, bank.clock())
+            doc["ticket"] = plane.issue(Op.FETCH, lease, slot_names(doc["lease"], opened.names))
+        return _json(doc)
+
     @app.post("/v1/fetch/{fetch_id}/ack")
     async def ack(fetch_id: str, body: AckBody, request: Request) -> Response:
         return await ack_core(request, body, fetch_id)
@@ -342,7 +364,9 @@ def create_app(node: Node) -> FastAPI:
         guard.fetch(request, fetch_id)
         result = await node.call(node.acknowledge, fetch_id, body.rows, body.lease_id, body.stream)
         if metrics is not None and body.lease_id is not None:
-            metrics.add_moved("out", "shm", result.nbytes)
+            plane = node.dataplane
+            metrics.add_moved("out", "data" if plane is not None and plane.took(body.lease_id) else "shm",
+                              result.nbytes)
         return _json(wire.to_dict(result))
 
     @app.post("/v1/leases", responses=_lease_links("$response.body#/id"))
@@ -411,6 +435,17 @@ def create_app(node: Node) -> FastAPI:
         app.hot.add(method, path, handler, model, _route(app, method, path),
                     binary=match_binary if path == "/v1/match" else None)
     return app
+
+
+_VIA_DATA = {"name": "via", "in": "query", "required": False, "schema": {"type": "string", "enum": ["data"]},
+             "description": "data: the answer adds a data-port ticket for the lease (see docs/service.md)"}
+
+
+def _data_plane(node: Node) -> DataPlane:
+    """The node's data plane, for a control call that asks for a ticket."""
+    if node.dataplane is None:
+        raise InvalidInput("via: this node serves no data port (data_port is off)", field="via")
+    return node.dataplane
 
 
 def _route(app: FastAPI, method: str, path: str) -> object:

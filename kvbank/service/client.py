@@ -13,6 +13,12 @@ Paths, chosen per client (``same_host=None``: automatically):
   node's segment straight into ``out``, and acknowledges them with the lease, which the
   node checks is still live (bytes read after expiry are refused). ``put`` takes a WRITE
   HOST lease, fills the reserved slots in place and commits what arrived whole.
+- **data plane** — another host, and the node advertises a data port
+  (:mod:`kvbank.service.dataplane`): the same control calls as on the shared-memory
+  path, with ``via=data``, answer a ticket; the page bodies go over the data port
+  (``recv_into`` each destination row, ``sendall`` each page buffer), and the client
+  commits or acknowledges with the lease exactly as above. ``data_plane=False`` turns it
+  off, ``True`` requires it; rows the node cannot lend at once stream over HTTP.
 - **TCP** — page bodies go over a plain ``http.client`` connection: a fetch stream is
   read with ``readinto`` straight into each destination row, a put body is sent from the
   caller's page buffers. JSON control calls go over the same pool of keep-alive
@@ -48,7 +54,7 @@ import torch
 
 from kvbank import wire
 from kvbank.buffers import OutBuffers, Pages, out_views, page_views
-from kvbank.errors import InvalidInput, KvbankError, LeaseExpired, TierFull, TierUnavailable
+from kvbank.errors import Busy, InvalidInput, KvbankError, LeaseExpired, TierFull, TierUnavailable
 from kvbank.keys import DEFAULT_SCOPE, Scope, TokenIds, tokens_to_bytes
 from kvbank.layout import PageLayout
 from kvbank.lender.base import CommitResult, Lease, LeaseMode, MemoryKind
@@ -64,6 +70,7 @@ from kvbank.service.client_io import (
     send_put,
 )
 from kvbank.service.config import DEFAULT_BIND, DEFAULT_PORT
+from kvbank.service.dataplane import DataLink, DataPortUnreachable
 from kvbank.service.framing import PutKind, encode_match
 from kvbank.tiers.base import TierKind
 from kvbank.tiers.host import SHM_DIR
@@ -178,6 +185,7 @@ class Client:
         retry_s: float = DEFAULT_RETRY_S,
         same_host: bool | None = None,
         token: str | None = None,
+        data_plane: bool | None = None,
     ) -> None:
         parts = urlsplit(url)
         if parts.scheme != "http" or not parts.hostname:
@@ -199,6 +207,10 @@ class Client:
         self._resident = False  # the node keeps it resident: populate our mapping up front
         # the latest matches this client decoded, with the node's documents of them
         self._matches: OrderedDict[int, tuple[Match, dict[str, Any]]] = OrderedDict()
+        # page bodies to another host over the node's data port (None: if it has one)
+        self._want_data = data_plane
+        self._data = DataLink(self._host, self._timeout)
+        self._data_known = data_plane is False  # whether /v1/node told us the port yet
 
     # ---- plumbing --------------------------------------------------------------------
 
@@ -266,7 +278,12 @@ class Client:
         return self._local
 
     def _host_info(self) -> dict[str, Any]:
-        info: dict[str, Any] = self._call("GET", "/v1/node", idempotent=True)["host"]
+        doc = self._call("GET", "/v1/node", idempotent=True)
+        if not self._data_known:
+            port = doc.get("data_port")
+            self._data.port = port if isinstance(port, int) and not isinstance(port, bool) else None
+            self._data_known = True
+        info: dict[str, Any] = doc["host"]
         seg = info.get("segment")
         self._segment = seg if isinstance(seg, str) and seg else None
         self._resident = info.get("resident") is True
@@ -355,6 +372,10 @@ class Client:
                 return names
             if not doc["fallback"]:
                 return names  # every row was stored already
+        elif self._data_on():
+            stored = self._store_data(head, views)
+            if stored is not None:
+                return stored
         path = "/v1/put" if kind is PutKind.PAGES else "/v1/put_state"
         conn = self._conn()
         try:
@@ -480,6 +501,13 @@ class Client:
                 self._local = False  # segments cannot be mapped here after all
             except TierFull:
                 pass  # the host tier cannot hold every row at once: stream them in batches
+        elif self._data_on():
+            try:
+                fetched = self._fetch_data(req, views)
+                if fetched is not None:
+                    return fetched
+            except TierFull:
+                pass  # as on the same host: stream them in batches
         deadline = time.monotonic() + self._retry
         while True:
             conn = self._conn()
@@ -584,6 +612,78 @@ class Client:
         """Wait until the node store's mover is idle."""
         self._call("POST", "/v1/flush")
 
+    # ---- the data plane --------------------------------------------------------------
+
+    def _data_on(self) -> bool:
+        """Whether page bodies to this (remote) node take its data port."""
+        if self._want_data is False:
+            return False
+        if not self._data_known:
+            self._host_info()
+        if self._data.port is None and self._want_data:
+            raise TierUnavailable(f"node: {self.url} serves no data port (data_plane=True)")
+        return self._data.port is not None
+
+    def _data_lost(self, exc: DataPortUnreachable | Busy) -> None:
+        """The data port cannot take this transfer: over HTTP instead, unless the data plane
+        is required. One unreachable from here is given up for good; a full one (``Busy``:
+        every data connection in use) is tried again next time."""
+        if self._want_data:
+            raise exc
+        if isinstance(exc, DataPortUnreachable):
+            self._data.port = None
+
+    def _store_data(self, head: bytes, views: list[memoryview]) -> list[bytes] | None:
+        """A put over the data port: WRITE lease and ticket, the pages, the commit of what
+        arrived whole; the names, or None where the node can lend no slots (put over HTTP)."""
+        doc = self._call("POST", "/v1/put/lease?via=data", content=head)
+        names = [bytes.fromhex(n) for n in doc["names"]]
+        lease = doc["lease"]
+        if lease is None:
+            return None if doc["fallback"] else names
+        try:
+            slots = _slots(lease, views)
+            self._data.put(doc["ticket"], [buf for _, (_, _, _, buf) in slots])
+        except (DataPortUnreachable, Busy) as exc:
+            self.release(lease["id"])
+            self._data_lost(exc)
+            return None
+        except BaseException as exc:
+            self.release(lease["id"])  # nothing was committed: nothing of this put is visible
+            if isinstance(exc, TierUnavailable):
+                raise TierUnavailable(f"node: put to {self.url} broke off: {exc}; nothing was stored") from exc
+            raise
+        self.commit(lease["id"], [names[i] for i, _ in slots])
+        return names
+
+    def _fetch_data(self, req: dict[str, Any], views: dict[int, list[memoryview]]) -> FetchResult | None:
+        """A fetch over the data port, resumed under its fetch id while it breaks off
+        (until ``retry_s``); None where the port cannot be reached (``req`` then names the
+        fetch id, for the HTTP stream to go on with)."""
+        deadline = time.monotonic() + self._retry
+        while True:
+            doc = self._call("POST", "/v1/fetch", body={**req, "via": "data"})
+            fid, lease, rows = doc["fetch_id"], doc["lease"], doc["rows"]
+            req["fetch_id"] = fid
+            if lease is None:
+                return self._ack(fid, [], None)
+            try:
+                bufs = [views[g][slot][:size] for _, g, slot, size in rows]
+                slots = _slots(lease, bufs)
+                got, err = self._data.fetch(doc["ticket"], [buf[:size] for _, (_, _, size, buf) in slots])
+            except (DataPortUnreachable, Busy) as exc:
+                self._ack(fid, [], lease["id"])  # releases the lease
+                self._data_lost(exc)
+                return None
+            except (KeyError, IndexError, TypeError, ValueError) as exc:
+                self.release(lease["id"])
+                raise TierUnavailable(f"node: a fetch answer of an unexpected shape: {exc!r}") from exc
+            # the node counts these rows only if the lease outlived the transfer
+            result = self._ack(fid, [rows[i][0] for i, _ in slots[:got]], lease["id"])
+            if err is None or result.complete or time.monotonic() >= deadline:
+                return result
+            time.sleep(0.01)
+
     # ---- the rest --------------------------------------------------------------------
 
     def close(self) -> None:
@@ -594,6 +694,7 @@ class Client:
             self._reader = self._writer = None
         for c in conns:
             c.close()
+        self._data.close()
         for b in borrowers:
             b.close()
 

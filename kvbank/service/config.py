@@ -11,6 +11,11 @@ field                environment                 meaning
 ===================  ==========================  =========================================
 bind                 KVBANK_BIND                 address to listen on (127.0.0.1)
 port                 KVBANK_PORT                 TCP port (7410; 0 = a free one)
+data_port            KVBANK_DATA_PORT            the data plane's TCP port for remote page
+                                                 bodies (0 = a free one, the default;
+                                                 ``off`` or -1 = none: bodies go over HTTP)
+data_connections     KVBANK_DATA_CONNECTIONS     open data-plane connections (one more is
+                                                 refused ``Busy`` and closed)
 threads              KVBANK_THREADS              bounded pool for blocking bank calls
 max_body_bytes       KVBANK_MAX_BODY_BYTES       largest put body (413 above it)
 max_json_bytes       KVBANK_MAX_JSON_BYTES       largest JSON request body (413 above it)
@@ -63,6 +68,9 @@ from kvbank.errors import ConfigError
 
 DEFAULT_BIND = "127.0.0.1"
 DEFAULT_PORT = 7410
+DEFAULT_DATA_PORT = 0  # a free port, advertised in GET /v1/node
+DATA_PORT_OFF = -1
+DEFAULT_DATA_CONNECTIONS = 64
 DEFAULT_THREADS = 16
 DEFAULT_MAX_BODY_BYTES = 1 << 30
 DEFAULT_MAX_JSON_BYTES = 16 << 20  # a 1M-token match as a JSON list is ~7 MiB
@@ -78,7 +86,7 @@ MIN_BUDGET = 64 << 20
 HOST_SHARE, HOST_CAP = 0.25, 64 << 30  # of MemAvailable; /dev/shm's free half caps it too
 DISK_SHARE, DISK_CAP = 0.50, 1 << 40  # of the data dir file system's free space
 
-_INTS = ("port", "threads", "max_headers", "max_connections")
+_INTS = ("port", "data_port", "threads", "max_headers", "max_connections", "data_connections")
 _SIZES = ("max_body_bytes", "max_json_bytes", "max_header_bytes")
 _SECONDS = ("idle_timeout_s", "header_timeout_s", "body_timeout_s", "shutdown_timeout_s")
 
@@ -132,6 +140,8 @@ class ServiceConfig:
     bank: BankConfig = field(default_factory=BankConfig)
     bind: str = DEFAULT_BIND
     port: int = DEFAULT_PORT
+    data_port: int = DEFAULT_DATA_PORT  # DATA_PORT_OFF: no data plane
+    data_connections: int = DEFAULT_DATA_CONNECTIONS
     threads: int = DEFAULT_THREADS
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_json_bytes: int = DEFAULT_MAX_JSON_BYTES
@@ -157,13 +167,17 @@ class ServiceConfig:
             raise ConfigError(f"bind: expected an address, got {self.bind!r}")
         for name in _SIZES:
             object.__setattr__(self, name, parse_bytes(getattr(self, name), name))
+        if isinstance(self.data_port, str) and self.data_port.strip().lower() in _OFF:
+            object.__setattr__(self, "data_port", DATA_PORT_OFF)  # TOML and flags may say "off"
         for name in _INTS:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int):
                 raise ConfigError(f"{name}: expected an integer, got {v!r}")
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"port: must be in [0, 65535], got {self.port}")
-        for name in ("threads", "max_headers", "max_connections"):
+        if not DATA_PORT_OFF <= self.data_port <= 65535:
+            raise ConfigError(f"data_port: must be in [0, 65535] (or off / -1), got {self.data_port}")
+        for name in ("threads", "max_headers", "max_connections", "data_connections"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}: must be >= 1, got {getattr(self, name)}")
         if self.max_body_bytes < 1 << 20:
@@ -275,6 +289,7 @@ def _read_toml(path: Path) -> dict[str, Any]:
 
 
 _NOT_PRINTED = ("bank", "admin_token", "tenants")
+_OFF = ("off", "none", "false", "no")
 
 
 def _check_secrets(c: ServiceConfig) -> None:
@@ -309,6 +324,8 @@ def _service_from_text(name: str, raw: str) -> Any:
         return tuple((t.strip(), k.strip()) for t, _, k in pairs)
     if name in _SIZES:
         return parse_bytes(raw, var)
+    if name == "data_port" and raw.strip().lower() in _OFF:
+        return DATA_PORT_OFF
     try:
         return int(raw) if name in _INTS else float(raw)
     except ValueError:

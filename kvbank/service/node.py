@@ -48,6 +48,7 @@ from kvbank.lender.base import Delivery, HostLocation, Lease, LeaseMode, MemoryK
 from kvbank.lender.ledger import FetchLedger, PlannedRow
 from kvbank.results import FetchResult, Match
 from kvbank.service.config import ServiceConfig
+from kvbank.service.dataplane import DataPlane
 from kvbank.service.fleet import Fleet
 from kvbank.service.framing import StreamRow
 from kvbank.tiers.base import HostSlot
@@ -131,6 +132,7 @@ class Node:
         self._fetches: OrderedDict[str, _Fetch] = OrderedDict()
         self.identity = host_identity()
         self.fleet: Fleet | None = None  # set by the server when the node joins a fleet
+        self.dataplane: DataPlane | None = None  # set by the server when it serves a data port
         # The host tier's segment, from an ALL lease (which describes the pools, locks
         # nothing): a same-host client checks it can map it before taking that path.
         pools: tuple[object, ...] = ()
@@ -161,6 +163,8 @@ class Node:
             "host_bytes": cfg.host_bytes,
             "disk_bytes": cfg.disk_bytes,
             "max_body_bytes": self.config.max_body_bytes,
+            # remote page bodies over a plain socket (kvbank.service.dataplane); None: HTTP only
+            "data_port": None if self.dataplane is None else self.dataplane.port,
         }
 
     # ---- remote fetches --------------------------------------------------------------

@@ -7,10 +7,13 @@ Lifecycle::
       ├─ uvicorn (uvloop + httptools, with the connection limits of
       │  :mod:`kvbank.service.connections`) starts ──► one ready line on stdout:
       │     "kvbank serve: ready on http://127.0.0.1:7410 (data dir …, host tier …, …)"
+      ├─ the data port (``data_port``, :mod:`kvbank.service.dataplane`) listens, its
+      │  threads beside uvicorn's loop; the ready line names it
       ├─ requests: blocking bank calls on the node's bounded pool, never on the loop
       └─ SIGTERM / SIGINT: stop accepting, let in-flight requests finish (at most
-         ``shutdown_timeout_s``), close the bank (host rows persisted to disk, as
-         ``Bank.close`` does), exit 0
+         ``shutdown_timeout_s``), end the data connections (a transfer in flight breaks
+         off: nothing it carried is committed or acknowledged by the node), close the
+         bank (host rows persisted to disk, as ``Bank.close`` does), exit 0
 
 The socket is bound before the bank opens so that a taken port fails at once, and the
 ready line is printed only once uvicorn accepts: a script may start the node and wait for
@@ -34,8 +37,9 @@ from kvbank.bank import Bank
 from kvbank.errors import ConfigError, TierUnavailable
 from kvbank.service.admin import admin_of
 from kvbank.service.app import create_app
-from kvbank.service.config import ServiceConfig
+from kvbank.service.config import DATA_PORT_OFF, ServiceConfig
 from kvbank.service.connections import protocol
+from kvbank.service.dataplane import DataPlane
 from kvbank.service.fleet import join_fleet
 from kvbank.service.node import Node
 
@@ -81,6 +85,7 @@ def serve(config: ServiceConfig, *, out: TextIO = sys.stdout) -> int:
     try:
         node.fleet = join_fleet(bank, config)
         app = create_app(node)
+        node.dataplane = _dataplane(node, app)
         # The protocol (httptools, with the node's header timeout, header-size and
         # connection limits) answers 503 to a connection over max_connections at accept,
         # so uvicorn's own limit_concurrency (checked only once headers arrive) is not used.
@@ -91,23 +96,41 @@ def serve(config: ServiceConfig, *, out: TextIO = sys.stdout) -> int:
             timeout_graceful_shutdown=int(max(1, config.shutdown_timeout_s)),
         )
         admin = admin_of(app)
-        server = _Server(uv, lambda: _ready(config, out, admin.state.token_file))
+        data_port = None if node.dataplane is None else node.dataplane.port
+        server = _Server(uv, lambda: _ready(config, out, admin.state.token_file, data_port))
         server.run(sockets=[sock])
     finally:
         sock.close()
+        if node.dataplane is not None:  # before the bank closes: its threads hold slot views
+            node.dataplane.stop(config.shutdown_timeout_s)
         node.close()
         _close_bank(bank, config.shutdown_timeout_s)
     logger.debug("kvbank serve: stopped")
     return 0
 
 
-def _ready(config: ServiceConfig, out: TextIO, token_file: Path | None) -> None:
+def _dataplane(node: Node, app: object) -> DataPlane | None:
+    """The node's data port, listening (None when ``data_port`` is off, or when the node
+    has no host tier: the data plane moves bodies through host slots only)."""
+    config = node.config
+    if config.data_port == DATA_PORT_OFF or node.segment is None:
+        return None
+    metrics = admin_of(app).metrics
+    dp = DataPlane(node.bank, bind=config.bind, port=config.data_port, max_connections=config.data_connections,
+                   idle_timeout_s=config.idle_timeout_s, body_timeout_s=config.body_timeout_s,
+                   moved=None if metrics is None else lambda d, n: metrics.add_moved(d, "data", n))
+    dp.start()
+    return dp
+
+
+def _ready(config: ServiceConfig, out: TextIO, token_file: Path | None, data_port: int | None = None) -> None:
     b = config.bank
     disk = "off" if b.data_dir is None else f"{_size(b.disk_bytes)} in {b.data_dir}"
     # The ready line names the admin token's file, never the token.
     admin = "admin token as configured" if token_file is None else f"admin token in {token_file}"
+    data = "data port off" if data_port is None else f"data port {data_port}"
     print(f"{READY} {config.url} (data dir {b.data_dir}, host tier {_size(b.host_bytes)}, "
-          f"disk tier {disk}; {admin})", file=out, flush=True)
+          f"disk tier {disk}, {data}; {admin})", file=out, flush=True)
 
 
 def _close_bank(bank: Bank, deadline_s: float) -> None:

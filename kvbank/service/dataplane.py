@@ -1,0 +1,561 @@
+"""The data plane: page bodies of remote puts and fetches over a plain TCP socket, with
+every decision left to the HTTP control plane.
+
+A remote put or fetch makes the same control call the same-host path makes (``POST
+/v1/put/lease`` → a WRITE HOST lease with RESERVED slots; ``POST /v1/fetch`` → a READ HOST
+lease on the rows), through every middleware of the node (limits, tenant guard, drain
+gate, counters). Asked with ``via=data``, the answer also carries a **ticket**: 128
+random bits, good for one transfer, bound to that lease, its slots in order and the
+transfer's direction, and expiring with the lease. The page bytes then travel over the
+node's data port, and the client ends the transfer over HTTP exactly as on the same-host
+path: it commits the rows that arrived whole, or acknowledges the fetch with the lease id
+(the node's completion check: rows read after the lease expired do not count).
+
+Primitives:
+
+- :class:`Tickets` — the registry: ``issue`` (after a control call lends the lease) and
+  ``redeem`` (single use: a ticket is gone once presented, whatever follows).
+- :class:`DataPlane` — the node's listener: a thread accepts, a thread per connection
+  (at most ``data_connections``) serves transfers one after another on it.
+- :class:`DataLink` — a client's pooled connections to one node's data port.
+
+The wire, per transfer (little-endian; the server speaks only after a whole request)::
+
+    client → REQUEST  magic "KVDP", version, op (1 = put, 2 = fetch), ticket (16 bytes)
+    server → REPLY    magic "KVDR", status (0 = go, 1 = refused), error length, byte count
+                      refused: a JSON error document {type, field, message} follows, and
+                      the server closes the connection
+    fetch:  server → the slots' bytes, back to back, in the ticket's slot order
+    put:    client → the slots' bytes, in the ticket's slot order
+            server → REPLY (status 0, the byte count received) once every slot is full
+
+A fetch's slots are sent from memoryviews of the host segment (``sendall``: the kernel
+has the bytes when it returns); a put's land straight in the reserved slots
+(``recv_into`` with ``MSG_WAITALL``, one call per slot). Bytes beyond the slots are never
+read into anything: after a transfer the next bytes must be another request.
+
+Failure: the server never commits or acknowledges. A connection dropped mid-put leaves
+the WRITE lease uncommitted (the client releases it, or it expires): nothing becomes
+visible. A connection dropped mid-fetch leaves the client the slots it received whole,
+which it acknowledges, and the fetch id resumes from the first row not recorded. A slot
+is never received into past its lease's deadline: each ``recv_into`` is bounded by the
+time the lease has left. Bounded: the connections (``data_connections``; one more is
+answered ``Busy`` and closed), the wait for a request (``idle_timeout_s``), a transfer
+(``body_timeout_s``), the request (a fixed 24 bytes), the tickets remembered.
+
+Lifecycle (server): ``DataPlane(bank, config)`` → ``start()`` (binds; the port) →
+``issue(...)`` from the control routes → ``stop()`` (closes the listener and every
+connection, joins their threads) before the bank closes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import secrets
+import select
+import socket
+import struct
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import Any
+
+from kvbank import wire
+from kvbank.bank import Bank
+from kvbank.errors import (
+    Busy,
+    ConfigError,
+    InvalidInput,
+    KvbankError,
+    LeaseExpired,
+    TierUnavailable,
+)
+from kvbank.lender.base import Lease
+
+logger = logging.getLogger(__name__)
+
+VERSION = 1
+REQUEST_MAGIC = b"KVDP"
+REPLY_MAGIC = b"KVDR"
+REQUEST = struct.Struct("<4sBB2x16s")  # magic, version, op, ticket
+REPLY = struct.Struct("<4sBxHQ")  # magic, status, error document length, byte count
+TICKET_BYTES = 16
+MAX_ERROR_BYTES = 4096  # an error document longer than this is cut (a client reads at most this)
+_TICKETS = 8192  # unredeemed tickets remembered (the oldest go first; each expires anyway)
+_SERVED = 4096  # fetch leases remembered as data-plane ones, for the byte counters
+_GO, _REFUSED = 0, 1
+
+Moved = Callable[[str, int], None]  # (direction "in" / "out", bytes): the node's counters
+
+
+class Op(IntEnum):
+    """A transfer's direction."""
+
+    PUT = 1
+    FETCH = 2
+
+
+@dataclass(frozen=True, slots=True)
+class Ticket:
+    """What a redeemed ticket allows: one transfer of ``slots`` under ``lease_id``."""
+
+    op: Op
+    lease_id: str
+    slots: tuple[tuple[bytes, int], ...]  # (row name, size) in the order the bytes travel
+    expires_at: float  # the lease's deadline, on the bank's clock
+
+
+def slot_names(doc: dict[str, Any], names: Sequence[bytes]) -> list[tuple[bytes, int]]:
+    """A lease's slots form (``kvbank.service.node.slots_doc``) → ``(name, size)`` of each
+    slot, in the order the client sends or receives them."""
+    return [(names[i], size) for i, _, _, size in doc["slots"]]
+
+
+class Tickets:
+    """Single-use tickets, by their 16 random bytes (thread-safe)."""
+
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._live: OrderedDict[bytes, Ticket] = OrderedDict()
+
+    def issue(self, op: Op, lease: Lease, slots: Sequence[tuple[bytes, int]]) -> str:
+        """A new ticket for one transfer of ``slots`` under ``lease``; its hex form."""
+        raw = secrets.token_bytes(TICKET_BYTES)
+        ticket = Ticket(op, lease.id, tuple(slots), lease.expires_at)
+        with self._lock:
+            self._live[raw] = ticket
+            while len(self._live) > _TICKETS:
+                self._live.popitem(last=False)
+        return raw.hex()
+
+    def redeem(self, raw: bytes, op: Op) -> Ticket:
+        """The ticket ``raw`` stands for, taken out (single use): :class:`InvalidInput`
+        for one never issued, already used or for the other direction,
+        :class:`LeaseExpired` for one whose lease's deadline has passed."""
+        with self._lock:
+            ticket = self._live.pop(raw, None)
+            now = self._clock()
+            # forget the expired ones at the old end while here
+            while self._live:
+                first = next(iter(self._live.values()))
+                if first.expires_at > now:
+                    break
+                self._live.popitem(last=False)
+        if ticket is None:
+            raise InvalidInput("ticket: not issued by this node, or already used")
+        if ticket.op is not op:
+            raise InvalidInput(f"ticket: issued for a {ticket.op.name.lower()}, presented for a {op.name.lower()}")
+        if now >= ticket.expires_at:
+            raise LeaseExpired(f"ticket: its lease {ticket.lease_id} expired {now - ticket.expires_at:.3f}s ago")
+        return ticket
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._live)
+
+
+class _Broken(Exception):
+    """The peer went away, or a transfer ran out of time (the connection is closed)."""
+
+
+def _set_timeouts(sock: socket.socket, seconds: float) -> None:
+    # Kernel timeouts on a blocking socket, so recv_into(MSG_WAITALL) still waits for a
+    # whole slot in one call (a Python-level timeout makes the socket non-blocking, and
+    # MSG_WAITALL then returns whatever has arrived: a Python loop per packet).
+    s = max(seconds, 0.001)
+    tv = struct.pack("ll", int(s), int((s - int(s)) * 1e6))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+
+
+def _recv_exact(sock: socket.socket, view: memoryview) -> None:
+    got, n = 0, len(view)
+    while got < n:
+        try:
+            k = sock.recv_into(view[got:], n - got, socket.MSG_WAITALL)
+        except (BlockingIOError, TimeoutError) as exc:
+            raise _Broken(f"no bytes for {n - got} more within the time left") from exc
+        if not k:
+            raise _Broken(f"the peer closed {n - got} bytes short")
+        got += k
+
+
+def _reply(status: int, count: int, error: bytes = b"") -> bytes:
+    return REPLY.pack(REPLY_MAGIC, status, len(error), count) + error
+
+
+def _refuse(conn: socket.socket, exc: KvbankError) -> None:
+    """Answer ``exc`` and end the sending side; the caller closes the connection."""
+    doc = json.dumps(wire.error_to_dict(exc), separators=(",", ":")).encode()[:MAX_ERROR_BYTES]
+    conn.sendall(_reply(_REFUSED, 0, doc))
+    conn.shutdown(socket.SHUT_WR)
+    # Take what the client sent meanwhile (a request on connecting, a request's tail)
+    # before closing: a close with bytes unread answers a reset, which can overtake the
+    # refusal. What is taken is dropped, never used.
+    if select.select([conn], [], [], 0.05)[0]:
+        conn.recv(1 << 16)
+
+
+class DataPlane:
+    """The node's data port (see the module docstring)."""
+
+    def __init__(self, bank: Bank, *, bind: str, port: int, max_connections: int,
+                 idle_timeout_s: float, body_timeout_s: float, moved: Moved | None = None) -> None:
+        self._bank = bank
+        self._bind, self._want_port = bind, port
+        self._max = max_connections
+        self._idle = idle_timeout_s
+        self._body = body_timeout_s
+        self.moved = moved
+        self.tickets = Tickets(bank.clock)
+        self._lock = threading.Lock()
+        self._conns: dict[socket.socket, threading.Thread] = {}
+        self._served: OrderedDict[str, None] = OrderedDict()  # fetch leases sent over this port
+        self._sock: socket.socket | None = None
+        self._acceptor: threading.Thread | None = None
+        self._stopping = threading.Event()
+        self.port: int | None = None
+
+    # ---- lifecycle ---------------------------------------------------------------------
+
+    def start(self) -> int:
+        """Bind and listen (port 0: a free one); the port."""
+        family = socket.AF_INET6 if ":" in self._bind else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((self._bind, self._want_port))
+        except OSError as exc:
+            sock.close()
+            raise ConfigError(f"data_port: cannot bind {self._bind}:{self._want_port}: {exc}") from exc
+        sock.listen(256)
+        sock.settimeout(0.25)  # the acceptor looks at the stop flag this often
+        self._sock = sock
+        self.port = int(sock.getsockname()[1])
+        self._acceptor = threading.Thread(target=self._accept, name="kvbank-data-accept", daemon=True)
+        self._acceptor.start()
+        logger.debug("data plane: listening on %s:%d", self._bind, self.port)
+        return self.port
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Stop accepting, end every connection (a transfer in flight breaks off: its
+        client commits nothing, or acknowledges what it has), join the threads."""
+        self._stopping.set()
+        if self._acceptor is not None:
+            self._acceptor.join(timeout_s)
+        if self._sock is not None:
+            self._sock.close()
+        with self._lock:
+            conns = list(self._conns.items())
+        for sock, _ in conns:
+            with contextlib.suppress(OSError):  # already gone
+                sock.shutdown(socket.SHUT_RDWR)
+        deadline = time.monotonic() + timeout_s
+        for _, t in conns:
+            t.join(max(0.0, deadline - time.monotonic()))
+
+    @property
+    def connections(self) -> int:
+        with self._lock:
+            return len(self._conns)
+
+    # ---- the control plane's side ------------------------------------------------------
+
+    def issue(self, op: Op, lease: Lease, slots: Sequence[tuple[bytes, int]]) -> str:
+        """A ticket for one transfer of ``slots`` under ``lease`` (hex)."""
+        if op is Op.FETCH:
+            with self._lock:
+                self._served[lease.id] = None
+                while len(self._served) > _SERVED:
+                    self._served.popitem(last=False)
+        return self.tickets.issue(op, lease, slots)
+
+    def took(self, lease_id: str) -> bool:
+        """Whether ``lease_id`` was a fetch lease ticketed here (forgotten once asked)."""
+        with self._lock:
+            return self._served.pop(lease_id, False) is None
+
+    # ---- serving -----------------------------------------------------------------------
+
+    def _accept(self) -> None:
+        assert self._sock is not None  # started
+        while not self._stopping.is_set():
+            try:
+                conn, _ = self._sock.accept()
+            except TimeoutError:
+                continue
+            except OSError as exc:
+                if not self._stopping.is_set():
+                    logger.warning("data plane: accept failed: %s", exc)
+                    time.sleep(0.05)
+                continue
+            conn.setblocking(True)
+            with self._lock:
+                full = len(self._conns) >= self._max
+                if not full:
+                    t = threading.Thread(target=self._serve, args=(conn,), name="kvbank-data", daemon=True)
+                    self._conns[conn] = t
+            if full:
+                self._turn_away(conn)
+                continue
+            t.start()
+
+    def _turn_away(self, conn: socket.socket) -> None:
+        try:
+            _set_timeouts(conn, 1.0)
+            _refuse(conn, Busy(f"data_connections: the node serves {self._max} data "
+                               "connections at once; try again or use HTTP"))
+        except OSError:
+            pass  # it left already
+        finally:
+            conn.close()
+
+    def _serve(self, conn: socket.socket) -> None:
+        try:
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            head = bytearray(REQUEST.size)
+            while not self._stopping.is_set():
+                _set_timeouts(conn, self._idle)
+                try:
+                    k = conn.recv_into(head, REQUEST.size, socket.MSG_WAITALL)
+                except (BlockingIOError, TimeoutError):
+                    return  # idle past idle_timeout_s: close
+                if k == 0:
+                    return  # the client closed between transfers
+                if k != REQUEST.size:
+                    raise _Broken(f"a request of {k} bytes, expected {REQUEST.size}")
+                try:
+                    op, ticket = self._redeem(head)
+                except KvbankError as exc:
+                    _refuse(conn, exc)
+                    return
+                if op is Op.FETCH:
+                    self._send(conn, ticket)
+                else:
+                    self._receive(conn, ticket)
+        except (_Broken, OSError) as exc:
+            logger.debug("data plane: connection ended: %s", exc)
+        finally:
+            with self._lock:
+                self._conns.pop(conn, None)
+            conn.close()
+
+    def _redeem(self, head: bytearray) -> tuple[Op, Ticket]:
+        magic, version, op, raw = REQUEST.unpack(head)
+        if magic != REQUEST_MAGIC:
+            raise InvalidInput(f"request.magic: expected {REQUEST_MAGIC!r}, got {bytes(magic)!r}")
+        if version != VERSION:
+            raise InvalidInput(f"request.version: this node speaks {VERSION}, got {version}")
+        if op not in (Op.PUT, Op.FETCH):
+            raise InvalidInput(f"request.op: expected 1 (put) or 2 (fetch), got {op}")
+        return Op(op), self.tickets.redeem(bytes(raw), Op(op))
+
+    def _views(self, ticket: Ticket) -> list[memoryview]:
+        views: list[memoryview] = []
+        try:
+            for name, size in ticket.slots:
+                v = self._bank.view(ticket.lease_id, name)
+                views.append(v)
+                if len(v) != size:
+                    raise TierUnavailable(f"lease: slot of {len(v)} bytes, the ticket says {size}")
+        except BaseException:
+            for v in views:
+                v.release()
+            raise
+        return views
+
+    def _left(self, ticket: Ticket, deadline: float) -> float:
+        """Seconds this transfer may still take: to its own deadline and the lease's."""
+        left = min(deadline - time.monotonic(), ticket.expires_at - self._bank.clock())
+        if left <= 0:
+            raise _Broken(f"lease {ticket.lease_id} or the transfer's {self._body}s ran out")
+        return left
+
+    def _send(self, conn: socket.socket, ticket: Ticket) -> None:
+        try:
+            views = self._views(ticket)
+        except KvbankError as exc:  # released or reaped since the ticket was issued
+            _refuse(conn, exc)
+            raise _Broken(f"refused: {exc}") from exc
+        total = sum(len(v) for v in views)
+        deadline = time.monotonic() + self._body
+        try:
+            _set_timeouts(conn, self._left(ticket, deadline))
+            conn.sendall(_reply(_GO, total))
+            for v in views:
+                # bytes sent after the lease ended do not count (the acknowledgement checks)
+                _set_timeouts(conn, self._left(ticket, deadline))
+                conn.sendall(v)
+        finally:
+            for v in views:
+                v.release()  # the kernel holds its own copy of whatever sendall returned on
+
+    def _receive(self, conn: socket.socket, ticket: Ticket) -> None:
+        try:
+            views = self._views(ticket)
+        except KvbankError as exc:
+            _refuse(conn, exc)
+            raise _Broken(f"refused: {exc}") from exc
+        total = sum(len(v) for v in views)
+        deadline = time.monotonic() + self._body
+        try:
+            conn.sendall(_reply(_GO, total))
+            for v in views:
+                # never into a slot past its lease's deadline: it may be another row's by then
+                _set_timeouts(conn, self._left(ticket, deadline))
+                _recv_exact(conn, v)
+            self._left(ticket, deadline)  # the last slot filled while the lease lived
+        finally:
+            for v in views:
+                v.release()  # before the client's commit: the slab must never outlive an export
+        conn.sendall(_reply(_GO, total))
+        if self.moved is not None:
+            self.moved("in", total)
+
+
+# ---- the client's side -----------------------------------------------------------------
+
+
+class DataPortUnreachable(TierUnavailable):
+    """The node advertises a data port this client cannot connect to."""
+
+
+class DataLink:
+    """One client's pooled connections to a node's data port (thread-safe)."""
+
+    def __init__(self, host: str, timeout_s: float) -> None:
+        self._host = host
+        self._timeout = timeout_s
+        self._lock = threading.Lock()
+        self._idle: list[socket.socket] = []
+        self.port: int | None = None
+
+    def _connect(self) -> socket.socket:
+        if self.port is None:
+            raise DataPortUnreachable("data_port: the node advertises none")
+        try:
+            sock = socket.create_connection((self._host, self.port), timeout=self._timeout)
+        except OSError as exc:
+            raise DataPortUnreachable(f"data_port: {self._host}:{self.port} unreachable: {exc}") from exc
+        sock.settimeout(None)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        _set_timeouts(sock, self._timeout)
+        return sock
+
+    def _take(self) -> tuple[socket.socket, bool]:
+        """A connection, and whether it was pooled (the node may have closed it since)."""
+        while True:
+            with self._lock:
+                sock = self._idle.pop() if self._idle else None
+            if sock is None:
+                return self._connect(), False
+            try:
+                if not select.select([sock], [], [], 0)[0]:
+                    return sock, True
+            except (OSError, ValueError):
+                pass
+            sock.close()  # readable while idle: the node closed it (idle_timeout_s)
+
+    def _give_back(self, sock: socket.socket) -> None:
+        with self._lock:
+            self._idle.append(sock)
+
+    def _start(self, op: Op, ticket: str, want: int) -> socket.socket:
+        """Present ``ticket``; the connection, once the node answered go for ``want`` bytes."""
+        try:
+            raw = bytes.fromhex(ticket)
+        except (TypeError, ValueError):
+            raise TierUnavailable(f"node: a ticket that is not hex: {ticket!r}"[:200]) from None
+        if len(raw) != TICKET_BYTES:
+            raise TierUnavailable(f"node: a ticket of {len(raw)} bytes, expected {TICKET_BYTES}")
+        attempt = 0
+        while True:
+            attempt += 1
+            sock, pooled = self._take()
+            try:
+                sock.sendall(REQUEST.pack(REQUEST_MAGIC, VERSION, op, raw))
+                head = bytearray(REPLY.size)
+                _recv_exact(sock, memoryview(head))
+            except (OSError, _Broken) as exc:
+                sock.close()
+                # A pooled connection the node closed just now never read the request, so
+                # the ticket is unused: once more on a fresh one.
+                if pooled and attempt == 1:
+                    continue
+                raise TierUnavailable(f"data port: {self._host}:{self.port}: {exc}") from exc
+            try:
+                self._check_reply(sock, head, want)
+            except BaseException:
+                sock.close()
+                raise
+            return sock
+
+    def _check_reply(self, sock: socket.socket, head: bytearray, want: int) -> None:
+        magic, status, err_len, count = REPLY.unpack(head)
+        if magic != REPLY_MAGIC:
+            raise TierUnavailable(f"data port: a reply with magic {bytes(magic)!r}, expected {REPLY_MAGIC!r}")
+        if status == _REFUSED:
+            doc = bytearray(min(err_len, MAX_ERROR_BYTES))
+            try:
+                _recv_exact(sock, memoryview(doc))
+                exc: KvbankError = wire.error_from_dict(json.loads(doc))
+            except (OSError, _Broken, ValueError, RecursionError, KvbankError) as bad:
+                exc = TierUnavailable(f"data port: refused, without a readable reason: {bad}")
+            raise exc
+        if status != _GO or count != want:
+            raise TierUnavailable(f"data port: status {status} for {count} bytes, expected go for {want}")
+
+    def put(self, ticket: str, bufs: Sequence[memoryview]) -> None:
+        """Send ``bufs`` (the slots' bytes, in the ticket's order); returns once the node
+        has every byte. Raises the node's typed refusal, or :class:`TierUnavailable`."""
+        total = sum(len(b) for b in bufs)
+        sock = self._start(Op.PUT, ticket, total)
+        try:
+            for b in bufs:
+                sock.sendall(b)
+            head = bytearray(REPLY.size)
+            _recv_exact(sock, memoryview(head))
+            self._check_reply(sock, head, total)
+        except (OSError, _Broken) as exc:
+            sock.close()
+            raise TierUnavailable(f"data port: put broke off: {exc}") from exc
+        except BaseException:
+            sock.close()
+            raise
+        self._give_back(sock)
+
+    def fetch(self, ticket: str, bufs: Sequence[memoryview]) -> tuple[int, BaseException | None]:
+        """Receive the ticket's slots into ``bufs`` (each exactly its slot's size): how many
+        arrived whole (a prefix), and what ended the transfer early (None: nothing).
+        Raises where it never began: :class:`DataPortUnreachable`, :class:`Busy`."""
+        try:
+            sock = self._start(Op.FETCH, ticket, sum(len(b) for b in bufs))
+        except (DataPortUnreachable, Busy):
+            raise  # the transfer never began: the caller may take HTTP instead
+        except KvbankError as exc:
+            return 0, exc
+        got = 0
+        try:
+            for b in bufs:
+                _recv_exact(sock, b)
+                got += 1
+        except (OSError, _Broken) as exc:
+            sock.close()
+            return got, TierUnavailable(f"data port: fetch broke off after {got} rows: {exc}")
+        self._give_back(sock)
+        return got, None
+
+    def close(self) -> None:
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for s in idle:
+            s.close()
+
+
+__all__ = ["DataLink", "DataPlane", "DataPortUnreachable", "Op", "Ticket", "Tickets", "slot_names"]

@@ -371,28 +371,26 @@ class Lender:
         self, lease_id: str, rows: tuple[bytes, ...], shapes: list[PageShape | None], kind: MemoryKind
     ) -> _Parts:
         where = self._store.locate(rows)
-        slots: dict[bytes, Slot] = {}
         parents: dict[bytes, bytes | None] = {}
-        out: list[LeaseRow] = []
         prev: bytes | None = None
+        described: list[PageShape] = []
+        for n, shape in zip(rows, shapes, strict=True):
+            if shape is None:  # pragma: no cover - refused in lend()
+                raise InvalidInput("names: undescribed row in a WRITE lease")
+            described.append(shape)
+            # A chain listed in order: a row's parent (for prefix-aware eviction) is the
+            # previous row of the same namespace and group in this lease.
+            parents[n] = prev if prev is not None and same_chain(prev, n) else None
+            prev = n
+        todo = [i for i, w in enumerate(where) if w is None]
+        # one reservation call for the lease's rows (all or none)
+        pool = self._store.host if kind is MemoryKind.HOST else self._store.device
+        got: Sequence[Slot] = pool.reserve_many([described[i].size for i in todo], lease_id)
+        slots: dict[bytes, Slot] = {rows[i]: slot for i, slot in zip(todo, got, strict=True)}
         try:
-            for n, w, shape in zip(rows, where, shapes, strict=True):
-                if shape is None:  # pragma: no cover - refused in lend()
-                    raise InvalidInput("names: undescribed row in a WRITE lease")
-                # A chain listed in order: a row's parent (for prefix-aware eviction) is the
-                # previous row of the same namespace and group in this lease.
-                parents[n] = prev if prev is not None and same_chain(prev, n) else None
-                prev = n
-                if w is not None:
-                    out.append(LeaseRow(n, True, None, shape.regions, Delivery.PRESENT))
-                    continue
-                slot: Slot = (
-                    self._store.host.reserve(shape.size, lease_id)
-                    if kind is MemoryKind.HOST
-                    else self._store.device.reserve(shape.size, lease_id)
-                )
-                slots[n] = slot
-                out.append(LeaseRow(n, False, self._location(slot), shape.regions, Delivery.RESERVED))
+            out = [LeaseRow(n, True, None, shape.regions, Delivery.PRESENT) if w is not None
+                   else LeaseRow(n, False, self._location(slots[n]), shape.regions, Delivery.RESERVED)
+                   for n, w, shape in zip(rows, where, described, strict=True)]
         except BaseException:
             self._abort_slots(slots)
             raise

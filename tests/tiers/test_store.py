@@ -376,6 +376,24 @@ def test_store_reserved_slots_are_never_evicted(make_store: MakeStore) -> None:
     s.put(name_of(1), page_of(1, P))
 
 
+def test_store_reserve_many_is_all_or_none(make_store: MakeStore) -> None:
+    s = make_store(data_dir=None, host_bytes=32 * 1024)  # room for 8 slots of P
+    got = s.host.reserve_many([P] * 5, "w")
+    assert len({x.offset for x in got}) == 5 and all(x.size == P for x in got)
+    assert s.stats().reserved_slots == 5
+    with pytest.raises(TierFull):
+        s.host.reserve_many([P] * 4, "w2")  # 3 fit, the 4th does not: none stays
+    assert s.stats().reserved_slots == 5
+    more = s.host.reserve_many([P] * 3, "w2")  # the 3 that fit are still free
+    assert s.stats().reserved_slots == 8
+    for x in got + more:
+        s.host.abort(x)
+    assert s.stats().reserved_slots == 0
+    with pytest.raises(InvalidInput):
+        s.host.reserve_many([P, 0], "w")
+    assert s.host.reserve_many([], "w") == []
+
+
 def test_store_stage_host_brings_a_disk_row_into_shared_memory(make_store: MakeStore) -> None:
     s = make_store(host_bytes=32 * 1024, disk_bytes=1 << 20, write_policy="write-through")
     s.put(name_of(1), page_of(1, P))

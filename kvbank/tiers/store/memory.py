@@ -28,7 +28,7 @@ import torch
 
 from kvbank.config import WritePolicy
 from kvbank.errors import InvalidInput
-from kvbank.tiers.base import DeviceSlot, HostSlot, check_name
+from kvbank.tiers.base import DeviceSlot, HostSlot, check_name, check_names
 from kvbank.tiers.device import DevicePool
 from kvbank.tiers.host import HostSlab
 from kvbank.tiers.index import DEV, HOST
@@ -76,6 +76,35 @@ class MemoryOps(Generic[SlotT], abc.ABC):
             off = alloc_for_stage(st, self.bit, size, deadline, "reserve")
             st.res.reserved[(self.bit, off)] = (holder, size)
             return self._slot(off, size)
+
+    def reserve_many(self, sizes: Sequence[int], holder: str, *,
+                     timeout_s: float | None = None) -> list[SlotT]:
+        """:meth:`reserve` of each size, in order, under one hold of the store lock (a
+        WRITE lease's rows: a reservation each took the lock, the deadline and the pool
+        check once per row). All or none: on a refusal the slots reserved so far go back."""
+        for size in sizes:
+            if isinstance(size, bool) or not isinstance(size, int) or not 0 < size <= MAX_PAGE:
+                raise InvalidInput(f"size: must be an integer in [1, {MAX_PAGE}], got {size!r}")
+        if not isinstance(holder, str) or not holder:
+            raise InvalidInput(f"holder: expected a non-empty string, got {holder!r}")
+        st, bit = self._st, self.bit
+        st.pool(bit, "reserve")
+        deadline = self._deadline(timeout_s)
+        offs: list[int] = []
+        with st.lock:
+            st.check_open()
+            try:
+                for size in sizes:
+                    off = alloc_for_stage(st, bit, size, deadline, "reserve")
+                    st.res.reserved[(bit, off)] = (holder, size)
+                    offs.append(off)
+            except BaseException:
+                for off in offs:
+                    del st.res.reserved[(bit, off)]
+                    st.res.free_slot(bit, off)
+                st.notify()
+                raise
+            return [self._slot(off, size) for off, size in zip(offs, sizes, strict=True)]
 
     def _reserved(self, slot: SlotT) -> tuple[int, str]:
         off = self._offset(slot)
@@ -129,10 +158,8 @@ class MemoryOps(Generic[SlotT], abc.ABC):
         times); with write-through each row is written to disk as :meth:`commit` does.
         The first refusal raises: the rows before it stay published, it and the rows after
         it keep their reservations."""
-        for name, _, _, parent in rows:
-            check_name(name)
-            if parent is not None:
-                check_name(parent)
+        check_names([name for name, _, _, _ in rows])
+        check_names([parent for _, _, _, parent in rows if parent is not None])
         st, bit = self._st, self.bit
         if st.config.write_policy is WritePolicy.WRITE_THROUGH and st.disk is not None:
             for name, slot, dtype, parent in rows:

@@ -10,6 +10,8 @@ Modules:
   socket, each transfer allowed by a single-use ticket from an HTTP control call.
 - :mod:`kvbank.service.server` — the uvicorn lifecycle: ready line, graceful shutdown,
   the bounded thread pool blocking bank calls run on.
+- :mod:`kvbank.service.sockets` — the node's listening sockets (HTTP port, data port),
+  bound one way.
 - :mod:`kvbank.service.client` — :class:`Client`, the same calls as ``Bank`` over HTTP
   (page bodies over the data port where the node has one) and, on the node's own host,
   through shared memory.

@@ -69,13 +69,13 @@ from kvbank import wire
 from kvbank.bank import Bank
 from kvbank.errors import (
     Busy,
-    ConfigError,
     InvalidInput,
     KvbankError,
     LeaseExpired,
     TierUnavailable,
 )
 from kvbank.lender.base import Lease
+from kvbank.service.sockets import listen
 
 logger = logging.getLogger(__name__)
 
@@ -226,15 +226,7 @@ class DataPlane:
 
     def start(self) -> int:
         """Bind and listen (port 0: a free one); the port."""
-        family = socket.AF_INET6 if ":" in self._bind else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((self._bind, self._want_port))
-        except OSError as exc:
-            sock.close()
-            raise ConfigError(f"data_port: cannot bind {self._bind}:{self._want_port}: {exc}") from exc
-        sock.listen(256)
+        sock = listen(self._bind, self._want_port, field="data_port", backlog=256)
         sock.settimeout(0.25)  # the acceptor looks at the stop flag this often
         self._sock = sock
         self.port = int(sock.getsockname()[1])

@@ -42,6 +42,7 @@ from kvbank.service.connections import protocol
 from kvbank.service.dataplane import DataPlane
 from kvbank.service.fleet import join_fleet
 from kvbank.service.node import Node
+from kvbank.service.sockets import listen
 
 logger = logging.getLogger(__name__)
 
@@ -56,15 +57,7 @@ def _size(n: int) -> str:
 
 
 def _bind(config: ServiceConfig) -> socket.socket:
-    family = socket.AF_INET6 if ":" in config.bind else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((config.bind, config.port))
-    except OSError as exc:
-        sock.close()
-        raise ConfigError(f"port: cannot bind {config.bind}:{config.port}: {exc}") from exc
-    sock.listen(1024)
+    sock = listen(config.bind, config.port, field="port", backlog=1024)
     sock.set_inheritable(True)
     return sock
 

@@ -5,8 +5,9 @@
 - :func:`write_back` — at a graceful close, every memory row without a disk copy (write-
   back's dirty rows) is encoded on the codec workers and written, hottest first, within
   the disk budget (evicting only disk rows used longer ago) and a deadline. The frames
-  the workers have ready are written together, up to ``WRITE_BACK_GROUP`` rows in one
-  LMDB transaction (one fsync instead of one per row); a group that does not fit the
+  the workers have ready are written together, at least ``WRITE_BACK_GROUP_MIN`` (waited
+  for) and up to ``WRITE_BACK_GROUP`` rows in one LMDB transaction (one fsync instead of
+  one per row); a group that does not fit the
   budget whole is written row by row. Write clocks keep the LRU order for the restart. The store is closed meanwhile, so nothing else
   changes the index; the disk lock orders the writes.
 """
@@ -32,6 +33,10 @@ logger = logging.getLogger("kvbank.tiers.store")
 # hundred frames, and each commit is an fsync; 32 frames of 2 MiB pages are ~45 MB.
 WRITE_BACK_GROUP = 32
 WRITE_BACK_GROUP_BYTES = 64 << 20
+# Rows a write-back transaction waits for before it commits (fewer only at the end, or
+# at the byte cap): a commit's fsync costs more than the encodes of a few more frames,
+# which the workers run while the previous group commits.
+WRITE_BACK_GROUP_MIN = 8
 
 
 def recover(st: StoreState) -> None:
@@ -100,12 +105,14 @@ def write_back(st: StoreState, mover: Mover, deadline: float, deadline_s: float)
                 window.append((nxt, encoder.submit(st.copier.encode, disk, st.pools[r.bit],
                                                    r.off, r.size, r.dtype)))
                 nxt += 1
-            # The next frame in order, then every following one already encoded: the
-            # group grows with what the workers made while the last commit ran.
+            # The next WRITE_BACK_GROUP_MIN frames in order (waited for), then every
+            # following one already encoded: the group grows with what the workers made
+            # while the last commit ran, and a slow encode never shrinks it to a row or
+            # two a transaction (an fsync each), which a loaded machine's scheduling did.
             group: list[tuple[int, bytes]] = []
             size = 0
             while window and len(group) < WRITE_BACK_GROUP and size < WRITE_BACK_GROUP_BYTES \
-                    and (not group or window[0][1].done()):
+                    and (len(group) < WRITE_BACK_GROUP_MIN or window[0][1].done()):
                 i, fut = window.popleft()
                 group.append((i, fut.result()))
                 size += len(group[-1][1])

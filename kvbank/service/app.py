@@ -326,35 +326,27 @@ def create_app(node: Node) -> FastAPI:
     async def fetch_core(request: Request, body: FetchBody) -> Response:
         m = guard.match(request, wire.from_dict(Match, body.match))
         guard.fetch(request, body.fetch_id)
-        if body.via == "data":
-            return await data_fetch(request, body, m)
-        if body.via == "lease":
-            # one hop to the pool: open the fetch and lend its rows
+        if body.via != "stream":
+            # one hop to the pool: open the fetch and lend its rows (via="data": and a
+            # ticket to read the lent slots over the data port; refused before lending
+            # where the node serves none)
+            plane = _data_plane(node) if body.via == "data" else None
             opened, lease = await node.call(node.lend_fetch, m, body.fetch_id, body.max_rows)
             guard.own_fetch(request, opened.fetch_id)
             guard.own_lease(request, lease)
-            return _json({"fetch_id": opened.fetch_id,
-                          "rows": [[r.position, r.group, r.slot, r.size] for r in opened.rows],
-                          "lease": None if lease is None
-                          else slots_doc(lease, opened.names, Delivery.READY, bank.clock())})
+            doc: dict[str, Any] = {"fetch_id": opened.fetch_id,
+                                   "rows": [[r.position, r.group, r.slot, r.size] for r in opened.rows],
+                                   "lease": None}
+            if lease is not None:
+                doc["lease"] = slots_doc(lease, opened.names, Delivery.READY, bank.clock())
+            if plane is not None:
+                doc["ticket"] = None if lease is None else plane.issue(
+                    Op.FETCH, lease, slot_names(doc["lease"], opened.names))
+            return _json(doc)
         opened = await node.call(node.open_fetch, m, body.fetch_id, body.max_rows)
         guard.own_fetch(request, opened.fetch_id)
         prefix = encode_fetch_prefix(opened.fetch_id, opened.rows, opened.stream)
         return RowStream(node, opened, prefix, fetch_stream_bytes(len(prefix), opened.rows))
-
-    async def data_fetch(request: Request, body: FetchBody, m: Match) -> Response:
-        # the lease branch's answer, plus a ticket to read the lent slots over the data port
-        plane = _data_plane(node)
-        opened, lease = await node.call(node.lend_fetch, m, body.fetch_id, body.max_rows)
-        guard.own_fetch(request, opened.fetch_id)
-        guard.own_lease(request, lease)
-        doc: dict[str, Any] = {"fetch_id": opened.fetch_id,
-                               "rows": [[r.position, r.group, r.slot, r.size] for r in opened.rows],
-                               "lease": None, "ticket": None}
-        if lease is not None:
-            doc["lease"] = slots_doc(lease, opened.names, Delivery.READY, bank.clock())
-            doc["ticket"] = plane.issue(Op.FETCH, lease, slot_names(doc["lease"], opened.names))
-        return _json(doc)
 
     @app.post("/v1/fetch/{fetch_id}/ack")
     async def ack(fetch_id: str, body: AckBody, request: Request) -> Response:

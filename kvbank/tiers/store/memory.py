@@ -64,18 +64,7 @@ class MemoryOps(Generic[SlotT], abc.ABC):
         """Implemented per memory kind."""
 
     def reserve(self, size: int, holder: str, *, timeout_s: float | None = None) -> SlotT:
-        if isinstance(size, bool) or not isinstance(size, int) or not 0 < size <= MAX_PAGE:
-            raise InvalidInput(f"size: must be an integer in [1, {MAX_PAGE}], got {size!r}")
-        if not isinstance(holder, str) or not holder:
-            raise InvalidInput(f"holder: expected a non-empty string, got {holder!r}")
-        st = self._st
-        st.pool(self.bit, "reserve")
-        deadline = self._deadline(timeout_s)
-        with st.lock:
-            st.check_open()
-            off = alloc_for_stage(st, self.bit, size, deadline, "reserve")
-            st.res.reserved[(self.bit, off)] = (holder, size)
-            return self._slot(off, size)
+        return self.reserve_many([size], holder, timeout_s=timeout_s)[0]
 
     def reserve_many(self, sizes: Sequence[int], holder: str, *,
                      timeout_s: float | None = None) -> list[SlotT]:

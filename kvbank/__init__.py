@@ -21,6 +21,7 @@ _EXPORTS = {
     "BankStats": "kvbank.results",
     "CommitResult": "kvbank.lender.base",
     "FetchResult": "kvbank.results",
+    "Fetched": "kvbank.results",
     "GroupKind": "kvbank.layout",
     "Lease": "kvbank.lender.base",
     "LeaseMode": "kvbank.lender.base",
@@ -50,7 +51,7 @@ if TYPE_CHECKING:
     from kvbank.layout import GroupKind, PageLayout, QuantMode, Role
     from kvbank.lender.base import CommitResult, Lease, LeaseMode, LeaseRow, MemoryKind
     from kvbank.lender.resume import Obstacle, ResumeBound
-    from kvbank.results import BankStats, FetchResult, Match, Presence
+    from kvbank.results import BankStats, Fetched, FetchResult, Match, Presence
     from kvbank.service.client import Client
     from kvbank.tiers.base import TierKind
 
@@ -61,6 +62,7 @@ __all__ = [
     "Client",
     "CommitResult",
     "FetchResult",
+    "Fetched",
     "GroupKind",
     "Lease",
     "LeaseMode",

@@ -26,7 +26,8 @@ Primitives (value objects in :mod:`kvbank.results`, JSON forms in :mod:`kvbank.w
   :func:`kvbank.keys.engine_keys` for keys that are not 32 bytes).
 - :meth:`~Bank.fetch` — copy a match's needed rows into caller buffers (sized by
   :meth:`~Bank.out_buffers`, or the caller's own) through the fetch ledger; the bound is recomputed from the rows that arrived whole, and a broken fetch
-  resumes (same ``fetch_id``) from its first undelivered row.
+  resumes (same ``fetch_id``) from its first undelivered row. :meth:`~Bank.fetch_prefix`
+  matches a prompt and fetches its prefix in one call (on a served node, one round trip).
 - leases for in-place reads and fills (host shared memory, other processes too, or device
   memory): :meth:`~Bank.lend`, :meth:`~Bank.lend_all`, :meth:`~Bank.renew`,
   :meth:`~Bank.release`, :meth:`~Bank.commit`; the bytes through :meth:`~Bank.view`,
@@ -77,7 +78,7 @@ import torch
 
 from kvbank import lookup
 from kvbank.admin_ops import AdminOps
-from kvbank.buffers import OutBuffers, Pages, out_views, page_views
+from kvbank.buffers import OutBuffers, Pages, out_buffers, out_views, page_views
 from kvbank.catalog import Catalog
 from kvbank.config import BankConfig, check_settings
 from kvbank.cross_shard import CrossLocate, ReshardReader, ShardCounts
@@ -90,7 +91,7 @@ from kvbank.layout import GroupKind, PageLayout
 from kvbank.lease_ops import LeaseOps
 from kvbank.lender.ledger import FetchInfo, FetchLedger
 from kvbank.lender.lender import Lender
-from kvbank.results import BankStats, FetchResult, Match, Presence
+from kvbank.results import BankStats, Fetched, FetchResult, Match, Presence
 from kvbank.tiers.base import TierKind
 from kvbank.tiers.store import StoreHealth, TieredStore
 from kvbank.tiers.store.reserve import Reservation
@@ -476,9 +477,22 @@ class Bank(LeaseOps, AdminOps, FleetOps):
         fetch writes each row that arrives whole, and only those may be read)."""
         if not isinstance(match, Match):
             raise InvalidInput(f"match: expected a Match, got {type(match).__name__}")
-        layout = self.layout(match.layout_id)
-        return {g: torch.empty((len(want), layout.group_page_bytes[g]), dtype=torch.uint8)
-                for g, want in enumerate(match.resume.pages) if want}
+        return out_buffers(self.layout(match.layout_id), match.resume.pages)
+
+    def fetch_prefix(self, layout_id: bytes, tokens: TokenIds | None = None, *,
+                     scope: Scope = DEFAULT_SCOPE, shard: int | None = None,
+                     keys: Sequence[bytes] | None = None, prompt_tokens: int | None = None,
+                     out: OutBuffers | None = None, max_rows: int | None = None) -> Fetched:
+        """:meth:`match` the prompt, then :meth:`fetch` the rows its bound needs into ``out``
+        (default: new buffers of :meth:`out_buffers`; ``max_rows`` as for fetch), as one
+        call: a served node answers it in one round trip. ``result`` is None when the
+        bound is 0 (nothing to fetch); an incomplete fetch resumes with :meth:`fetch`
+        under ``result.fetch_id``."""
+        m = self.match(layout_id, tokens, scope=scope, shard=shard, keys=keys, prompt_tokens=prompt_tokens)
+        if not any(m.resume.pages):
+            return Fetched(m, None, {} if out is None else out)
+        bufs = self.out_buffers(m) if out is None else out
+        return Fetched(m, self.fetch(m, out=bufs, max_rows=max_rows), bufs)
 
     def fetches(self) -> tuple[FetchInfo, ...]:
         """Open fetch-ledger entries (a pure query)."""

@@ -4,6 +4,7 @@
   sequence of bytes-likes), each checked against the page size
   (:class:`~kvbank.errors.PageSizeMismatch`), without copying host memory.
 - :func:`out_views` — writable views of a fetch's output buffers, one per planned row.
+- :func:`out_buffers` — new output buffers sized for a match's bound.
 
 Every refusal is :class:`~kvbank.errors.InvalidInput` naming the argument and position.
 """
@@ -20,6 +21,13 @@ from kvbank.layout import PageLayout
 
 Pages = torch.Tensor | Sequence[bytes | bytearray | memoryview]  # uint8 [n, page_bytes] or n buffers
 OutBuffers = Mapping[int, torch.Tensor | Sequence[bytearray | memoryview]]  # group -> rows
+
+
+def out_buffers(layout: PageLayout, pages: tuple[tuple[int, ...], ...]) -> dict[int, torch.Tensor]:
+    """``uint8 [len(pages[g]), page bytes of g]`` for every group with planned rows (not
+    zeroed: a fetch writes each row that arrives whole, and only those may be read)."""
+    return {g: torch.empty((len(want), layout.group_page_bytes[g]), dtype=torch.uint8)
+            for g, want in enumerate(pages) if want}
 
 
 def page_views(pages: Pages, size: int, field: str) -> list[memoryview]:

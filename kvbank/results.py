@@ -6,6 +6,8 @@
 - :class:`Presence` — where each page is for every tensor-parallel shard of a layout,
   from one store lookup, and the boundary every shard can resume at.
 - :class:`FetchResult` — what one fetch call delivered and the bound those rows allow.
+- :class:`Fetched` — a prompt matched and fetched in one call (``fetch_prefix``): the
+  match, the fetch's result and the buffers the rows went into.
 - :class:`BankStats` — the bank's counters and its store's.
 
 Each has a JSON form in :mod:`kvbank.wire`.
@@ -13,7 +15,9 @@ Each has a JSON form in :mod:`kvbank.wire`.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from kvbank.keys import Scope
 from kvbank.lender.resume import ResumeBound
@@ -72,6 +76,20 @@ class FetchResult:
     resume: ResumeBound  # recomputed from the delivered rows alone
     nbytes: int  # bytes delivered by this call
     complete: bool  # every planned row arrived (the ledger entry is closed)
+
+
+@dataclass(frozen=True, slots=True)
+class Fetched:
+    """A prompt's stored prefix, matched and fetched: what ``fetch_prefix`` answers."""
+
+    match: Match
+    result: FetchResult | None  # None when the match's bound was 0 (nothing fetched)
+    pages: Mapping[int, Any]  # group -> the rows' buffers (uint8 [len(match.resume.pages[g]), bytes])
+
+    @property
+    def tokens(self) -> int:
+        """The bound the delivered rows allow (0 = recompute everything)."""
+        return 0 if self.result is None else self.result.resume.tokens
 
 
 @dataclass(frozen=True, slots=True)

@@ -40,7 +40,7 @@ multi-token forward (transformers' Jamba mixer in 5.24) cannot be chunked or res
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -61,6 +61,7 @@ from kvbank.integrations._hf_cache import (
 from kvbank.integrations._hf_layout import ModelLayout, fresh_cache, layout_for, model_fingerprint
 from kvbank.keys import DEFAULT_SCOPE, RowName, Scope, page_keys
 from kvbank.layout import GroupKind, PageLayout
+from kvbank.results import Fetched
 
 __all__ = [
     "DEFAULT_SNAPSHOT_PAGES",
@@ -119,20 +120,6 @@ class Stored:
     pages: tuple[int, ...]  # per group: pages put (attention) or snapshots put (state)
     snapshots: tuple[int, ...]  # token boundaries with a recurrent snapshot
     nbytes: int  # page bytes handed to the bank
-
-
-@dataclass(frozen=True, slots=True)
-class Fetched:
-    """The rows of a match that arrived, as page tensors (before any cache is built)."""
-
-    match: Match
-    result: FetchResult | None  # None when the match's bound was 0 (nothing fetched)
-    pages: Mapping[int, torch.Tensor]  # group -> uint8 [len(match.resume.pages[g]), bytes]
-
-    @property
-    def tokens(self) -> int:
-        """The bound the delivered rows allow (0 = recompute everything)."""
-        return 0 if self.result is None else self.result.resume.tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -274,15 +261,22 @@ def fetch_pages(
     """Match ``tokens`` and fetch the rows its bound needs into buffers of the right size."""
     if not isinstance(hl, ModelLayout):
         raise InvalidInput(f"hl: expected a ModelLayout, got {type(hl).__name__}")
-    ids = _ids(tokens, torch.device("cpu"))
+    ids = _ids(tokens, torch.device("cpu")).numpy()
+    # Bank and Client match and fetch in one call (a node on this host: one round trip),
+    # into new buffers; a bank with only the protocol's calls, in two.
+    prefix: Callable[..., Fetched] | None = getattr(bank, "fetch_prefix", None)
     try:  # the id is the layout's own hash: register only when the bank does not know it
-        m = bank.match(hl.layout_id, ids.numpy(), scope=scope, shard=shard)
+        if prefix is not None:
+            return prefix(hl.layout_id, ids, scope=scope, shard=shard)
+        m = bank.match(hl.layout_id, ids, scope=scope, shard=shard)
     except UnknownLayout:
-        m = bank.match(bank.register(hl.layout), ids.numpy(), scope=scope, shard=shard)
-    plan = m.resume.pages
+        lid = bank.register(hl.layout)
+        if prefix is not None:
+            return prefix(lid, ids, scope=scope, shard=shard)
+        m = bank.match(lid, ids, scope=scope, shard=shard)
     # empty, not zeros: only rows that arrived whole are ever read, and fetch writes them.
     out = {g: torch.empty((len(want), hl.layout.group_bytes(g)), dtype=torch.uint8)
-           for g, want in enumerate(plan) if want}
+           for g, want in enumerate(m.resume.pages) if want}
     if m.resume.tokens == 0 or not out:
         return Fetched(m, None, out)
     return Fetched(m, bank.fetch(m, out=out), out)

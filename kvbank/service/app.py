@@ -131,7 +131,10 @@ class MatchBody(BaseModel):
 
 
 class FetchBody(BaseModel):
-    match: dict[str, Any] = Field(description="a Match in its wire form")
+    match: dict[str, Any] | None = Field(None, description="a Match in its wire form")
+    prompt: MatchBody | None = Field(
+        None, description="instead of match: the prompt to match (a /v1/match body), matched and "
+                          "lent in this call (via lease or data only); the answer carries the match")
     fetch_id: str | None = None
     max_rows: int | None = Field(None, ge=0)
     via: Literal["stream", "lease", "data"] = "stream"
@@ -287,6 +290,11 @@ def create_app(node: Node) -> FastAPI:
                                        keys=None, prompt_tokens=None))
 
     async def match_core(request: Request, body: MatchBody) -> Response:
+        lid, args = prompt_args(request, body)
+        return await matched(lid, args)
+
+    def prompt_args(request: Request, body: MatchBody) -> tuple[bytes, dict[str, Any]]:
+        """The layout id and ``Bank.match`` keyword arguments of a JSON match body."""
         lid = _hex(body.layout_id, "layout_id", 32)
         scope = guard.scope(request, lid, body.scope.scope())
         given = [x is not None for x in (body.tokens, body.tokens_b64, body.keys)]
@@ -304,18 +312,11 @@ def create_app(node: Node) -> FastAPI:
             if len(raw) % 4:
                 raise InvalidInput(f"tokens_b64: {len(raw)} bytes, not whole int32 tokens")
             tokens = np.frombuffer(raw, dtype="<i4")
-        return await matched(lid, dict(tokens=tokens, scope=scope, shard=body.shard, keys=keys,
-                                       prompt_tokens=body.prompt_tokens))
+        return lid, dict(tokens=tokens, scope=scope, shard=body.shard, keys=keys,
+                         prompt_tokens=body.prompt_tokens)
 
     async def matched(lid: bytes, args: dict[str, Any]) -> Response:
-        m = await node.call(bank.match, lid, **args)
-        if bank.has_remote and any(None in ts for ts in m.tiers):  # no pool hop without one
-            recalled: int = await node.call(bank.recall_remote, m)
-            if recalled:
-                m = await node.call(bank.match, lid, **args)  # now with the rows Redis still held
-        if node.fleet is not None and await node.call(node.fleet.complete, m, args):
-            m = await node.call(bank.match, lid, **args)  # now with the rows a peer sent
-        return _json(wire.to_dict(m))
+        return _json(wire.to_dict(await node.call(node.match, lid, args)))
 
     @app.post("/v1/fetch", responses=_links(
         "a fetch stream (framing), or (via=lease) a lease",
@@ -324,25 +325,42 @@ def create_app(node: Node) -> FastAPI:
         return await fetch_core(request, body)
 
     async def fetch_core(request: Request, body: FetchBody) -> Response:
-        m = guard.match(request, wire.from_dict(Match, body.match))
+        if (body.match is None) == (body.prompt is None):
+            raise InvalidInput("match: give either match (a Match) or prompt (a prompt to match), not both or neither")
+        m = None if body.match is None else guard.match(request, wire.from_dict(Match, body.match))
         guard.fetch(request, body.fetch_id)
+        if body.prompt is not None and body.via == "stream":
+            raise InvalidInput("prompt: a streamed fetch needs the match first (via lease or data take a prompt)")
         if body.via != "stream":
             # one hop to the pool: open the fetch and lend its rows (via="data": and a
             # ticket to read the lent slots over the data port; refused before lending
-            # where the node serves none)
+            # where the node serves none); with a prompt, match it first in that hop
             plane = _data_plane(node) if body.via == "data" else None
-            opened, lease = await node.call(node.lend_fetch, m, body.fetch_id, body.max_rows)
+            if m is None:
+                assert body.prompt is not None  # one of the two, checked above
+                lid, args = prompt_args(request, body.prompt)
+                m, maybe, lease = await node.call(node.match_lend, lid, args, body.fetch_id, body.max_rows)
+                if maybe is None:  # the bound needs no rows: nothing was opened or lent
+                    nothing: dict[str, Any] = {"fetch_id": None, "rows": [], "lease": None,
+                                               "match": wire.to_dict(m)}
+                    return _json({**nothing, "ticket": None} if plane is not None else nothing)
+                opened = maybe
+            else:
+                opened, lease = await node.call(node.lend_fetch, m, body.fetch_id, body.max_rows)
             guard.own_fetch(request, opened.fetch_id)
             guard.own_lease(request, lease)
             doc: dict[str, Any] = {"fetch_id": opened.fetch_id,
                                    "rows": [[r.position, r.group, r.slot, r.size] for r in opened.rows],
                                    "lease": None}
+            if body.prompt is not None:
+                doc["match"] = wire.to_dict(m)
             if lease is not None:
                 doc["lease"] = slots_doc(lease, opened.names, Delivery.READY, bank.clock())
             if plane is not None:
                 doc["ticket"] = None if lease is None else plane.issue(
                     Op.FETCH, lease, slot_names(doc["lease"], opened.names))
             return _json(doc)
+        assert m is not None  # a prompt takes a lease or the data port, checked above
         opened = await node.call(node.open_fetch, m, body.fetch_id, body.max_rows)
         guard.own_fetch(request, opened.fetch_id)
         prefix = encode_fetch_prefix(opened.fetch_id, opened.rows, opened.stream)

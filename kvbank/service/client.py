@@ -53,13 +53,13 @@ import numpy as np
 import torch
 
 from kvbank import wire
-from kvbank.buffers import OutBuffers, Pages, out_views, page_views
+from kvbank.buffers import OutBuffers, Pages, out_buffers, out_views, page_views
 from kvbank.errors import Busy, InvalidInput, KvbankError, LeaseExpired, TierFull, TierUnavailable
 from kvbank.keys import DEFAULT_SCOPE, Scope, TokenIds, tokens_to_bytes
 from kvbank.layout import PageLayout
 from kvbank.lender.base import CommitResult, Lease, LeaseMode, MemoryKind
 from kvbank.lender.borrow import Borrower
-from kvbank.results import BankStats, FetchResult, Match
+from kvbank.results import BankStats, Fetched, FetchResult, Match
 from kvbank.service.client_io import (
     enum_name,
     fetch_stream,
@@ -122,6 +122,37 @@ def _raise_for(status: int, body: bytes) -> None:
     except (ValueError, RecursionError, KvbankError):
         exc = TierUnavailable(f"server: answered {status} without an error document: {body[:200]!r}")
     raise exc
+
+
+def _scope_doc(scope: Scope) -> dict[str, str]:
+    return {"tenant": scope.tenant, "cache_salt": scope.cache_salt, "lora": scope.lora}
+
+
+def _check_prompt(layout_id: object, scope: object, tokens: object, keys: object) -> None:
+    if not isinstance(layout_id, bytes):
+        raise InvalidInput(f"layout_id: expected bytes, got {type(layout_id).__name__}")
+    if not isinstance(scope, Scope):
+        raise InvalidInput(f"scope: expected a Scope, got {type(scope).__name__}")
+    if (tokens is None) == (keys is None):
+        raise InvalidInput("tokens: give either tokens or keys (a page-key chain), not both or neither")
+
+
+def _prompt_doc(layout_id: bytes, tokens: TokenIds | None, scope: Scope, shard: int | None,
+                keys: Sequence[bytes] | None, prompt_tokens: int | None) -> dict[str, Any]:
+    """A prompt as the node's JSON match body (``/v1/match``, and a fetch's ``prompt``)."""
+    _check_prompt(layout_id, scope, tokens, keys)
+    body: dict[str, Any] = {
+        "layout_id": layout_id.hex(), "shard": shard, "prompt_tokens": prompt_tokens, "scope": _scope_doc(scope)}
+    if keys is not None:
+        if isinstance(keys, (bytes, str)) or not isinstance(keys, Sequence):
+            raise InvalidInput(f"keys: expected a sequence of page keys, got {type(keys).__name__}")
+        for i, k in enumerate(keys):
+            if type(k) is not bytes:
+                raise InvalidInput(f"keys[{i}]: expected a page key (bytes), got {type(k).__name__}")
+        body["keys"] = [k.hex() for k in keys]
+    elif tokens is not None:
+        body["tokens_b64"] = base64.b64encode(tokens_to_bytes(tokens)).decode()
+    return body
 
 
 Slot = tuple[str, int, int, memoryview]  # (segment, offset, size, buffer): one copy of a leased row
@@ -439,30 +470,70 @@ class Client:
               shard: int | None = None, keys: Sequence[bytes] | None = None,
               prompt_tokens: int | None = None) -> Match:
         """:meth:`Bank.match` on the node (by tokens, or by an engine's key chain). Never leases."""
-        if not isinstance(layout_id, bytes):
-            raise InvalidInput(f"layout_id: expected bytes, got {type(layout_id).__name__}")
-        if not isinstance(scope, Scope):
-            raise InvalidInput(f"scope: expected a Scope, got {type(scope).__name__}")
-        if (tokens is None) == (keys is None):
-            raise InvalidInput("tokens: give either tokens or keys (a page-key chain), not both or neither")
-        scope_doc = {"tenant": scope.tenant, "cache_salt": scope.cache_salt, "lora": scope.lora}
         if tokens is not None and prompt_tokens is None:
+            _check_prompt(layout_id, scope, tokens, keys)
             # the binary form: the ids as they are, no base64 in JSON around them
             doc = self._call("POST", "/v1/match", idempotent=True,
-                             content=encode_match(layout_id, scope_doc, shard, tokens_to_bytes(tokens)))
+                             content=encode_match(layout_id, _scope_doc(scope), shard, tokens_to_bytes(tokens)))
             return self._matched(doc)
-        body: dict[str, Any] = {
-            "layout_id": layout_id.hex(), "shard": shard, "prompt_tokens": prompt_tokens, "scope": scope_doc}
-        if keys is not None:
-            if isinstance(keys, (bytes, str)) or not isinstance(keys, Sequence):
-                raise InvalidInput(f"keys: expected a sequence of page keys, got {type(keys).__name__}")
-            for i, k in enumerate(keys):
-                if type(k) is not bytes:
-                    raise InvalidInput(f"keys[{i}]: expected a page key (bytes), got {type(k).__name__}")
-            body["keys"] = [k.hex() for k in keys]
-        elif tokens is not None:
-            body["tokens_b64"] = base64.b64encode(tokens_to_bytes(tokens)).decode()
+        body = _prompt_doc(layout_id, tokens, scope, shard, keys, prompt_tokens)
         return self._matched(self._call("POST", "/v1/match", body=body, idempotent=True))
+
+    def out_buffers(self, match: Match) -> dict[int, torch.Tensor]:
+        """:meth:`Bank.out_buffers`: new buffers for :meth:`fetch`, sized from the layout."""
+        if not isinstance(match, Match):
+            raise InvalidInput(f"match: expected a Match, got {type(match).__name__}")
+        return out_buffers(self.layout(match.layout_id), match.resume.pages)
+
+    def fetch_prefix(self, layout_id: bytes, tokens: TokenIds | None = None, *,
+                     scope: Scope = DEFAULT_SCOPE, shard: int | None = None,
+                     keys: Sequence[bytes] | None = None, prompt_tokens: int | None = None,
+                     out: OutBuffers | None = None, max_rows: int | None = None) -> Fetched:
+        """:meth:`Bank.fetch_prefix` on the node. On the same host, and over the data port,
+        one control call matches and lends (then the copies, then the acknowledgement);
+        over HTTP streams it is :meth:`match`, then :meth:`fetch`."""
+        body = _prompt_doc(layout_id, tokens, scope, shard, keys, prompt_tokens)
+        if self.same_host:
+            try:
+                return self._prefix(body, "lease", out, max_rows)
+            except TierUnavailable:
+                if self._want_local:
+                    raise
+                self._local = False  # segments cannot be mapped here after all
+            except TierFull:
+                pass  # the host tier cannot lend every row at once: stream them in batches
+        elif self._data_on():
+            try:
+                return self._prefix(body, "data", out, max_rows)
+            except TierFull:
+                pass
+        m = self.match(layout_id, tokens, scope=scope, shard=shard, keys=keys, prompt_tokens=prompt_tokens)
+        if not any(m.resume.pages):
+            return Fetched(m, None, {} if out is None else out)
+        bufs = self.out_buffers(m) if out is None else out
+        return Fetched(m, self.fetch(m, out=bufs, max_rows=max_rows), bufs)
+
+    def _prefix(self, prompt: dict[str, Any], via: str, out: OutBuffers | None,
+                max_rows: int | None) -> Fetched:
+        """Match and lend in one call (``via`` lease or data), then copy and acknowledge."""
+        doc = self._call("POST", "/v1/fetch", body={"prompt": prompt, "via": via, "max_rows": max_rows})
+        m = self._matched(doc["match"])
+        if doc["fetch_id"] is None:  # the bound is 0: the node opened no fetch
+            return Fetched(m, None, {} if out is None else out)
+        bufs = self.out_buffers(m) if out is None else out
+        try:
+            views = out_views(self.layout(m.layout_id), m.resume.pages, bufs)
+        except InvalidInput:
+            if doc["lease"] is not None:
+                self.release(doc["lease"]["id"])
+            raise
+        if via == "lease":
+            return Fetched(m, self._read_lease(doc, views, bufs), bufs)
+        req = {"match": self._match_doc(m), "fetch_id": doc["fetch_id"], "max_rows": max_rows}
+        result = self._fetch_data(req, views, doc)
+        if result is None:  # the data port went away: stream the rest over HTTP
+            result = self.fetch(m, out=bufs, fetch_id=doc["fetch_id"], max_rows=max_rows)
+        return Fetched(m, result, bufs)
 
     def _matched(self, doc: Any) -> Match:
         m = wire.from_dict(Match, doc)
@@ -537,7 +608,11 @@ class Client:
 
     def _fetch_local(self, req: dict[str, Any], views: dict[int, list[memoryview]],
                      out: OutBuffers) -> FetchResult:
-        doc = self._call("POST", "/v1/fetch", body={**req, "via": "lease"})
+        return self._read_lease(self._call("POST", "/v1/fetch", body={**req, "via": "lease"}), views, out)
+
+    def _read_lease(self, doc: dict[str, Any], views: dict[int, list[memoryview]],
+                    out: OutBuffers) -> FetchResult:
+        """Copy a same-host fetch's lent rows (the node's answer ``doc``) and acknowledge them."""
         fid = doc["fetch_id"]
         lease = doc["lease"]
         if lease is None:
@@ -656,13 +731,15 @@ class Client:
         self.commit(lease["id"], [names[i] for i, _ in slots])
         return names
 
-    def _fetch_data(self, req: dict[str, Any], views: dict[int, list[memoryview]]) -> FetchResult | None:
+    def _fetch_data(self, req: dict[str, Any], views: dict[int, list[memoryview]],
+                    first: dict[str, Any] | None = None) -> FetchResult | None:
         """A fetch over the data port, resumed under its fetch id while it breaks off
         (until ``retry_s``); None where the port cannot be reached (``req`` then names the
-        fetch id, for the HTTP stream to go on with)."""
+        fetch id, for the HTTP stream to go on with). ``first``: the node's answer to the
+        first call, already made."""
         deadline = time.monotonic() + self._retry
         while True:
-            doc = self._call("POST", "/v1/fetch", body={**req, "via": "data"})
+            doc, first = first or self._call("POST", "/v1/fetch", body={**req, "via": "data"}), None
             fid, lease, rows = doc["fetch_id"], doc["lease"], doc["rows"]
             req["fetch_id"] = fid
             if lease is None:

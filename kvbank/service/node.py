@@ -210,6 +210,28 @@ class Node:
                 state.streams.popitem(last=False)
         return OpenFetch(fetch_id, rows, [r.name for _, r in todo], stream)
 
+    def match(self, layout_id: bytes, args: dict[str, Any]) -> Match:
+        """:meth:`Bank.match` completed from the remote tier and the fleet: the rows Redis
+        still holds are recalled, the rows a peer holds are sent for, and the match is
+        taken again where either brought rows (``args``: the keyword arguments of
+        ``Bank.match``)."""
+        bank = self.bank
+        m = bank.match(layout_id, **args)
+        if bank.has_remote and any(None in ts for ts in m.tiers) and bank.recall_remote(m):
+            m = bank.match(layout_id, **args)
+        if self.fleet is not None and self.fleet.complete(m, args):
+            m = bank.match(layout_id, **args)
+        return m
+
+    def match_lend(self, layout_id: bytes, args: dict[str, Any], fetch_id: str | None,
+                   max_rows: int | None) -> tuple[Match, OpenFetch | None, Lease | None]:
+        """A same-host (or data-port) fetch of a prompt in one call: :meth:`match`, then
+        :meth:`lend_fetch` of its bound's rows (no fetch is opened when it needs none)."""
+        m = self.match(layout_id, args)
+        if not any(m.resume.rows):
+            return m, None, None
+        return (m, *self.lend_fetch(m, fetch_id, max_rows))
+
     def lend_fetch(self, match: Match, fetch_id: str | None,
                    max_rows: int | None) -> tuple[OpenFetch, Lease | None]:
         """A same-host fetch in one call: :meth:`open_fetch`, then a READ HOST lease on

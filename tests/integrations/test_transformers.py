@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from kvbank import Bank
+from kvbank import Bank, Fetched
 from kvbank.bank import FetchResult, Match
 from kvbank.errors import InvalidInput, PageSizeMismatch
 from kvbank.integrations import transformers as kt
@@ -231,6 +231,9 @@ class _ShortFetch:
     def fetch(self, match: Match, *, out: Any, fetch_id: str | None = None,
               max_rows: int | None = None) -> FetchResult:
         return self.bank.fetch(match, out=out, fetch_id=fetch_id, max_rows=self.rows)
+
+    def fetch_prefix(self, layout_id: bytes, tokens: Any = None, **kw: Any) -> Fetched:
+        return self.bank.fetch_prefix(layout_id, tokens, **kw, max_rows=self.rows)
 
 
 def test_partial_fetch_resumes_at_what_arrived_whole(bank: Bank) -> None:

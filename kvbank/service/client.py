@@ -46,7 +46,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Self
+from typing import Any, Self, TypeVar
 from urllib.parse import urlsplit
 
 import numpy as np
@@ -154,6 +154,8 @@ def _prompt_doc(layout_id: bytes, tokens: TokenIds | None, scope: Scope, shard: 
         body["tokens_b64"] = base64.b64encode(tokens_to_bytes(tokens)).decode()
     return body
 
+
+T = TypeVar("T")
 
 Slot = tuple[str, int, int, memoryview]  # (segment, offset, size, buffer): one copy of a leased row
 
@@ -493,20 +495,10 @@ class Client:
         one control call matches and lends (then the copies, then the acknowledgement);
         over HTTP streams it is :meth:`match`, then :meth:`fetch`."""
         body = _prompt_doc(layout_id, tokens, scope, shard, keys, prompt_tokens)
-        if self.same_host:
-            try:
-                return self._prefix(body, "lease", out, max_rows)
-            except TierUnavailable:
-                if self._want_local:
-                    raise
-                self._local = False  # segments cannot be mapped here after all
-            except TierFull:
-                pass  # the host tier cannot lend every row at once: stream them in batches
-        elif self._data_on():
-            try:
-                return self._prefix(body, "data", out, max_rows)
-            except TierFull:
-                pass
+        fast = self._lent_path(lambda: self._prefix(body, "lease", out, max_rows),
+                               lambda: self._prefix(body, "data", out, max_rows))
+        if fast is not None:
+            return fast
         m = self.match(layout_id, tokens, scope=scope, shard=shard, keys=keys, prompt_tokens=prompt_tokens)
         if not any(m.resume.pages):
             return Fetched(m, None, {} if out is None else out)
@@ -563,22 +555,9 @@ class Client:
             raise InvalidInput(f"match: expected a Match, got {type(match).__name__}")
         views = out_views(self.layout(match.layout_id), match.resume.pages, out)
         req = {"match": self._match_doc(match), "fetch_id": fetch_id, "max_rows": max_rows}
-        if self.same_host:
-            try:
-                return self._fetch_local(req, views, out)
-            except TierUnavailable:
-                if self._want_local:
-                    raise
-                self._local = False  # segments cannot be mapped here after all
-            except TierFull:
-                pass  # the host tier cannot hold every row at once: stream them in batches
-        elif self._data_on():
-            try:
-                fetched = self._fetch_data(req, views)
-                if fetched is not None:
-                    return fetched
-            except TierFull:
-                pass  # as on the same host: stream them in batches
+        fetched = self._lent_path(lambda: self._fetch_local(req, views, out), lambda: self._fetch_data(req, views))
+        if fetched is not None:
+            return fetched
         deadline = time.monotonic() + self._retry
         while True:
             conn = self._conn()
@@ -599,6 +578,27 @@ class Client:
             if err is None or result.complete or time.monotonic() >= deadline:
                 return result
             req["fetch_id"] = fid  # resume from the first undelivered row
+
+    def _lent_path(self, local: Callable[[], T], data: Callable[[], T | None]) -> T | None:
+        """A fetch through a lease: ``local`` on the node's host, else ``data`` over its data
+        port where it has one; None where the rows must stream over HTTP instead (the
+        segments cannot be mapped here, the data port is gone, or the host tier cannot lend
+        every row at once: the stream sends them in batches)."""
+        if self.same_host:
+            try:
+                return local()
+            except TierUnavailable:
+                if self._want_local:
+                    raise
+                self._local = False  # segments cannot be mapped here after all
+            except TierFull:
+                pass
+        elif self._data_on():
+            try:
+                return data()
+            except TierFull:
+                pass
+        return None
 
     def _ack(self, fetch_id: str, rows: list[int], lease_id: str | None,
              stream: str | None = None) -> FetchResult:

@@ -17,6 +17,9 @@ Primitives:
   opens a new stream and never ends another stream's leases: a stream that is never
   acknowledged (its client died) keeps them until their TTL. A fetch id resumes from the
   first row not recorded.
+- :meth:`Node.match` — ``Bank.match`` completed from the remote tier and the fleet, in one
+  pool hop; :meth:`Node.match_lend` — that, then the same-host lease of its rows (a
+  fetch by prompt: one control call where match and lease were two).
 - :func:`host_identity` — boot id, shared-memory dir, uid: a client whose host answers
   the same (and that can map the node's segment) takes the shared-memory path.
 

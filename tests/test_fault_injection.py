@@ -311,6 +311,7 @@ def _bank_entry_points(c: _Ctx) -> dict[str, Callable[[], object]]:
         "locate": lambda: b.locate(n),
         "out_buffers": lambda: b.out_buffers(c.match),
         "fetch": lambda: b.fetch(c.match, out=b.out_buffers(c.match)),
+        "fetch_prefix": lambda: b.fetch_prefix(c.lid, TOKENS),
         "reshard_rows": lambda: b.reshard_rows(c.match),
         "as_if_held": lambda: b.as_if_held(c.match),
         "recall_remote": lambda: b.recall_remote(c.match),

@@ -34,7 +34,6 @@ Lifecycle: ``Client(url)`` (no connection yet) → calls → ``close()`` (or ``w
 
 from __future__ import annotations
 
-import base64
 import http.client
 import json
 import os
@@ -49,7 +48,6 @@ from types import TracebackType
 from typing import Any, Self, TypeVar
 from urllib.parse import urlsplit
 
-import numpy as np
 import torch
 
 from kvbank import wire
@@ -61,12 +59,18 @@ from kvbank.lender.base import CommitResult, Lease, LeaseMode, MemoryKind
 from kvbank.lender.borrow import Borrower
 from kvbank.results import BankStats, Fetched, FetchResult, Match
 from kvbank.service.client_io import (
+    Slot,
+    check_prompt,
     enum_name,
     fetch_stream,
     lease_path_id,
+    lease_slots,
+    merged_copies,
     name_hex,
     page_size,
+    prompt_doc,
     put_head,
+    scope_doc,
     send_put,
 )
 from kvbank.service.config import DEFAULT_BIND, DEFAULT_PORT
@@ -124,87 +128,7 @@ def _raise_for(status: int, body: bytes) -> None:
     raise exc
 
 
-def _scope_doc(scope: Scope) -> dict[str, str]:
-    return {"tenant": scope.tenant, "cache_salt": scope.cache_salt, "lora": scope.lora}
-
-
-def _check_prompt(layout_id: object, scope: object, tokens: object, keys: object) -> None:
-    if not isinstance(layout_id, bytes):
-        raise InvalidInput(f"layout_id: expected bytes, got {type(layout_id).__name__}")
-    if not isinstance(scope, Scope):
-        raise InvalidInput(f"scope: expected a Scope, got {type(scope).__name__}")
-    if (tokens is None) == (keys is None):
-        raise InvalidInput("tokens: give either tokens or keys (a page-key chain), not both or neither")
-
-
-def _prompt_doc(layout_id: bytes, tokens: TokenIds | None, scope: Scope, shard: int | None,
-                keys: Sequence[bytes] | None, prompt_tokens: int | None) -> dict[str, Any]:
-    """A prompt as the node's JSON match body (``/v1/match``, and a fetch's ``prompt``)."""
-    _check_prompt(layout_id, scope, tokens, keys)
-    body: dict[str, Any] = {
-        "layout_id": layout_id.hex(), "shard": shard, "prompt_tokens": prompt_tokens, "scope": _scope_doc(scope)}
-    if keys is not None:
-        if isinstance(keys, (bytes, str)) or not isinstance(keys, Sequence):
-            raise InvalidInput(f"keys: expected a sequence of page keys, got {type(keys).__name__}")
-        for i, k in enumerate(keys):
-            if type(k) is not bytes:
-                raise InvalidInput(f"keys[{i}]: expected a page key (bytes), got {type(k).__name__}")
-        body["keys"] = [k.hex() for k in keys]
-    elif tokens is not None:
-        body["tokens_b64"] = base64.b64encode(tokens_to_bytes(tokens)).decode()
-    return body
-
-
 T = TypeVar("T")
-
-Slot = tuple[str, int, int, memoryview]  # (segment, offset, size, buffer): one copy of a leased row
-
-
-def _slots(doc: dict[str, Any], bufs: Sequence[memoryview]) -> list[tuple[int, Slot]]:
-    """A lease's slots form (``kvbank.service.node.slots_doc``) → ``(i, (segment, offset,
-    size, bufs[i]))`` for each slot; an answer of another shape is the node's fault."""
-    try:
-        segments = doc["segments"]
-        out = []
-        for i, seg, offset, size in doc["slots"]:
-            out.append((i, (str(segments[seg]), int(offset), int(size), bufs[i])))
-        return out
-    except (KeyError, IndexError, TypeError, ValueError) as exc:
-        raise TierUnavailable(f"node: a lease answer of an unexpected shape: {exc!r}") from exc
-
-
-def _runs(slots: list[tuple[int, Slot]], rows: Sequence[Sequence[int]], out: OutBuffers) -> list[Slot]:
-    """The copies of a same-host fetch, rows merged into one copy where they lie back to
-    back both in the node's segment and in one destination tensor (rows ``k, k+1, ...``
-    of ``out[g]``): a lease's slots are usually handed out in order, and a copy per 32 KiB
-    row costs more in per-row work than in bytes."""
-    jobs: list[Slot] = []
-    # the open run: its group, destination rows, first row, segment, offset, row size, rows
-    run: tuple[int, np.ndarray, int, str, int, int] | None = None
-    count = 0
-
-    def close() -> None:
-        if run is not None:
-            _, arr, first, seg, off, size = run
-            jobs.append((seg, off, count * size, arr[first : first + count].data.cast("B")))
-
-    for i, job in slots:
-        seg, off, size, _ = job
-        _, g, slot, _ = rows[i]
-        dst = out.get(g)
-        whole = isinstance(dst, torch.Tensor) and size == dst.shape[1]
-        if run is not None and whole and run[0] == g and seg == run[3] and slot == run[2] + count \
-                and off == run[4] + count * size:
-            count += 1
-            continue
-        close()
-        run, count = None, 0
-        if isinstance(dst, torch.Tensor) and whole:
-            run, count = (g, dst.numpy(), slot, seg, off, size), 1
-        else:
-            jobs.append(job)
-    close()
-    return jobs
 
 
 class Client:
@@ -430,7 +354,7 @@ class Client:
         node checks again when it is committed or acknowledged)."""
         deadline = time.monotonic() + float(lease["ttl_s"])
         try:
-            slots = _slots(lease, bufs)
+            slots = lease_slots(lease, bufs)
             copies = [job for _, job in slots] if jobs is None else jobs(slots)
             self._borrower(writable=into_slots).copy_slots(copies, into_slots=into_slots)
             if time.monotonic() >= deadline:
@@ -473,12 +397,12 @@ class Client:
               prompt_tokens: int | None = None) -> Match:
         """:meth:`Bank.match` on the node (by tokens, or by an engine's key chain). Never leases."""
         if tokens is not None and prompt_tokens is None:
-            _check_prompt(layout_id, scope, tokens, keys)
+            check_prompt(layout_id, scope, tokens, keys)
             # the binary form: the ids as they are, no base64 in JSON around them
             doc = self._call("POST", "/v1/match", idempotent=True,
-                             content=encode_match(layout_id, _scope_doc(scope), shard, tokens_to_bytes(tokens)))
+                             content=encode_match(layout_id, scope_doc(scope), shard, tokens_to_bytes(tokens)))
             return self._matched(doc)
-        body = _prompt_doc(layout_id, tokens, scope, shard, keys, prompt_tokens)
+        body = prompt_doc(layout_id, tokens, scope, shard, keys, prompt_tokens)
         return self._matched(self._call("POST", "/v1/match", body=body, idempotent=True))
 
     def out_buffers(self, match: Match) -> dict[int, torch.Tensor]:
@@ -494,7 +418,7 @@ class Client:
         """:meth:`Bank.fetch_prefix` on the node. On the same host, and over the data port,
         one control call matches and lends (then the copies, then the acknowledgement);
         over HTTP streams it is :meth:`match`, then :meth:`fetch`."""
-        body = _prompt_doc(layout_id, tokens, scope, shard, keys, prompt_tokens)
+        body = prompt_doc(layout_id, tokens, scope, shard, keys, prompt_tokens)
         fast = self._lent_path(lambda: self._prefix(body, "lease", out, max_rows),
                                lambda: self._prefix(body, "data", out, max_rows))
         if fast is not None:
@@ -623,7 +547,7 @@ class Client:
         except (KeyError, IndexError, TypeError, ValueError) as exc:
             self.release(lease["id"])
             raise TierUnavailable(f"node: a fetch answer of an unexpected shape: {exc!r}") from exc
-        got = self._copy_leased(lease, bufs, into_slots=False, jobs=lambda ss: _runs(ss, rows, out))
+        got = self._copy_leased(lease, bufs, into_slots=False, jobs=lambda ss: merged_copies(ss, rows, out))
         # the node counts these rows only if the lease outlived the copies
         return self._ack(fid, [rows[i][0] for i in got], lease["id"])
 
@@ -717,7 +641,7 @@ class Client:
         if lease is None:
             return None if doc["fallback"] else names
         try:
-            slots = _slots(lease, views)
+            slots = lease_slots(lease, views)
             self._data.put(doc["ticket"], [buf for _, (_, _, _, buf) in slots])
         except (DataPortUnreachable, Busy) as exc:
             self.release(lease["id"])
@@ -746,7 +670,7 @@ class Client:
                 return self._ack(fid, [], None)
             try:
                 bufs = [views[g][slot][:size] for _, g, slot, size in rows]
-                slots = _slots(lease, bufs)
+                slots = lease_slots(lease, bufs)
                 got, err = self._data.fetch(doc["ticket"], [buf[:size] for _, (_, _, size, buf) in slots])
             except (DataPortUnreachable, Busy) as exc:
                 self._ack(fid, [], lease["id"])  # releases the lease

@@ -5,6 +5,10 @@
 - :func:`fetch_stream` — a fetch stream read with ``readinto`` straight into each
   destination row; the positions of the rows that arrived whole, even when the stream
   broke off (those are what the client acknowledges).
+- :func:`prompt_doc` — a prompt as the node's JSON match body (``/v1/match``, a fetch's
+  ``prompt``), checked first (:func:`check_prompt`).
+- :func:`lease_slots` / :func:`merged_copies` — a same-host lease's slots form as the
+  copies to make, rows lying back to back merged into one.
 
 httpx is not used here: it reads a body in 64 KiB ``bytes`` chunks the caller must copy
 again, which measured 0.55–0.78× raw TCP against ``readinto``'s 1.0×.
@@ -12,12 +16,18 @@ again, which measured 0.55–0.78× raw TCP against ``readinto``'s 1.0×.
 
 from __future__ import annotations
 
+import base64
 import http.client
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
 
 from kvbank import wire
+from kvbank.buffers import OutBuffers
 from kvbank.errors import InvalidInput, KvbankError, TierUnavailable
 from kvbank.keys import PAGE_KEY_BYTES, Scope, TokenIds, tokens_to_bytes
 from kvbank.layout import PageLayout
@@ -194,3 +204,89 @@ def lease_path_id(lease_id: object) -> str:
     if not isinstance(lease_id, str) or not lease_id or "/" in lease_id:
         raise InvalidInput(f"lease_id: expected a lease id string, got {lease_id!r}")
     return lease_id
+
+
+# ---- prompts and same-host copies -------------------------------------------------------
+
+
+def scope_doc(scope: Scope) -> dict[str, str]:
+    """A scope as the node's JSON ``scope`` object."""
+    return {"tenant": scope.tenant, "cache_salt": scope.cache_salt, "lora": scope.lora}
+
+
+def check_prompt(layout_id: object, scope: object, tokens: object, keys: object) -> None:
+    """The checks every prompt a client sends passes first (``InvalidInput`` names the argument)."""
+    if not isinstance(layout_id, bytes):
+        raise InvalidInput(f"layout_id: expected bytes, got {type(layout_id).__name__}")
+    if not isinstance(scope, Scope):
+        raise InvalidInput(f"scope: expected a Scope, got {type(scope).__name__}")
+    if (tokens is None) == (keys is None):
+        raise InvalidInput("tokens: give either tokens or keys (a page-key chain), not both or neither")
+
+
+def prompt_doc(layout_id: bytes, tokens: TokenIds | None, scope: Scope, shard: int | None,
+                keys: Sequence[bytes] | None, prompt_tokens: int | None) -> dict[str, Any]:
+    """A prompt as the node's JSON match body (``/v1/match``, and a fetch's ``prompt``)."""
+    check_prompt(layout_id, scope, tokens, keys)
+    body: dict[str, Any] = {
+        "layout_id": layout_id.hex(), "shard": shard, "prompt_tokens": prompt_tokens, "scope": scope_doc(scope)}
+    if keys is not None:
+        if isinstance(keys, (bytes, str)) or not isinstance(keys, Sequence):
+            raise InvalidInput(f"keys: expected a sequence of page keys, got {type(keys).__name__}")
+        for i, k in enumerate(keys):
+            if type(k) is not bytes:
+                raise InvalidInput(f"keys[{i}]: expected a page key (bytes), got {type(k).__name__}")
+        body["keys"] = [k.hex() for k in keys]
+    elif tokens is not None:
+        body["tokens_b64"] = base64.b64encode(tokens_to_bytes(tokens)).decode()
+    return body
+
+
+Slot = tuple[str, int, int, memoryview]  # (segment, offset, size, buffer): one copy of a leased row
+
+
+def lease_slots(doc: dict[str, Any], bufs: Sequence[memoryview]) -> list[tuple[int, Slot]]:
+    """A lease's slots form (``kvbank.service.node.slots_doc``) → ``(i, (segment, offset,
+    size, bufs[i]))`` for each slot; an answer of another shape is the node's fault."""
+    try:
+        segments = doc["segments"]
+        out = []
+        for i, seg, offset, size in doc["slots"]:
+            out.append((i, (str(segments[seg]), int(offset), int(size), bufs[i])))
+        return out
+    except (KeyError, IndexError, TypeError, ValueError) as exc:
+        raise TierUnavailable(f"node: a lease answer of an unexpected shape: {exc!r}") from exc
+
+
+def merged_copies(slots: list[tuple[int, Slot]], rows: Sequence[Sequence[int]], out: OutBuffers) -> list[Slot]:
+    """The copies of a same-host fetch, rows merged into one copy where they lie back to
+    back both in the node's segment and in one destination tensor (rows ``k, k+1, ...``
+    of ``out[g]``): a lease's slots are usually handed out in order, and a copy per 32 KiB
+    row costs more in per-row work than in bytes."""
+    jobs: list[Slot] = []
+    # the open run: its group, destination rows, first row, segment, offset, row size, rows
+    run: tuple[int, np.ndarray, int, str, int, int] | None = None
+    count = 0
+
+    def close() -> None:
+        if run is not None:
+            _, arr, first, seg, off, size = run
+            jobs.append((seg, off, count * size, arr[first : first + count].data.cast("B")))
+
+    for i, job in slots:
+        seg, off, size, _ = job
+        _, g, slot, _ = rows[i]
+        dst = out.get(g)
+        whole = isinstance(dst, torch.Tensor) and size == dst.shape[1]
+        if run is not None and whole and run[0] == g and seg == run[3] and slot == run[2] + count \
+                and off == run[4] + count * size:
+            count += 1
+            continue
+        close()
+        run, count = None, 0
+        if isinstance(dst, torch.Tensor) and whole:
+            run, count = (g, dst.numpy(), slot, seg, off, size), 1
+        else:
+            jobs.append(job)
+    close()
+    return jobs

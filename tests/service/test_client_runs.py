@@ -1,11 +1,11 @@
 """A same-host fetch merges rows lying back to back in the node's segment and in one
-destination tensor into one copy (``kvbank.service.client._runs``), and nothing else."""
+destination tensor into one copy (``kvbank.service.client_io.merged_copies``), and nothing else."""
 
 from __future__ import annotations
 
 import torch
 
-from kvbank.service.client import _runs
+from kvbank.service.client_io import merged_copies
 
 SIZE = 64
 
@@ -21,7 +21,7 @@ def test_back_to_back_rows_become_one_copy_and_every_break_splits_it() -> None:
     offs = [0, 64, 128, 1000, 1064, 1128, 1192]  # a gap in the segment after the third row
     segs = ["a", "a", "a", "a", "a", "a", "b"]  # the last row lies in another segment
     slots = [_slot(i, segs[i], offs[i], views[i]) for i in range(len(rows))]
-    jobs = _runs(slots, rows, {0: out})
+    jobs = merged_copies(slots, rows, {0: out})
     assert [(seg, off, size) for seg, off, size, _ in jobs] == [
         ("a", 0, 3 * SIZE),  # rows 0-2
         ("a", 1000, SIZE),  # row 3: its destination is out[3], the next row's out[5]
@@ -40,7 +40,7 @@ def test_rows_into_separate_buffers_are_copied_one_by_one() -> None:
     bufs = [bytearray(SIZE) for _ in range(3)]
     rows = [[p, 0, p, SIZE] for p in range(3)]
     slots = [_slot(i, "a", i * SIZE, memoryview(bufs[i])) for i in range(3)]
-    jobs = _runs(slots, rows, {0: bufs})
+    jobs = merged_copies(slots, rows, {0: bufs})
     assert [job[:3] for job in jobs] == [("a", 0, SIZE), ("a", SIZE, SIZE), ("a", 2 * SIZE, SIZE)]
     assert all(job[3].obj is b for job, b in zip(jobs, bufs, strict=True))
 
@@ -50,4 +50,4 @@ def test_groups_do_not_merge() -> None:
     out1 = torch.zeros((2, SIZE), dtype=torch.uint8)
     rows = [[0, 0, 0, SIZE], [1, 1, 1, SIZE]]
     slots = [_slot(0, "a", 0, memoryview(out0.numpy()[0])), _slot(1, "a", SIZE, memoryview(out1.numpy()[1]))]
-    assert len(_runs(slots, rows, {0: out0, 1: out1})) == 2
+    assert len(merged_copies(slots, rows, {0: out0, 1: out1})) == 2

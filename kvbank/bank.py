@@ -83,7 +83,7 @@ from kvbank.catalog import Catalog
 from kvbank.config import BankConfig, check_settings
 from kvbank.cross_shard import CrossLocate, ReshardReader, ShardCounts
 from kvbank.errors import Busy, InvalidInput, LayoutError, RowLocked, TierUnavailable
-from kvbank.fetching import GetMany, fetch_rows, one_by_one
+from kvbank.fetching import GetMany, fetch_rows, fetched, one_by_one
 from kvbank.fleet_ops import FleetOps
 from kvbank.keys import DEFAULT_SCOPE, Scope, TokenIds, group_of, namespace
 from kvbank.keys import row_names as _row_names
@@ -489,10 +489,7 @@ class Bank(LeaseOps, AdminOps, FleetOps):
         bound is 0 (nothing to fetch); an incomplete fetch resumes with :meth:`fetch`
         under ``result.fetch_id``."""
         m = self.match(layout_id, tokens, scope=scope, shard=shard, keys=keys, prompt_tokens=prompt_tokens)
-        if not any(m.resume.pages):
-            return Fetched(m, None, {} if out is None else out)
-        bufs = self.out_buffers(m) if out is None else out
-        return Fetched(m, self.fetch(m, out=bufs, max_rows=max_rows), bufs)
+        return fetched(self.layout(layout_id), m, out, lambda bufs: self.fetch(m, out=bufs, max_rows=max_rows))
 
     def fetches(self) -> tuple[FetchInfo, ...]:
         """Open fetch-ledger entries (a pure query)."""

@@ -6,16 +6,21 @@ records each row only when it arrived *whole*: a row gone since the match, or cu
 stays undelivered (a miss, never "loaded"). The answer's bound is recomputed from the
 delivered rows alone; a complete fetch closes its entry. An exception leaves the entry
 open and carries a note naming the ``fetch_id`` to resume with.
+
+:func:`fetched` is ``fetch_prefix`` after its match: the rows the bound needs fetched into
+the caller's buffers or new ones (``Bank``, ``Client`` off the lease path, the transformers
+adapter over a bank with only ``match`` and ``fetch``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from kvbank.buffers import OutBuffers, out_buffers
 from kvbank.errors import InvalidInput
 from kvbank.layout import PageLayout
 from kvbank.lender.ledger import FetchLedger
-from kvbank.results import FetchResult, Match
+from kvbank.results import Fetched, FetchResult, Match
 
 GetInto = Callable[[bytes, memoryview], "int | None"]  # the store's get_into: bytes copied or None
 # The store's get_many_into: per row, bytes copied or None.
@@ -27,6 +32,16 @@ GetMany = Callable[[Sequence[bytes], Sequence[memoryview]], "list[int | None]"]
 # step.
 FETCH_BATCH_ROWS = 64
 FETCH_BATCH_BYTES = 128 << 20
+
+
+def fetched(layout: PageLayout, match: Match, out: OutBuffers | None,
+            fetch: Callable[[OutBuffers], FetchResult]) -> Fetched:
+    """``match``'s needed rows through ``fetch`` into ``out`` (None: new buffers sized from
+    ``layout``); nothing is fetched when the bound needs no rows (``result`` None)."""
+    if not any(match.resume.pages):
+        return Fetched(match, None, {} if out is None else out)
+    bufs = out_buffers(layout, match.resume.pages) if out is None else out
+    return Fetched(match, fetch(bufs), bufs)
 
 
 def one_by_one(get_into: GetInto) -> GetMany:

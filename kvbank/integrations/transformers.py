@@ -49,6 +49,7 @@ import torch
 
 from kvbank.bank import FetchResult, Match
 from kvbank.errors import InvalidInput, UnknownLayout
+from kvbank.fetching import fetched
 from kvbank.integrations._hf_cache import (
     CacheLayerMap,
     LayerKind,
@@ -274,12 +275,7 @@ def fetch_pages(
         if prefix is not None:
             return prefix(lid, ids, scope=scope, shard=shard)
         m = bank.match(lid, ids, scope=scope, shard=shard)
-    # empty, not zeros: only rows that arrived whole are ever read, and fetch writes them.
-    out = {g: torch.empty((len(want), hl.layout.group_bytes(g)), dtype=torch.uint8)
-           for g, want in enumerate(m.resume.pages) if want}
-    if m.resume.tokens == 0 or not out:
-        return Fetched(m, None, out)
-    return Fetched(m, bank.fetch(m, out=out), out)
+    return fetched(hl.layout, m, None, lambda out: bank.fetch(m, out=out))
 
 
 def build_cache(hl: ModelLayout, model: HfModel, tokens: Tokens, fetched: Fetched) -> Loaded:

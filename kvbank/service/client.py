@@ -53,6 +53,7 @@ import torch
 from kvbank import wire
 from kvbank.buffers import OutBuffers, Pages, out_buffers, out_views, page_views
 from kvbank.errors import Busy, InvalidInput, KvbankError, LeaseExpired, TierFull, TierUnavailable
+from kvbank.fetching import fetched
 from kvbank.keys import DEFAULT_SCOPE, Scope, TokenIds, tokens_to_bytes
 from kvbank.layout import PageLayout
 from kvbank.lender.base import CommitResult, Lease, LeaseMode, MemoryKind
@@ -424,19 +425,19 @@ class Client:
         if fast is not None:
             return fast
         m = self.match(layout_id, tokens, scope=scope, shard=shard, keys=keys, prompt_tokens=prompt_tokens)
-        if not any(m.resume.pages):
-            return Fetched(m, None, {} if out is None else out)
-        bufs = self.out_buffers(m) if out is None else out
-        return Fetched(m, self.fetch(m, out=bufs, max_rows=max_rows), bufs)
+        return fetched(self.layout(layout_id), m, out, lambda bufs: self.fetch(m, out=bufs, max_rows=max_rows))
 
     def _prefix(self, prompt: dict[str, Any], via: str, out: OutBuffers | None,
                 max_rows: int | None) -> Fetched:
-        """Match and lend in one call (``via`` lease or data), then copy and acknowledge."""
+        """Match and lend in one call (``via`` lease or data), then copy and acknowledge.
+        A bound that needs no rows opened no fetch on the node: nothing to copy."""
         doc = self._call("POST", "/v1/fetch", body={"prompt": prompt, "via": via, "max_rows": max_rows})
         m = self._matched(doc["match"])
-        if doc["fetch_id"] is None:  # the bound is 0: the node opened no fetch
-            return Fetched(m, None, {} if out is None else out)
-        bufs = self.out_buffers(m) if out is None else out
+        return fetched(self.layout(m.layout_id), m, out, lambda bufs: self._read_lent(doc, m, via, bufs, max_rows))
+
+    def _read_lent(self, doc: dict[str, Any], m: Match, via: str, bufs: OutBuffers,
+                   max_rows: int | None) -> FetchResult:
+        """The rows the node lent for ``m`` (its answer ``doc``), into ``bufs``."""
         try:
             views = out_views(self.layout(m.layout_id), m.resume.pages, bufs)
         except InvalidInput:
@@ -444,12 +445,12 @@ class Client:
                 self.release(doc["lease"]["id"])
             raise
         if via == "lease":
-            return Fetched(m, self._read_lease(doc, views, bufs), bufs)
+            return self._read_lease(doc, views, bufs)
         req = {"match": self._match_doc(m), "fetch_id": doc["fetch_id"], "max_rows": max_rows}
         result = self._fetch_data(req, views, doc)
         if result is None:  # the data port went away: stream the rest over HTTP
             result = self.fetch(m, out=bufs, fetch_id=doc["fetch_id"], max_rows=max_rows)
-        return Fetched(m, result, bufs)
+        return result
 
     def _matched(self, doc: Any) -> Match:
         m = wire.from_dict(Match, doc)

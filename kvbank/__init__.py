@@ -1,7 +1,7 @@
 """kvbank: storage-tier KV-cache offload and sharing for LLM serving fleets.
 
 The names below are imported on first use, so ``import kvbank.codec`` (or
-``kvbank.wire``'s callers that need only frames) does not pull in torch and the tiered
+``kvbank.wire.forms``'s callers that need only frames) does not pull in torch and the tiered
 store through this package's ``__init__``.
 """
 
@@ -10,13 +10,16 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+from kvbank import _moved
+from kvbank._version import __version__
+
+_moved.install()
 
 # The embedded API: what a worker needs to store, match, fetch and lend pages; and the
 # node service's client, which makes the same calls over HTTP.
 _EXPORTS = {
-    "Bank": "kvbank.bank",
-    "Client": "kvbank.service.client",
+    "Bank": "kvbank.bank.bank",
+    "Client": "kvbank.client.client",
     "BankConfig": "kvbank.config",
     "BankStats": "kvbank.results",
     "CommitResult": "kvbank.lender.base",
@@ -44,15 +47,15 @@ _EXPORTS = {
 }
 
 if TYPE_CHECKING:
-    from kvbank.bank import Bank
+    from kvbank.bank.bank import Bank
     from kvbank.builders import full_attention, hybrid_mamba, mla, sliding_window
+    from kvbank.client.client import Client
     from kvbank.config import BankConfig
     from kvbank.keys import Scope, page_keys
     from kvbank.layout import GroupKind, PageLayout, QuantMode, Role
     from kvbank.lender.base import CommitResult, Lease, LeaseMode, LeaseRow, MemoryKind
     from kvbank.lender.resume import Obstacle, ResumeBound
     from kvbank.results import BankStats, Fetched, FetchResult, Match, Presence
-    from kvbank.service.client import Client
     from kvbank.tiers.base import TierKind
 
 __all__ = [

@@ -5,19 +5,23 @@
   (:class:`~kvbank.errors.PageSizeMismatch`), without copying host memory.
 - :func:`out_views` — writable views of a fetch's output buffers, one per planned row.
 - :func:`out_buffers` — new output buffers sized for a match's bound.
+- :func:`fetched` — ``fetch_prefix`` after its match: the rows the bound needs fetched into
+  the caller's buffers or new ones (``Bank``, ``Client`` off the lease path, the
+  transformers adapter over a bank with only ``match`` and ``fetch``).
 
 Every refusal is :class:`~kvbank.errors.InvalidInput` naming the argument and position.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 import torch
 
 from kvbank.errors import InvalidInput, PageSizeMismatch
 from kvbank.layout import PageLayout
+from kvbank.results import Fetched, FetchResult, Match
 
 Pages = torch.Tensor | Sequence[bytes | bytearray | memoryview]  # uint8 [n, page_bytes] or n buffers
 OutBuffers = Mapping[int, torch.Tensor | Sequence[bytearray | memoryview]]  # group -> rows
@@ -94,3 +98,13 @@ def out_views(
             vs.append(mv.cast("B"))
         views[g] = vs
     return views
+
+
+def fetched(layout: PageLayout, match: Match, out: OutBuffers | None,
+            fetch: Callable[[OutBuffers], FetchResult]) -> Fetched:
+    """``match``'s needed rows through ``fetch`` into ``out`` (None: new buffers sized from
+    ``layout``); nothing is fetched when the bound needs no rows (``result`` None)."""
+    if not any(match.resume.pages):
+        return Fetched(match, None, {} if out is None else out)
+    bufs = out_buffers(layout, match.resume.pages) if out is None else out
+    return Fetched(match, fetch(bufs), bufs)

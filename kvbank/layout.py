@@ -51,7 +51,7 @@ change of the byte layout rules bumps the version so old and new builds share no
 
 Logical id: ``PageLayout.logical_id`` is the layout id of :meth:`PageLayout.unsharded`
 (the TP 1 form), equal for every shard count of one model layout, so rows stored under
-any of them can be found (see :mod:`kvbank.reshard`).
+any of them can be found (see :mod:`kvbank.reshard.plan`).
 """
 
 from __future__ import annotations

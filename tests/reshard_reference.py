@@ -1,4 +1,4 @@
-"""A brute-force reference for resharding, written apart from :mod:`kvbank.reshard`.
+"""A brute-force reference for resharding, written apart from :mod:`kvbank.reshard.plan`.
 
 It splits a TP 1 page element by element with numpy fancy indexing along each buffer's
 split axis (no byte arithmetic, no plan), so the plan and the kernel are checked against
@@ -65,7 +65,7 @@ def _hand(count: int, index: int) -> L.PageLayout:
             L.BufferSpec(1, L.Role.VALUE, "float32", (3, 2, 4), head_axis=1),
         ),
     )
-    from kvbank.reshard import shard_layout
+    from kvbank.reshard.plan import shard_layout
 
     return shard_layout(full, count, index)
 

@@ -34,7 +34,7 @@ from kvbank.tiers import disk as disk_module
 from kvbank.tiers.device import DevicePool
 from kvbank.tiers.disk import DiskTier, FrameWrite
 from kvbank.tiers.host import HostSlab
-from kvbank.tiers.store import TieredStore
+from kvbank.tiers.store.store import TieredStore
 
 P = 4096
 RAW_ERRORS: list[BaseException] = [lmdb.Error("injected"), lmdb.CorruptedError("injected"),

@@ -12,7 +12,7 @@ import pytest
 from kvbank import builders as B
 from kvbank import layout as L
 from kvbank.errors import InvalidInput, LayoutError
-from kvbank.reshard import check_compatible, plan_reshard, refusal, shard_layout
+from kvbank.reshard.plan import check_compatible, plan_reshard, refusal, shard_layout
 from tests.reshard_reference import BUILDERS, COUNTS, split_reference, valid
 
 PAIRS = [

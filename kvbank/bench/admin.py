@@ -70,7 +70,7 @@ def _match_auth(tenant_url: str, plain_url: str, reps: int) -> BenchRow:
     import torch
 
     from kvbank.builders import full_attention
-    from kvbank.service.client import Client
+    from kvbank.client.client import Client
 
     layout = full_attention("bench-admin-match@1", 1, 8, 128, tokens_per_page=16)
     toks = list(range(MATCH_PAGES * 16))
@@ -89,7 +89,7 @@ def _metrics_overhead(on_url: str, off_url: str, reps: int, rows: int) -> BenchR
     import torch
 
     from kvbank.builders import full_attention
-    from kvbank.service.client import Client
+    from kvbank.client.client import Client
 
     layout = full_attention("bench-admin-fetch@1", 32, 8, 128, tokens_per_page=16)  # 2 MiB pages
     page = layout.group_page_bytes[0]
@@ -117,7 +117,7 @@ def _metrics_overhead(on_url: str, off_url: str, reps: int, rows: int) -> BenchR
 def _rows_list(n_rows: int, reps: int) -> BenchRow:
     import torch
 
-    from kvbank.bank import Bank
+    from kvbank.bank.bank import Bank
     from kvbank.builders import full_attention
 
     layout = full_attention("bench-admin-rows@1", 1, 1, 8, tokens_per_page=16)  # 512-byte pages

@@ -52,7 +52,7 @@ from pathlib import Path
 
 import torch
 
-from kvbank.bank import Bank
+from kvbank.bank.bank import Bank
 from kvbank.bench.common import BenchRow, row
 from kvbank.builders import full_attention
 from kvbank.codec import decode_into, encode

@@ -3,7 +3,7 @@
 Run ``python -m kvbank.bench.borrower``; it reads one JSON command per line on
 stdin and answers one JSON line on stdout. Leases arrive as :meth:`Lease.to_dict` JSON —
 plain fields, no pickle — and the segments are mapped by name with
-:class:`~kvbank.lender.borrow.Borrower` (each segment once, for the process's life).
+:class:`~kvbank.client.shm.Borrower` (each segment once, for the process's life).
 
 Commands:
 
@@ -32,9 +32,10 @@ from typing import Any
 
 import numpy as np
 
+from kvbank import wire
+from kvbank.client.shm import Borrower
 from kvbank.errors import KvbankError
 from kvbank.lender.base import Delivery, HostLocation, Lease
-from kvbank.lender.borrow import Borrower
 
 
 def pattern(name: bytes, seed: int, size: int) -> bytes:
@@ -113,11 +114,11 @@ def serve(stdin: Any = None, stdout: Any = None) -> None:
                 if op == "ping":  # ready: imports done, the command loop running
                     reply: dict[str, Any] = {"ok": True}
                 elif op == "read":
-                    reply = _read(b, Lease.from_dict(cmd["lease"]))
+                    reply = _read(b, wire.from_dict(Lease, cmd["lease"]))
                 elif op == "fill":
-                    reply = _fill(b, Lease.from_dict(cmd["lease"]), cmd["rows"], int(cmd["seed"]))
+                    reply = _fill(b, wire.from_dict(Lease, cmd["lease"]), cmd["rows"], int(cmd["seed"]))
                 elif op == "bench":
-                    leases = [Lease.from_dict(d) for d in cmd["leases"]]
+                    leases = [wire.from_dict(Lease, d) for d in cmd["leases"]]
                     reply = _bench(b, leases, int(cmd["repeat"]))
                 else:
                     reply = {"ok": False, "error": "InvalidInput", "message": f"op: {op!r}"}

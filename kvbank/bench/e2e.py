@@ -51,9 +51,9 @@ def _prompts() -> tuple[list[int], list[int]]:
 
 def _store_worker(url: str) -> None:
     """Worker A, in its own process: store prompt A on the node."""
+    from kvbank.client.client import Client
     from kvbank.integrations import transformers as kt
     from kvbank.integrations.scenario import tiny_llama
-    from kvbank.service.client import Client
 
     model = tiny_llama()
     a, _ = _prompts()
@@ -71,9 +71,9 @@ def run(quick: bool = False) -> Iterator[BenchRow]:
         import transformers  # noqa: F401  (only to say what is missing)
     except ImportError as exc:
         raise ImportError("bench e2e needs transformers: pip install 'kvbank[transformers]'") from exc
+    from kvbank.client.client import Client
     from kvbank.integrations import transformers as kt
     from kvbank.integrations.scenario import tiny_llama
-    from kvbank.service.client import Client
     from kvbank.service.launch import NodeProcess
 
     repeat = 3 if quick else 7

@@ -48,9 +48,9 @@ def _paired_ms(fn: Callable[[], object], base: Callable[[], object], reps: int) 
 
 
 def _lookup_rows(quick: bool) -> Iterator[BenchRow]:
-    from kvbank.bench.redis_procs import RedisClusterProcs
-    from kvbank.bench.redis_procs import RedisProc as RedisServer
-    from kvbank.service.fleet_index import FleetIndex
+    from kvbank.procs import RedisClusterProcs
+    from kvbank.procs import RedisProc as RedisServer
+    from kvbank.service.fleet.index import FleetIndex
     from kvbank.tiers.remote import connect
 
     reps = 30 if quick else 300
@@ -86,7 +86,7 @@ def _lookup_rows(quick: bool) -> Iterator[BenchRow]:
 
 
 def _remote_get(quick: bool) -> BenchRow:
-    from kvbank.bench.redis_procs import RedisProc as RedisServer
+    from kvbank.procs import RedisProc as RedisServer
     from kvbank.tiers.remote import RedisFrameStore, connect
 
     n, page = (8 if quick else 32), 2 << 20
@@ -118,8 +118,8 @@ def _remote_get(quick: bool) -> BenchRow:
 
 
 def _index_bytes(quick: bool) -> BenchRow:
-    from kvbank.bench.redis_procs import RedisProc as RedisServer
-    from kvbank.service.fleet_index import FleetIndex
+    from kvbank.procs import RedisProc as RedisServer
+    from kvbank.service.fleet.index import FleetIndex
     from kvbank.tiers.remote import connect
 
     n = 20_000 if quick else 100_000
@@ -144,9 +144,9 @@ def _index_bytes(quick: bool) -> BenchRow:
 def _peer_fetch(quick: bool) -> BenchRow:
     import torch
 
-    from kvbank.bench.redis_procs import RedisProc as RedisServer
     from kvbank.builders import full_attention
-    from kvbank.service.client import Client
+    from kvbank.client.client import Client
+    from kvbank.procs import RedisProc as RedisServer
     from kvbank.service.launch import NodeProcess
 
     reps, pages = (2 if quick else 9), 16

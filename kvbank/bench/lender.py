@@ -24,11 +24,12 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
-from kvbank.bank import Bank
+from kvbank import wire
+from kvbank.bank.bank import Bank
 from kvbank.bench.borrower import BorrowerProcess
 from kvbank.bench.common import BenchRow, paired_rates, row
 from kvbank.builders import full_attention
-from kvbank.tiers.store import TieredStore
+from kvbank.tiers.store.store import TieredStore
 
 SUITE = "lender"
 ROWS_PER_LEASE = 64
@@ -52,7 +53,7 @@ def _read_xproc(quick: bool) -> BenchRow:
             leases.append(bank.lend(names, ttl_s=600))
         with BorrowerProcess() as borrower:
             reply = borrower.call(
-                "bench", leases=[lease.to_dict() for lease in leases], repeat=3 if quick else 7
+                "bench", leases=[wire.to_dict(lease) for lease in leases], repeat=3 if quick else 7
             )
         for lease in leases:
             bank.release(lease.id)

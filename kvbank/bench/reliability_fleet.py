@@ -140,7 +140,7 @@ class _Traffic:
     def _run(self) -> None:
         import torch
 
-        from kvbank.service.client import Client
+        from kvbank.client.client import Client
 
         n = self.data.shape[0]
         out = torch.zeros_like(self.data)
@@ -200,9 +200,9 @@ def redis_flap(rounds: int = 3, outage_s: float = 2.0, pages: int = 8,
     import redis
     import torch
 
-    from kvbank.bench.redis_procs import RedisProc
-    from kvbank.service.client import Client
-    from kvbank.service.fleet_index import FleetIndex
+    from kvbank.client.client import Client
+    from kvbank.procs import RedisProc
+    from kvbank.service.fleet.index import FleetIndex
     from kvbank.service.launch import NodeProcess
 
     layout = _layout("reliability-flap@1", 2)
@@ -296,8 +296,8 @@ def _check_rows(cb: Any, m: Any, data: Any, page: int) -> tuple[int, int]:
     the resume bound's rows by a fetch, any present row past it through a HOST lease."""
     import torch
 
+    from kvbank.client.shm import Borrower
     from kvbank.lender.base import Delivery
-    from kvbank.lender.borrow import Borrower
 
     n = data.shape[0]
     r = m.resume.tokens // P
@@ -358,8 +358,8 @@ def peer_killed(rounds: int = 10, pages: int = 48, seed: int = 7,
     ``kill_share``: the range of that share (past 1.0 the kill lands after the stream)."""
     import torch
 
-    from kvbank.bench.redis_procs import RedisProc
-    from kvbank.service.client import Client
+    from kvbank.client.client import Client
+    from kvbank.procs import RedisProc
     from kvbank.service.launch import NodeProcess
     from kvbank.tiers.host import cleanup_stale
 

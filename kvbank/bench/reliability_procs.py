@@ -41,8 +41,8 @@ from pathlib import Path
 from kvbank.bench.common import BenchRow
 from kvbank.bench.reliability_disk import SmallFs, rot_values
 from kvbank.bench.reliability_worker import LAYOUT, PAGE, TOKENS_PER_PAGE, chain_tokens, page_bytes
+from kvbank.client.client import Client
 from kvbank.keys import DEFAULT_SCOPE, namespace, page_keys, row_names
-from kvbank.service.client import Client
 from kvbank.service.launch import NodeProcess
 from kvbank.tiers.base import TierKind
 
@@ -99,8 +99,8 @@ def read_chain(c: Client, client: int, round_: int, n_pages: int) -> Readback:
                 wrong += wrong_bytes(out[k], page_bytes(client, round_, i))
     rest = [i for i in range(len(pages), n_pages) if present[i]]
     if rest:
+        from kvbank.client.shm import Borrower
         from kvbank.lender.base import HostLocation
-        from kvbank.lender.borrow import Borrower
 
         lease = c.lend([names[i] for i in rest], ttl_s=60)
         try:

@@ -50,7 +50,7 @@ def _say(text: str) -> None:
 
 
 def putter(client_id: int, same_host: bool) -> None:
-    from kvbank.service.client import Client
+    from kvbank.client.client import Client
 
     _say("ready")
     for line in sys.stdin:
@@ -76,9 +76,9 @@ def putter(client_id: int, same_host: bool) -> None:
 
 
 def holder(url: str, ttl_s: float, seed: int) -> None:
+    from kvbank.client.client import Client
+    from kvbank.client.shm import Borrower
     from kvbank.lender.base import HostLocation
-    from kvbank.lender.borrow import Borrower
-    from kvbank.service.client import Client
 
     c = Client(url, same_host=True)
     lid = c.register(LAYOUT)

@@ -22,13 +22,13 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from kvbank.bank import Bank
+from kvbank.bank.bank import Bank
 from kvbank.bench.common import BenchRow, paired_rates, row
 from kvbank.builders import full_attention
 from kvbank.config import BankConfig
 from kvbank.kernels.reshard import reshard_pages
 from kvbank.layout import PageLayout
-from kvbank.reshard import plan_reshard
+from kvbank.reshard.plan import plan_reshard
 
 SUITE = "reshard"
 

@@ -114,8 +114,8 @@ def _raw_server() -> None:
 def _client(spec: dict[str, Any]) -> dict[str, Any]:
     import torch
 
-    from kvbank.bank import Bank
-    from kvbank.service.client import Client
+    from kvbank.bank.bank import Bank
+    from kvbank.client.client import Client
 
     layout = _layout()
     page = layout.group_page_bytes[0]
@@ -259,7 +259,7 @@ def _many(spec: dict[str, Any], n: int) -> dict[str, float]:
 
 
 def run(quick: bool = False) -> Iterator[BenchRow]:
-    from kvbank.service.client import Client
+    from kvbank.client.client import Client
     from kvbank.service.launch import NodeProcess
 
     reps = 3 if quick else 5

@@ -2,7 +2,7 @@
 ``kvbank serve`` whose budgets are small enough that eviction and demotion never stop.
 
 Each client process (``python -m kvbank.bench.soak _client SPEC``) holds two
-:class:`~kvbank.service.client.Client` objects on the node, one forced onto the
+:class:`~kvbank.client.client.Client` objects on the node, one forced onto the
 shared-memory path (``same_host=True``) and one onto TCP (``same_host=False``), and until
 its time is up draws an operation and a path at random:
 
@@ -107,10 +107,10 @@ class _Miss(Exception):
 def _client(spec: dict[str, Any]) -> dict[str, Any]:
     import torch
 
+    from kvbank.client.client import Client
+    from kvbank.client.shm import Borrower
     from kvbank.errors import KvbankError
     from kvbank.lender.base import Delivery
-    from kvbank.lender.borrow import Borrower
-    from kvbank.service.client import Client
 
     layout = _layout()
     size = layout.group_page_bytes[0]
@@ -382,7 +382,7 @@ def soak(clients: int = 16, seconds: float = 60.0, families: int = FAMILIES,
     only): SIGKILL the Redis every that many seconds and restart it 1 s later."""
     import httpx
 
-    from kvbank.service.client import Client
+    from kvbank.client.client import Client
     from kvbank.service.launch import NodeProcess
 
     result = SoakResult(clients, seconds)
@@ -393,7 +393,7 @@ def soak(clients: int = 16, seconds: float = 60.0, families: int = FAMILIES,
         try:
             extra: list[str] = []
             if fleet:
-                from kvbank.bench.redis_procs import RedisProc
+                from kvbank.procs import RedisProc
 
                 redis = RedisProc.start()
                 extra = ["--redis", redis.url]

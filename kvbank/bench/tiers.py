@@ -50,7 +50,7 @@ from kvbank.bench.common import BenchRow, paired_rates, row
 from kvbank.codec import decode_into, encode
 from kvbank.config import BankConfig
 from kvbank.tiers.base import TierKind
-from kvbank.tiers.store import TieredStore
+from kvbank.tiers.store.store import TieredStore
 
 SUITE = "tiers"
 PAGE = 2 << 20

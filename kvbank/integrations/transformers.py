@@ -47,9 +47,8 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from kvbank.bank import FetchResult, Match
+from kvbank.buffers import fetched
 from kvbank.errors import InvalidInput, UnknownLayout
-from kvbank.fetching import fetched
 from kvbank.integrations._hf_cache import (
     CacheLayerMap,
     LayerKind,
@@ -62,7 +61,7 @@ from kvbank.integrations._hf_cache import (
 from kvbank.integrations._hf_layout import ModelLayout, fresh_cache, layout_for, model_fingerprint
 from kvbank.keys import DEFAULT_SCOPE, RowName, Scope, page_keys
 from kvbank.layout import GroupKind, PageLayout
-from kvbank.results import Fetched
+from kvbank.results import Fetched, FetchResult, Match
 
 __all__ = [
     "DEFAULT_SNAPSHOT_PAGES",

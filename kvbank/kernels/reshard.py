@@ -2,14 +2,14 @@
 
 Primitive:
 
-- :func:`reshard_pages` — run one group of a :class:`~kvbank.reshard.ReshardPlan` over a
+- :func:`reshard_pages` — run one group of a :class:`~kvbank.reshard.plan.ReshardPlan` over a
   batch of pages: for every page ``i``, destination page ``out[i]`` is built from
   ``sources[s][i]`` of each source shard ``s`` the group needs. Head slicing (a head range
   of every by-head buffer) and sectioned slicing (a range of each section) are both
   strided byte copies of the plan; padding bytes of the destination are zeroed.
 
 Lifecycle: plan once per (source shard count, destination layout) with
-:func:`kvbank.reshard.plan_reshard`, then call this per batch; it allocates nothing.
+:func:`kvbank.reshard.plan.plan_reshard`, then call this per batch; it allocates nothing.
 
 Everything is validated before a byte moves (sources present, uint8 ``[n,
 page_bytes]``, equal page counts, one device, rows contiguous, no source overlapping
@@ -31,7 +31,7 @@ from collections.abc import Mapping
 import torch
 
 from kvbank.errors import InvalidInput, PageSizeMismatch
-from kvbank.reshard import Copy, ReshardPlan
+from kvbank.reshard.plan import Copy, ReshardPlan
 
 _WORDS = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8))
 

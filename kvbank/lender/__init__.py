@@ -6,50 +6,8 @@
   renew; expiry checked at completion; a reaper thread.
 - :mod:`kvbank.lender.resume` — :func:`resume_bound`, a pure function.
 - :mod:`kvbank.lender.ledger` — :class:`FetchLedger`: delivered rows of a fetch.
-- :mod:`kvbank.lender.borrow` — the borrower's side in another process: map a HOST
-  lease's segments by name from the lease's JSON.
+
+The borrower's side in another process (map a HOST lease's slots) is
+:mod:`kvbank.client.shm`. This face imports nothing: ``kvbank.lender.base`` (the lease
+values a client needs) loads without the lender.
 """
-
-from __future__ import annotations
-
-from kvbank.lender.base import (
-    CommitResult,
-    Delivery,
-    DeviceLocation,
-    HostLocation,
-    Lease,
-    LeaseMode,
-    LeaseRow,
-    LendingStore,
-    Location,
-    MemoryKind,
-    PageShape,
-    Region,
-    Selection,
-)
-from kvbank.lender.ledger import FetchLedger, PlannedRow
-from kvbank.lender.lender import Lender
-from kvbank.lender.resume import Obstacle, ResumeBound, required_pages, resume_bound
-
-__all__ = [
-    "CommitResult",
-    "Delivery",
-    "DeviceLocation",
-    "FetchLedger",
-    "HostLocation",
-    "Lease",
-    "LeaseMode",
-    "LeaseRow",
-    "Lender",
-    "LendingStore",
-    "Location",
-    "MemoryKind",
-    "Obstacle",
-    "PageShape",
-    "PlannedRow",
-    "Region",
-    "ResumeBound",
-    "Selection",
-    "required_pages",
-    "resume_bound",
-]

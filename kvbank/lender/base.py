@@ -12,7 +12,7 @@ Primitives:
 - :class:`CommitResult` — what a ``WRITE`` lease's commit made visible.
 - :class:`LendingStore` — the part of the tiered store the lender uses: ``locate``, and
   three namespaces, ``locks`` (:class:`LockOps`), ``host`` (:class:`HostSlots`) and
-  ``device`` (:class:`DeviceSlots`). :class:`kvbank.tiers.store.TieredStore` satisfies it.
+  ``device`` (:class:`DeviceSlots`). :class:`kvbank.tiers.store.store.TieredStore` satisfies it.
 
 Lifecycle of a lease: ``lend`` → read or fill the bytes in place → ``release`` (READ) or
 ``commit`` (WRITE, only rows that arrived whole become visible); ``renew`` extends it.
@@ -20,18 +20,18 @@ A lease that is neither renewed nor finished expires at its deadline; a reaper d
 page locks and returns its reserved slots. See :mod:`kvbank.lender.lender`.
 
 Every value object here is a frozen dataclass of plain fields, so :meth:`Lease.to_json`
-(:mod:`kvbank.wire`) can hand a lease to another process (which maps the segments by
+(:mod:`kvbank.wire.forms`) can hand a lease to another process (which maps the segments by
 name) without pickle.
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
-from kvbank import columns
+from kvbank import fastrows as columns
 from kvbank.layout import PageLayout
 from kvbank.tiers.base import DeviceSlot, HostSlot, TierKind
 
@@ -136,7 +136,7 @@ def lease_rows(
     """``tuple(map(LeaseRow, names, present, locations, regions, delivery))``, built column
     by column.
 
-    Equal rows, at half the cost for a 64-row lease (:func:`kvbank.columns.build`).
+    Equal rows, at half the cost for a 64-row lease (:func:`kvbank.fastrows.build`).
     ``names`` sets the number of rows; every other column must have at least as many
     items (``itertools.repeat`` is fine).
     """
@@ -169,32 +169,6 @@ class Lease:
     @property
     def names(self) -> tuple[bytes, ...]:
         return tuple(r.name for r in self.rows)
-
-    def to_dict(self, *, now: float | None = None) -> dict[str, Any]:
-        """The lease's wire form (:func:`kvbank.wire.to_dict`): ``ttl_s`` left at ``now``
-        on the lender's clock (default ``time.monotonic()``), bytes as hex, enums by name."""
-        from kvbank import wire  # wire builds on these classes
-
-        return wire.to_dict(self, now=now)
-
-    def to_json(self, *, now: float | None = None) -> str:
-        from kvbank import wire
-
-        return wire.to_json(self, now=now)
-
-    @classmethod
-    def from_dict(cls, doc: Mapping[str, Any], *, now: float | None = None) -> Lease:
-        """Inverse of :meth:`to_dict`, validated (:class:`~kvbank.errors.InvalidInput`
-        naming the field); the deadline is rebuilt as ``now + ttl_s`` on this side's clock."""
-        from kvbank import wire
-
-        return wire.from_dict(Lease, doc, now=now)
-
-    @classmethod
-    def from_json(cls, text: str | bytes, *, now: float | None = None) -> Lease:
-        from kvbank import wire
-
-        return wire.from_json(Lease, text, now=now)
 
 
 @dataclass(frozen=True, slots=True)
@@ -252,7 +226,7 @@ class DeviceSlots(Protocol):
 class LendingStore(Protocol):
     """What the lender needs of the tiered store: presence, page locks, host/device slots.
 
-    :class:`kvbank.tiers.store.TieredStore` satisfies it; the lender is typed against this
+    :class:`kvbank.tiers.store.store.TieredStore` satisfies it; the lender is typed against this
     protocol so that its dependency on the store is exactly this list.
     """
 

@@ -30,7 +30,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from itertools import repeat
 
-from kvbank import columns
+from kvbank import fastrows as columns
 from kvbank.errors import FetchNotFound, InvalidInput
 from kvbank.layout import PageLayout
 from kvbank.lender.resume import ResumeBound, resume_bound

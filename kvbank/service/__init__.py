@@ -1,9 +1,9 @@
-"""The node service: one ``kvbank serve`` per node owns one :class:`~kvbank.bank.Bank`.
+"""The node service: one ``kvbank serve`` per node owns one :class:`~kvbank.bank.bank.Bank`.
 
 Modules:
 
 - :mod:`kvbank.service.config` — :class:`ServiceConfig` (flags, ``KVBANK_*``, TOML).
-- :mod:`kvbank.service.framing` — the binary put body and fetch stream forms.
+- :mod:`kvbank.wire.framing` — the binary put body and fetch stream forms.
 - :mod:`kvbank.service.app` — the data API under ``/v1/`` (FastAPI for JSON control
   routes, raw streamed bodies for pages).
 - :mod:`kvbank.service.dataplane` — the data port: remote page bodies over a plain
@@ -12,7 +12,7 @@ Modules:
   the bounded thread pool blocking bank calls run on.
 - :mod:`kvbank.service.sockets` — the node's listening sockets (HTTP port, data port),
   bound one way.
-- :mod:`kvbank.service.client` — :class:`Client`, the same calls as ``Bank`` over HTTP
+- :mod:`kvbank.client.client` — :class:`Client`, the same calls as ``Bank`` over HTTP
   (page bodies over the data port where the node has one) and, on the node's own host,
   through shared memory.
 

@@ -11,7 +11,7 @@ route                                    what it does
 ``POST /v1/flush``                       wait until the mover is idle
 ``POST /v1/layouts``                     register a layout (wire form) → ``layout_id``
 ``GET  /v1/layouts/{layout_id}``         the registered layout
-``POST /v1/put``, ``/v1/put_state``      binary put body (:mod:`~kvbank.service.framing`)
+``POST /v1/put``, ``/v1/put_state``      binary put body (:mod:`~kvbank.wire.framing`)
 ``POST /v1/put/lease``                   same body without pages → names + a WRITE lease
                                          (``?via=data``: + a data-port ticket for it)
 ``POST /v1/match``                       layout id, tokens (or keys), scope → a Match
@@ -28,11 +28,11 @@ route                                    what it does
 =======================================  ==================================================
 
 The admin API (``/admin/``), ``/metrics`` and the tenant and drain gates are installed by
-:func:`kvbank.service.admin.install_admin`; with tenant tokens configured, every route
-above holds its caller to its tenant through ``guard`` (:mod:`kvbank.service.tenants`).
+:func:`kvbank.service.admin.routes.install_admin`; with tenant tokens configured, every route
+above holds its caller to its tenant through ``guard`` (:mod:`kvbank.service.admin.tenants`).
 
 Errors: every :class:`~kvbank.errors.KvbankError` answers its wire document
-``{type, field, message}`` (:func:`kvbank.wire.error_to_dict`) with the status of
+``{type, field, message}`` (:func:`kvbank.wire.forms.error_to_dict`) with the status of
 :func:`status_of` — bad input 4xx, never 5xx; a full tier 507; an unavailable one 503.
 Every blocking bank call runs on the node's bounded pool (:meth:`Node.call`).
 """
@@ -51,7 +51,8 @@ from fastapi.responses import Response
 from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kvbank import __version__, wire
+from kvbank import wire
+from kvbank._version import __version__
 from kvbank.errors import (
     Busy,
     FetchError,
@@ -73,14 +74,14 @@ from kvbank.keys import Scope as KeyScope
 from kvbank.layout import PageLayout
 from kvbank.lender.base import Delivery, Lease, LeaseMode, MemoryKind
 from kvbank.results import Match
-from kvbank.service.admin import install_admin
-from kvbank.service.auth import Forbidden, Unauthorized
+from kvbank.service.admin.auth import Forbidden, Unauthorized
+from kvbank.service.admin.routes import install_admin
 from kvbank.service.connections import RequestLimits
 from kvbank.service.dataplane import DataPlane, Op, slot_names
-from kvbank.service.framing import PutKind, decode_match, encode_fetch_prefix, fetch_stream_bytes
-from kvbank.service.hot import NodeAPI
+from kvbank.service.fast_routes import NodeAPI
 from kvbank.service.node import Node, slots_doc
 from kvbank.service.stream import BodyTooLarge, RowStream, receive_put, receive_put_lease
+from kvbank.wire.framing import PutKind, decode_match, encode_fetch_prefix, fetch_stream_bytes
 
 logger = logging.getLogger(__name__)
 

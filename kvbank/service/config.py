@@ -65,9 +65,8 @@ from typing import Any
 
 from kvbank.config import ENV_PREFIX, BankConfig, parse_bytes
 from kvbank.errors import ConfigError
+from kvbank.wire.node import DEFAULT_BIND, DEFAULT_PORT
 
-DEFAULT_BIND = "127.0.0.1"
-DEFAULT_PORT = 7410
 DEFAULT_DATA_PORT = 0  # a free port, advertised in GET /v1/node
 DATA_PORT_OFF = -1
 DEFAULT_DATA_CONNECTIONS = 64

@@ -17,7 +17,8 @@ Primitives:
   ``redeem`` (single use: a ticket is gone once presented, whatever follows).
 - :class:`DataPlane` — the node's listener: a thread accepts, a thread per connection
   (at most ``data_connections``) serves transfers one after another on it.
-- :class:`DataLink` — a client's pooled connections to one node's data port.
+- the client's side is :class:`kvbank.client.dataport.DataLink`; the wire form
+  :mod:`kvbank.wire.dataport`.
 
 The wire, per transfer (little-endian; the server speaks only after a whole request)::
 
@@ -56,17 +57,14 @@ import logging
 import secrets
 import select
 import socket
-import struct
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from enum import IntEnum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvbank import wire
-from kvbank.bank import Bank
 from kvbank.errors import (
     Busy,
     InvalidInput,
@@ -76,28 +74,31 @@ from kvbank.errors import (
 )
 from kvbank.lender.base import Lease
 from kvbank.service.sockets import listen
+from kvbank.wire.dataport import (
+    GO,
+    MAX_ERROR_BYTES,
+    REFUSED,
+    REPLY,
+    REPLY_MAGIC,
+    REQUEST,
+    REQUEST_MAGIC,
+    TICKET_BYTES,
+    VERSION,
+    Broken,
+    Op,
+    recv_exact,
+    set_timeouts,
+)
+
+if TYPE_CHECKING:
+    from kvbank.bank.bank import Bank
 
 logger = logging.getLogger(__name__)
 
-VERSION = 1
-REQUEST_MAGIC = b"KVDP"
-REPLY_MAGIC = b"KVDR"
-REQUEST = struct.Struct("<4sBB2x16s")  # magic, version, op, ticket
-REPLY = struct.Struct("<4sBxHQ")  # magic, status, error document length, byte count
-TICKET_BYTES = 16
-MAX_ERROR_BYTES = 4096  # an error document longer than this is cut (a client reads at most this)
 _TICKETS = 8192  # unredeemed tickets remembered (the oldest go first; each expires anyway)
 _SERVED = 4096  # fetch leases remembered as data-plane ones, for the byte counters
-_GO, _REFUSED = 0, 1
 
 Moved = Callable[[str, int], None]  # (direction "in" / "out", bytes): the node's counters
-
-
-class Op(IntEnum):
-    """A transfer's direction."""
-
-    PUT = 1
-    FETCH = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,32 +161,6 @@ class Tickets:
             return len(self._live)
 
 
-class _Broken(Exception):
-    """The peer went away, or a transfer ran out of time (the connection is closed)."""
-
-
-def _set_timeouts(sock: socket.socket, seconds: float) -> None:
-    # Kernel timeouts on a blocking socket, so recv_into(MSG_WAITALL) still waits for a
-    # whole slot in one call (a Python-level timeout makes the socket non-blocking, and
-    # MSG_WAITALL then returns whatever has arrived: a Python loop per packet).
-    s = max(seconds, 0.001)
-    tv = struct.pack("ll", int(s), int((s - int(s)) * 1e6))
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
-
-
-def _recv_exact(sock: socket.socket, view: memoryview) -> None:
-    got, n = 0, len(view)
-    while got < n:
-        try:
-            k = sock.recv_into(view[got:], n - got, socket.MSG_WAITALL)
-        except (BlockingIOError, TimeoutError) as exc:
-            raise _Broken(f"no bytes for {n - got} more within the time left") from exc
-        if not k:
-            raise _Broken(f"the peer closed {n - got} bytes short")
-        got += k
-
-
 def _reply(status: int, count: int, error: bytes = b"") -> bytes:
     return REPLY.pack(REPLY_MAGIC, status, len(error), count) + error
 
@@ -193,7 +168,7 @@ def _reply(status: int, count: int, error: bytes = b"") -> bytes:
 def _refuse(conn: socket.socket, exc: KvbankError) -> None:
     """Answer ``exc`` and end the sending side; the caller closes the connection."""
     doc = json.dumps(wire.error_to_dict(exc), separators=(",", ":")).encode()[:MAX_ERROR_BYTES]
-    conn.sendall(_reply(_REFUSED, 0, doc))
+    conn.sendall(_reply(REFUSED, 0, doc))
     conn.shutdown(socket.SHUT_WR)
     # Take what the client sent meanwhile (a request on connecting, a request's tail)
     # before closing: a close with bytes unread answers a reset, which can overtake the
@@ -300,7 +275,7 @@ class DataPlane:
 
     def _turn_away(self, conn: socket.socket) -> None:
         try:
-            _set_timeouts(conn, 1.0)
+            set_timeouts(conn, 1.0)
             _refuse(conn, Busy(f"data_connections: the node serves {self._max} data "
                                "connections at once; try again or use HTTP"))
         except OSError:
@@ -313,7 +288,7 @@ class DataPlane:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             head = bytearray(REQUEST.size)
             while not self._stopping.is_set():
-                _set_timeouts(conn, self._idle)
+                set_timeouts(conn, self._idle)
                 try:
                     k = conn.recv_into(head, REQUEST.size, socket.MSG_WAITALL)
                 except (BlockingIOError, TimeoutError):
@@ -321,7 +296,7 @@ class DataPlane:
                 if k == 0:
                     return  # the client closed between transfers
                 if k != REQUEST.size:
-                    raise _Broken(f"a request of {k} bytes, expected {REQUEST.size}")
+                    raise Broken(f"a request of {k} bytes, expected {REQUEST.size}")
                 try:
                     op, ticket = self._redeem(head)
                 except KvbankError as exc:
@@ -331,7 +306,7 @@ class DataPlane:
                     self._send(conn, ticket)
                 else:
                     self._receive(conn, ticket)
-        except (_Broken, OSError) as exc:
+        except (Broken, OSError) as exc:
             logger.debug("data plane: connection ended: %s", exc)
         finally:
             with self._lock:
@@ -366,7 +341,7 @@ class DataPlane:
         """Seconds this transfer may still take: to its own deadline and the lease's."""
         left = min(deadline - time.monotonic(), ticket.expires_at - self._bank.clock())
         if left <= 0:
-            raise _Broken(f"lease {ticket.lease_id} or the transfer's {self._body}s ran out")
+            raise Broken(f"lease {ticket.lease_id} or the transfer's {self._body}s ran out")
         return left
 
     def _send(self, conn: socket.socket, ticket: Ticket) -> None:
@@ -374,15 +349,15 @@ class DataPlane:
             views = self._views(ticket)
         except KvbankError as exc:  # released or reaped since the ticket was issued
             _refuse(conn, exc)
-            raise _Broken(f"refused: {exc}") from exc
+            raise Broken(f"refused: {exc}") from exc
         total = sum(len(v) for v in views)
         deadline = time.monotonic() + self._body
         try:
-            _set_timeouts(conn, self._left(ticket, deadline))
-            conn.sendall(_reply(_GO, total))
+            set_timeouts(conn, self._left(ticket, deadline))
+            conn.sendall(_reply(GO, total))
             for v in views:
                 # bytes sent after the lease ended do not count (the acknowledgement checks)
-                _set_timeouts(conn, self._left(ticket, deadline))
+                set_timeouts(conn, self._left(ticket, deadline))
                 conn.sendall(v)
         finally:
             for v in views:
@@ -393,161 +368,22 @@ class DataPlane:
             views = self._views(ticket)
         except KvbankError as exc:
             _refuse(conn, exc)
-            raise _Broken(f"refused: {exc}") from exc
+            raise Broken(f"refused: {exc}") from exc
         total = sum(len(v) for v in views)
         deadline = time.monotonic() + self._body
         try:
-            conn.sendall(_reply(_GO, total))
+            conn.sendall(_reply(GO, total))
             for v in views:
                 # never into a slot past its lease's deadline: it may be another row's by then
-                _set_timeouts(conn, self._left(ticket, deadline))
-                _recv_exact(conn, v)
+                set_timeouts(conn, self._left(ticket, deadline))
+                recv_exact(conn, v)
             self._left(ticket, deadline)  # the last slot filled while the lease lived
         finally:
             for v in views:
                 v.release()  # before the client's commit: the slab must never outlive an export
-        conn.sendall(_reply(_GO, total))
+        conn.sendall(_reply(GO, total))
         if self.moved is not None:
             self.moved("in", total)
 
 
-# ---- the client's side -----------------------------------------------------------------
-
-
-class DataPortUnreachable(TierUnavailable):
-    """The node advertises a data port this client cannot connect to."""
-
-
-class DataLink:
-    """One client's pooled connections to a node's data port (thread-safe)."""
-
-    def __init__(self, host: str, timeout_s: float) -> None:
-        self._host = host
-        self._timeout = timeout_s
-        self._lock = threading.Lock()
-        self._idle: list[socket.socket] = []
-        self.port: int | None = None
-
-    def _connect(self) -> socket.socket:
-        if self.port is None:
-            raise DataPortUnreachable("data_port: the node advertises none")
-        try:
-            sock = socket.create_connection((self._host, self.port), timeout=self._timeout)
-        except OSError as exc:
-            raise DataPortUnreachable(f"data_port: {self._host}:{self.port} unreachable: {exc}") from exc
-        sock.settimeout(None)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        _set_timeouts(sock, self._timeout)
-        return sock
-
-    def _take(self) -> tuple[socket.socket, bool]:
-        """A connection, and whether it was pooled (the node may have closed it since)."""
-        while True:
-            with self._lock:
-                sock = self._idle.pop() if self._idle else None
-            if sock is None:
-                return self._connect(), False
-            try:
-                if not select.select([sock], [], [], 0)[0]:
-                    return sock, True
-            except (OSError, ValueError):
-                pass
-            sock.close()  # readable while idle: the node closed it (idle_timeout_s)
-
-    def _give_back(self, sock: socket.socket) -> None:
-        with self._lock:
-            self._idle.append(sock)
-
-    def _start(self, op: Op, ticket: str, want: int) -> socket.socket:
-        """Present ``ticket``; the connection, once the node answered go for ``want`` bytes."""
-        try:
-            raw = bytes.fromhex(ticket)
-        except (TypeError, ValueError):
-            raise TierUnavailable(f"node: a ticket that is not hex: {ticket!r}"[:200]) from None
-        if len(raw) != TICKET_BYTES:
-            raise TierUnavailable(f"node: a ticket of {len(raw)} bytes, expected {TICKET_BYTES}")
-        attempt = 0
-        while True:
-            attempt += 1
-            sock, pooled = self._take()
-            try:
-                sock.sendall(REQUEST.pack(REQUEST_MAGIC, VERSION, op, raw))
-                head = bytearray(REPLY.size)
-                _recv_exact(sock, memoryview(head))
-            except (OSError, _Broken) as exc:
-                sock.close()
-                # A pooled connection the node closed just now never read the request, so
-                # the ticket is unused: once more on a fresh one.
-                if pooled and attempt == 1:
-                    continue
-                raise TierUnavailable(f"data port: {self._host}:{self.port}: {exc}") from exc
-            try:
-                self._check_reply(sock, head, want)
-            except BaseException:
-                sock.close()
-                raise
-            return sock
-
-    def _check_reply(self, sock: socket.socket, head: bytearray, want: int) -> None:
-        magic, status, err_len, count = REPLY.unpack(head)
-        if magic != REPLY_MAGIC:
-            raise TierUnavailable(f"data port: a reply with magic {bytes(magic)!r}, expected {REPLY_MAGIC!r}")
-        if status == _REFUSED:
-            doc = bytearray(min(err_len, MAX_ERROR_BYTES))
-            try:
-                _recv_exact(sock, memoryview(doc))
-                exc: KvbankError = wire.error_from_dict(json.loads(doc))
-            except (OSError, _Broken, ValueError, RecursionError, KvbankError) as bad:
-                exc = TierUnavailable(f"data port: refused, without a readable reason: {bad}")
-            raise exc
-        if status != _GO or count != want:
-            raise TierUnavailable(f"data port: status {status} for {count} bytes, expected go for {want}")
-
-    def put(self, ticket: str, bufs: Sequence[memoryview]) -> None:
-        """Send ``bufs`` (the slots' bytes, in the ticket's order); returns once the node
-        has every byte. Raises the node's typed refusal, or :class:`TierUnavailable`."""
-        total = sum(len(b) for b in bufs)
-        sock = self._start(Op.PUT, ticket, total)
-        try:
-            for b in bufs:
-                sock.sendall(b)
-            head = bytearray(REPLY.size)
-            _recv_exact(sock, memoryview(head))
-            self._check_reply(sock, head, total)
-        except (OSError, _Broken) as exc:
-            sock.close()
-            raise TierUnavailable(f"data port: put broke off: {exc}") from exc
-        except BaseException:
-            sock.close()
-            raise
-        self._give_back(sock)
-
-    def fetch(self, ticket: str, bufs: Sequence[memoryview]) -> tuple[int, BaseException | None]:
-        """Receive the ticket's slots into ``bufs`` (each exactly its slot's size): how many
-        arrived whole (a prefix), and what ended the transfer early (None: nothing).
-        Raises where it never began: :class:`DataPortUnreachable`, :class:`Busy`."""
-        try:
-            sock = self._start(Op.FETCH, ticket, sum(len(b) for b in bufs))
-        except (DataPortUnreachable, Busy):
-            raise  # the transfer never began: the caller may take HTTP instead
-        except KvbankError as exc:
-            return 0, exc
-        got = 0
-        try:
-            for b in bufs:
-                _recv_exact(sock, b)
-                got += 1
-        except (OSError, _Broken) as exc:
-            sock.close()
-            return got, TierUnavailable(f"data port: fetch broke off after {got} rows: {exc}")
-        self._give_back(sock)
-        return got, None
-
-    def close(self) -> None:
-        with self._lock:
-            idle, self._idle = self._idle, []
-        for s in idle:
-            s.close()
-
-
-__all__ = ["DataLink", "DataPlane", "DataPortUnreachable", "Op", "Ticket", "Tickets", "slot_names"]
+__all__ = ["DataPlane", "Op", "Ticket", "Tickets", "slot_names"]

@@ -44,18 +44,19 @@ from operator import attrgetter
 from pathlib import Path
 from typing import Any, TypeVar
 
-from kvbank import __version__, columns
-from kvbank.bank import Bank
+from kvbank import fastrows as columns
+from kvbank._version import __version__
+from kvbank.bank.bank import Bank
 from kvbank.errors import InvalidInput, KvbankError
 from kvbank.lender.base import Delivery, HostLocation, Lease, LeaseMode, MemoryKind
 from kvbank.lender.ledger import FetchLedger, PlannedRow
 from kvbank.results import FetchResult, Match
 from kvbank.service.config import ServiceConfig
 from kvbank.service.dataplane import DataPlane
-from kvbank.service.fleet import Fleet
-from kvbank.service.framing import StreamRow
+from kvbank.service.fleet.fleet import Fleet
 from kvbank.tiers.base import HostSlot
 from kvbank.tiers.host import SHM_DIR
+from kvbank.wire.framing import StreamRow
 
 T = TypeVar("T")
 

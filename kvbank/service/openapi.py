@@ -10,7 +10,7 @@ import json
 import sys
 from typing import Any
 
-from kvbank.bank import Bank
+from kvbank.bank.bank import Bank
 from kvbank.config import BankConfig
 from kvbank.service.app import create_app
 from kvbank.service.config import ServiceConfig

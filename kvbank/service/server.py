@@ -33,14 +33,14 @@ from typing import TextIO
 
 import uvicorn
 
-from kvbank.bank import Bank
+from kvbank.bank.bank import Bank
 from kvbank.errors import ConfigError, TierUnavailable
-from kvbank.service.admin import admin_of
+from kvbank.service.admin.routes import admin_of
 from kvbank.service.app import create_app
 from kvbank.service.config import DATA_PORT_OFF, ServiceConfig
 from kvbank.service.connections import protocol
 from kvbank.service.dataplane import DataPlane
-from kvbank.service.fleet import join_fleet
+from kvbank.service.fleet.fleet import join_fleet
 from kvbank.service.node import Node
 from kvbank.service.sockets import listen
 

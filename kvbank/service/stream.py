@@ -44,7 +44,9 @@ from kvbank.keys import PAGE_KEY_BYTES
 from kvbank.keys import Scope as KeyScope
 from kvbank.layout import GroupKind
 from kvbank.lender.base import Delivery, Lease, LeaseMode, MemoryKind
-from kvbank.service.framing import (
+from kvbank.service.admin.tenants import bind_put_header
+from kvbank.service.node import Node, OpenFetch
+from kvbank.wire.framing import (
     PREFIX,
     PUT_MAGIC,
     FrameKind,
@@ -54,8 +56,6 @@ from kvbank.service.framing import (
     decode_put_header,
     encode_frame,
 )
-from kvbank.service.node import Node, OpenFetch
-from kvbank.service.tenants import bind_put_header
 
 logger = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@
 :class:`LenderModel` is the lender's semantics in a few dozen lines of dicts: live leases
 with deadlines on a fake clock, the readers/writer conflict rule, which rows a READ lease
 locks, what a WRITE commit makes visible. :class:`LenderMachine` drives a real
-:class:`~kvbank.lender.lender.Lender` over a real :class:`~kvbank.tiers.store.TieredStore`
+:class:`~kvbank.lender.lender.Lender` over a real :class:`~kvbank.tiers.store.store.TieredStore`
 (host tier only, a small budget) through lend, read, write, commit (partial), renew,
 release, clock jumps (expiry without sleeping), puts, deletes, existence probes and
 eviction pressure, and after every step checks the lender and the store against the
@@ -29,7 +29,7 @@ from kvbank.errors import LeaseConflict, LeaseExpired, LeaseNotFound, RowLocked
 from kvbank.lender.base import Delivery, LeaseMode, PageShape, Region
 from kvbank.lender.lender import Lender
 from kvbank.testing.tiers import stored
-from kvbank.tiers.store import TieredStore
+from kvbank.tiers.store.store import TieredStore
 
 PAGE = 4096
 NAMES = [bytes([i + 1]) * 54 for i in range(10)]  # the rows leases are taken on

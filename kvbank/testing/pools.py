@@ -19,8 +19,8 @@ from collections.abc import Iterator
 import pytest
 
 from kvbank.errors import TierUnavailable
+from kvbank.tiers.allocator import slot_class
 from kvbank.tiers.base import DeviceSlot, HostSlot, SlotPool
-from kvbank.tiers.slots import slot_class
 
 from .tiers import page_of
 

@@ -2,7 +2,7 @@
 
 Tests never use a machine's shared Redis: each session starts its own ``redis-server`` on
 a free 127.0.0.1 port with persistence off, and stops it by pid. The process is the
-benchmark's own (:class:`kvbank.bench.redis_procs.RedisProc`): one starter for both, and
+benchmark's own (:class:`kvbank.procs.RedisProc`): one starter for both, and
 the dependency points from the tests' helpers to the benchmarks, never back. Where the
 binary is missing the tests that need it skip with a message saying how to install it —
 except under ``CI=true``, where a missing binary is a failure, so a CI machine without
@@ -15,7 +15,7 @@ import os
 import shutil
 import socket
 
-from kvbank.bench.redis_procs import INSTALL_HINT, MissingBinary, RedisProc
+from kvbank.procs import INSTALL_HINT, MissingBinary, RedisProc
 
 __all__ = ["INSTALL_HINT", "MissingBinary", "RedisServer", "free_port", "in_ci", "redis_binary"]
 

@@ -1,4 +1,4 @@
-"""A Hypothesis state machine of :class:`~kvbank.tiers.store.TieredStore` against a dict.
+"""A Hypothesis state machine of :class:`~kvbank.tiers.store.store.TieredStore` against a dict.
 
 The model holds the last bytes put under each name and the page locks. Budgets are tiny,
 so eviction and demotion happen all the time; what must hold after every step:
@@ -39,9 +39,10 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from kvbank.config import BankConfig
 from kvbank.errors import PageSizeMismatch, PinBudgetExceeded, RowLocked, TierFull
+from kvbank.results import EventKind, RowEvent
 from kvbank.testing.tiers import name_of, size_of, stored
 from kvbank.tiers.base import TierKind
-from kvbank.tiers.store import EventKind, RowEvent, TieredStore
+from kvbank.tiers.store.store import TieredStore
 
 N_NAMES = 24
 SIZES = (1000, 1500)

@@ -8,7 +8,7 @@ Subclass :class:`TierTests` in a test module, name the subclass ``Test…`` and 
             return DiskTier(self.data_dir, budget)
 
 The tiered store itself runs it through :class:`StoreTier`, which presents a
-:class:`~kvbank.tiers.store.TieredStore` as one tier using only its public methods. A
+:class:`~kvbank.tiers.store.store.TieredStore` as one tier using only its public methods. A
 tier whose ``evicts`` capability is set makes room instead of raising ``TierFull``.
 
 A persistent tier also implements :meth:`TierTests.reopen` (close, then open the same
@@ -33,7 +33,7 @@ from kvbank.tiers.base import Tier, TierKind
 
 if TYPE_CHECKING:
     from kvbank.tiers.base import Buffer
-    from kvbank.tiers.store import TieredStore
+    from kvbank.tiers.store.store import TieredStore
 
 
 def name_of(i: int, tag: bytes = b"t") -> bytes:
@@ -287,7 +287,7 @@ def size_of(store: TieredStore, name: bytes) -> int | None:
 
 
 class StoreTier(Tier):
-    """A :class:`~kvbank.tiers.store.TieredStore` as one :class:`Tier` (public API only):
+    """A :class:`~kvbank.tiers.store.store.TieredStore` as one :class:`Tier` (public API only):
     its kind is its slowest enabled tier; it evicts rather than refuse a row."""
 
     def __init__(self, store: TieredStore) -> None:

@@ -9,7 +9,7 @@ Primitives:
   set (``0`` = off), else NVML free memory × ``device_fraction``; ``(0, reason)`` when
   the tier is off, so the store can say why once (log warning and ``health()``).
 - :class:`DevicePool` — slots over chunks of device memory: the same
-  :class:`~kvbank.tiers.slots.SlotAllocator` as the host slab, each claimed chunk one
+  :class:`~kvbank.tiers.allocator.SlotAllocator` as the host slab, each claimed chunk one
   ``torch.empty(n, dtype=uint8, device=...)``. A :class:`~kvbank.tiers.base.DeviceSlot`
   names the chunk tensor (``pool``) and the byte offset in it.
 
@@ -32,8 +32,8 @@ import torch
 from kvbank.config import BankConfig
 from kvbank.errors import InvalidInput, TierUnavailable
 from kvbank.kernels.faults import TORCH_ERRORS, torch_fault
+from kvbank.tiers.allocator import AllocatorBacked, SlotAllocator
 from kvbank.tiers.base import DeviceSlot
-from kvbank.tiers.slots import AllocatorBacked, SlotAllocator
 
 logger = logging.getLogger(__name__)
 

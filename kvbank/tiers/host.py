@@ -3,7 +3,7 @@
 Primitives:
 
 - :class:`HostSlab` — one ``/dev/shm/<prefix>-<pid>-<random>`` file mapped once, as a
-  sparse address space of ``host_bytes``; :class:`~kvbank.tiers.slots.SlotAllocator`
+  sparse address space of ``host_bytes``; :class:`~kvbank.tiers.allocator.SlotAllocator`
   carves it into chunks of equal slots per size class. A chunk's memory becomes real when
   the chunk is claimed (``posix_fallocate``: a full ``/dev/shm`` is a clean ``TierFull``
   instead of a SIGBUS later, then pre-faulted so the first copy into it runs at memcpy
@@ -14,7 +14,7 @@ Primitives:
   the one name check: no path separator, no leading dot, no NUL; and only a regular
   file, never through a symbolic link, never blocking on a FIFO); :func:`attach` / :class:`SlotMapping` map just one slot given a
   :class:`~kvbank.tiers.base.HostSlot` (segment name, offset, size), and the borrower
-  (:mod:`kvbank.lender.borrow`) maps whole segments through it.
+  (:mod:`kvbank.client.shm`) maps whole segments through it.
 - :func:`cleanup_stale` — unlinks segments left by dead processes (``kill -9``); every
   new slab calls it for its prefix, so a restarted bank reclaims its predecessor's memory.
 
@@ -47,8 +47,8 @@ from types import TracebackType
 import numpy as np
 
 from kvbank.errors import InvalidInput, TierFull, TierUnavailable
+from kvbank.tiers.allocator import AllocatorBacked, SlotAllocator
 from kvbank.tiers.base import OS_ERRORS, HostSlot
-from kvbank.tiers.slots import AllocatorBacked, SlotAllocator
 
 logger = logging.getLogger(__name__)
 

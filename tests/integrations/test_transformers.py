@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from kvbank import Bank, Fetched
-from kvbank.bank import FetchResult, Match
 from kvbank.errors import InvalidInput, PageSizeMismatch
 from kvbank.integrations import transformers as kt
 from kvbank.integrations._hf_cache import classify, restore
 from kvbank.layout import GroupKind
+from kvbank.results import FetchResult, Match
 from tests.integrations import hf_models as M
 
 pytestmark = pytest.mark.slow
@@ -129,7 +129,7 @@ def test_layout_for_declares_mamba2_conv_sections_and_reshards_them_section_by_s
     half of each section; split as one axis, rank 0 would hold all of x and no C."""
     from kvbank.kernels.reshard import reshard_pages
     from kvbank.layout import Role
-    from kvbank.reshard import plan_reshard, shard_layout
+    from kvbank.reshard.plan import plan_reshard, shard_layout
 
     hl = kt.layout_for(M.build(family, "float32"))
     conv = [b for b in hl.layout.buffers if b.role is Role.CONV_STATE]

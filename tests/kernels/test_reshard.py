@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from kvbank import layout as L
 from kvbank.errors import InvalidInput, LayoutError, PageSizeMismatch
 from kvbank.kernels.reshard import reshard_pages
-from kvbank.reshard import plan_reshard, shard_layout
+from kvbank.reshard.plan import plan_reshard, shard_layout
 from tests.reshard_reference import BUILDERS, COUNTS, split_reference, valid
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

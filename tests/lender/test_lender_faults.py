@@ -16,7 +16,7 @@ from kvbank.lender.lender import Lender
 from kvbank.testing.lender_model import FakeClock
 from kvbank.testing.tiers import name_of, page_of
 from kvbank.tiers.base import TierKind
-from kvbank.tiers.store import Copier, TieredStore
+from kvbank.tiers.store.store import Copier, TieredStore
 
 P = 4096
 

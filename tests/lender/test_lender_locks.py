@@ -14,7 +14,7 @@ from kvbank.lender.base import Delivery
 from kvbank.lender.lender import Lender
 from kvbank.testing.lender_model import FakeClock
 from kvbank.testing.tiers import name_of, page_of
-from kvbank.tiers.store import Copier, TieredStore
+from kvbank.tiers.store.store import Copier, TieredStore
 
 P = 2048
 

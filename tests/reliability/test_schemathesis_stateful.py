@@ -21,7 +21,7 @@ from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import response_schema_conformance
 
 from kvbank import Scope, wire
-from kvbank.service.admin import admin_of
+from kvbank.service.admin.routes import admin_of
 from tests.service.admin_app import FA, TOKEN, P, fill, served
 
 TENANT = "tenant-a-token-0123456789"

@@ -33,6 +33,7 @@ import pytest
 import torch
 
 from kvbank import Client, Scope, full_attention, wire
+from kvbank.client.shm import Borrower
 from kvbank.errors import Forbidden, InvalidInput, KvbankError
 from kvbank.lender.base import (
     Delivery,
@@ -43,8 +44,7 @@ from kvbank.lender.base import (
     MemoryKind,
     Selection,
 )
-from kvbank.lender.borrow import Borrower
-from kvbank.service.auth import TOKEN_FILE
+from kvbank.service.admin.auth import TOKEN_FILE
 from kvbank.service.launch import NodeProcess
 from kvbank.testing.servers import INSTALL_HINT, MissingBinary, RedisServer, in_ci
 from kvbank.tiers.host import SHM_DIR, map_segment

@@ -1,11 +1,11 @@
 """A same-host fetch merges rows lying back to back in the node's segment and in one
-destination tensor into one copy (``kvbank.service.client_io.merged_copies``), and nothing else."""
+destination tensor into one copy (``kvbank.client.io.merged_copies``), and nothing else."""
 
 from __future__ import annotations
 
 import torch
 
-from kvbank.service.client_io import merged_copies
+from kvbank.client.io import merged_copies
 
 SIZE = 64
 

@@ -24,13 +24,14 @@ import pytest
 import torch
 
 from kvbank import Client, Match, full_attention, hybrid_mamba, wire
+from kvbank.client.dataport import DataLink
+from kvbank.client.io import put_head
 from kvbank.errors import Busy, InvalidInput, LeaseExpired, TierUnavailable
 from kvbank.keys import DEFAULT_SCOPE
-from kvbank.service.client_io import put_head
 from kvbank.service.config import DATA_PORT_OFF, ServiceConfig
-from kvbank.service.dataplane import REPLY, DataLink, Op
-from kvbank.service.framing import PutKind
 from kvbank.service.launch import NodeProcess
+from kvbank.wire.dataport import REPLY, Op
+from kvbank.wire.framing import PutKind
 from tests.service.conftest import start_node
 
 LAYOUT = full_attention("dataplane@1", num_layers=4, num_kv_heads=4, head_dim=128)  # 256 KiB pages
@@ -178,9 +179,9 @@ _KILLED_PUT = textwrap.dedent("""
     import sys, numpy as np, torch
     from kvbank import Client, full_attention
     from kvbank.keys import DEFAULT_SCOPE
-    from kvbank.service.client_io import put_head
-    from kvbank.service.dataplane import Op
-    from kvbank.service.framing import PutKind
+    from kvbank.client.io import put_head
+    from kvbank.wire.dataport import Op
+    from kvbank.wire.framing import PutKind
     url, base = sys.argv[1], int(sys.argv[2])
     layout = full_attention("dataplane@1", num_layers=4, num_kv_heads=4, head_dim=128)
     page = layout.group_page_bytes[0]

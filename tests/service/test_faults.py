@@ -16,8 +16,8 @@ import torch
 
 from kvbank import Client
 from kvbank.errors import InvalidInput, TierUnavailable
-from kvbank.service.framing import PREFIX, PUT_MAGIC, PutHeader, PutKind, encode_put_prefix
 from kvbank.service.launch import NodeProcess
+from kvbank.wire.framing import PREFIX, PUT_MAGIC, PutHeader, PutKind, encode_put_prefix
 from tests.service.conftest import start_node
 from tests.service.worker import LAYOUT, PAGE, page, tokens
 

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import response_schema_conformance
 
-from kvbank.service.admin import admin_of
+from kvbank.service.admin.routes import admin_of
 from kvbank.service.openapi import document, render
 from tests.service.admin_app import auth, fill, served
 

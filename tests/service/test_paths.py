@@ -111,8 +111,8 @@ def test_client_checks_page_sizes_before_sending(node: NodeProcess) -> None:
 def test_stream_holds_its_read_leases_until_the_ack(node: NodeProcess) -> None:
     """The transport may still send from a slot after its last write() returned (uvloop
     keeps a pointer, not a copy), so a streamed fetch's leases end only at the ack."""
-    from kvbank.service import client_io
-    from kvbank.service.client import Client as C
+    from kvbank.client import io as client_io
+    from kvbank.client.client import Client as C
 
     data = pages(4, 3)
     toks = list(range(30_000, 30_000 + 4 * 16))

@@ -23,7 +23,7 @@ from urllib.parse import urlsplit
 import torch
 
 from kvbank import Client, full_attention
-from kvbank.service.framing import PutHeader, PutKind, encode_put_prefix
+from kvbank.wire.framing import PutHeader, PutKind, encode_put_prefix
 
 LAYOUT = full_attention("worker@1", num_layers=2, num_kv_heads=4, head_dim=64)
 PAGE = LAYOUT.group_page_bytes[0]

@@ -10,7 +10,7 @@ import pytest
 
 from kvbank.config import BankConfig
 from kvbank.tiers import lockorder
-from kvbank.tiers.store import TieredStore
+from kvbank.tiers.store.store import TieredStore
 
 # Every lock made by the tier tests checks the node's lock order on acquire.
 lockorder.enable()

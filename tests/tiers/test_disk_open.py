@@ -19,7 +19,7 @@ from kvbank.errors import TierUnavailable
 from kvbank.testing.tiers import name_of, page_of
 from kvbank.tiers.base import TierKind
 from kvbank.tiers.disk import DiskTier
-from kvbank.tiers.store import TieredStore
+from kvbank.tiers.store.store import TieredStore
 
 PAGE = 4096
 
@@ -62,7 +62,7 @@ def test_second_bank_process_on_a_data_dir_is_refused(tmp_path: Path) -> None:
     try:
         code = ("import sys\nfrom kvbank.config import BankConfig\n"
                 "from kvbank.errors import TierUnavailable\n"
-                "from kvbank.tiers.store import TieredStore\n"
+                "from kvbank.tiers.store.store import TieredStore\n"
                 "try:\n"
                 f"    TieredStore(BankConfig(data_dir={str(tmp_path)!r}, device_bytes=0,"
                 " host_bytes=1 << 20))\n"

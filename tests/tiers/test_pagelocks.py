@@ -7,7 +7,7 @@ import collections
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvbank.tiers.store.pagelocks import PageLocks
+from kvbank.tiers.store.rowlocks import PageLocks
 
 _NAMES = [bytes([i]) * 54 for i in range(5)]
 _HOLDERS = ["a", "b", "c"]

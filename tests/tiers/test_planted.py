@@ -21,7 +21,7 @@ from kvbank.errors import RowLocked, TierUnavailable
 from kvbank.testing.tiers import name_of, page_of
 from kvbank.tiers.base import TierKind
 from kvbank.tiers.disk import DiskTier
-from kvbank.tiers.store import Copier
+from kvbank.tiers.store.store import Copier
 
 from .conftest import MakeStore
 

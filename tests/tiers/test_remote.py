@@ -20,7 +20,7 @@ from kvbank.tiers.base import FrameStore, TierKind
 from kvbank.tiers.remote import BUCKETS, RedisFrameStore, bucket_tag, connect
 
 from .conftest import MakeStore
-from .test_store_stats import assert_counters_agree
+from .store.test_stats import assert_counters_agree
 
 _ns = itertools.count()
 

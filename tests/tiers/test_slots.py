@@ -1,6 +1,6 @@
 """The slot allocator of the memory tiers: classes, chunks, the budget, reuse.
 
-Direct tests of :class:`~kvbank.tiers.slots.SlotAllocator` (the host slab and the device
+Direct tests of :class:`~kvbank.tiers.allocator.SlotAllocator` (the host slab and the device
 pool only add where the bytes live), plus a Hypothesis run of random allocs and frees
 against the rules every caller relies on: live slots never overlap, each lies inside a
 claimed chunk and holds its row, claimed memory never passes the budget, and the
@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as hs
 
-from kvbank.tiers.slots import PAGE_ALIGN, SMALL_ALIGN, SlotAllocator, choose_unit, slot_class
+from kvbank.tiers.allocator import PAGE_ALIGN, SMALL_ALIGN, SlotAllocator, choose_unit, slot_class
 
 
 class _Recorder:

@@ -21,12 +21,12 @@ import numpy as np
 from kvbank.codec import encode
 from kvbank.errors import CorruptPage, InvalidInput
 from kvbank.keys import ROW_NAME_BYTES
+from kvbank.results import EvictResult, RowInfo
 from kvbank.tiers.base import check_name
 from kvbank.tiers.disk import DEFAULT_LEVEL
 from kvbank.tiers.index import DEV, DISK, HOST, KIND_OF_BIT
 from kvbank.tiers.store.reads import drop_corrupt
 from kvbank.tiers.store.state import StoreState
-from kvbank.tiers.store.types import EvictResult, RowInfo
 
 MAX_SCAN_LIMIT = 10_000
 

@@ -29,7 +29,7 @@ from kvbank.tiers.index import DEV, DISK, HOST
 from kvbank.tiers.store import admin
 from kvbank.tiers.store.state import StoreState
 
-logger = logging.getLogger("kvbank.tiers.store")
+logger = logging.getLogger("kvbank.tiers.store.store")
 
 SWEEP_GROUP = 64  # rows a sweep writes in one transaction (one fsync)
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import collections
 
-from kvbank.tiers.store.types import EventKind, RowEvent
+from kvbank.results import EventKind, RowEvent
 
 DEFAULT_EVENT_CAPACITY = 65536
 

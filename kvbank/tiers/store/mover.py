@@ -40,7 +40,7 @@ from kvbank.tiers.store.types import Job, JobKind
 if TYPE_CHECKING:
     from kvbank.tiers.store.dirty import DirtySweep
 
-logger = logging.getLogger("kvbank.tiers.store")
+logger = logging.getLogger("kvbank.tiers.store.store")
 
 WINDOW_PER_WORKER = 2  # encodes in flight per worker: one running, one ready to write
 GROUP_COMMIT = 16  # most encoded demotions written in one transaction

@@ -27,7 +27,7 @@ from kvbank.tiers.index import DEV, DISK, HOST
 from kvbank.tiers.store.mover import WINDOW_PER_WORKER, Mover
 from kvbank.tiers.store.state import StoreState
 
-logger = logging.getLogger("kvbank.tiers.store")
+logger = logging.getLogger("kvbank.tiers.store.store")
 
 # Rows per write-back transaction, at most: a close of a full host tier commits a few
 # hundred frames, and each commit is an fsync; 32 frames of 2 MiB pages are ~45 MB.

@@ -19,8 +19,8 @@ from collections.abc import Callable
 
 from kvbank.codec import MAX_PAGE_BYTES
 from kvbank.errors import Busy, TierFull
+from kvbank.tiers.allocator import slot_class
 from kvbank.tiers.index import DEV, DISK, HOST, KIND_OF_BIT, MOVING
-from kvbank.tiers.slots import slot_class
 from kvbank.tiers.store.state import StoreState
 from kvbank.tiers.store.types import Job, JobKind
 

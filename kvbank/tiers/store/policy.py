@@ -15,8 +15,8 @@ from collections.abc import Callable, Iterable, Iterator
 import numpy as np
 import numpy.typing as npt
 
+from kvbank.tiers.allocator import PAGE_ALIGN, SMALL_ALIGN
 from kvbank.tiers.index import HOST, MOVING, OFF_SHIFT, RowIndex
-from kvbank.tiers.slots import PAGE_ALIGN, SMALL_ALIGN
 
 LRU_FIRST_K = 64  # victims ordered in the first chunk at least (see lru_order)
 

@@ -23,7 +23,7 @@ from kvbank.tiers.store.copier import Lanes
 from kvbank.tiers.store.placement import band, reclaim
 from kvbank.tiers.store.state import StoreState
 
-logger = logging.getLogger("kvbank.tiers.store")
+logger = logging.getLogger("kvbank.tiers.store.store")
 
 
 def get_into(st: StoreState, name: bytes, out: memoryview | bytearray) -> int | None:

@@ -20,7 +20,7 @@ from kvbank.config import BankConfig
 from kvbank.errors import ConfigError, KvbankError
 from kvbank.tiers.host import SHM_DIR, HostSlab
 
-logger = logging.getLogger("kvbank.tiers.store")
+logger = logging.getLogger("kvbank.tiers.store.store")
 
 STEP_BYTES = 64 << 20  # pre-faulted per step: a close waits at most one step
 

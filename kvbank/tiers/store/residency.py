@@ -22,11 +22,11 @@ from itertools import repeat
 
 import numpy as np
 
-from kvbank import columns
+from kvbank import fastrows as columns
 from kvbank.tiers.base import HostSlot, SlotPool
 from kvbank.tiers.index import DEV, DISK, HOST, OFF_SHIFT, RowIndex
 from kvbank.tiers.store.events import EventFeed
-from kvbank.tiers.store.pagelocks import RowPins
+from kvbank.tiers.store.rowlocks import RowPins
 
 SlotKey = tuple[int, int]  # (tier bit, slot offset)
 

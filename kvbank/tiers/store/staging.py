@@ -23,15 +23,15 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvbank.errors import CorruptPage, TierFull
+from kvbank.tiers.allocator import slot_class
 from kvbank.tiers.base import DeviceSlot, HostSlot, check_name, check_names
 from kvbank.tiers.host import HostSlab
 from kvbank.tiers.index import DEV, DISK, HOST
-from kvbank.tiers.slots import slot_class
 from kvbank.tiers.store.placement import alloc_for_stage, alloc_waiting
 from kvbank.tiers.store.reads import drop_corrupt
 from kvbank.tiers.store.state import StoreState
 
-logger = logging.getLogger("kvbank.tiers.store")
+logger = logging.getLogger("kvbank.tiers.store.store")
 
 
 @dataclass(slots=True)

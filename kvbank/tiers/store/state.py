@@ -28,11 +28,11 @@ from kvbank.tiers.lockorder import Rank, make_lock
 from kvbank.tiers.store import policy
 from kvbank.tiers.store.copier import Copier
 from kvbank.tiers.store.events import EventFeed
-from kvbank.tiers.store.pagelocks import PageLocks, RowPins
 from kvbank.tiers.store.residency import Residency
+from kvbank.tiers.store.rowlocks import PageLocks, RowPins
 from kvbank.tiers.store.types import Job, JobKind
 
-logger = logging.getLogger("kvbank.tiers.store")
+logger = logging.getLogger("kvbank.tiers.store.store")
 
 MAX_PAGE = MAX_PAGE_BYTES  # the one page limit (sizes are uint32 in the index)
 DISK_RETRY_S = 5.0  # after a failed disk write, memory tiers run host-only this long

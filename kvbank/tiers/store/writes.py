@@ -32,7 +32,7 @@ from kvbank.tiers.store.mover import Mover
 from kvbank.tiers.store.placement import alloc_memory
 from kvbank.tiers.store.state import MAX_PAGE, StoreState
 
-logger = logging.getLogger("kvbank.tiers.store")
+logger = logging.getLogger("kvbank.tiers.store.store")
 
 Reserve = tuple[str, int] | None  # a commit's (holder, size): where a failed slot goes back
 

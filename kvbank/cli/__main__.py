@@ -1,0 +1,5 @@
+"""``python -m kvbank.cli``."""
+
+from kvbank.cli.main import main
+
+raise SystemExit(main())

@@ -1,0 +1,709 @@
+"""``kvbank.Client(url)``: the calls of :class:`~kvbank.bank.bank.Bank`, made on a served node.
+
+Same names, same arguments, same result types, same exceptions: the server answers a
+typed error as ``{type, field, message}`` and the client raises that
+:class:`~kvbank.errors.KvbankError` class (:func:`kvbank.wire.forms.error_from_dict`); a
+transport failure is :class:`~kvbank.errors.TierUnavailable`. Switching a worker from
+``Bank.open(...)`` to ``Client(url)`` is a one-line change.
+
+Paths, chosen per client (``same_host=None``: automatically):
+
+- **shared memory** — the node runs on this host (same boot id and uid, and its host
+  segment maps here): ``fetch`` takes a READ HOST lease on the rows, copies them from the
+  node's segment straight into ``out``, and acknowledges them with the lease, which the
+  node checks is still live (bytes read after expiry are refused). ``put`` takes a WRITE
+  HOST lease, fills the reserved slots in place and commits what arrived whole.
+- **data plane** — another host, and the node advertises a data port
+  (:mod:`kvbank.service.dataplane`): the same control calls as on the shared-memory
+  path, with ``via=data``, answer a ticket; the page bodies go over the data port
+  (``recv_into`` each destination row, ``sendall`` each page buffer), and the client
+  commits or acknowledges with the lease exactly as above. ``data_plane=False`` turns it
+  off, ``True`` requires it; rows the node cannot lend at once stream over HTTP.
+- **TCP** — page bodies go over a plain ``http.client`` connection: a fetch stream is
+  read with ``readinto`` straight into each destination row, a put body is sent from the
+  caller's page buffers. JSON control calls go over the same pool of keep-alive
+  ``http.client`` connections (httpx cost ~0.3 ms more a call, which a same-host put or
+  fetch makes two of and a match one); a pooled connection the node closed while idle is
+  dropped before use.
+
+Retries only where a call is idempotent (``match``, GETs, ``fetch`` — which resumes under
+its fetch id), until ``retry_s`` has passed.
+
+Lifecycle: ``Client(url)`` (no connection yet) → calls → ``close()`` (or ``with``).
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import select
+import socket
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Self, TypeVar
+from urllib.parse import urlsplit
+
+import torch
+
+from kvbank import wire
+from kvbank.buffers import OutBuffers, Pages, fetched, out_buffers, out_views, page_views
+from kvbank.client.dataport import DataLink, DataPortUnreachable
+from kvbank.client.io import (
+    Slot,
+    check_prompt,
+    enum_name,
+    fetch_stream,
+    lease_path_id,
+    lease_slots,
+    merged_copies,
+    name_hex,
+    page_size,
+    prompt_doc,
+    put_head,
+    scope_doc,
+    send_put,
+)
+from kvbank.client.shm import Borrower
+from kvbank.errors import Busy, InvalidInput, KvbankError, LeaseExpired, TierFull, TierUnavailable
+from kvbank.keys import DEFAULT_SCOPE, Scope, TokenIds, tokens_to_bytes
+from kvbank.layout import PageLayout
+from kvbank.lender.base import CommitResult, Lease, LeaseMode, MemoryKind
+from kvbank.results import BankStats, Fetched, FetchResult, Match, StoreHealth
+from kvbank.tiers.base import TierKind
+from kvbank.tiers.host import SHM_DIR
+from kvbank.wire.framing import PutKind, encode_match
+from kvbank.wire.node import DEFAULT_BIND, DEFAULT_PORT
+
+DEFAULT_URL = f"http://{DEFAULT_BIND}:{DEFAULT_PORT}"
+DEFAULT_TIMEOUT_S = 120.0
+DEFAULT_RETRY_S = 5.0
+
+
+JSON = "application/json"
+OCTETS = "application/octet-stream"
+
+
+_MATCH_DOCS = 64  # matches whose documents a client keeps for their fetches
+_ONE_SEND = 1 << 20  # a request body up to this size goes out with its headers (a copy of it costs less than a second wakeup)
+
+
+class _Connection(http.client.HTTPConnection):
+    """``http.client`` sends a request's headers and its body in two ``send`` calls; with
+    TCP_NODELAY that is two segments, and the node wakes, parses and waits once more per
+    call. A small bytes body goes out with its headers in one."""
+
+    def _send_output(self, message_body: Any = None, encode_chunked: bool = False) -> None:
+        if isinstance(message_body, bytes) and len(message_body) <= _ONE_SEND:
+            self._buffer.extend((b"", message_body))  # type: ignore[attr-defined]
+            msg = b"\r\n".join(self._buffer)  # type: ignore[attr-defined]
+            del self._buffer[:]  # type: ignore[attr-defined]
+            self.send(msg)
+            return
+        super()._send_output(message_body, encode_chunked)  # type: ignore[misc]
+
+
+def _usable(conn: http.client.HTTPConnection) -> bool:
+    """An idle pooled connection the node has not closed: nothing to read on it yet
+    (a readable idle socket is an EOF or bytes no request asked for)."""
+    sock = conn.sock
+    if sock is None:
+        return False
+    try:
+        return not select.select([sock], [], [], 0)[0]
+    except (OSError, ValueError):
+        return False
+
+
+def _raise_for(status: int, body: bytes) -> None:
+    try:
+        exc = wire.error_from_dict(json.loads(body))
+    except (ValueError, RecursionError, KvbankError):
+        exc = TierUnavailable(f"server: answered {status} without an error document: {body[:200]!r}")
+    raise exc
+
+
+T = TypeVar("T")
+
+
+class Client:
+    """A served node, called like a :class:`~kvbank.bank.bank.Bank`. See the module docstring."""
+
+    def __init__(
+        self,
+        url: str = DEFAULT_URL,
+        *,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        retry_s: float = DEFAULT_RETRY_S,
+        same_host: bool | None = None,
+        token: str | None = None,
+        data_plane: bool | None = None,
+    ) -> None:
+        parts = urlsplit(url)
+        if parts.scheme != "http" or not parts.hostname:
+            raise InvalidInput(f"url: expected http://HOST:PORT, got {url!r}")
+        self.url = url.rstrip("/")
+        self._host, self._port = parts.hostname, parts.port or 80
+        self._timeout = float(timeout_s)
+        self._retry = float(retry_s)
+        # ``token``: a tenant token, sent on every call (the node binds the caller to it)
+        self._auth = {} if token is None else {"Authorization": f"Bearer {token}"}
+        self._layouts: dict[bytes, PageLayout] = {}
+        self._want_local = same_host
+        self._local: bool | None = None if same_host is None else same_host
+        self._lock = threading.Lock()
+        self._conns: list[http.client.HTTPConnection] = []
+        self._reader: Borrower | None = None
+        self._writer: Borrower | None = None
+        self._segment: str | None = None  # the node's host segment (same host)
+        self._resident = False  # the node keeps it resident: populate our mapping up front
+        # the latest matches this client decoded, with the node's documents of them
+        self._matches: OrderedDict[int, tuple[Match, dict[str, Any]]] = OrderedDict()
+        # page bodies to another host over the node's data port (None: if it has one)
+        self._want_data = data_plane
+        self._data = DataLink(self._host, self._timeout)
+        self._data_known = data_plane is False  # whether /v1/node told us the port yet
+
+    # ---- plumbing --------------------------------------------------------------------
+
+    def _call(self, method: str, path: str, *, body: Any = None, content: bytes | None = None,
+              idempotent: bool = False) -> Any:
+        payload = content if content is not None else (
+            None if body is None else json.dumps(body, separators=(",", ":")).encode())
+        headers = {**self._auth, "Content-Type": OCTETS if content is not None else JSON}
+        deadline = time.monotonic() + self._retry
+        delay = 0.05
+        while True:
+            try:
+                conn = self._conn()
+                try:
+                    conn.request(method, path, body=payload, headers=headers)
+                    resp = conn.getresponse()
+                    status, data = resp.status, resp.read()
+                except (OSError, http.client.HTTPException) as exc:
+                    conn.close()
+                    raise TierUnavailable(f"node: {self.url} unreachable: {exc}") from exc
+            except TierUnavailable:
+                if idempotent and time.monotonic() + delay < deadline:
+                    time.sleep(delay)
+                    delay = min(delay * 2, 1.0)
+                    continue
+                raise
+            if resp.will_close:
+                conn.close()
+            else:
+                self._give_back(conn)
+            if status >= 400:
+                _raise_for(status, data)
+            try:
+                return json.loads(data)
+            except ValueError as exc:
+                raise TierUnavailable(f"node: {method} {path} answered {status} without JSON") from exc
+
+    def _conn(self) -> http.client.HTTPConnection:
+        while True:
+            with self._lock:
+                conn = self._conns.pop() if self._conns else None
+            if conn is None:
+                break
+            if _usable(conn):
+                return conn
+            conn.close()  # the node closed it while idle (its keep-alive timeout)
+        conn = _Connection(self._host, self._port, timeout=self._timeout)
+        try:
+            conn.connect()
+        except OSError as exc:
+            raise TierUnavailable(f"node: {self.url} unreachable: {exc}") from exc
+        if conn.sock is not None:  # requests are small: do not wait to coalesce them
+            conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return conn
+
+    def _give_back(self, conn: http.client.HTTPConnection) -> None:
+        with self._lock:
+            self._conns.append(conn)
+
+    @property
+    def same_host(self) -> bool:
+        """Whether page bodies take the shared-memory path (decided on first use)."""
+        if self._local is None:
+            self._local = self._detect()
+        return self._local
+
+    def _host_info(self) -> dict[str, Any]:
+        doc = self._call("GET", "/v1/node", idempotent=True)
+        if not self._data_known:
+            port = doc.get("data_port")
+            self._data.port = port if isinstance(port, int) and not isinstance(port, bool) else None
+            self._data_known = True
+        info: dict[str, Any] = doc["host"]
+        seg = info.get("segment")
+        self._segment = seg if isinstance(seg, str) and seg else None
+        self._resident = info.get("resident") is True
+        return info
+
+    def _detect(self) -> bool:
+        info = self._host_info()
+        try:
+            boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        except OSError:
+            return False
+        seg = info.get("segment")
+        if not boot or info.get("boot_id") != boot or info.get("uid") != os.getuid() or not seg:
+            return False
+        if info.get("shm_dir") != str(SHM_DIR):
+            return False
+        try:  # another mount namespace can share the boot id but not /dev/shm
+            if (SHM_DIR / seg).stat().st_size != info.get("segment_bytes"):
+                return False
+        except OSError:
+            return False
+        return True
+
+    def _borrower(self, writable: bool) -> Borrower:
+        if self._segment is None and (self._reader if not writable else self._writer) is None:
+            self._host_info()  # same_host=True skips detection: learn the segment's state
+        with self._lock:
+            if writable:
+                self._writer = self._writer or Borrower(writable=True, populate=self._resident)
+                return self._writer
+            self._reader = self._reader or Borrower(populate=self._resident)
+            return self._reader
+
+    def map_host(self, wait_s: float | None = None) -> bool:
+        """Map the node's host segment now, for reading and for writing, as the first
+        same-host fetch and put would; where the node keeps it resident, wait up to
+        ``wait_s`` seconds for this process's page tables of it to be built (a worker
+        does this once at start, so no put later pays a fault per 4 KiB page). Whether
+        it is ready; False on the TCP path."""
+        if not self.same_host:
+            return False
+        if self._segment is None:
+            self._host_info()
+        if self._segment is None:
+            return False
+        deadline = None if wait_s is None else time.monotonic() + wait_s
+        ready = True
+        for writable in (True, False):
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                ready = self._borrower(writable).wait_populated(self._segment, left) and ready
+            except KvbankError as exc:
+                raise TierUnavailable(f"node: cannot map its segment {self._segment}: {exc}") from exc
+        return ready
+
+    # ---- layouts ---------------------------------------------------------------------
+
+    def register(self, layout: PageLayout) -> bytes:
+        """Declare a layout on the node; returns its layout id."""
+        if not isinstance(layout, PageLayout):
+            raise InvalidInput(f"layout: expected a PageLayout, got {type(layout).__name__}")
+        doc = self._call("POST", "/v1/layouts", body={"layout": wire.to_dict(layout)}, idempotent=True)
+        lid = bytes.fromhex(doc["layout_id"])
+        self._layouts[lid] = layout
+        return lid
+
+    def layout(self, layout_id: bytes) -> PageLayout:
+        """The registered layout ``layout_id`` (:class:`UnknownLayout` otherwise)."""
+        if not isinstance(layout_id, bytes):
+            raise InvalidInput(f"layout_id: expected bytes, got {type(layout_id).__name__}")
+        got = self._layouts.get(layout_id)
+        if got is None:
+            doc = self._call("GET", f"/v1/layouts/{layout_id.hex()}", idempotent=True)
+            got = self._layouts[layout_id] = wire.from_dict(PageLayout, doc)
+        return got
+
+    # ---- storing ---------------------------------------------------------------------
+
+    def _store(self, kind: PutKind, head: bytes, views: list[memoryview]) -> list[bytes]:
+        if self.same_host:
+            doc = self._call("POST", "/v1/put/lease", content=head)
+            names = [bytes.fromhex(n) for n in doc["names"]]
+            if doc["lease"] is not None:
+                filled = self._copy_leased(doc["lease"], views, into_slots=True)
+                self.commit(doc["lease"]["id"], [names[i] for i in filled])
+                return names
+            if not doc["fallback"]:
+                return names  # every row was stored already
+        elif self._data_on():
+            stored = self._store_data(head, views)
+            if stored is not None:
+                return stored
+        path = "/v1/put" if kind is PutKind.PAGES else "/v1/put_state"
+        conn = self._conn()
+        try:
+            status, body = send_put(conn, path, head, views, self._auth)
+        except (OSError, http.client.HTTPException) as exc:
+            conn.close()
+            raise TierUnavailable(f"node: put to {self.url} broke off: {exc}; nothing was stored") from exc
+        self._give_back(conn)
+        if status >= 400:
+            _raise_for(status, body)
+        return [bytes.fromhex(n) for n in json.loads(body)["names"]]
+
+    def _copy_leased(self, lease: dict[str, Any], bufs: Sequence[memoryview], *, into_slots: bool,
+                     jobs: Callable[[list[tuple[int, Slot]]], list[Slot]] | None = None) -> list[int]:
+        """Copy between ``bufs`` and a HOST lease in slots form (``slots_doc``): into its
+        slots (a WRITE lease) or out of them, ``jobs`` merging the copies where it can;
+        the entries copied. The lease is released
+        if anything fails first, or if its deadline passed by the end of the copies (the
+        node checks again when it is committed or acknowledged)."""
+        deadline = time.monotonic() + float(lease["ttl_s"])
+        try:
+            slots = lease_slots(lease, bufs)
+            copies = [job for _, job in slots] if jobs is None else jobs(slots)
+            self._borrower(writable=into_slots).copy_slots(copies, into_slots=into_slots)
+            if time.monotonic() >= deadline:
+                raise LeaseExpired(f"lease_id: lease {lease['id']} expired during the copies")
+        except BaseException:
+            self.release(lease["id"])
+            raise
+        return [i for i, _ in slots]
+
+    def put(self, layout_id: bytes, tokens: TokenIds | None = None, *, group: int, pages: Pages,
+            scope: Scope = DEFAULT_SCOPE, keys: Sequence[bytes] | None = None, first_page: int = 0,
+            shard: int | None = None) -> list[bytes]:
+        """:meth:`Bank.put` on the node: pages of an ATTENTION group; their row names."""
+        layout = self.layout(layout_id)
+        size = page_size(layout, group)
+        views = page_views(pages, size, "pages")
+        head = put_head(PutKind.PAGES, layout_id, tokens, keys, scope, group, first_page,
+                              shard, None, views, size)
+        return self._store(PutKind.PAGES, head, views)
+
+    def put_state(self, layout_id: bytes, tokens: TokenIds | None = None, *, group: int,
+                  state: Any, at: int | None = None, scope: Scope = DEFAULT_SCOPE,
+                  keys: Sequence[bytes] | None = None, shard: int | None = None) -> bytes:
+        """:meth:`Bank.put_state` on the node: one STATE snapshot; its row name."""
+        layout = self.layout(layout_id)
+        size = page_size(layout, group)
+        if hasattr(state, "dim") and state.dim() == 1:
+            state = state.reshape(1, -1)
+        views = page_views(state if hasattr(state, "dim") else [state], size, "state")
+        if len(views) != 1:
+            raise InvalidInput(f"state: expected one snapshot, got {len(views)}")
+        head = put_head(PutKind.STATE, layout_id, tokens, keys, scope, group, 0, shard,
+                              at, views, size)
+        return self._store(PutKind.STATE, head, views)[0]
+
+    # ---- matching and fetching -------------------------------------------------------
+
+    def match(self, layout_id: bytes, tokens: TokenIds | None = None, *, scope: Scope = DEFAULT_SCOPE,
+              shard: int | None = None, keys: Sequence[bytes] | None = None,
+              prompt_tokens: int | None = None) -> Match:
+        """:meth:`Bank.match` on the node (by tokens, or by an engine's key chain). Never leases."""
+        if tokens is not None and prompt_tokens is None:
+            check_prompt(layout_id, scope, tokens, keys)
+            # the binary form: the ids as they are, no base64 in JSON around them
+            doc = self._call("POST", "/v1/match", idempotent=True,
+                             content=encode_match(layout_id, scope_doc(scope), shard, tokens_to_bytes(tokens)))
+            return self._matched(doc)
+        body = prompt_doc(layout_id, tokens, scope, shard, keys, prompt_tokens)
+        return self._matched(self._call("POST", "/v1/match", body=body, idempotent=True))
+
+    def out_buffers(self, match: Match) -> dict[int, torch.Tensor]:
+        """:meth:`Bank.out_buffers`: new buffers for :meth:`fetch`, sized from the layout."""
+        if not isinstance(match, Match):
+            raise InvalidInput(f"match: expected a Match, got {type(match).__name__}")
+        return out_buffers(self.layout(match.layout_id), match.resume.pages)
+
+    def fetch_prefix(self, layout_id: bytes, tokens: TokenIds | None = None, *,
+                     scope: Scope = DEFAULT_SCOPE, shard: int | None = None,
+                     keys: Sequence[bytes] | None = None, prompt_tokens: int | None = None,
+                     out: OutBuffers | None = None, max_rows: int | None = None) -> Fetched:
+        """:meth:`Bank.fetch_prefix` on the node. On the same host, and over the data port,
+        one control call matches and lends (then the copies, then the acknowledgement);
+        over HTTP streams it is :meth:`match`, then :meth:`fetch`."""
+        body = prompt_doc(layout_id, tokens, scope, shard, keys, prompt_tokens)
+        fast = self._lent_path(lambda: self._prefix(body, "lease", out, max_rows),
+                               lambda: self._prefix(body, "data", out, max_rows))
+        if fast is not None:
+            return fast
+        m = self.match(layout_id, tokens, scope=scope, shard=shard, keys=keys, prompt_tokens=prompt_tokens)
+        return fetched(self.layout(layout_id), m, out, lambda bufs: self.fetch(m, out=bufs, max_rows=max_rows))
+
+    def _prefix(self, prompt: dict[str, Any], via: str, out: OutBuffers | None,
+                max_rows: int | None) -> Fetched:
+        """Match and lend in one call (``via`` lease or data), then copy and acknowledge.
+        A bound that needs no rows opened no fetch on the node: nothing to copy."""
+        doc = self._call("POST", "/v1/fetch", body={"prompt": prompt, "via": via, "max_rows": max_rows})
+        m = self._matched(doc["match"])
+        return fetched(self.layout(m.layout_id), m, out, lambda bufs: self._read_lent(doc, m, via, bufs, max_rows))
+
+    def _read_lent(self, doc: dict[str, Any], m: Match, via: str, bufs: OutBuffers,
+                   max_rows: int | None) -> FetchResult:
+        """The rows the node lent for ``m`` (its answer ``doc``), into ``bufs``."""
+        try:
+            views = out_views(self.layout(m.layout_id), m.resume.pages, bufs)
+        except InvalidInput:
+            if doc["lease"] is not None:
+                self.release(doc["lease"]["id"])
+            raise
+        if via == "lease":
+            return self._read_lease(doc, views, bufs)
+        req = {"match": self._match_doc(m), "fetch_id": doc["fetch_id"], "max_rows": max_rows}
+        result = self._fetch_data(req, views, doc)
+        if result is None:  # the data port went away: stream the rest over HTTP
+            result = self.fetch(m, out=bufs, fetch_id=doc["fetch_id"], max_rows=max_rows)
+        return result
+
+    def _matched(self, doc: Any) -> Match:
+        m = wire.from_dict(Match, doc)
+        with self._lock:  # a fetch of this very Match sends the node's document back as is
+            self._matches[id(m)] = (m, doc)
+            while len(self._matches) > _MATCH_DOCS:
+                self._matches.popitem(last=False)
+        return m
+
+    def _match_doc(self, match: Match) -> dict[str, Any]:
+        """``match``'s wire form: the node's own document when ``match`` is the object a
+        :meth:`match` call decoded from it (encoding a 1,000-row match again costs about
+        as much as the fetch's control call), else encoded anew."""
+        with self._lock:
+            kept = self._matches.get(id(match))
+        if kept is not None and kept[0] is match:
+            return kept[1]
+        return wire.to_dict(match)
+
+    def fetch(self, match: Match, *, out: OutBuffers, fetch_id: str | None = None,
+              max_rows: int | None = None) -> FetchResult:
+        """:meth:`Bank.fetch` on the node: ``out[g][k]`` receives ``match.resume.pages[g][k]``.
+
+        A broken TCP stream is acknowledged up to its last whole row and resumed under
+        the same fetch id until ``retry_s`` has passed."""
+        if not isinstance(match, Match):
+            raise InvalidInput(f"match: expected a Match, got {type(match).__name__}")
+        views = out_views(self.layout(match.layout_id), match.resume.pages, out)
+        req = {"match": self._match_doc(match), "fetch_id": fetch_id, "max_rows": max_rows}
+        fetched = self._lent_path(lambda: self._fetch_local(req, views, out), lambda: self._fetch_data(req, views))
+        if fetched is not None:
+            return fetched
+        deadline = time.monotonic() + self._retry
+        while True:
+            conn = self._conn()
+            read = fetch_stream(conn, json.dumps({**req, "via": "stream"}).encode(), views, self._auth)
+            got, fid, err = read.got, read.fetch_id, read.error
+            if err is None:
+                self._give_back(conn)
+            else:
+                conn.close()
+            if fid is None:  # refused before any stream began
+                if err is not None and isinstance(err, KvbankError):
+                    raise err
+                if time.monotonic() < deadline:
+                    time.sleep(0.05)
+                    continue
+                raise TierUnavailable(f"node: fetch from {self.url} failed: {err}") from err
+            result = self._ack(fid, got, None, read.stream)
+            if err is None or result.complete or time.monotonic() >= deadline:
+                return result
+            req["fetch_id"] = fid  # resume from the first undelivered row
+
+    def _lent_path(self, local: Callable[[], T], data: Callable[[], T | None]) -> T | None:
+        """A fetch through a lease: ``local`` on the node's host, else ``data`` over its data
+        port where it has one; None where the rows must stream over HTTP instead (the
+        segments cannot be mapped here, the data port is gone, or the host tier cannot lend
+        every row at once: the stream sends them in batches)."""
+        if self.same_host:
+            try:
+                return local()
+            except TierUnavailable:
+                if self._want_local:
+                    raise
+                self._local = False  # segments cannot be mapped here after all
+            except TierFull:
+                pass
+        elif self._data_on():
+            try:
+                return data()
+            except TierFull:
+                pass
+        return None
+
+    def _ack(self, fetch_id: str, rows: list[int], lease_id: str | None,
+             stream: str | None = None) -> FetchResult:
+        doc = self._call("POST", f"/v1/fetch/{fetch_id}/ack",
+                         body={"rows": rows, "lease_id": lease_id, "stream": stream}, idempotent=True)
+        return wire.from_dict(FetchResult, doc)
+
+    def _fetch_local(self, req: dict[str, Any], views: dict[int, list[memoryview]],
+                     out: OutBuffers) -> FetchResult:
+        return self._read_lease(self._call("POST", "/v1/fetch", body={**req, "via": "lease"}), views, out)
+
+    def _read_lease(self, doc: dict[str, Any], views: dict[int, list[memoryview]],
+                    out: OutBuffers) -> FetchResult:
+        """Copy a same-host fetch's lent rows (the node's answer ``doc``) and acknowledge them."""
+        fid = doc["fetch_id"]
+        lease = doc["lease"]
+        if lease is None:
+            return self._ack(fid, [], None)
+        rows = doc["rows"]
+        try:
+            bufs = [views[g][slot][:size] for _, g, slot, size in rows]
+        except (KeyError, IndexError, TypeError, ValueError) as exc:
+            self.release(lease["id"])
+            raise TierUnavailable(f"node: a fetch answer of an unexpected shape: {exc!r}") from exc
+        got = self._copy_leased(lease, bufs, into_slots=False, jobs=lambda ss: merged_copies(ss, rows, out))
+        # the node counts these rows only if the lease outlived the copies
+        return self._ack(fid, [rows[i][0] for i in got], lease["id"])
+
+    # ---- leases ----------------------------------------------------------------------
+
+    def lend(self, rows: Match | Sequence[bytes], *, mode: LeaseMode = LeaseMode.READ,
+             kind: MemoryKind = MemoryKind.HOST, ttl_s: float | None = None) -> Lease:
+        """A NAMED lease on rows (a Match lends the rows its resume bound needs)."""
+        names = rows.needed if isinstance(rows, Match) else rows
+        if isinstance(names, (bytes, str)) or not isinstance(names, Sequence):
+            raise InvalidInput(f"names: expected a sequence of row names, got {type(names).__name__}")
+        hexed = [name_hex(n, i) for i, n in enumerate(names)]
+        doc = self._call("POST", "/v1/leases", body={"names": hexed, "mode": enum_name(mode, LeaseMode, "mode"),
+                                                     "kind": enum_name(kind, MemoryKind, "kind"), "ttl_s": ttl_s})
+        return wire.from_dict(Lease, doc)
+
+    def lend_all(self, *, kind: MemoryKind = MemoryKind.HOST, mode: LeaseMode = LeaseMode.READ,
+                 ttl_s: float | None = None) -> Lease:
+        """An ALL lease: the tier's pools, for a transfer engine's one-time registration."""
+        doc = self._call("POST", "/v1/leases", body={"all": True, "mode": enum_name(mode, LeaseMode, "mode"),
+                                                     "kind": enum_name(kind, MemoryKind, "kind"), "ttl_s": ttl_s})
+        return wire.from_dict(Lease, doc)
+
+    def renew(self, lease_id: str, ttl_s: float | None = None) -> Lease:
+        return wire.from_dict(Lease, self._call("POST", f"/v1/leases/{lease_path_id(lease_id)}/renew", body={"ttl_s": ttl_s}))
+
+    def release(self, lease_id: str) -> bool:
+        return bool(self._call("DELETE", f"/v1/leases/{lease_path_id(lease_id)}")["released"])
+
+    def commit(self, lease_id: str, arrived: Sequence[bytes] | Sequence[bool]) -> CommitResult:
+        """Publish the WRITE lease's rows that arrived whole; the rest are discarded."""
+        items = list(arrived)
+        body = items if items and all(isinstance(a, bool) for a in items) else [
+            a.hex() if isinstance(a, bytes) else a for a in items]
+        doc = self._call("POST", f"/v1/leases/{lease_path_id(lease_id)}/commit", body={"arrived": body})
+        return wire.from_dict(CommitResult, doc)
+
+    def check_live(self, lease_id: str) -> None:
+        """The completion check: :class:`LeaseExpired` if the lease ended before now."""
+        self._call("POST", f"/v1/leases/{lease_path_id(lease_id)}/check")
+
+    def stats(self) -> BankStats:
+        return wire.from_dict(BankStats, self._call("GET", "/v1/stats", idempotent=True))
+
+    def health(self) -> StoreHealth:
+        """The node store's health: each tier's state and the mover's."""
+        return wire.from_dict(StoreHealth, self._call("GET", "/v1/health", idempotent=True))
+
+    def locate(self, names: Sequence[bytes]) -> list[TierKind | None]:
+        """The fastest tier holding each row (None = a miss). A pure query."""
+        hexed = [name_hex(n, i) for i, n in enumerate(names)]
+        doc = self._call("POST", "/v1/locate", body={"names": hexed}, idempotent=True)
+        return [None if t is None else TierKind[t] for t in doc["tiers"]]
+
+    def leases(self) -> tuple[Lease, ...]:
+        """A snapshot of every live lease on the node."""
+        doc = self._call("GET", "/v1/leases", idempotent=True)
+        return tuple(wire.from_dict(Lease, d) for d in doc["leases"])
+
+    def flush(self) -> None:
+        """Wait until the node store's mover is idle."""
+        self._call("POST", "/v1/flush")
+
+    # ---- the data plane --------------------------------------------------------------
+
+    def _data_on(self) -> bool:
+        """Whether page bodies to this (remote) node take its data port."""
+        if self._want_data is False:
+            return False
+        if not self._data_known:
+            self._host_info()
+        if self._data.port is None and self._want_data:
+            raise TierUnavailable(f"node: {self.url} serves no data port (data_plane=True)")
+        return self._data.port is not None
+
+    def _data_lost(self, exc: DataPortUnreachable | Busy) -> None:
+        """The data port cannot take this transfer: over HTTP instead, unless the data plane
+        is required. One unreachable from here is given up for good; a full one (``Busy``:
+        every data connection in use) is tried again next time."""
+        if self._want_data:
+            raise exc
+        if isinstance(exc, DataPortUnreachable):
+            self._data.port = None
+
+    def _store_data(self, head: bytes, views: list[memoryview]) -> list[bytes] | None:
+        """A put over the data port: WRITE lease and ticket, the pages, the commit of what
+        arrived whole; the names, or None where the node can lend no slots (put over HTTP)."""
+        doc = self._call("POST", "/v1/put/lease?via=data", content=head)
+        names = [bytes.fromhex(n) for n in doc["names"]]
+        lease = doc["lease"]
+        if lease is None:
+            return None if doc["fallback"] else names
+        try:
+            slots = lease_slots(lease, views)
+            self._data.put(doc["ticket"], [buf for _, (_, _, _, buf) in slots])
+        except (DataPortUnreachable, Busy) as exc:
+            self.release(lease["id"])
+            self._data_lost(exc)
+            return None
+        except BaseException as exc:
+            self.release(lease["id"])  # nothing was committed: nothing of this put is visible
+            if isinstance(exc, TierUnavailable):
+                raise TierUnavailable(f"node: put to {self.url} broke off: {exc}; nothing was stored") from exc
+            raise
+        self.commit(lease["id"], [names[i] for i, _ in slots])
+        return names
+
+    def _fetch_data(self, req: dict[str, Any], views: dict[int, list[memoryview]],
+                    first: dict[str, Any] | None = None) -> FetchResult | None:
+        """A fetch over the data port, resumed under its fetch id while it breaks off
+        (until ``retry_s``); None where the port cannot be reached (``req`` then names the
+        fetch id, for the HTTP stream to go on with). ``first``: the node's answer to the
+        first call, already made."""
+        deadline = time.monotonic() + self._retry
+        while True:
+            doc, first = first or self._call("POST", "/v1/fetch", body={**req, "via": "data"}), None
+            fid, lease, rows = doc["fetch_id"], doc["lease"], doc["rows"]
+            req["fetch_id"] = fid
+            if lease is None:
+                return self._ack(fid, [], None)
+            try:
+                bufs = [views[g][slot][:size] for _, g, slot, size in rows]
+                slots = lease_slots(lease, bufs)
+                got, err = self._data.fetch(doc["ticket"], [buf[:size] for _, (_, _, size, buf) in slots])
+            except (DataPortUnreachable, Busy) as exc:
+                self._ack(fid, [], lease["id"])  # releases the lease
+                self._data_lost(exc)
+                return None
+            except (KeyError, IndexError, TypeError, ValueError) as exc:
+                self.release(lease["id"])
+                raise TierUnavailable(f"node: a fetch answer of an unexpected shape: {exc!r}") from exc
+            # the node counts these rows only if the lease outlived the transfer
+            result = self._ack(fid, [rows[i][0] for i, _ in slots[:got]], lease["id"])
+            if err is None or result.complete or time.monotonic() >= deadline:
+                return result
+            time.sleep(0.01)
+
+    # ---- the rest --------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Close every connection and unmap the node's segments. Idempotent."""
+        with self._lock:
+            conns, self._conns = self._conns, []
+            borrowers = [b for b in (self._reader, self._writer) if b is not None]
+            self._reader = self._writer = None
+        for c in conns:
+            c.close()
+        self._data.close()
+        for b in borrowers:
+            b.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+
+__all__ = ["DEFAULT_URL", "Client"]

@@ -1,0 +1,3 @@
+"""The operator's side of a node: :mod:`.routes` (``/admin/*``), :mod:`.models` (their
+pydantic forms), :mod:`.state` (health and stats gathered for them), :mod:`.auth` (bearer
+tokens), :mod:`.tenants` (tenant tokens bound to scopes), :mod:`.metrics` (Prometheus)."""

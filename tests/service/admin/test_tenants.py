@@ -1,0 +1,142 @@
+"""Tenant tokens on a real served node: every data route needs a token (401 / 403), and
+tenant B can never match, fetch, lease, locate, renew, commit, check, release or
+acknowledge tenant A's rows or leases, through any route, nor see them listed."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+import torch
+
+from kvbank import LeaseMode, Scope, full_attention
+from kvbank.client.client import Client
+from kvbank.errors import Forbidden, Unauthorized
+from kvbank.service.launch import NodeProcess
+from tests.service.conftest import NODE_ARGS
+
+TA, TB = "token-a-0123456789abcdef", "token-b-0123456789abcdef"
+ADMIN = "admin-0123456789abcdef"
+FA = full_attention("tenants@1", num_layers=1, num_kv_heads=2, head_dim=64)
+P, PAGE = FA.tokens_per_page, FA.group_page_bytes[0]
+TOKENS = list(range(4 * P))
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeProcess]:
+    env = {**os.environ, "KVBANK_TENANTS": f"a={TA},b={TB}", "KVBANK_ADMIN_TOKEN": ADMIN}
+    proc = NodeProcess.start(["--data-dir", str(tmp_path_factory.mktemp("tenants")), *NODE_ARGS], env=env)
+    try:
+        yield proc
+    finally:
+        assert proc.stop() == 0, "".join(proc.lines)[-3000:]
+
+
+def pages(n: int) -> torch.Tensor:
+    return torch.from_numpy(np.random.default_rng(7).integers(0, 256, (n, PAGE), dtype=np.uint8))
+
+
+def _post(node: NodeProcess, path: str, body: Any, token: str | None) -> httpx.Response:
+    headers = {} if token is None else {"Authorization": f"Bearer {token}"}
+    return httpx.post(node.url + path, json=body, headers=headers)
+
+
+@pytest.mark.parametrize(("method", "path"), [
+    ("GET", "/v1/node"), ("GET", "/v1/stats"), ("GET", "/v1/leases"), ("POST", "/v1/match"),
+    ("POST", "/v1/put"), ("POST", "/v1/fetch"), ("POST", "/v1/locate"), ("DELETE", "/v1/leases/x"),
+])
+def test_every_data_route_needs_a_tenant_token(node: NodeProcess, method: str, path: str) -> None:
+    assert httpx.request(method, node.url + path).status_code == 401
+    wrong = httpx.request(method, node.url + path, headers={"Authorization": "Bearer " + "z" * 24})
+    assert wrong.status_code == 403 and wrong.json()["type"] == "Forbidden"
+
+
+def test_tenant_b_never_reaches_tenant_a(node: NodeProcess) -> None:
+    with Client(node.url, token=TA) as a, Client(node.url, token=TB) as b, \
+            Client(node.url, token=TA, same_host=False) as a_tcp:
+        lid = a.register(FA)
+        assert b.register(FA) == lid  # layouts are shared definitions, not rows
+        names = a.put(lid, TOKENS[: 2 * P], group=0, pages=pages(2))  # shared memory
+        names += a_tcp.put(lid, TOKENS, group=0, pages=pages(4)[2:], first_page=2)  # TCP
+        ma = a.match(lid, [*TOKENS, 1])
+        assert ma.scope.tenant == "a" and ma.resume.tokens == 4 * P  # forced to a's tenant
+        got = a_tcp.fetch(ma, out={0: torch.empty((4, PAGE), dtype=torch.uint8)})
+        assert got.complete
+        # b's own match of the same tokens is b's scope: a miss, never a's hit
+        mb = b.match(lid, [*TOKENS, 1])
+        assert mb.scope.tenant == "b" and mb.resume.tokens == 0
+        with pytest.raises(Forbidden):
+            b.match(lid, [*TOKENS, 1], scope=Scope("a"))
+        with pytest.raises(Forbidden):
+            b.fetch(ma, out={0: torch.empty((4, PAGE), dtype=torch.uint8)})
+        with pytest.raises(Forbidden):
+            b.locate(names)
+        with pytest.raises(Forbidden):
+            b.lend(names)
+        with pytest.raises(Forbidden):
+            b.lend_all()
+        with pytest.raises(Forbidden):
+            b.put(lid, TOKENS, group=0, pages=pages(4), scope=Scope("a"))
+        lease = a.lend(names, mode=LeaseMode.READ)
+        for call in (lambda: b.renew(lease.id), lambda: b.check_live(lease.id),
+                     lambda: b.release(lease.id), lambda: b.commit(lease.id, [])):
+            with pytest.raises(Forbidden):
+                call()
+        assert lease.id not in {x.id for x in b.leases()}
+        assert lease.id in {x.id for x in a.leases()}
+        assert None not in a.locate(names)
+        # a fetch a opened cannot be acknowledged by b
+        opened = _post(node, "/v1/fetch", {"match": _wire(ma), "via": "lease"}, TA).json()
+        ack = _post(node, f"/v1/fetch/{opened['fetch_id']}/ack", {"rows": [0]}, TB)
+        assert ack.status_code == 403 and ack.json()["field"] == "fetch_id"
+        if opened["lease"]:
+            httpx.delete(f"{node.url}/v1/leases/{opened['lease']['id']}", headers={"Authorization": f"Bearer {TA}"})
+        assert a.release(lease.id)
+        with Client(node.url) as anonymous, pytest.raises(Unauthorized):
+            anonymous.stats()
+        # the admin listing by scope: a's rows under a, none of them under b
+        admin = {"Authorization": f"Bearer {ADMIN}"}
+        rows_a = httpx.get(node.url + "/admin/rows", params={"tenant": "a"}, headers=admin).json()["rows"]
+        rows_b = httpx.get(node.url + "/admin/rows", params={"tenant": "b"}, headers=admin).json()["rows"]
+        assert {r["name"] for r in rows_a} == {n.hex() for n in names}
+        assert not {r["name"] for r in rows_b} & {n.hex() for n in names}
+
+
+def _wire(m: Any) -> Any:
+    from kvbank import wire
+
+    return wire.to_dict(m)
+
+
+@pytest.mark.parametrize("same_host", [False, True], ids=["tcp", "same-host"])
+def test_cross_shard_fetch_under_tenant_tokens(node: NodeProcess, same_host: bool) -> None:
+    """Rows a TP 4 worker of tenant A stored are found and resharded for A's TP 2 worker
+    (bit-exact), through the TCP and the same-host paths; tenant B's identical prompt
+    matches nothing and B cannot fetch A's match."""
+    from tests.bank.test_cross_shard import _cut, _gqa, _pages
+
+    seed = 11 if same_host else 12
+    tp1 = _pages(_gqa(1), 0, 4, seed)
+    toks = [(seed * 7919 + i) % 32_000 for i in range(4 * P)]
+    with Client(node.url, token=TA, same_host=same_host) as a, \
+            Client(node.url, token=TB, same_host=same_host) as b:
+        for r, shard in enumerate(_cut(_gqa(1), 0, tp1, 4)):
+            lid4 = a.register(_gqa(4, r))
+            a.put(lid4, toks, group=0, pages=shard, shard=r)
+        want = _cut(_gqa(1), 0, tp1, 2)
+        for j in range(2):
+            lid2 = a.register(_gqa(2, j))
+            m = a.match(lid2, [*toks, 1], shard=j)
+            assert m.resume.tokens == 4 * P and m.scope.tenant == "a"
+            out = torch.zeros((4, _gqa(2).group_page_bytes[0]), dtype=torch.uint8)
+            got = a.fetch(m, out={0: out})
+            assert got.complete, got
+            assert torch.equal(out, want[j])
+            b.register(_gqa(2, j))
+            assert b.match(lid2, [*toks, 1], shard=j).resume.tokens == 0
+            with pytest.raises(Forbidden):
+                b.fetch(m, out={0: torch.zeros_like(out)})

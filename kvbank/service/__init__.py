@@ -18,3 +18,7 @@ Modules:
 
 Nothing here is imported by ``import kvbank``: the HTTP stack loads only when asked for.
 """
+
+from kvbank.extras import require
+
+require("serve", "the node service (kvbank serve)")

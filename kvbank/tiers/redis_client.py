@@ -19,17 +19,21 @@ import zlib
 from collections.abc import Sequence
 from typing import Any
 
-import redis
-import redis.cluster
-import redis.exceptions
-from redis.backoff import EqualJitterBackoff
-from redis.crc import key_slot
-from redis.retry import Retry
-
 from kvbank.errors import InvalidInput, TierUnavailable
+from kvbank.extras import missing
+
+try:
+    import redis
+    import redis.cluster
+    import redis.exceptions
+    from redis.backoff import EqualJitterBackoff
+    from redis.crc import key_slot
+    from redis.retry import Retry
+except ModuleNotFoundError as exc:
+    raise missing("fleet", "the Redis remote tier and the fleet", exc) from exc
 
 __all__ = ["BUCKETS", "TRANSIENT", "RedisClient", "RedisError", "bucket_of", "bucket_tag",
-           "connect", "is_cluster", "key_slot", "run_script"]
+           "connect", "is_cluster", "key_slot", "redis", "run_script"]
 
 BUCKETS = 1024  # hash-tag buckets: >= 16 x masters for an even spread (redis-fleet.md 2)
 RedisClient = redis.Redis | redis.cluster.RedisCluster  # what every fleet call takes

@@ -43,9 +43,6 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-import redis
-import redis.cluster
-
 from kvbank.codec import DTYPE_CODES, HEADER_SIZE, MAX_PAGE_BYTES, decode_into, encode, frame_info
 from kvbank.config import BankConfig
 from kvbank.errors import (
@@ -58,7 +55,14 @@ from kvbank.errors import (
 )
 from kvbank.keys import ROW_NAME_BYTES
 from kvbank.tiers.base import Buffer, FrameRow, FrameStore, check_name
-from kvbank.tiers.redis_client import BUCKETS, RedisClient, bucket_of, bucket_tag, connect
+from kvbank.tiers.redis_client import (
+    BUCKETS,
+    RedisClient,
+    bucket_of,
+    bucket_tag,
+    connect,
+    redis,  # redis-py, or the error naming kvbank[fleet]
+)
 
 __all__ = ["BUCKETS", "RedisClient", "RedisFrameStore", "bucket_of", "bucket_tag", "connect",
            "open_remote"]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kvbank.testing.servers import INSTALL_HINT, in_ci, redis_binary
-from tests.service.test_fleet import Redis, fleet, health, wait_for
+from tests.service.fleet.test_fleet import Redis, fleet, health, wait_for
 
 __all__ = ["Redis", "fleet", "health", "require_redis", "wait_for"]
 

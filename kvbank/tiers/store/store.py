@@ -151,11 +151,12 @@ class TieredStore:
                 frames.append(disk)
                 if disk.salvaged is not None:
                     notes.append(disk.salvaged.summary())
-                from kvbank.tiers.remote import open_remote
+                if config.remote_url:  # redis-py (kvbank[fleet]) loads only for a remote tier
+                    from kvbank.tiers.remote import open_remote
 
-                remote = open_remote(config, notes)  # the coldest frame store, below the disk
-                if remote is not None:
-                    frames.append(remote)
+                    remote = open_remote(config, notes)  # the coldest frame store, below the disk
+                    if remote is not None:
+                        frames.append(remote)
             if device is None and host is None and not frames:
                 raise ConfigError(
                     "host_bytes: the store has no tier: host_bytes is 0, the device tier is "

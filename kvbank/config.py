@@ -1,4 +1,4 @@
-"""Frozen, validated settings for a bank (the embedded core and, later, ``kvbank serve``).
+"""Frozen, validated settings for a bank (the embedded core, and the bank ``kvbank serve`` owns).
 
 Every field has a ``DEFAULT_*`` constant and an environment override under the ``KVBANK_``
 prefix; :meth:`BankConfig.from_env` reads them and CLI flags map onto the same names.

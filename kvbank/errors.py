@@ -38,7 +38,7 @@ per library there (``raise TierUnavailable(...) from exc``): ``LMDB_ERRORS`` in
 :mod:`kvbank.tiers.disk`, ``ZSTD_ERRORS`` in :mod:`kvbank.codec.entropy`,
 ``TORCH_ERRORS`` in :mod:`kvbank.kernels.faults` (the kernels and the device tier), ``OS_ERRORS`` (files, mmap) in
 :mod:`kvbank.tiers.base` for the host slab and the disk tier's files; ``redis.RedisError``
-in :mod:`kvbank.tiers.remote`, ``httpx.HTTPError`` in the service client. Messages
+in :mod:`kvbank.tiers.remote`, ``http.client`` and socket errors in :mod:`kvbank.client`. Messages
 name the field, the limit and the value received.
 """
 

@@ -2,7 +2,9 @@
 
 Primitives:
 
-- :class:`Role` — the closed set of buffer roles. An undeclared role is refused.
+- :class:`Role` — the closed set of buffer roles. An undeclared role is refused. It and
+  the other vocabularies (:class:`Split`, :class:`GroupKind`, :class:`QuantMode`) live in
+  :mod:`kvbank.roles` and are re-exported here.
 - :class:`BufferSpec` — one region of a page: ``(layer, role, dtype, shape, head_axis,
   transferred, heads, sections)``. For an ``ATTENTION`` group ``shape`` is per token; for
   a ``STATE`` group it is the whole snapshot, and it is always one shard's shape.
@@ -47,7 +49,8 @@ token-major (``prod(shape)`` for a ``STATE`` group). Padding bytes are zero.
 Layout id: SHA-256 over the canonical encoding — JSON with sorted keys, no whitespace,
 enums by name, fields equal to their default left out, ``shard_index`` left out, and
 :data:`LAYOUT_ID_VERSION` inside. Adding a defaulted field therefore keeps old ids; any
-change of the byte layout rules bumps the version so old and new builds share no pages.
+change of the byte layout rules bumps the version so old and new builds share no pages. The
+encoding itself is :mod:`kvbank.canonical`.
 
 Logical id: ``PageLayout.logical_id`` is the layout id of :meth:`PageLayout.unsharded`
 (the TP 1 form), equal for every shard count of one model layout, so rows stored under
@@ -57,17 +60,25 @@ any of them can be found (see :mod:`kvbank.reshard.plan`).
 from __future__ import annotations
 
 import dataclasses
-import enum
 import hashlib
 import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
+from kvbank.canonical import encode, fields_of, list_of
 from kvbank.dtypes import DTYPE_ITEMSIZE as DTYPE_ITEMSIZE  # re-exported
 from kvbank.dtypes import check_dtype
 from kvbank.errors import InvalidInput, LayoutError, PageSizeMismatch
+
+# The layout's vocabularies live in kvbank.roles; re-exported here, where they are used.
+from kvbank.roles import STATE_ROLES as STATE_ROLES
+from kvbank.roles import GroupKind as GroupKind
+from kvbank.roles import QuantMode as QuantMode
+from kvbank.roles import Role as Role
+from kvbank.roles import Split as Split
+from kvbank.roles import role_kind as role_kind
 
 if TYPE_CHECKING:
     import torch
@@ -76,70 +87,6 @@ LAYOUT_ID_VERSION = 1
 ALIGN = 64  # bytes; every buffer region starts on a cache line (and a DMA-friendly boundary)
 
 # The dtype vocabulary lives in kvbank.dtypes (one table, one validator); re-exported here.
-
-
-class Role(enum.Enum):
-    """What a buffer holds. Closed: a new role is a code change, never a guess."""
-
-    KEY = "KEY"
-    VALUE = "VALUE"
-    KEY_SCALE = "KEY_SCALE"
-    VALUE_SCALE = "VALUE_SCALE"
-    INDEX_KEY = "INDEX_KEY"
-    CONV_STATE = "CONV_STATE"
-    SSM_STATE = "SSM_STATE"
-
-    @classmethod
-    def parse(cls, name: object) -> Role:
-        return _parse_enum(cls, name, "role")
-
-
-class Split(enum.Enum):
-    """How a buffer's bytes divide over tensor-parallel ranks (derived, never encoded)."""
-
-    REPLICATED = "REPLICATED"
-    HEAD = "HEAD"
-    SECTIONED = "SECTIONED"
-
-
-class GroupKind(enum.Enum):
-    ATTENTION = "ATTENTION"
-    STATE = "STATE"
-
-    @classmethod
-    def parse(cls, name: object) -> GroupKind:
-        return _parse_enum(cls, name, "kind")
-
-
-class QuantMode(enum.Enum):
-    NONE = "NONE"
-    FP8 = "FP8"  # float8 K/V with float32 scales
-    NVFP4 = "NVFP4"  # packed fp4 K/V with float8 block scales
-    MXFP4 = "MXFP4"  # packed fp4 K/V with e8m0 block scales
-    INT8 = "INT8"
-
-    @classmethod
-    def parse(cls, name: object) -> QuantMode:
-        return _parse_enum(cls, name, "quant")
-
-
-STATE_ROLES = frozenset({Role.CONV_STATE, Role.SSM_STATE})
-
-
-def role_kind(role: Role) -> GroupKind:
-    """The kind of group a buffer of ``role`` belongs to."""
-    return GroupKind.STATE if role in STATE_ROLES else GroupKind.ATTENTION
-
-
-_E = TypeVar("_E", bound=enum.Enum)
-
-
-def _parse_enum(cls: type[_E], name: object, what: str) -> _E:
-    """An enum member by its exact name; anything else is a LayoutError naming ``what``."""
-    if isinstance(name, str) and name in cls.__members__:
-        return cls[name]
-    raise LayoutError(f"{what}: unknown {cls.__name__} {name!r}; expected one of "
-                      f"{list(cls.__members__)}")
 
 
 def dtype_name(dtype: object, what: str = "dtype", context: str = "") -> str:
@@ -430,7 +377,7 @@ class PageLayout:
 
     def canonical(self) -> bytes:
         """The canonical encoding the layout id hashes (see the module docstring)."""
-        doc = _encode(self, identity=True)
+        doc = encode(self, identity=True)
         assert isinstance(doc, dict)  # _encode of a dataclass is a dict
         doc["layout_id_version"] = LAYOUT_ID_VERSION
         return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
@@ -441,7 +388,7 @@ class PageLayout:
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready description (defaults left out, shard index kept)."""
-        doc = _encode(self, identity=False)
+        doc = encode(self, identity=False)
         assert isinstance(doc, dict)
         return doc
 
@@ -450,19 +397,19 @@ class PageLayout:
         """Inverse of :meth:`to_dict`; unknown or missing fields raise :class:`LayoutError`."""
         if not isinstance(doc, Mapping):
             raise LayoutError(f"layout: expected an object, got {type(doc).__name__}")
-        top = _fields(cls, doc, "layout")
+        top = fields_of(cls, doc, "layout")
         try:
             groups = tuple(
-                LayerGroup(**_fields(LayerGroup, g, "group")) for g in _list(doc, "groups")
+                LayerGroup(**fields_of(LayerGroup, g, "group")) for g in list_of(doc, "groups")
             )
             buffers = tuple(
                 BufferSpec(
                     **{
-                        **_fields(BufferSpec, b, "buffer"),
-                        "shape": tuple(_list(b, "shape")),
+                        **fields_of(BufferSpec, b, "buffer"),
+                        "shape": tuple(list_of(b, "shape")),
                     }
                 )
-                for b in _list(doc, "buffers")
+                for b in list_of(doc, "buffers")
             )
         except TypeError as exc:
             raise LayoutError(f"layout: {exc}") from exc
@@ -578,56 +525,6 @@ class PageLayout:
         raise LayoutError(
             f"region: no transferred buffer (layer {layer}, {role.name}) in group {group}"
         )
-
-
-# ---- canonical encoding helpers ----------------------------------------------------------
-
-
-def _encode(value: object, identity: bool) -> object:
-    if isinstance(value, enum.Enum):
-        return value.name
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        out: dict[str, object] = {}
-        for f in dataclasses.fields(value):
-            if not f.init:
-                continue
-            if identity and not f.metadata.get("identity", True):
-                continue
-            v = getattr(value, f.name)
-            if f.default is not dataclasses.MISSING and v == f.default:
-                continue
-            out[f.name] = _encode(v, identity)
-        return out
-    if isinstance(value, (tuple, list)):
-        return [_encode(v, identity) for v in value]
-    return value
-
-
-def _list(doc: Mapping[str, Any], key: str) -> list[Any]:
-    value = doc.get(key)
-    if not isinstance(value, list | tuple):
-        raise LayoutError(f"{key}: expected a list, got {value!r}")
-    return list(value)
-
-
-def _fields(cls: type, doc: object, what: str) -> dict[str, Any]:
-    if not isinstance(doc, Mapping):
-        raise LayoutError(f"{what}: expected an object, got {doc!r}")
-    allowed = {f.name for f in dataclasses.fields(cls) if f.init}
-    unknown = set(doc) - allowed
-    if unknown:
-        raise LayoutError(f"{what}: unknown field(s) {sorted(unknown)}; allowed {sorted(allowed)}")
-    required = {
-        f.name
-        for f in dataclasses.fields(cls)
-        if f.init and f.default is dataclasses.MISSING and f.name not in ("groups", "buffers")
-    }
-    if required - set(doc):
-        raise LayoutError(f"{what}: missing required field(s) {sorted(required - set(doc))}")
-    out = dict(doc)
-    if "layers" in out:
-        out["layers"] = tuple(out["layers"])
-    return out
 
 
 # ---- shard arithmetic --------------------------------------------------------------------

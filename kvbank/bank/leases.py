@@ -97,7 +97,7 @@ class LeaseOps:
     def check_live(self, lease_id: str) -> None:
         """The completion check after reading in place: :class:`LeaseExpired` (or
         LeaseNotFound) if the lease ended, in which case the bytes read must not be used."""
-        self._lender.finish_read(lease_id)
+        self._lender.check_live(lease_id)
 
     def leases(self) -> tuple[Lease, ...]:
         """A snapshot of every live lease."""

@@ -8,7 +8,7 @@ Primitives (value objects in :mod:`kvbank.lender.base`):
   tier's pools (no rows named, nothing locked) for a transfer engine's registration.
 - :meth:`Lender.renew`, :meth:`Lender.release`, :meth:`Lender.commit` (WRITE: only the
   rows that arrived whole become visible; the other reserved slots go back).
-- :meth:`Lender.finish_read` / :meth:`Lender.read_into` — the second expiry check: a read
+- :meth:`Lender.check_live` / :meth:`Lender.read_into` — the second expiry check: a read
   through a lease counts only if the lease was still live when the read *completed*;
   bytes read under an expired lease are not used (:class:`~kvbank.errors.LeaseExpired`).
 
@@ -20,7 +20,7 @@ Lifecycle::
                                                config.reaper_interval_s, plus a lazy
                                                check on every command) drops the page
                                                locks and returns reserved slots; lookups
-                                               (lease, live_ids, finish_read, views)
+                                               (lease, live_ids, check_live, views)
                                                report expiry but change nothing
 
 Page locks: a READ lease locks its present rows in the store (``holder = lease id``), so
@@ -33,10 +33,12 @@ any number of READ leases may share a name; a WRITE lease excludes every other l
 that name, READ or WRITE. A lend that breaks the rule raises
 :class:`~kvbank.errors.LeaseConflict` and changes nothing. (A reader of a row being
 filled learns it now rather than seeing a miss; two writers never race for one slot.)
+The rule's tables are :mod:`kvbank.lender.conflicts`.
 
 A WRITE lease reserves a slot only for rows not already stored (those are listed
 ``PRESENT``); a row someone else stored before the commit keeps its bytes (equal names
-are interchangeable bytes) and the reserved slot goes back.
+are interchangeable bytes) and the reserved slot goes back. What a WRITE lease does in
+the store (reserve, fill, publish) is :mod:`kvbank.lender.writes`.
 
 Thread-safety: one re-entrant lock guards the lender's tables; the store has its own and
 the lender always takes its lock first (the order is in :mod:`kvbank.tiers.lockorder`).
@@ -55,27 +57,18 @@ import math
 import os
 import threading
 import time
-from collections import Counter, OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from functools import partial
-from itertools import repeat
-from operator import is_
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING
 
 from kvbank.config import BankConfig
-from kvbank.errors import (
-    InvalidInput,
-    LeaseConflict,
-    LeaseExpired,
-    LeaseNotFound,
-    TierUnavailable,
-)
-from kvbank.keys import ROW_NAME_BYTES, same_chain, shape_key
+from kvbank.errors import InvalidInput, LeaseExpired, LeaseNotFound, TierUnavailable
+from kvbank.keys import ROW_NAME_BYTES, shape_key
+from kvbank.lender import reads, writes
 from kvbank.lender.base import (
     CommitResult,
     Delivery,
-    DeviceLocation,
     Lease,
     LeaseMode,
     LeaseRow,
@@ -83,10 +76,10 @@ from kvbank.lender.base import (
     Location,
     MemoryKind,
     PageShape,
-    Region,
     Selection,
-    lease_rows,
 )
+from kvbank.lender.conflicts import Conflicts
+from kvbank.lender.reads import Slot
 from kvbank.tiers.base import DeviceSlot, HostSlot
 from kvbank.tiers.lockorder import Rank, make_lock
 
@@ -99,15 +92,10 @@ Clock = Callable[[], float]  # monotonic seconds
 # row name -> its page's size and regions. It must depend only on the name's namespace
 # and group (the lender keeps each answer found per pair; a bank's _describe does).
 Describe = Callable[[bytes], PageShape | None]
-Slot = HostSlot | DeviceSlot
-
-# what lending produced: rows, names locked, slots, WRITE chain parents
-_Parts = tuple[tuple[LeaseRow, ...], tuple[bytes, ...], dict[bytes, Slot], dict[bytes, bytes | None]]
 
 _TOMBSTONES = 4096  # ended lease ids remembered, so a late call says why (expired/released)
 _SHAPES = 4096  # (namespace, group) shapes remembered; a bank has a handful per layout
 _shape_key = shape_key  # namespace ‖ group: one page shape (keys owns the anatomy)
-_NO_REGIONS: tuple[Region, ...] = ()
 
 
 @dataclass(slots=True)
@@ -146,14 +134,8 @@ class Lender:
         self._lock = make_lock(Rank.LENDER, "Lender._lock", reentrant=True)
         self._held: dict[str, _Held] = {}
         self._deadlines: list[tuple[float, str]] = []  # heap; stale entries skipped lazily
-        # name -> how many live READ leases list it. A count, not a set of ids: lend and
-        # release touch each name once at C speed; the conflict message finds an id the
-        # slow way, on the error path only.
-        self._readers: Counter[bytes] = Counter()
-        self._writer: dict[bytes, str] = {}  # name -> the WRITE lease id listing it
+        self._conflicts = Conflicts()  # the readers/writer rule over live and pending names
         self._ended: OrderedDict[str, str] = OrderedDict()  # id -> "expired" | "released" …
-        # lends between their plan and their publish: id -> (names, mode), claimed above
-        self._pending: dict[str, tuple[tuple[bytes, ...], LeaseMode]] = {}
         self._closed = False
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -255,24 +237,24 @@ class Lender:
             self._check_open()
             now = self._clock()
             self._reap_locked(now)
-            self._check_conflicts(rows, mode)
-            self._claim(lease_id, rows, mode)
+            self._conflicts.check(rows, mode, self._reader_of)
+            self._conflicts.claim(lease_id, rows, mode)
         try:
             if mode is LeaseMode.READ:
-                out, locked, slots, parents = self._lend_read(lease_id, rows, shapes, kind)
+                out, locked, slots, parents = reads.stage(self._store, lease_id, rows, shapes, kind)
             else:
-                out, locked, slots, parents = self._lend_write(lease_id, rows, shapes, kind)
+                out, locked, slots, parents = writes.reserve(self._store, lease_id, rows, shapes, kind)
         except BaseException:
             with self._lock:
-                self._unclaim(lease_id, rows, mode)
+                self._conflicts.unclaim(lease_id, rows, mode)
             raise
         with self._lock:
             if self._closed:  # closed while staging: give everything back
-                self._unclaim(lease_id, rows, mode)
+                self._conflicts.unclaim(lease_id, rows, mode)
                 self._release_store(lease_id, bool(locked), mode, slots)
                 raise TierUnavailable("lender: closed")
             # The claim in the conflict maps becomes the lease's own entry there.
-            del self._pending[lease_id]
+            self._conflicts.settle(lease_id)
             deadline = self._clock() + ttl
             lease = self._snapshot(lease_id, kind, mode, Selection.NAMED, deadline, out)
             self._held[lease_id] = _Held(lease, deadline, rows, locked, slots, parents)
@@ -280,121 +262,10 @@ class Lender:
         logger.debug("lent %s %s %s: %d rows, ttl %.3fs", lease_id, kind.name, mode.name, len(rows), ttl)
         return lease
 
-    def _claim(self, lease_id: str, rows: tuple[bytes, ...], mode: LeaseMode) -> None:
-        """Hold ``rows`` in the conflict maps while a lend stages them (caller locks)."""
-        self._pending[lease_id] = (rows, mode)
-        if mode is LeaseMode.READ:
-            self._readers.update(rows)
-        else:
-            self._writer.update(dict.fromkeys(rows, lease_id))
-
-    def _unclaim(self, lease_id: str, rows: tuple[bytes, ...], mode: LeaseMode) -> None:
-        """Undo :meth:`_claim` for a lend that failed (caller locks)."""
-        del self._pending[lease_id]
-        if mode is LeaseMode.READ:
-            readers = self._readers
-            counts = list(map(readers.pop, rows))
-            if max(counts) > 1:
-                for n, k in zip(rows, counts, strict=True):
-                    if k > 1:
-                        readers[n] = k - 1
-        else:
-            for n in rows:
-                del self._writer[n]
-
-    def _check_conflicts(self, rows: tuple[bytes, ...], mode: LeaseMode) -> None:
-        """Raise LeaseConflict if the readers/writer rule refuses ``rows`` to ``mode``.
-
-        The tables are checked as whole sets; the names are looked at one by one only to
-        word the error.
-        """
-        writer, readers = self._writer, self._readers
-        if writer and not writer.keys().isdisjoint(rows):
-            n = next(n for n in rows if n in writer)
-            raise LeaseConflict(
-                f"names: row {n.hex()[:16]}… is held by WRITE lease {writer[n]}; "
-                f"a {mode.name} lease cannot share it"
-            )
-        if mode is LeaseMode.WRITE and readers and not readers.keys().isdisjoint(rows):
-            n = next(n for n in rows if n in readers)
-            r = next((lid for lid, h in self._held.items()
-                      if h.lease.mode is LeaseMode.READ and n in h.names),
-                     next((lid for lid, (ns, _) in self._pending.items() if n in ns), "?"))
-            raise LeaseConflict(
-                f"names: row {n.hex()[:16]}… is held by READ lease {r}; "
-                "a WRITE lease excludes readers"
-            )
-
-    def _lend_read(
-        self, lease_id: str, rows: tuple[bytes, ...], shapes: list[PageShape | None], kind: MemoryKind
-    ) -> _Parts:
-        # Lock what locate reports present *before* staging: a row evicted between the two
-        # calls then stages as None and is listed MISSING, never handed out half-moved.
-        store = self._store
-        where = store.locate(rows)
-        present = rows if None not in where else [n for n, w in zip(rows, where, strict=True) if w is not None]
-        staged: list[HostSlot | None] | list[DeviceSlot | None] = []
-        if present:
-            store.locks.lock(present, lease_id)
-            try:
-                if kind is MemoryKind.HOST:
-                    staged = store.host.stage_many(present)  # one pass for the whole lease
-                else:
-                    staged = [store.device.stage(n) for n in present]
-            except BaseException:
-                store.locks.unlock_all(lease_id)
-                raise
-        n_rows = len(rows)
-        regions = _regions(shapes)
-        if kind is MemoryKind.HOST and len(staged) == n_rows and not any(map(_is_none, staged)):
-            # Every row staged, the common case: a host slot is its lease location as it
-            # stands (HostLocation is HostSlot), and the rows are built column by column.
-            host = cast("list[HostSlot]", staged)
-            out = lease_rows(rows, repeat(True, n_rows), host, regions, repeat(_READY, n_rows))
-            return out, rows, dict(zip(rows, host, strict=True)), {}
-        slots: dict[bytes, Slot] = {
-            n: s for n, s in zip(present, staged, strict=True) if s is not None
-        }
-        if len(slots) < len(present):  # evicted between the locate and the lock
-            store.locks.unlock([n for n in present if n not in slots], lease_id)
-        got = list(map(slots.get, rows))
-        out = lease_rows(
-            rows,
-            [s is not None for s in got],
-            [None if s is None else self._location(s) for s in got],
-            regions,
-            [_MISSING if s is None else _READY for s in got],
-        )
-        return out, tuple(slots), slots, {}
-
-    def _lend_write(
-        self, lease_id: str, rows: tuple[bytes, ...], shapes: list[PageShape | None], kind: MemoryKind
-    ) -> _Parts:
-        where = self._store.locate(rows)
-        parents: dict[bytes, bytes | None] = {}
-        prev: bytes | None = None
-        described: list[PageShape] = []
-        for n, shape in zip(rows, shapes, strict=True):
-            if shape is None:  # pragma: no cover - refused in lend()
-                raise InvalidInput("names: undescribed row in a WRITE lease")
-            described.append(shape)
-            # A chain listed in order: a row's parent (for prefix-aware eviction) is the
-            # previous row of the same namespace and group in this lease.
-            parents[n] = prev if prev is not None and same_chain(prev, n) else None
-            prev = n
-        todo = [i for i, w in enumerate(where) if w is None]
-        # one reservation call for the lease's rows (all or none)
-        pool = self._store.host if kind is MemoryKind.HOST else self._store.device
-        got: Sequence[Slot] = pool.reserve_many([described[i].size for i in todo], lease_id)
-        slots: dict[bytes, Slot] = {rows[i]: slot for i, slot in zip(todo, got, strict=True)}
-        try:
-            out = [LeaseRow(n, True, None, shape.regions, Delivery.PRESENT) if w is not None
-                   else LeaseRow(n, False, self._location(slots[n]), shape.regions, Delivery.RESERVED)
-                   for n, w, shape in zip(rows, where, described, strict=True)]
-        except BaseException:
-            self._abort_slots(slots)
-            raise
-        return tuple(out), (), slots, parents
+    def _reader_of(self, name: bytes) -> str | None:
+        """A live READ lease listing ``name`` (the conflict message's culprit)."""
+        return next((lid for lid, h in self._held.items()
+                     if h.lease.mode is LeaseMode.READ and name in h.names), None)
 
     def lend_all(
         self,
@@ -452,22 +323,6 @@ class Lender:
     ) -> Lease:
         wall = self._wall() + (deadline - self._clock())
         return Lease(lease_id, kind, mode, selection, deadline, wall, rows, pools)
-
-    def _location(self, slot: Slot) -> Location:
-        if isinstance(slot, HostSlot):
-            return slot  # HostLocation is HostSlot
-        return DeviceLocation(slot.pool, slot.device, slot.offset, slot.size, self._ipc(slot))
-
-    def _ipc(self, slot: DeviceSlot) -> bytes | None:
-        """The CUDA IPC memory handle of the slot's pool (None off CUDA).
-
-        The same handle torch.multiprocessing shares; a peer opens it and adds ``offset``.
-        """
-        if not slot.device.startswith("cuda"):
-            return None
-        storage = self._store.device.view(slot).untyped_storage()
-        handle = storage._share_cuda_()[1]  # type: ignore[no-untyped-call]  # (device, handle, …)
-        return bytes(handle)
 
     # ---- the lease table ---------------------------------------------------------------
 
@@ -546,65 +401,15 @@ class Lender:
             lease = held.lease
             if lease.mode is not LeaseMode.WRITE or lease.selection is not Selection.NAMED:
                 raise InvalidInput(f"lease_id: {lease_id} is a {lease.mode.name} {lease.selection.name} lease; only NAMED WRITE leases commit")
-            got = self._arrived(lease, arrived)
+            got = writes.arrived_names(lease, arrived)
             # From here the lease is this call's: ended in the tables (no reaper, release
             # or second commit can touch its slots), published with no lender lock held.
             self._detach_locked(lease_id, "committed")
-        committed: list[bytes] = []
-        discarded: list[bytes] = []
-        already: list[bytes] = []
-        pending = dict(held.slots)
-        try:
-            arrived = [r.name for r in lease.rows if r.name in pending and r.name in got]
-            discarded = [r.name for r in lease.rows if r.name in pending and r.name not in got]
-            where = self._store.locate(arrived) if arrived else []
-            host: list[tuple[bytes, HostSlot, str, bytes | None]] = []
-            device: list[tuple[bytes, DeviceSlot, str, bytes | None]] = []
-            for name, w in zip(arrived, where, strict=True):
-                if w is not None:
-                    already.append(name)  # equal names are equal bytes: keep theirs
-                    continue
-                slot = pending[name]
-                shape = self._shape(_shape_key(name), name)
-                dtype, parent = shape.dtype if shape is not None else "uint8", held.parents.get(name)
-                if isinstance(slot, HostSlot):
-                    host.append((name, slot, dtype, parent))
-                else:
-                    device.append((name, slot, dtype, parent))
-            # One batch per memory kind, published in order: on a refusal the rows before
-            # it are the store's, the rest go back below with every unpublished slot.
-            try:
-                if host:
-                    self._store.host.commit_many(host, committed)
-                if device:
-                    self._store.device.commit_many(device, committed)
-            finally:
-                for name in committed:
-                    del held.slots[name]  # published: the store owns it now
-        finally:
-            # Every slot not published goes back, whatever happened above.
-            self._release_store(lease_id, False, LeaseMode.WRITE, held.slots)
-        logger.debug("commit %s: %d committed, %d discarded", lease_id, len(committed), len(discarded))
-        return CommitResult(lease_id, tuple(committed), tuple(discarded), tuple(already))
-
-    @staticmethod
-    def _arrived(lease: Lease, arrived: Sequence[bytes] | Sequence[bool]) -> set[bytes]:
-        if hasattr(arrived, "tolist") and not isinstance(arrived, (bytes, bytearray)):
-            arrived = arrived.tolist()  # a numpy or torch bool mask
-        if isinstance(arrived, (bytes, str)) or not isinstance(arrived, Sequence):
-            raise InvalidInput(f"arrived: expected names or a mask, got {type(arrived).__name__}")
-        items = list(arrived)
-        if items and all(isinstance(a, bool) for a in items):
-            if len(items) != len(lease.rows):
-                raise InvalidInput(f"arrived: mask of {len(items)} for {len(lease.rows)} lease rows")
-            return {r.name for r, a in zip(lease.rows, items, strict=True) if a}
-        listed = set(lease.names)
-        out: set[bytes] = set()
-        for i, a in enumerate(items):
-            if type(a) is not bytes or a not in listed:
-                raise InvalidInput(f"arrived[{i}]: not a row name of lease {lease.id}")
-            out.add(a)
-        return out
+        result = writes.publish(self._store, lease, held.slots, held.parents, got,
+                                lambda name: self._shape(_shape_key(name), name))
+        logger.debug("commit %s: %d committed, %d discarded",
+                     lease_id, len(result.committed), len(result.discarded))
+        return result
 
     # ---- reads through a lease -----------------------------------------------------------
 
@@ -624,7 +429,7 @@ class Lender:
     def view(self, lease_id: str, name: bytes) -> memoryview:
         """The row's host bytes in place (READ: read them; WRITE: fill them).
 
-        Valid only while the lease lives; call :meth:`finish_read` after reading.
+        Valid only while the lease lives; call :meth:`check_live` after reading.
         """
         _, slot = self._slot(lease_id, name)
         if not isinstance(slot, HostSlot):
@@ -638,7 +443,7 @@ class Lender:
             raise InvalidInput(f"lease_id: {lease_id} is a HOST lease; use view")
         return self._store.device.view(slot)
 
-    def finish_read(self, lease_id: str) -> None:
+    def check_live(self, lease_id: str) -> None:
         """Check that the lease is still live now that a read completed.
 
         Raises :class:`LeaseExpired` (or :class:`LeaseNotFound` if it was released): the
@@ -651,24 +456,9 @@ class Lender:
         """Copy a leased row into ``out``; the byte count, valid only because the lease was
         still live when the copy completed (else :class:`LeaseExpired`)."""
         _, slot = self._slot(lease_id, name)
-        dst = memoryview(out).cast("B")
-        if len(dst) < slot.size:
-            raise InvalidInput(f"out: {len(dst)} bytes, the row holds {slot.size}")
-        if isinstance(slot, HostSlot):
-            with self._store.host.view(slot) as src:  # released at once: the slab may close
-                dst[: slot.size] = src
-        else:
-            import torch
-
-            from kvbank.kernels.faults import TORCH_ERRORS, torch_fault
-
-            dev = self._store.device.view(slot)[: slot.size]
-            try:
-                torch.frombuffer(dst, dtype=torch.uint8, count=slot.size).copy_(dev)
-            except TORCH_ERRORS as exc:
-                raise torch_fault(f"reading leased row {name.hex()[:16]}…", exc) from exc
-        self.finish_read(lease_id)
-        return slot.size
+        size = reads.copy_out(self._store, slot, name, out)
+        self.check_live(lease_id)
+        return size
 
     def read(self, lease_id: str, name: bytes) -> bytes:
         """The leased row's bytes, returned only if the lease outlived the copy."""
@@ -689,23 +479,7 @@ class Lender:
             lease, slot = self._slot(lease_id, name)
             if lease.mode is not LeaseMode.WRITE:
                 raise InvalidInput(f"lease_id: {lease_id} is a READ lease; it cannot be written")
-            if len(src) != slot.size:
-                from kvbank.errors import PageSizeMismatch
-
-                raise PageSizeMismatch(f"data: {len(src)} bytes, the row's page is {slot.size}")
-            if isinstance(slot, HostSlot):
-                with self._store.host.view(slot) as dst:
-                    dst[:] = src
-            else:
-                import torch
-
-                from kvbank.kernels.faults import TORCH_ERRORS, torch_fault
-
-                try:
-                    self._store.device.view(slot)[: slot.size].copy_(
-                        torch.frombuffer(bytearray(src), dtype=torch.uint8))
-                except TORCH_ERRORS as exc:
-                    raise torch_fault(f"writing leased row {name.hex()[:16]}…", exc) from exc
+            writes.fill(self._store, slot, name, src)
 
     # ---- expiry ------------------------------------------------------------------------
 
@@ -738,17 +512,7 @@ class Lender:
             self.expired_count += 1
             logger.debug("lease %s expired", lease_id)
         if held.lease.selection is Selection.NAMED:
-            if held.lease.mode is LeaseMode.READ:
-                # Take every name out at C speed; put back the few other leases still read.
-                readers = self._readers
-                counts = list(map(readers.pop, held.names))
-                if max(counts) > 1:
-                    for n, k in zip(held.names, counts, strict=True):
-                        if k > 1:
-                            readers[n] = k - 1
-            else:
-                for n in held.names:
-                    del self._writer[n]
+            self._conflicts.drop(held.names, held.lease.mode)
         self._ended[lease_id] = why
         while len(self._ended) > _TOMBSTONES:
             self._ended.popitem(last=False)
@@ -763,15 +527,7 @@ class Lender:
                 self._store.locks.unlock_all(lease_id)
         finally:
             if mode is LeaseMode.WRITE:
-                self._abort_slots(slots)
-
-    def _abort_slots(self, slots: dict[bytes, Slot]) -> None:
-        for slot in slots.values():
-            if isinstance(slot, HostSlot):
-                self._store.host.abort(slot)
-            else:
-                self._store.device.abort(slot)
-        slots.clear()
+                writes.abort_slots(self._store, slots)
 
     def _reaper_loop(self) -> None:
         interval = float(self._config.reaper_interval_s)
@@ -795,26 +551,12 @@ class Lender:
     def check_invariants(self) -> None:
         """The lease table, the conflict maps and the store's page locks agree."""
         with self._lock:
-            readers: Counter[bytes] = Counter()
-            writer: dict[bytes, str] = {}
-            for lid, (names, mode) in self._pending.items():
-                if mode is LeaseMode.READ:
-                    readers.update(names)
-                else:
-                    writer.update(dict.fromkeys(names, lid))
-            for lid, h in self._held.items():
+            named = [(lid, h) for lid, h in self._held.items()
+                     if h.lease.selection is not Selection.ALL]
+            for lid, h in named:
                 lease = h.lease
-                if lease.selection is Selection.ALL:
-                    continue
                 if h.names != lease.names:
                     raise AssertionError(f"lease {lid}: names table differs from its rows")
-                for n in lease.names:
-                    if lease.mode is LeaseMode.READ:
-                        readers[n] += 1
-                    else:
-                        if n in writer:
-                            raise AssertionError(f"two WRITE leases list {n.hex()}")
-                        writer[n] = lid
                 for n in h.locked:
                     if not self._store.locks.is_locked(n):
                         raise AssertionError(f"lease {lid}: row {n.hex()} is not locked")
@@ -822,10 +564,7 @@ class Lender:
                     expect = row.delivery in (Delivery.READY, Delivery.RESERVED)
                     if expect != (row.name in h.slots):
                         raise AssertionError(f"lease {lid}: row {row.name.hex()} slot/delivery")
-            if dict(readers) != dict(self._readers) or writer != self._writer:
-                raise AssertionError("conflict maps disagree with the lease table")
-            for n in set(readers) & set(writer):
-                raise AssertionError(f"row {n.hex()} is held by a reader and a writer")
+            self._conflicts.check_invariants((lid, h.names, h.lease.mode) for lid, h in named)
 
     def close(self) -> None:
         """Stop the reaper and end every lease (locks dropped, reserved slots returned)."""
@@ -838,17 +577,3 @@ class Lender:
             for lid in list(self._held):
                 self._end_locked(lid, "released")
             self._closed = True
-
-
-
-_READY = Delivery.READY
-_MISSING = Delivery.MISSING
-_is_none = partial(is_, None)  # by identity: `None in slots` would call each slot's __eq__
-
-
-def _regions(shapes: list[PageShape | None]) -> Iterable[tuple[Region, ...]]:
-    """The regions column of a lease's rows (one shared tuple for a chain)."""
-    first = shapes[0]
-    if shapes.count(first) == len(shapes):
-        return repeat(_NO_REGIONS if first is None else first.regions, len(shapes))
-    return [_NO_REGIONS if p is None else p.regions for p in shapes]

@@ -248,13 +248,13 @@ class LenderMachine(RuleBasedStateMachine):
         view.release()
         self.clock.now = self.model.now = m.deadline
         try:
-            self.lender.finish_read(lid)
+            self.lender.check_live(lid)
         except LeaseExpired:
             self.model.expire()
             if out != m.ready[name]:
                 raise AssertionError("leased bytes changed under the lease") from None
             return
-        raise AssertionError("finish_read accepted a read completed after expiry")
+        raise AssertionError("check_live accepted a read completed after expiry")
 
     @precondition(lambda self: bool(self.ids))
     @rule(k=PICK)

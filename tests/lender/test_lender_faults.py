@@ -41,10 +41,10 @@ def test_renew_refuses_bad_ttls_and_ttls_past_the_cap(tmp_path: Path, ttl: objec
         with pytest.raises(InvalidInput, match="ttl_s"):
             lender.renew(lease.id, ttl_s=ttl)  # type: ignore[arg-type]
         clock.now += 4.9  # the refused renewal changed nothing: still the first deadline
-        lender.finish_read(lease.id)
+        lender.check_live(lease.id)
         clock.now += 0.2
         with pytest.raises(LeaseExpired):
-            lender.finish_read(lease.id)
+            lender.check_live(lease.id)
     finally:
         lender.close()
         store.close()
@@ -60,10 +60,10 @@ def test_renew_extends_to_now_plus_ttl_up_to_the_cap(tmp_path: Path) -> None:
         clock.now += 4
         lender.renew(lease.id, ttl_s=60)  # exactly the cap: allowed
         clock.now += 59.9
-        lender.finish_read(lease.id)
+        lender.check_live(lease.id)
         clock.now += 0.2
         with pytest.raises(LeaseExpired):
-            lender.finish_read(lease.id)
+            lender.check_live(lease.id)
     finally:
         lender.close()
         store.close()

@@ -28,7 +28,7 @@ def _config(tmp_path: Path, **kw: object) -> BankConfig:
 
 
 def test_lender_lookups_do_not_reap(tmp_path: Path) -> None:
-    """lease(), live_ids() and finish_read() report an expired lease without ending it;
+    """lease(), live_ids() and check_live() report an expired lease without ending it;
     its page locks stay until the reaper (or a command) ends it."""
     clock = FakeClock()
     store = TieredStore(_config(tmp_path, data_dir=None))
@@ -42,7 +42,7 @@ def test_lender_lookups_do_not_reap(tmp_path: Path) -> None:
         with pytest.raises(LeaseExpired):
             lender.lease(lease.id)
         with pytest.raises(LeaseExpired):
-            lender.finish_read(lease.id)
+            lender.check_live(lease.id)
         assert lender.live_ids() == ()
         assert len(lender) == 1 and all(store.locks.is_locked(n) for n in names)
         assert lender.reap() == 1

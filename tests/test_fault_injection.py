@@ -25,6 +25,8 @@ import torch
 import zstandard
 
 from kvbank import Bank, BankConfig, Match, full_attention, hybrid_mamba
+from kvbank.bank.admin import BankAdmin
+from kvbank.bank.fleet import BankFleet
 from kvbank.codec import entropy
 from kvbank.errors import KvbankError
 from kvbank.keys import Scope
@@ -208,8 +210,9 @@ def test_store_opened_over_a_failing_disk_is_a_kvbank_error(
 #
 # One bank with every tier (a device pool on the CPU, a host slab, a disk tier written
 # through) is filled unarmed, then one library is made to fail and every public method of
-# the Bank, of its TieredStore and of each tier is called. The method lists come from
-# introspection: a public method added without an entry here fails the coverage checks.
+# the Bank (bank.admin's and bank.fleet's too), of its TieredStore and of each tier is
+# called. The method lists come from introspection: a public method added without an
+# entry here fails the coverage checks.
 
 MAMBA = hybrid_mamba("inject-state@1", [0], [1], 2, 32, conv_shape=(64, 3), ssm_shape=(4, 16))
 STATE_PAGE = MAMBA.group_page_bytes[1]
@@ -295,16 +298,17 @@ def _filled_bank(tmp_path: Path) -> _Ctx:
 
 
 def _bank_entry_points(c: _Ctx) -> dict[str, Callable[[], object]]:
-    """Every public Bank method with real arguments, destructive ones last."""
+    """Every public method of the Bank, of ``bank.admin`` (keys ``admin.*``) and of
+    ``bank.fleet`` (``fleet.*``) with real arguments, destructive ones last."""
     b, n = c.bank, c.names
     pages = torch.full((4, PAGE), 3, dtype=torch.uint8)
     return {
         "register": lambda: b.register(FA),
         "register_scope": lambda: b.register_scope(c.lid, Scope(tenant="t")),
         "layout": lambda: b.layout(c.lid),
-        "layouts": b.layouts,
+        "admin.layouts": b.admin.layouts,
         "row_names": lambda: b.row_names(c.lid, TOKENS, group=0),
-        "prefixes": lambda: b.prefixes(c.lid),
+        "admin.prefixes": lambda: b.admin.prefixes(c.lid),
         "match": lambda: b.match(c.lid, TOKENS),
         "resume_at": lambda: b.resume_at(c.match, 0),
         "presence": lambda: b.presence(c.lid, TOKENS),
@@ -313,15 +317,15 @@ def _bank_entry_points(c: _Ctx) -> dict[str, Callable[[], object]]:
         "fetch": lambda: b.fetch(c.match, out=b.out_buffers(c.match)),
         "fetch_prefix": lambda: b.fetch_prefix(c.lid, TOKENS),
         "reshard_rows": lambda: b.reshard_rows(c.match),
-        "as_if_held": lambda: b.as_if_held(c.match),
-        "recall_remote": lambda: b.recall_remote(c.match),
-        "layout_ids": b.layout_ids,
-        "held_names": lambda: list(b.held_names()),
-        "put_rows": lambda: b.put_rows(c.lid, [(n[0], bytes(PAGE))]),
+        "fleet.as_if_held": lambda: b.fleet.as_if_held(c.match),
+        "fleet.recall_remote": lambda: b.fleet.recall_remote(c.match),
+        "fleet.layout_ids": b.fleet.layout_ids,
+        "fleet.held_names": lambda: list(b.fleet.held_names()),
+        "fleet.put_rows": lambda: b.fleet.put_rows(c.lid, [(n[0], bytes(PAGE))]),
         "fetches": b.fetches,
         "get_into": lambda: b.get_into(n[0], bytearray(PAGE)),
-        "read_frame": lambda: b.read_frame(n[0]),
-        "rows": lambda: b.rows(c.lid),
+        "admin.read_frame": lambda: b.admin.read_frame(n[0]),
+        "admin.rows": lambda: b.admin.rows(c.lid),
         "leases": b.leases,
         "lend": lambda: b.lend(n[:2]),
         "lend_all": lambda: b.lend_all(),
@@ -340,16 +344,16 @@ def _bank_entry_points(c: _Ctx) -> dict[str, Callable[[], object]]:
         "put_states": lambda: b.put_states(c.mid, [t + 1 for t in OTHER], group=1,
                                            at=[MAMBA.tokens_per_page],
                                            states=torch.ones((1, STATE_PAGE), dtype=torch.uint8)),
-        "touch": lambda: b.touch(n),
-        "pin": lambda: b.pin(n[:1]),
-        "unpin": lambda: b.unpin(n[:1]),
-        "take_events": b.take_events,
+        "admin.touch": lambda: b.admin.touch(n),
+        "admin.pin": lambda: b.admin.pin(n[:1]),
+        "admin.unpin": lambda: b.admin.unpin(n[:1]),
+        "admin.take_events": b.admin.take_events,
         "stats": b.stats,
         "health": b.health,
         "flush": lambda: b.flush(timeout_s=2),  # a hang bound: a failing mover gives up
         "check_invariants": b.check_invariants,
-        "evict": lambda: b.evict(n[:1]),
-        "evict_rows": lambda: b.evict_rows(c.lid),
+        "admin.evict": lambda: b.admin.evict(n[:1]),
+        "admin.evict_rows": lambda: b.admin.evict_rows(c.lid),
         "close": b.close,
     }
 
@@ -400,7 +404,9 @@ def _leaks(calls: dict[str, Callable[[], object]]) -> tuple[list[str], list[str]
 def test_fault_injection_bank_table_covers_every_public_method(tmp_path: Path) -> None:
     c = _filled_bank(tmp_path)
     try:
-        assert set(_bank_entry_points(c)) == _public(Bank) - {"open"}
+        assert set(_bank_entry_points(c)) == (_public(Bank) - {"open"}
+                                              | {f"admin.{n}" for n in _public(BankAdmin)}
+                                              | {f"fleet.{n}" for n in _public(BankFleet)})
         assert set(_store_entry_points(TieredStore.__new__(TieredStore), c.names)) \
             == _public(TieredStore)
     finally:

@@ -8,6 +8,7 @@
 - :mod:`.cross_shard` — matches and fetches across TP sizes (plans from ``kvbank.reshard``).
 - :mod:`.admin`, :mod:`.fleet` — the operator's and the fleet's calls, reached as
   ``bank.admin`` and ``bank.fleet``.
+- :mod:`.closing` — the closed bank's rule, shared by the bank and those two.
 
 ``Bank`` is imported on first use, so importing a part does not open the store.
 """

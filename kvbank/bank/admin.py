@@ -1,21 +1,24 @@
-"""The bank's admin and fleet operations: thin wrappers over the store's admin calls.
+"""The operator's calls on a bank, reached as ``bank.admin``: thin wrappers over the
+store's admin calls, apart from the worker's calls on :class:`~kvbank.bank.bank.Bank`.
 
-:class:`AdminOps` is a mixin of :class:`~kvbank.bank.bank.Bank` (kept apart so the bank's
-module stays about the data path). Primitives:
+:class:`BankAdmin` is built by the bank with what it needs: its store, its catalog and
+whether the bank is closed (every call then raises
+:class:`~kvbank.errors.TierUnavailable`, as the bank's own do). Primitives:
 
-- :meth:`~AdminOps.rows` — one page of rows (name order) by layout, scope and/or a name
+- :meth:`~BankAdmin.rows` — one page of rows (name order) by layout, scope and/or a name
   prefix, after a cursor (the last name of the previous page). By layout alone, the
   namespaces are the (scope, layout) pairs the catalog knows: learnt since the bank
   opened, or restored from the data dir for rows kept across a restart (a row name's
   namespace is a one-way digest: a pair never known lists only by naming the scope, or
   by name prefix). Each namespace is one bisect of the store's ordered names, so a page
   costs O(namespaces · log n + page). Pure: no lock, no recency.
-- :meth:`~AdminOps.evict` (names) and :meth:`~AdminOps.evict_rows` (layout / scope /
+- :meth:`~BankAdmin.evict` (names) and :meth:`~BankAdmin.evict_rows` (layout / scope /
   prefix, page by page) — locked and pinned rows are reported, never evicted.
-- :meth:`~AdminOps.pin` / :meth:`~AdminOps.unpin` — under the ``pin_bytes`` budget
+- :meth:`~BankAdmin.pin` / :meth:`~BankAdmin.unpin` — under the ``pin_bytes`` budget
   (:class:`~kvbank.errors.PinBudgetExceeded`, nothing pinned).
-- :meth:`~AdminOps.touch`, :meth:`~AdminOps.take_events` (the change feed),
-  :meth:`~AdminOps.read_frame` (a row's encoded frame, for the fleet).
+- :meth:`~BankAdmin.touch`, :meth:`~BankAdmin.take_events` (the change feed, which
+  ``bank.fleet``'s node follows), :meth:`~BankAdmin.read_frame` (a row's encoded frame),
+  :meth:`~BankAdmin.layouts`, :meth:`~BankAdmin.prefixes`.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from kvbank.bank.catalog import Catalog
+from kvbank.bank.closing import refused_once_closed
 from kvbank.errors import InvalidInput
 from kvbank.keys import ROW_NAME_BYTES, Scope, namespace
 from kvbank.layout import PageLayout
@@ -33,12 +37,18 @@ MAX_PAGE_ROWS = 10_000  # the store's own scan bound
 DEFAULT_PAGE_ROWS = 100
 
 
-class AdminOps:
-    """Admin operations of a bank (mixed into :class:`~kvbank.bank.bank.Bank`)."""
+@refused_once_closed("bank.admin")
+class BankAdmin:
+    """A bank's admin calls (``bank.admin``). See the module docstring."""
 
-    _store: TieredStore
-    _catalog: Catalog
-    _check_open: Callable[[], None]  # Bank's: TierUnavailable once the bank is closed
+    def __init__(self, store: TieredStore, catalog: Catalog, *, closed: Callable[[], bool]) -> None:
+        self._store = store
+        self._catalog = catalog
+        self._is_closed = closed  # the bank's: every public call checks it first
+
+    @property
+    def _closed(self) -> bool:
+        return self._is_closed()
 
     def prefixes(self, layout_id: bytes | None = None, scope: Scope | None = None,
                  prefix: bytes = b"") -> list[bytes]:
@@ -74,7 +84,6 @@ class AdminOps:
              limit: int = DEFAULT_PAGE_ROWS) -> list[RowInfo]:
         """One page of rows in name order (see the module docstring); the next page
         starts after the last name of this one. Fewer than ``limit`` = the last page."""
-        self._check_open()
         if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= MAX_PAGE_ROWS:
             raise InvalidInput(f"limit: expected an integer in [1, {MAX_PAGE_ROWS}], got {limit!r}")
         if after is not None and (not isinstance(after, bytes) or len(after) != ROW_NAME_BYTES):
@@ -94,7 +103,6 @@ class AdminOps:
 
     def evict(self, names: Sequence[bytes]) -> EvictResult:
         """Drop rows from every tier; locked and pinned rows are reported, not evicted."""
-        self._check_open()
         return self._store.evict(names)
 
     def evict_rows(self, layout_id: bytes | None = None, *, scope: Scope | None = None,
@@ -121,24 +129,19 @@ class AdminOps:
 
     def pin(self, names: Sequence[bytes]) -> tuple[bytes, ...]:
         """Pin the stored rows (all or none, within ``pin_bytes``); the names not stored."""
-        self._check_open()
         return self._store.pin(names)
 
     def unpin(self, names: Sequence[bytes]) -> None:
-        self._check_open()
         self._store.unpin(names)
 
     def touch(self, names: Sequence[bytes]) -> int:
         """Record recency without reading; how many of the rows are stored."""
-        self._check_open()
         return self._store.touch(names)
 
     def take_events(self, max_events: int | None = None) -> list[RowEvent]:
         """Rows published and withdrawn since the last call (see ``TieredStore.take_events``)."""
-        self._check_open()
         return self._store.take_events(max_events)
 
     def read_frame(self, name: bytes) -> bytes | None:
         """A row's encoded codec frame, not decoded; ``None`` on a miss."""
-        self._check_open()
         return self._store.read_frame(name)

@@ -37,9 +37,12 @@ Primitives (value objects in :mod:`kvbank.results`, JSON forms in :mod:`kvbank.w
 - operations: :attr:`~Bank.reservation` (the host budget pre-faulted since open, with
   ``reserve_host``), :meth:`~Bank.leases`, :meth:`~Bank.fetches`, :meth:`~Bank.stats`,
   :meth:`~Bank.health`, :meth:`~Bank.flush`, :meth:`~Bank.check_invariants`,
-  :meth:`~Bank.close`; admin and fleet calls (rows, evict, pin, unpin, touch, the change
-  feed, a row's encoded frame) in :mod:`kvbank.bank.admin`; what the fleet needs (layout
-  ids, every held name, storing a peer's rows by name) in :mod:`kvbank.bank.fleet`.
+  :meth:`~Bank.close`.
+- the operator's calls (rows, evict, pin, unpin, touch, the change feed, a row's encoded
+  frame) on ``bank.admin`` (:class:`~kvbank.bank.admin.BankAdmin`); what the fleet needs
+  (layout ids, every held name, storing a peer's rows by name, recalling rows from the
+  remote tier) on ``bank.fleet`` (:class:`~kvbank.bank.fleet.BankFleet`). They are not
+  the worker's calls, so they are not the bank's own methods.
 
 Namespaces. A row name starts with ``SHA-256(scope, layout id)[:16]``, a one-way digest:
 to describe a row (its page size and buffer regions, for a lease) the bank must have
@@ -66,22 +69,22 @@ the ledger and the store each guard their own state; the bank's tables sit behin
 from __future__ import annotations
 
 import functools
-import inspect
 import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
 from types import TracebackType
-from typing import Self, TypeVar
+from typing import Self
 
 import torch
 
 from kvbank.bank import lookup
-from kvbank.bank.admin import AdminOps
+from kvbank.bank.admin import BankAdmin
 from kvbank.bank.catalog import Catalog
+from kvbank.bank.closing import refused_once_closed
 from kvbank.bank.cross_shard import CrossLocate, ReshardReader, ShardCounts
 from kvbank.bank.fetch import GetMany, fetch_rows, one_by_one
-from kvbank.bank.fleet import FleetOps
+from kvbank.bank.fleet import BankFleet
 from kvbank.bank.leases import LeaseOps
 from kvbank.buffers import OutBuffers, Pages, fetched, out_buffers, out_views, page_views
 from kvbank.config import BankConfig, check_settings
@@ -104,36 +107,8 @@ Clock = Callable[[], float]  # seconds: monotonic (clock), or since the epoch (w
 PUT_BATCH_PAGES = 64  # pages per store batch (and disk transaction) of a put
 
 
-B = TypeVar("B", bound=type)
-R = TypeVar("R")
-OPEN_ANYTIME = frozenset({"close", "open"})  # public methods a closed bank still answers
-
-
-def _refused_once_closed(fn: Callable[..., R]) -> Callable[..., R]:
-    @functools.wraps(fn)
-    def call(self: Bank, *args: object, **kw: object) -> R:
-        if self._closed:
-            raise TierUnavailable(f"bank: closed; {fn.__name__} needs an open bank", field="bank")
-        return fn(self, *args, **kw)
-    return call
-
-
-def _closed_state(cls: B) -> B:
-    """Every public method of ``cls``, its own and inherited (except
-    :data:`OPEN_ANYTIME`), raises :class:`TierUnavailable` once the bank is closed: one
-    rule for all of them, so a method added later cannot forget it. Properties
-    (``clock``, ``reservation``) are values, not calls, and stay readable."""
-    for name in dir(cls):
-        if name.startswith("_") or name in OPEN_ANYTIME:
-            continue
-        attr = inspect.getattr_static(cls, name)
-        if inspect.isfunction(attr):
-            setattr(cls, name, _refused_once_closed(attr))
-    return cls
-
-
-@_closed_state
-class Bank(LeaseOps, AdminOps, FleetOps):
+@refused_once_closed("bank")
+class Bank(LeaseOps):
     """A worker's KV-cache bank over a tiered store. See the module docstring."""
 
     def __init__(self, config: BankConfig | None = None, *, clock: Clock = time.monotonic,
@@ -160,6 +135,10 @@ class Bank(LeaseOps, AdminOps, FleetOps):
             raise
         self._ledger = FetchLedger(self.config.fetch_ttl_s, clock)
         self._closed = False
+        # Not the worker's calls: objects of their own over the same store and catalog,
+        # refused once the bank is closed like the bank's own calls.
+        self.admin = BankAdmin(self._store, self._catalog, closed=lambda: self._closed)
+        self.fleet = BankFleet(self._store, self._catalog, closed=lambda: self._closed)
 
     @classmethod
     def open(cls, config: BankConfig | None = None, **overrides: object) -> Bank:

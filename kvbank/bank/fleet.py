@@ -1,24 +1,25 @@
 """What the fleet needs of a bank: the rows it holds, the layouts it serves, and storing
 rows a peer sent by their names.
 
-:class:`FleetOps` is a mixin of :class:`~kvbank.bank.bank.Bank` (beside
-:class:`~kvbank.bank.admin.AdminOps`, whose change feed, ``take_events``, the fleet
-follows). Primitives:
+:class:`BankFleet` is reached as ``bank.fleet`` and built by the bank with what it needs:
+its store, its catalog and whether the bank is closed (every call then raises
+:class:`~kvbank.errors.TierUnavailable`, as the bank's own do). The change feed the fleet
+follows is ``bank.admin.take_events``. Primitives:
 
-- :meth:`~FleetOps.layout_ids` — every registered layout id (what a node announces).
-- :meth:`~FleetOps.held_names` — every row name the bank holds, page by page in name
+- :meth:`~BankFleet.layout_ids` — every registered layout id (what a node announces).
+- :meth:`~BankFleet.held_names` — every row name the bank holds, page by page in name
   order (a full republish after a (re)join; pure: no lock, no recency).
-- :meth:`~FleetOps.as_if_held` — a match with its missing rows counted as held: what a
+- :meth:`~BankFleet.as_if_held` — a match with its missing rows counted as held: what a
   node asks a peer the index lists to stream (the peer sends what it has and reports the
   rest missing; the fetch's bound covers only what arrived whole), saving the round trip
   of the peer's own match.
-- :meth:`~FleetOps.put_rows` — store rows by name (a peer's rows of one group of one
+- :meth:`~BankFleet.put_rows` — store rows by name (a peer's rows of one group of one
   layout, in chain order, each linked to its chain parent so eviction still takes a
   chain from its tail). Rows already stored, or locked by a lease, are skipped: equal
   names are equal bytes. The fleet's fast path receives rows straight into host slots
   under a WRITE lease (:meth:`~kvbank.bank.bank.Bank.lend`); this is its fallback when no
   host slot can be leased.
-- :meth:`~FleetOps.recall_remote` — the rows of a match missing locally that the remote
+- :meth:`~BankFleet.recall_remote` — the rows of a match missing locally that the remote
   tier (Redis, below the disk) still holds, read back and stored locally in chain order,
   so the next match sees them. A match is a pure query and never asks Redis; the node
   calls this when a served match stops short (before asking peers) and matches again.
@@ -30,6 +31,7 @@ import dataclasses
 from collections.abc import Callable, Iterator, Sequence
 
 from kvbank.bank.catalog import Catalog
+from kvbank.bank.closing import closed_error, refused_once_closed
 from kvbank.errors import InvalidInput
 from kvbank.keys import ROW_NAME_BYTES, group_of, same_chain
 from kvbank.layout import GroupKind
@@ -42,12 +44,18 @@ DEFAULT_NAME_PAGE = 4096  # rows per page of held_names (one store scan each)
 RECALL_BATCH_ROWS = 64  # rows per store batch of a recall from the remote tier
 
 
-class FleetOps:
-    """Fleet operations of a bank (mixed into :class:`~kvbank.bank.bank.Bank`)."""
+@refused_once_closed("bank.fleet")
+class BankFleet:
+    """What the fleet needs of a bank (``bank.fleet``). See the module docstring."""
 
-    _store: TieredStore
-    _catalog: Catalog
-    _check_open: Callable[[], None]  # Bank's: TierUnavailable once the bank is closed
+    def __init__(self, store: TieredStore, catalog: Catalog, *, closed: Callable[[], bool]) -> None:
+        self._store = store
+        self._catalog = catalog
+        self._is_closed = closed  # the bank's: every public call checks it first
+
+    @property
+    def _closed(self) -> bool:
+        return self._is_closed()
 
     def layout_ids(self) -> list[bytes]:
         """Every registered layout id."""
@@ -59,7 +67,8 @@ class FleetOps:
             raise InvalidInput(f"page: expected an integer in [1, 10000], got {page!r}")
         after: bytes | None = None
         while True:
-            self._check_open()
+            if self._closed:  # checked at the call too, but the bank may close between pages
+                raise closed_error("bank.fleet.held_names")
             rows = self._store.scan(b"", after=after, limit=page)
             if not rows:
                 return
@@ -91,7 +100,6 @@ class FleetOps:
     def put_rows(self, layout_id: bytes, rows: Sequence[tuple[bytes, Buffer]]) -> int:
         """Store ``(name, bytes)`` rows of ``layout_id`` (see the module docstring); how
         many were new. Sizes are checked by the store (``PageSizeMismatch``)."""
-        self._check_open()
         layout = self._catalog.layout(layout_id)  # UnknownLayout when never registered
         todo: list[tuple[bytes, Buffer, bytes | None]] = []
         prev: bytes | None = None
@@ -126,7 +134,6 @@ class FleetOps:
         in chain order up to the first row the remote tier lacks too (a later one could
         not extend the bound); state snapshots wherever they are. One remote lookup for
         the whole prompt; 0 at once without a remote tier, or when nothing is missing."""
-        self._check_open()
         if not isinstance(match, Match):
             raise InvalidInput(f"match: expected a Match, got {type(match).__name__}", field="match")
         store = self._store

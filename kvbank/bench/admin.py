@@ -8,7 +8,8 @@ case                    ours                                          baseline (
 ``metrics-overhead``    ``fetch-remote`` GB/s (TCP, 2 MiB rows) on a  the same on a node with
                         node with ``/metrics`` on                     ``/metrics`` off
 ``rows-list-1m``        ms to list one page (100 rows) of one layout  ``sorted()`` of every
-                        from a bank holding 1 M rows (``Bank.rows``)  name, first 100
+                        from a bank holding 1 M rows                  name, first 100
+                        (``bank.admin.rows``)
 ======================  ============================================  =========================
 
 Targets: ``match-1000-auth`` ratio ≤ 1.05, ``metrics-overhead`` ratio ≥ 0.97,
@@ -134,9 +135,9 @@ def _rows_list(n_rows: int, reps: int) -> BenchRow:
         got: list[Any] = []
 
         def ours() -> None:
-            got[:] = bank.rows(lid, limit=LIST_PAGE)
+            got[:] = bank.admin.rows(lid, limit=LIST_PAGE)
 
-        names = [r.name for r in bank.rows(lid, limit=LIST_PAGE)]
+        names = [r.name for r in bank.admin.rows(lid, limit=LIST_PAGE)]
         all_names = list(bank._store._st.ix.ids)  # the naive listing's input, copied once
 
         def base() -> None:

@@ -221,7 +221,7 @@ class Node:
         ``Bank.match``)."""
         bank = self.bank
         m = bank.match(layout_id, **args)
-        if bank.has_remote and any(None in ts for ts in m.tiers) and bank.recall_remote(m):
+        if bank.fleet.has_remote and any(None in ts for ts in m.tiers) and bank.fleet.recall_remote(m):
             m = bank.match(layout_id, **args)
         if self.fleet is not None and self.fleet.complete(m, args):
             m = bank.match(layout_id, **args)

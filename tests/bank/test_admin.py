@@ -1,4 +1,4 @@
-"""The bank's admin wrappers: rows by layout / scope / prefix with a cursor, evict by
+"""The bank's admin calls (``bank.admin``): rows by layout / scope / prefix with a cursor, evict by
 name and by listing (locked and pinned rows reported, left in place), pin under the
 budget, touch, the change feed and a row's encoded frame."""
 
@@ -43,23 +43,23 @@ def test_rows_by_layout_scope_and_prefix_page_by_page(bank: Bank) -> None:
     a = fill(bank, FA.layout_id, A, 5, 1)
     b = fill(bank, FA.layout_id, B, 3, 2)
     o = fill(bank, OTHER.layout_id, A, 2, 3)
-    assert [r.name for r in bank.rows(FA.layout_id, scope=A, limit=100)] == sorted(a)
-    assert {r.name for r in bank.rows(FA.layout_id, limit=100)} == set(a) | set(b)
-    assert {r.name for r in bank.rows(scope=A, limit=100)} == set(a) | set(o)
-    assert len(bank.rows(limit=100)) == 10
+    assert [r.name for r in bank.admin.rows(FA.layout_id, scope=A, limit=100)] == sorted(a)
+    assert {r.name for r in bank.admin.rows(FA.layout_id, limit=100)} == set(a) | set(b)
+    assert {r.name for r in bank.admin.rows(scope=A, limit=100)} == set(a) | set(o)
+    assert len(bank.admin.rows(limit=100)) == 10
     # pages of 2 after the cursor: every row once, in name order
     seen, after = [], None
     while True:
-        page = bank.rows(FA.layout_id, limit=2, after=after)
+        page = bank.admin.rows(FA.layout_id, limit=2, after=after)
         seen += [r.name for r in page]
         if len(page) < 2:
             break
         after = page[-1].name
     assert seen == sorted(a + b)
     ns = namespace(FA.layout_id, B)
-    assert [r.name for r in bank.rows(prefix=ns[:3], limit=100)] == sorted(
+    assert [r.name for r in bank.admin.rows(prefix=ns[:3], limit=100)] == sorted(
         n for n in a + b + o if n.startswith(ns[:3]))
-    info = bank.rows(FA.layout_id, scope=B, limit=1)[0]
+    info = bank.admin.rows(FA.layout_id, scope=B, limit=1)[0]
     assert info.size == PAGE and info.pinned is False and info.holders == frozenset() and info.tiers
 
 
@@ -67,49 +67,49 @@ def test_rows_refuses_bad_input_naming_the_field(bank: Bank) -> None:
     for kwargs, field in (({"limit": 0}, "limit"), ({"limit": 10_001}, "limit"),
                           ({"after": b"short"}, "after"), ({"prefix": b"x" * 60}, "prefix")):
         with pytest.raises(InvalidInput) as e:
-            bank.rows(**kwargs)  # type: ignore[arg-type]
+            bank.admin.rows(**kwargs)  # type: ignore[arg-type]
         assert str(e.value).startswith(field), e.value
     with pytest.raises(UnknownLayout):
-        bank.rows(b"\0" * 32)
+        bank.admin.rows(b"\0" * 32)
 
 
 def test_evict_by_name_and_by_listing_reports_locked_and_pinned(bank: Bank) -> None:
     a = fill(bank, FA.layout_id, A, 4, 1)
     b = fill(bank, FA.layout_id, B, 2, 2)
     lease = bank.lend([a[0]], mode=LeaseMode.READ)
-    assert bank.pin([a[1]]) == ()  # every row named is stored: none left unpinned
-    done = bank.evict_rows(FA.layout_id, scope=A)
+    assert bank.admin.pin([a[1]]) == ()  # every row named is stored: none left unpinned
+    done = bank.admin.evict_rows(FA.layout_id, scope=A)
     assert set(done.evicted) == set(a[2:]) and done.locked == (a[0],) and done.pinned == (a[1],)
     assert bank.locate(a) == [bank.locate([a[0]])[0], bank.locate([a[1]])[0], None, None]
     assert all(t is not None for t in bank.locate(b))  # another scope untouched
     bank.release(lease.id)
-    bank.unpin([a[1]])
-    one = bank.evict([a[0], a[3]])
+    bank.admin.unpin([a[1]])
+    one = bank.admin.evict([a[0], a[3]])
     assert one.evicted == (a[0],) and one.missing == (a[3],)
     with pytest.raises(InvalidInput):
-        bank.evict_rows()  # everything needs naming a layout, scope or prefix
+        bank.admin.evict_rows()  # everything needs naming a layout, scope or prefix
 
 
 def test_pin_budget_is_refused_not_ignored(bank: Bank) -> None:
     a = fill(bank, FA.layout_id, A, 6, 1)
-    assert bank.pin(a[:4]) == ()
+    assert bank.admin.pin(a[:4]) == ()
     with pytest.raises(PinBudgetExceeded):
-        bank.pin(a[4:])
-    assert [r.pinned for r in bank.rows(FA.layout_id, scope=A, limit=10)].count(True) == 4
-    bank.unpin(a[:4])
-    assert bank.pin([a[5], b"\1" * 54]) == (b"\1" * 54,)
+        bank.admin.pin(a[4:])
+    assert [r.pinned for r in bank.admin.rows(FA.layout_id, scope=A, limit=10)].count(True) == 4
+    bank.admin.unpin(a[:4])
+    assert bank.admin.pin([a[5], b"\1" * 54]) == (b"\1" * 54,)
 
 
 def test_touch_events_and_frames(bank: Bank) -> None:
-    assert bank.take_events() == []  # the feed records from the first call on
+    assert bank.admin.take_events() == []  # the feed records from the first call on
     a = fill(bank, FA.layout_id, A, 2, 1)
-    assert bank.touch([a[0], b"\2" * 54]) == 1
-    events = bank.take_events()
+    assert bank.admin.touch([a[0], b"\2" * 54]) == 1
+    events = bank.admin.take_events()
     assert [(e.kind, e.name) for e in events] == [(EventKind.PUBLISHED, n) for n in a]
-    frame = bank.read_frame(a[1])
+    frame = bank.admin.read_frame(a[1])
     assert frame is not None
     assert decode(frame) == pages(2, 1)[1].numpy().tobytes()
-    assert bank.read_frame(b"\3" * 54) is None
-    assert bank.evict([a[0]]).evicted == (a[0],)
-    assert [(e.kind, e.name) for e in bank.take_events()] == [(EventKind.WITHDRAWN, a[0])]
+    assert bank.admin.read_frame(b"\3" * 54) is None
+    assert bank.admin.evict([a[0]]).evicted == (a[0],)
+    assert [(e.kind, e.name) for e in bank.admin.take_events()] == [(EventKind.WITHDRAWN, a[0])]
     bank.flush(timeout_s=5.0)

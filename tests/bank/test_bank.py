@@ -81,7 +81,7 @@ def test_partial_fetch_resumes_from_first_undelivered_row(bank: Bank) -> None:
     assert not first.complete and first.resume.tokens == 48
     assert first.delivered == ((0, 1, 2),) and first.missing == ((3, 4, 5),)
 
-    assert bank.evict([names[4]]).evicted == (names[4],)  # a row vanishes before the resumed call reaches it
+    assert bank.admin.evict([names[4]]).evicted == (names[4],)  # a row vanishes before the resumed call reaches it
     second = bank.fetch(m, out={0: buf}, fetch_id=first.fetch_id)
     assert second.fetch_id == first.fetch_id and second.nbytes == 2 * PAGE
     assert second.missing == ((4,),) and second.resume.tokens == 64  # a miss, never "loaded"
@@ -120,7 +120,7 @@ def test_state_snapshots_are_restored_with_the_attention_kv(bank: Bank) -> None:
     assert bank.read(lease.id, m.names[1][5]) == snap96.numpy().tobytes()
     bank.release(lease.id)
 
-    assert bank.evict([m.names[1][5]]).evicted == (m.names[1][5],)  # the snapshot at 96 is gone: resume where one exists
+    assert bank.admin.evict([m.names[1][5]]).evicted == (m.names[1][5],)  # the snapshot at 96 is gone: resume where one exists
     m2 = bank.match(lid, tokens)
     assert m2.resume.tokens == 48 and m2.resume.pages == ((0, 1, 2), (2,))
     assert m2.resume.reason is Obstacle.NO_SNAPSHOT
@@ -318,29 +318,34 @@ def test_open_applies_overrides_and_close_is_final() -> None:
         Bank({"host_bytes": 1})  # type: ignore[arg-type]
 
 
-def _public_methods() -> list[str]:
-    return sorted(n for n in dir(Bank) if not n.startswith("_")
-                  and inspect.isfunction(inspect.getattr_static(Bank, n)))
+def _public_methods(cls: type) -> list[str]:
+    return sorted(n for n in dir(cls) if not n.startswith("_")
+                  and inspect.isfunction(inspect.getattr_static(cls, n)))
 
 
 def test_bank_every_public_method_after_close_is_tier_unavailable() -> None:
     """Regression: ``stats``, ``layout``, ``row_names``, ``lend``… answered (or leaked
-    another error) after ``close``. Every public method, found by introspection so a new
-    one is covered, raises TierUnavailable naming the bank; only ``close`` (idempotent)
-    and the ``open`` constructor are exempt."""
+    another error) after ``close``. Every public method of the bank, of ``bank.admin``
+    and of ``bank.fleet``, found by introspection so a new one is covered, raises
+    TierUnavailable naming the bank; only ``close`` (idempotent) and the ``open``
+    constructor are exempt."""
     bank = Bank.open(host_bytes="1M", device_bytes=0)
     lid = bank.register(FA)
     bank.close()
-    methods = _public_methods()
-    assert {"stats", "register", "put", "fetch", "lend", "rows", "evict", "health"} <= set(methods)
-    for name in methods:
-        if name in ("close", "open"):
-            continue
+    calls = {f"bank.{n}": getattr(bank, n) for n in _public_methods(Bank) if n not in ("close", "open")}
+    for part in ("admin", "fleet"):
+        obj = getattr(bank, part)
+        calls |= {f"bank.{part}.{n}": getattr(obj, n) for n in _public_methods(type(obj))}
+    assert {"bank.stats", "bank.register", "bank.put", "bank.fetch", "bank.lend", "bank.health",
+            "bank.admin.rows", "bank.admin.evict", "bank.fleet.put_rows"} <= set(calls)
+    for name, call in calls.items():
         with pytest.raises(TierUnavailable, match="closed") as err:
-            getattr(bank, name)(lid)  # the state is checked before any argument
+            call(lid)  # the state is checked before any argument
         assert err.value.field == "bank", name
+        assert name in str(err.value), (name, err.value)
     bank.close()
     assert bank.clock() > 0 and bank.reservation is None  # values stay readable
+    assert bank.fleet.has_remote is False
 
 
 def test_bank_tensor_parallel_shards_never_share_rows(bank: Bank) -> None:
@@ -556,7 +561,7 @@ def test_bank_every_boundary_and_resume_at(bank: Bank) -> None:
     tokens = list(range(96))
     pages = rand(6, PAGE, 7)
     names = bank.put(lid, tokens, group=0, pages=pages)
-    assert bank.evict([names[2]]).evicted == (names[2],)
+    assert bank.admin.evict([names[2]]).evicted == (names[2],)
     m = bank.match(lid, [*tokens, 1])
     assert m.boundaries == (16, 32) and m.resume.tokens == 32
     low = bank.resume_at(m, 16)

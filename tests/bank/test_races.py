@@ -80,7 +80,7 @@ def test_bank_same_prompt_races_keep_bytes_exact_and_tables_clean(tmp_path: Path
             bank.release(lease.id)
 
     def evict(rng: random.Random) -> None:
-        bank.evict([rng.choice(names)])
+        bank.admin.evict([rng.choice(names)])
 
     def get(rng: random.Random) -> None:
         k = rng.randrange(6)

@@ -110,7 +110,7 @@ def test_read_lease_locks_rows_and_missing_rows_are_listed_not_raised(bank: Bank
     loc = lease.rows[0].location
     assert isinstance(loc, HostLocation) and loc.size == PAGE
     assert [(g.layer, g.role) for g in lease.rows[0].regions] == [(0, "KEY"), (0, "VALUE")]
-    assert bank.evict([names[0]]).locked == (names[0],)  # a leased row is never evicted
+    assert bank.admin.evict([names[0]]).locked == (names[0],)  # a leased row is never evicted
     # Re-storing a leased row is a no-op (equal names, equal bytes), never an overwrite.
     bank.put(lid, toks(1), group=0, pages=pages(1, 9))
     assert bank.read(lease.id, names[0]) == pages(2)[0].numpy().tobytes()

@@ -233,11 +233,11 @@ def test_remote_rows_are_recalled_for_a_match_and_fetch_bit_exact(
         bank.flush()
         before = bank.match(lid, [*ta, 1])
         assert before.resume.tokens < 20 * 16
-        assert bank.recall_remote(before) > 0
+        assert bank.fleet.recall_remote(before) > 0
         after = bank.match(lid, [*ta, 1])
         assert after.resume.tokens == 20 * 16
         out = torch.zeros((20, page), dtype=torch.uint8)
         got = bank.fetch(after, out={0: out})
         assert got.complete and torch.equal(out, a)
-        assert bank.recall_remote(after) == 0  # nothing missing: no lookup, nothing stored
+        assert bank.fleet.recall_remote(after) == 0  # nothing missing: no lookup, nothing stored
         bank.check_invariants()  # raises naming the first broken invariant

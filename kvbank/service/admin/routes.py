@@ -197,7 +197,7 @@ def _router(admin: Admin) -> APIRouter:
 
     @r.get("/layouts")
     async def layouts() -> M.LayoutsModel:
-        return M.LayoutsModel(layouts=[wire.to_dict(x) for x in await node.call(bank.layouts)])
+        return M.LayoutsModel(layouts=[wire.to_dict(x) for x in await node.call(bank.admin.layouts)])
 
     @r.get("/leases", responses={200: {"description": "Successful Response", "links": {
         "force_release": {"operationId": "force_release_admin_leases__lease_id__delete",
@@ -233,7 +233,7 @@ def _router(admin: Admin) -> APIRouter:
         raw_prefix = _hex(prefix, "prefix")
         query = hashlib.sha256(repr((layout_id, parts, prefix)).encode()).hexdigest()
         after = None if cursor is None else state.cursors.open(query, cursor)
-        got = await node.call(bank.rows, lid, scope=scope, prefix=raw_prefix, after=after, limit=limit)
+        got = await node.call(bank.admin.rows, lid, scope=scope, prefix=raw_prefix, after=after, limit=limit)
         nxt = state.cursors.issue(query, got[-1].name) if len(got) == limit else None
         return M.RowsModel(rows=[M.RowModel(name=x.name.hex(), size=x.size,
                                             tiers=sorted(t.name for t in x.tiers), age_s=max(0.0, x.age_s),
@@ -246,14 +246,14 @@ def _router(admin: Admin) -> APIRouter:
         if body.names is not None:
             if any(x is not None for x in listing):
                 raise InvalidInput("names: give names, or a layout / scope / prefix, not both", field="names")
-            done = await node.call(bank.evict, _names(body.names))
+            done = await node.call(bank.admin.evict, _names(body.names))
         else:
             if all(x is None for x in listing):
                 raise InvalidInput("names: name rows, or a layout_id, scope or prefix", field="names")
             lid = None if body.layout_id is None else _hex(body.layout_id, "layout_id", 32)
             scope = None if body.scope is None else KeyScope(body.scope.tenant, body.scope.cache_salt,
                                                              body.scope.lora)
-            done = await node.call(bank.evict_rows, lid, scope=scope, prefix=_hex(body.prefix or "", "prefix"))
+            done = await node.call(bank.admin.evict_rows, lid, scope=scope, prefix=_hex(body.prefix or "", "prefix"))
         return M.EvictModel(evicted=[n.hex() for n in done.evicted], locked=[n.hex() for n in done.locked],
                             missing=[n.hex() for n in done.missing], pinned=[n.hex() for n in done.pinned])
 
@@ -282,7 +282,7 @@ def _router(admin: Admin) -> APIRouter:
     @r.post("/pin", responses={409: {"model": M.ErrorModel, "description": "over the pin budget"}})
     async def pin(body: M.NamesRequest) -> M.PinModel:
         names = _names(body.names)
-        missing = await node.call(bank.pin, names)
+        missing = await node.call(bank.admin.pin, names)
         s = await node.call(bank.stats)
         return M.PinModel(pinned=len(set(names)) - len(set(missing)), missing=[n.hex() for n in missing],
                           pinned_bytes=s.store.pinned_bytes, pin_budget_bytes=bank.config.pin_budget)
@@ -290,7 +290,7 @@ def _router(admin: Admin) -> APIRouter:
     @r.post("/unpin")
     async def unpin(body: M.NamesRequest) -> M.UnpinModel:
         names = _names(body.names)
-        await node.call(bank.unpin, names)
+        await node.call(bank.admin.unpin, names)
         return M.UnpinModel(unpinned=len(set(names)))
 
     @r.post("/check")

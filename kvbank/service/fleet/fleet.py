@@ -94,7 +94,7 @@ class Fleet:
     # -- lifecycle ---------------------------------------------------------------------
 
     def start(self) -> None:
-        self.bank.take_events(0)  # subscribe: the feed records from now on
+        self.bank.admin.take_events(0)  # subscribe: the feed records from now on
         self._thread.start()
 
     def close(self) -> None:
@@ -131,13 +131,13 @@ class Fleet:
     # -- the loop ----------------------------------------------------------------------
 
     def _layouts(self) -> list[str]:
-        return sorted(lid.hex() for lid in self.bank.layout_ids())
+        return sorted(lid.hex() for lid in self.bank.fleet.layout_ids())
 
     def step(self) -> None:
         """One beat: register if needed, follow the feed, refresh a slice of the TTLs."""
         with self._lock:
             try:
-                events = self.bank.take_events(None)
+                events = self.bank.admin.take_events(None)
                 full = self.node_id is None or any(e.kind is EventKind.OVERFLOW for e in events)
                 if self.node_id is not None and not self.index.heartbeat(
                         self.node_id, self.name, len(self._held), self._layouts()):
@@ -197,7 +197,7 @@ class Fleet:
         """Publish every held row (a scan of the bank) and withdraw what is gone."""
         assert self.node_id is not None
         held: set[bytes] = set()
-        for names in self.bank.held_names():
+        for names in self.bank.fleet.held_names():
             self.index.publish(names, self.node_id)
             held.update(names)
         stale = self._held - held
@@ -284,7 +284,7 @@ class Fleet:
             if token is None:
                 return 0  # no tenant to ask the peer as: a local miss
         client = self._peer_client(address, token)
-        pm = self.bank.as_if_held(match)
+        pm = self.bank.fleet.as_if_held(match)
         lease: Lease | None = None
         try:
             client.layout(match.layout_id)  # known to the peer (kept by the client)
@@ -356,7 +356,7 @@ class Fleet:
         for g, rows in enumerate(pm.resume.rows):
             got = [(n, out[g][j]) for j, n in enumerate(rows) if n in arrived]
             if got:
-                stored += self.bank.put_rows(pm.layout_id, got)
+                stored += self.bank.fleet.put_rows(pm.layout_id, got)
         return stored
 
     def _withdraw_peer(self, peer: int, names: Sequence[bytes]) -> None:

@@ -1,6 +1,6 @@
 """A node's publishing follows the bank's change feed (a real Bank and a real redis-server,
 no thread: the test drives the beats): a full republish only on (re)join, TTLs refreshed
-from the node's own list; and the Bank's fleet operations (FleetOps)."""
+from the node's own list; and the bank's fleet calls (``bank.fleet``)."""
 
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ def test_fleet_follows_the_feed_and_republishes_only_on_join(
     fl = Fleet(bank, c, name="feed-a", address="http://127.0.0.1:1", heartbeat_s=1.0,
                entry_ttl_s=8.0, namespace=b"feed1:")
     try:
-        bank.take_events(0)  # what start() does, without the thread
+        bank.admin.take_events(0)  # what start() does, without the thread
         fl.step()  # the join: one full republish of what is there
         assert fl.republishes == 1 and fl.health()["published"] == 4
         names = bank.row_names(lid, list(range(8 * P)), group=0)
@@ -50,7 +50,7 @@ def test_fleet_follows_the_feed_and_republishes_only_on_join(
         fl.step()
         assert fl.republishes == 1  # followed from the feed, no rescan
         assert fl.index.holders(names) == [(fl.node_id,)] * 8
-        bank.evict(names[6:])
+        bank.admin.evict(names[6:])
         fl.step()
         assert fl.republishes == 1
         assert fl.index.holders(names) == [(fl.node_id,)] * 6 + [()] * 2
@@ -69,22 +69,22 @@ def test_fleet_follows_the_feed_and_republishes_only_on_join(
         fl.close()
 
 
-def test_fleet_ops_held_names_put_rows_and_as_if_held(bank: Bank) -> None:
+def test_bank_fleet_held_names_put_rows_and_as_if_held(bank: Bank) -> None:
     lid = bank.register(LAYOUT)
     toks = list(range(6 * P))
     names = bank.row_names(lid, toks, group=0)
     data = _pages(6, 2)
-    assert bank.put_rows(lid, [(n, data[i].numpy().data) for i, n in enumerate(names[:3])]) == 3
-    assert bank.put_rows(lid, [(names[0], data[0].numpy().data)]) == 0  # stored: skipped
-    got = [n for page in bank.held_names(page=2) for n in page]
+    assert bank.fleet.put_rows(lid, [(n, data[i].numpy().data) for i, n in enumerate(names[:3])]) == 3
+    assert bank.fleet.put_rows(lid, [(names[0], data[0].numpy().data)]) == 0  # stored: skipped
+    got = [n for page in bank.fleet.held_names(page=2) for n in page]
     assert sorted(got) == sorted(names[:3])
     out = bytearray(PAGE)
     assert bank.get_into(names[2], out) == PAGE and bytes(out) == data[2].numpy().tobytes()
     m = bank.match(lid, [*toks, 1])
     assert m.resume.tokens == 3 * P
-    assume = bank.as_if_held(m)
+    assume = bank.fleet.as_if_held(m)
     assert assume.resume.tokens == 6 * P and list(assume.needed) == names
     with pytest.raises(InvalidInput):
-        bank.put_rows(lid, [(b"short", data[0].numpy().data)])
+        bank.fleet.put_rows(lid, [(b"short", data[0].numpy().data)])
     with pytest.raises(InvalidInput):
-        list(bank.held_names(page=0))
+        list(bank.fleet.held_names(page=0))

@@ -526,6 +526,20 @@ class PageLayout:
             f"region: no transferred buffer (layer {layer}, {role.name}) in group {group}"
         )
 
+    def padding(self, group: int) -> tuple[tuple[int, int], ...]:
+        """``(start, end)`` byte ranges of the group's canonical page that no region covers:
+        the alignment gaps, zero in every page a kernel builds."""
+        page = self.group_bytes(group)
+        gaps = []
+        cursor = 0
+        for region in self.regions[group]:
+            if region.offset > cursor:
+                gaps.append((cursor, region.offset))
+            cursor = region.offset + region.nbytes
+        if cursor < page:
+            gaps.append((cursor, page))
+        return tuple(gaps)
+
 
 # ---- shard arithmetic --------------------------------------------------------------------
 

@@ -343,6 +343,21 @@ def test_layout_regions_cover_exactly_transferred_buffers(lay: L.PageLayout) -> 
         assert lay.group_page_bytes[g] % L.ALIGN == 0
 
 
+@settings(max_examples=150, deadline=None)
+@given(layouts())
+def test_layout_padding_and_regions_tile_each_group_page(lay: L.PageLayout) -> None:
+    """Regions and padding cover every byte of a group's page once, in order, and no gap
+    is empty (kernels zero the padding, so a missed byte would leak stale memory)."""
+    for g in range(len(lay.groups)):
+        spans = sorted([(r.offset, r.offset + r.nbytes) for r in lay.regions[g]]
+                       + list(lay.padding(g)))
+        assert all(start < end for start, end in lay.padding(g))
+        assert [s for s, _ in spans] == [0, *[e for _, e in spans[:-1]]][: len(spans)]
+        assert (spans[-1][1] if spans else 0) == lay.group_page_bytes[g]
+    with pytest.raises(LayoutError, match="group"):
+        lay.padding(len(lay.groups))
+
+
 @settings(max_examples=200, deadline=None)
 @given(
     st.dictionaries(

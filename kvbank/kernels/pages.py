@@ -227,19 +227,6 @@ def _check_ids(ids: torch.Tensor, blocks: int, what: str, unique: bool) -> None:
         raise InvalidInput(f"{what}: duplicate block ids; two pages cannot land in one block")
 
 
-def _padding(layout: PageLayout, group: int) -> list[tuple[int, int]]:
-    """``(start, end)`` byte ranges of a canonical page no region covers."""
-    gaps = []
-    cursor = 0
-    for region in layout.regions[group]:
-        if region.offset > cursor:
-            gaps.append((cursor, region.offset))
-        cursor = region.offset + region.nbytes
-    if cursor < layout.group_page_bytes[group]:
-        gaps.append((cursor, layout.group_page_bytes[group]))
-    return gaps
-
-
 def _spans(resolved: list[tuple[BufferRegion, torch.Tensor]]) -> list[Span]:
     """The regions as page spans, neighbours fused where the pool holds them side by side
     too (same storage, the next region's rows start where the previous ones end, same
@@ -325,7 +312,7 @@ def _gather_checked(
 ) -> None:
     count = ids.numel()
     device = ids.device
-    gaps = _padding(layout, group)
+    gaps = layout.padding(group)
     if not staging:
         _gather_rows(resolved, ids, out, gaps)
         return
@@ -414,7 +401,7 @@ def _gather_rows(
     resolved: list[tuple[BufferRegion, torch.Tensor]],
     ids: torch.Tensor,
     out: torch.Tensor,
-    gaps: list[tuple[int, int]],
+    gaps: tuple[tuple[int, int], ...],
 ) -> None:
     views = [_word_views(rows, out[:, off : off + nbytes]) for off, nbytes, rows in _spans(resolved)]
     if ids.device.type != "cpu" or out.device.type != "cpu":

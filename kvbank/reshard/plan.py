@@ -293,18 +293,6 @@ def _merge(copies: list[Copy]) -> tuple[Copy, ...]:
     return tuple(out)
 
 
-def _padding(layout: PageLayout, group: int) -> tuple[tuple[int, int], ...]:
-    gaps = []
-    cursor = 0
-    for region in layout.regions[group]:
-        if region.offset > cursor:
-            gaps.append((cursor, region.offset))
-        cursor = region.offset + region.nbytes
-    if cursor < layout.group_page_bytes[group]:
-        gaps.append((cursor, layout.group_page_bytes[group]))
-    return tuple(gaps)
-
-
 def plan_reshard(src: PageLayout, dst: PageLayout, shard_index: int | None = None) -> ReshardPlan:
     """How rank ``dst.shard_index`` (or ``shard_index``, when given) of ``dst.shard_count``
     builds each group's page from pages stored under ``src.shard_count``
@@ -353,7 +341,7 @@ def _plan(src: PageLayout, dst: PageLayout) -> ReshardPlan:
             group=g,
             sources=tuple(sorted({c.source for c in copies})),
             copies=copies,
-            padding=_padding(dst, g),
+            padding=dst.padding(g),
             src_page_bytes=src.group_page_bytes[g],
             dst_page_bytes=dst.group_page_bytes[g],
         ))

@@ -4,6 +4,9 @@
   enums, and :class:`LendingStore` (what the lender needs of the tiered store).
 - :mod:`kvbank.lender.lender` — :class:`Lender`: lend → read/fill → commit/release;
   renew; expiry checked at completion; a reaper thread.
+  Beside it: :mod:`kvbank.lender.conflicts` (the readers/writer tables),
+  :mod:`kvbank.lender.reads` and :mod:`kvbank.lender.writes` (what a READ or WRITE
+  lease does in the store: stage and copy out; reserve, fill and publish).
 - :mod:`kvbank.lender.resume` — :func:`resume_bound`, a pure function.
 - :mod:`kvbank.lender.ledger` — :class:`FetchLedger`: delivered rows of a fetch.
 

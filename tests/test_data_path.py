@@ -146,7 +146,7 @@ def test_write_through_batch_commits_chunk_by_chunk(tmp_path: Path,
     b = Bank.open(host_bytes="64M", device_bytes=0, data_dir=tmp_path, copy_threads=2,
                   write_policy=WritePolicy.WRITE_THROUGH)
     lid = b.register(LAYOUT)
-    before = b._store._st.disk._env.info()["last_txnid"]  # type: ignore[union-attr]
+    before = b._store._st.disk()._env.info()["last_txnid"]  # type: ignore[attr-defined]
     b.put(lid, tokens(12), group=0, pages=pages)
     b._lender.close()
     b._store.close(persist=False)  # memory rows dropped, as a crash would drop them

@@ -94,6 +94,8 @@ DISK_CALLS: dict[str, Callable[[DiskTier], object]] = {
     "delete": lambda t: t.delete(name_of(0)),
     "delete_many": lambda t: t.delete_many([name_of(0)]),
     "contains": lambda t: t.contains([name_of(0)]),
+    "contains_many": lambda t: t.contains_many([name_of(0)]),
+    "health": lambda t: t.health(),
     "names": lambda t: t.names(),
     "scan": lambda t: list(t.scan()),
     "drop_corrupt": lambda t: t.drop_corrupt(name_of(0)),

@@ -8,8 +8,10 @@ Subclass :class:`FrameStoreTests`, name it ``Test…`` and implement :meth:`make
         def reopen(self, fs): fs.close(); return DiskTier(self.dir, self.budget, sync=False)
 
 Checked: a frame written is read back as stored and decodes to the page; a miss is
-``None``; ``expect`` guards sizes; delete, scan by prefix (with metadata), budget
-(``TierFull``, exact ``used_bytes``), restart, ``check``, close.
+``None``; ``expect`` guards sizes; a batch write (``write_frames``: every row, write
+clocks upward from ``seq``, ``replace``); a lookup of many rows (``contains_many``);
+``health``; delete, scan by prefix (with metadata), budget (``TierFull``, exact
+``used_bytes``), restart, ``check``, close.
 """
 
 from __future__ import annotations
@@ -20,8 +22,8 @@ from collections.abc import Iterator
 import pytest
 
 from kvbank.codec import decode_into
-from kvbank.errors import TierFull, TierUnavailable
-from kvbank.tiers.base import FrameStore
+from kvbank.errors import PageSizeMismatch, TierFull, TierUnavailable
+from kvbank.tiers.base import FrameHealth, FrameStore, FrameWrite
 
 from .tiers import name_of, page_of
 
@@ -86,6 +88,45 @@ class FrameStoreTests(abc.ABC):
         assert {r.name for r in fs.scan(b"\x01")} == {other}
         assert fs.names() and set(fs.names()) == set(rows)
 
+    def test_frames_write_frames_writes_every_row_with_its_clock(self, fs: FrameStore) -> None:
+        pages = [page_of(i, self.page_size) for i in range(3)]
+        rows = [FrameWrite(name_of(i), fs.frame(p, "uint8"), self.page_size, "uint8",
+                           name_of(i - 1) if i else None) for i, p in enumerate(pages)]
+        fs.write_frames(rows, seq=100)
+        for i, r in enumerate(rows):
+            assert fs.read_frame(name_of(i)) == r.frame
+        assert [(r.name, r.seq, r.parent) for r in fs.scan()] == [
+            (name_of(0), 100, None), (name_of(1), 101, name_of(0)), (name_of(2), 102, name_of(1))]
+        assert fs.used_bytes == sum(len(r.frame) for r in rows)
+        fs.write_frames([])
+        fs.check()
+
+    def test_frames_write_frames_replace_allows_another_size(self, fs: FrameStore) -> None:
+        self._write(fs, 1)
+        small = fs.frame(b"abc", "uint8")
+        with pytest.raises(PageSizeMismatch):
+            fs.write_frames([FrameWrite(name_of(1), small, 3, "uint8")])
+        fs.write_frames([FrameWrite(name_of(1), small, 3, "uint8")], replace=True)
+        assert fs.read_frame(name_of(1)) == small and fs.used_bytes == len(small)
+        fs.check()
+
+    def test_frames_contains_many_is_a_lookup(self, fs: FrameStore) -> None:
+        self._write(fs, 1)
+        self._write(fs, 2)
+        used = fs.used_bytes
+        assert fs.contains_many([name_of(1), name_of(9), name_of(2)]) == [True, False, True]
+        assert fs.contains_many([]) == []
+        fs.delete_many([name_of(1)])
+        assert fs.contains_many([name_of(1), name_of(2)]) == [False, True]
+        assert fs.used_bytes < used
+
+    def test_frames_health_says_bytes_and_faults(self, fs: FrameStore) -> None:
+        frame = self._write(fs, 1)
+        health = fs.health()
+        assert isinstance(health, FrameHealth)
+        assert (health.used_bytes, health.budget_bytes) == (len(frame), fs.budget_bytes)
+        assert (health.corrupt_rows, health.failed_writes, health.last_error) == (0, 0, None)
+
     def test_frames_budget_is_typed(self, fs: FrameStore) -> None:
         with pytest.raises(TierFull):
             for i in range(self.budget // self.page_size + 2):
@@ -108,3 +149,5 @@ class FrameStoreTests(abc.ABC):
         f.close()
         with pytest.raises(TierUnavailable):
             f.read_frame(name_of(1))
+        with pytest.raises(TierUnavailable):
+            f.contains_many([name_of(1)])

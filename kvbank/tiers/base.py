@@ -4,10 +4,14 @@ Primitives:
 
 - :class:`SlotPool` — a memory pool of fixed-size slots named by offset (the host slab and
   the device pool are one). The tiered store keeps an ordered list of them, fastest first.
-- :class:`FrameStore` — rows as codec frames by name: write a frame, read a frame as
-  stored, read and decode into a buffer, delete, scan by prefix, check (the disk tier is
-  one; a remote tier is the next). The store keeps an ordered list of them below its
-  memory pools.
+- :class:`FrameStore` — rows as codec frames by name: write a frame (or a batch of them,
+  :class:`FrameWrite`), read a frame as stored, read and decode into a buffer, look many
+  up, delete, scan by prefix, check, health (the disk tier is one; the remote tiers,
+  chosen by URL scheme in :mod:`kvbank.tiers.remote`, are the next). The store keeps an
+  ordered list of them below its memory pools. :class:`FrameStoreBase` gives a new one
+  the batch members (``write_frames``, ``contains_many``) and ``health`` as loops over
+  its single-row calls; a store overrides them when it can do better (one transaction,
+  one round trip).
 
 - :class:`TierKind` — ``DEVICE`` (a torch tensor pool), ``HOST`` (a POSIX shared-memory
   slab), ``DISK`` (one LMDB environment). Declared fastest first; the tiered store places a
@@ -43,7 +47,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from kvbank.errors import InvalidInput, InvalidRowName
+from kvbank.errors import CorruptPage, InvalidInput, InvalidRowName
 from kvbank.keys import ROW_NAME_BYTES, sized_bytes
 
 Buffer = bytes | bytearray | memoryview  # page bytes accepted by put
@@ -181,12 +185,36 @@ class FrameRow:
     parent: bytes | None
 
 
+@dataclass(frozen=True, slots=True)
+class FrameWrite:
+    """One frame of a batch write (:meth:`FrameStore.write_frames`)."""
+
+    name: bytes
+    frame: bytes
+    raw_len: int
+    dtype: str
+    parent: bytes | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class FrameHealth:
+    """What a frame store's health says: its bytes, and the faults it counted."""
+
+    used_bytes: int
+    budget_bytes: int
+    corrupt_rows: int  # rows whose frame or metadata failed a check (deleted)
+    failed_writes: int  # writes that raised (counted, never dropped silently)
+    last_error: str | None  # the last of them
+
+
 class FrameStore(Protocol):
     """Rows as self-checking codec frames, keyed by row name (disk, remote).
 
     A miss is ``None``; a frame that fails its checks is ``CorruptPage`` from the reads
     (the caller drops it with :meth:`drop_corrupt`); a full budget is ``TierFull``; an
     unreachable or closed store is ``TierUnavailable``. Thread-safe.
+    ``write_frames`` writes a batch (one transaction where the store has them: all or
+    none); ``contains_many`` is a lookup (no read counted, no TTL refreshed).
     """
 
     @property
@@ -201,19 +229,77 @@ class FrameStore(Protocol):
     def write_frame(self, name: bytes, frame: bytes, *, raw_len: int, dtype: str,
                     parent: bytes | None = None, seq: int | None = None,
                     replace: bool = False) -> None: ...
+    def write_frames(self, rows: Sequence[FrameWrite], *, seq: int | None = None,
+                     replace: bool = False) -> None: ...
     def read_frame(self, name: bytes) -> bytes | None: ...
     def read_into(self, name: bytes, out: memoryview | bytearray, *,
                   expect: int | None = None) -> int | None: ...
+    def contains_many(self, names: Sequence[bytes]) -> list[bool]: ...
     def delete_many(self, names: Sequence[bytes]) -> list[bool]: ...
     def drop_corrupt(self, name: bytes) -> None: ...
     def scan(self, prefix: bytes = b"") -> Iterator[FrameRow]: ...
     def names(self) -> list[bytes]: ...
     def check(self) -> None: ...
+    def health(self) -> FrameHealth: ...
     def close(self) -> None: ...
 
 
+class FrameStoreBase(abc.ABC):
+    """The :class:`FrameStore` members a store may leave to loops over its single-row
+    calls: a new frame store subclasses this and writes the single-row ones."""
+
+    corrupt_rows: int  # rows that failed a check and were deleted
+
+    @property
+    @abc.abstractmethod
+    def used_bytes(self) -> int:
+        """Frame bytes of the stored rows."""
+
+    @property
+    @abc.abstractmethod
+    def budget_bytes(self) -> int:
+        """The store's byte budget."""
+
+    @abc.abstractmethod
+    def write_frame(self, name: bytes, frame: bytes, *, raw_len: int, dtype: str,
+                    parent: bytes | None = None, seq: int | None = None,
+                    replace: bool = False) -> None:
+        """Store one frame and its metadata (whole or not at all)."""
+
+    @abc.abstractmethod
+    def read_frame(self, name: bytes) -> bytes | None:
+        """The frame as stored, checked; ``None`` if absent."""
+
+    def write_frames(self, rows: Sequence[FrameWrite], *, seq: int | None = None,
+                     replace: bool = False) -> None:
+        """``write_frame`` for each row, write clocks upward from ``seq``. Not one
+        transaction: a store that has them overrides this (the disk's group commit)."""
+        for i, r in enumerate(rows):
+            self.write_frame(r.name, r.frame, raw_len=r.raw_len, dtype=r.dtype,
+                             parent=r.parent, seq=None if seq is None else seq + i,
+                             replace=replace)
+
+    def contains_many(self, names: Sequence[bytes]) -> list[bool]:
+        """Whether each row is here, by reading its frame (a damaged one is not); a
+        store with a cheaper lookup overrides this."""
+        found: list[bool] = []
+        for name in names:
+            try:
+                found.append(self.read_frame(name) is not None)
+            except CorruptPage:
+                found.append(False)
+        return found
+
+    def health(self) -> FrameHealth:
+        """Bytes and corrupt rows; a store that counts failed writes overrides this."""
+        return FrameHealth(self.used_bytes, self.budget_bytes, self.corrupt_rows, 0, None)
+
+
 class Tier(abc.ABC):
-    """One storage tier: rows keyed by raw 54-byte names, values are page bytes."""
+    """One storage tier as a caller sees it: rows keyed by raw 54-byte names, values are
+    page bytes. ``DiskTier`` and :class:`kvbank.testing.tiers.StoreTier` implement it for
+    the conformance suite; the tiered store itself works through :class:`SlotPool` and
+    :class:`FrameStore`."""
 
     kind: TierKind
 

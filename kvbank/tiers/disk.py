@@ -14,8 +14,8 @@ Primitives:
   ``read_into``; :meth:`DiskTier.get_into` (the Tier method) and the store then delete the
   row, count it in :attr:`DiskTier.corrupt_rows` and report a miss. Wrong bytes are never
   returned.
-- Each ``meta`` record carries an xxh3-64 of the row name and the record, and is checked
-  like a frame: on every read (and the frame header's raw length must equal the record's),
+- Each ``meta`` record (packed and checked in :mod:`kvbank.tiers.diskmeta`) carries an
+  xxh3-64 of the row name and the record, and is checked like a frame: on every read (and the frame header's raw length must equal the record's),
   and at open, where every record is also bounded (sizes, dtype) and compared with its
   frame's length and header. A row that fails is deleted and counted in ``corrupt_rows``;
   the open never fails for it, and a read answers a miss.
@@ -43,15 +43,12 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import struct
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import lmdb
-import xxhash
 
-from kvbank.codec import DTYPE_CODES, HEADER_SIZE, MAX_PAGE_BYTES, decode_into, encode, frame_info
+from kvbank.codec import DEFAULT_LEVEL, decode_into, encode
 from kvbank.errors import (
     CorruptPage,
     InvalidInput,
@@ -62,7 +59,8 @@ from kvbank.errors import (
 from kvbank.keys import ROW_NAME_BYTES
 from kvbank.tiers.base import (
     Buffer,
-    FrameRow,
+    FrameStoreBase,
+    FrameWrite,
     Tier,
     TierKind,
     as_bytes_view,
@@ -71,23 +69,29 @@ from kvbank.tiers.base import (
 )
 from kvbank.tiers.diskfile import DirLock, SalvageReport, check_file
 from kvbank.tiers.diskfile import salvage as run_salvage
+from kvbank.tiers.diskmeta import (
+    DiskRow,
+    check_dtype,
+    check_row,
+    check_salvaged,
+    delete_exact,
+    pack_meta,
+    unpack_meta,
+)
 from kvbank.tiers.lockorder import Rank, make_lock
+
+__all__ = ["DEFAULT_LEVEL", "LMDB_ERRORS", "DiskRow", "DiskTier", "FrameWrite", "check_dtype"]
 
 logger = logging.getLogger(__name__)
 
-_META = struct.Struct("<QQQB")  # raw_len, frame_len, seq, len(dtype); then dtype, parent
-_SUM = struct.Struct("<Q")  # last: xxh3-64 of (row name + everything before it)
-_MAX_RAW = MAX_PAGE_BYTES  # the one page limit (the codec's, and the store's uint32 sizes)
-_MAX_SEQ = 2**62  # write clocks are counters; a larger one is damage
 MAP_FACTOR = 4  # map size = budget x 4 (+ 1 GiB): freed overflow pages fragment
 MAP_SLACK = 1 << 30
-DEFAULT_LEVEL = 1  # zstd-1 on byte planes: ratio ~1.44 at ~0.7 GB/s (machine-limits 3)
-
-
-DiskRow = FrameRow  # one committed row as its meta record says
+FULL_FREE_BYTES = 1 << 20  # less free than this after a short write: the disk is full
 
 # The one table of what LMDB (and the file system under it) raises here: every call into
-FULL_FREE_BYTES = 1 << 20  # less free than this after a short write: the disk is full
+# lmdb catches exactly these and maps them through DiskTier._mapped (TierFull for a full
+# map or file system, TierUnavailable otherwise), so only KvbankError leaves this module.
+LMDB_ERRORS: tuple[type[Exception], ...] = (lmdb.Error, OSError)
 
 
 def _free_bytes(path: Path) -> int:
@@ -99,123 +103,10 @@ def _free_bytes(path: Path) -> int:
     return st.f_bavail * st.f_frsize
 
 
-# lmdb catches exactly these and maps them through DiskTier._mapped (TierFull for a full
-# map or file system, TierUnavailable otherwise), so only KvbankError leaves this module.
-LMDB_ERRORS: tuple[type[Exception], ...] = (lmdb.Error, OSError)
-
-
-@dataclass(frozen=True, slots=True)
-class FrameWrite:
-    """One frame of a group commit (:meth:`DiskTier.write_frames`)."""
-
-    name: bytes
-    frame: bytes
-    raw_len: int
-    dtype: str
-    parent: bytes | None = None
-
-
-def _pack_meta(name: bytes, raw_len: int, frame_len: int, seq: int, dtype: str,
-               parent: bytes | None) -> bytes:
-    d = dtype.encode()
-    body = _META.pack(raw_len, frame_len, seq, len(d)) + d + (parent or b"")
-    return body + _SUM.pack(xxhash.xxh3_64_intdigest(name + body))
-
-
-def _unpack_meta(name: bytes, value: bytes | memoryview) -> DiskRow:
-    """Parse and check one meta record; ``CorruptPage`` naming the fault if it is damaged
-    (checksum, lengths, or a field outside what the tier can have written)."""
-    raw = bytes(value)
-    what = f"meta of {name.hex()[:16]}…"
-    if len(raw) < _META.size + _SUM.size:
-        raise CorruptPage(f"{what}: {len(raw)} bytes, need {_META.size + _SUM.size}")
-    body = raw[: -_SUM.size]
-    (want,) = _SUM.unpack_from(raw, len(body))
-    got = xxhash.xxh3_64_intdigest(name + body)
-    if got != want:
-        raise CorruptPage(f"{what}: checksum: xxh3-64 is {got:#018x}, record says {want:#018x}")
-    raw_len, frame_len, seq, dlen = _META.unpack_from(body)
-    rest = body[_META.size :]
-    if len(rest) not in (dlen, dlen + ROW_NAME_BYTES):
-        raise CorruptPage(f"{what}: {len(rest)} trailing bytes for a {dlen}-byte dtype")
-    dtype = rest[:dlen].decode("ascii", "replace")
-    if dtype not in DTYPE_CODES:
-        raise CorruptPage(f"{what}: dtype {dtype!r} is not a codec dtype")
-    if not 1 <= raw_len <= _MAX_RAW:
-        raise CorruptPage(f"{what}: raw length {raw_len} outside [1, {_MAX_RAW}]")
-    if not HEADER_SIZE <= frame_len <= HEADER_SIZE + raw_len:
-        raise CorruptPage(f"{what}: frame length {frame_len} outside "
-                          f"[{HEADER_SIZE}, {HEADER_SIZE + raw_len}] for {raw_len} raw bytes")
-    if seq > _MAX_SEQ:
-        raise CorruptPage(f"{what}: write clock {seq} exceeds {_MAX_SEQ}")
-    parent = rest[dlen:] or None
-    return DiskRow(name, raw_len, frame_len, seq, dtype, parent)
-
-
-def _check_row(row: DiskRow, frame: memoryview | bytes | None) -> None:
-    """The frame agrees with its meta record: present, the recorded length, a valid
-    header naming the same raw length and dtype. Reads only the header bytes."""
-    what = f"row {row.name.hex()[:16]}…"
-    if frame is None:
-        raise CorruptPage(f"{what}: meta has no frame")
-    if len(frame) != row.frame_len:
-        raise CorruptPage(f"{what}: frame is {len(frame)} bytes, meta says {row.frame_len}")
-    header = frame_info(frame)
-    if header.raw_len != row.raw_len or header.dtype != row.dtype:
-        raise CorruptPage(f"{what}: frame header holds {header.raw_len} bytes of "
-                          f"{header.dtype}, meta says {row.raw_len} of {row.dtype}")
-
-
-def _check_salvaged(name: bytes, frame: bytes | None, meta: bytes | None) -> bytes:
-    """The meta record to keep for a row worth salvaging: a row name and a frame that
-    decodes (its checksum included); its own record if that passes and agrees, else one
-    rebuilt from the frame's header (no parent, the oldest write clock). ``CorruptPage``
-    when the frame cannot be trusted."""
-    if len(name) != ROW_NAME_BYTES:
-        raise CorruptPage(f"key of {len(name)} bytes is no row name")
-    if frame is None:
-        raise CorruptPage(f"row {name.hex()[:16]}…: meta has no frame")
-    header = frame_info(frame)
-    try:
-        decode_into(frame, bytearray(header.raw_len))
-    except CorruptPage:
-        raise
-    except ValueError as exc:  # a payload at odds with its header (numpy's split says so)
-        raise CorruptPage(f"row {name.hex()[:16]}…: {exc}") from exc
-    if meta is not None:
-        try:
-            _check_row(_unpack_meta(name, meta), frame)
-            return meta
-        except CorruptPage:
-            pass
-    return _pack_meta(name, header.raw_len, len(frame), 0, header.dtype, None)
-
-
-def _delete_exact(txn: lmdb.Transaction, db: lmdb._Database, key: bytes) -> int:
-    """Delete ``key`` from ``db``; the bytes its value held (0 if absent). By lookup
-    first; when that misses, by a walk (a damaged key is out of order)."""
-    value = txn.get(key, db=db)
-    if value is not None:
-        n = len(value)
-        txn.delete(key, db=db)
-        return n
-    cur = txn.cursor(db=db)
-    for k, v in cur:
-        if bytes(k) == key:
-            n = len(v)
-            cur.delete()
-            return n
-    return 0
-
-
-def check_dtype(dtype: str) -> None:
-    """Refuse a dtype the codec cannot name (before anything is stored)."""
-    if not isinstance(dtype, str) or dtype not in DTYPE_CODES:
-        raise InvalidInput(f"dtype: unknown dtype {dtype!r}; known: {sorted(DTYPE_CODES)}")
-
-
-class DiskTier(Tier):
-    """Rows as codec frames in LMDB; durable commits; exact byte budget."""
+class DiskTier(Tier, FrameStoreBase):
+    """Rows as codec frames in LMDB; durable commits; exact byte budget. A
+    :class:`~kvbank.tiers.base.FrameStore` (for the store) and a :class:`~kvbank.tiers.base.Tier`
+    (for the conformance suite)."""
 
     kind = TierKind.DISK
 
@@ -253,7 +144,7 @@ class DiskTier(Tier):
                     raise
                 if hasattr(self, "_env"):
                     self._env.close()
-                self.salvaged = run_salvage(self.path, str(exc), _check_salvaged, map_size=size)
+                self.salvaged = run_salvage(self.path, str(exc), check_salvaged, map_size=size)
                 self._open_env(size, sync)
                 rows, bad, self._used = self._scan_checked()
         except BaseException:
@@ -358,12 +249,12 @@ class DiskTier(Tier):
             try:
                 with self._env.begin(write=True, buffers=True) as txn:
                     for i, r in enumerate(rows):
-                        meta = _pack_meta(r.name, r.raw_len, len(r.frame), first + i, r.dtype,
+                        meta = pack_meta(r.name, r.raw_len, len(r.frame), first + i, r.dtype,
                                           r.parent)
                         old = txn.get(r.name, db=self._meta)
                         if old is not None:
                             try:
-                                prev = _unpack_meta(r.name, old)
+                                prev = unpack_meta(r.name, old)
                             except CorruptPage as exc:
                                 bad_old.append(exc)  # replaced below, counted once committed
                             else:
@@ -404,8 +295,8 @@ class DiskTier(Tier):
                     return None
                 if rec is None:
                     raise CorruptPage(f"row {name.hex()[:16]}…: frame has no meta record")
-                row = _unpack_meta(name, rec)
-                _check_row(row, buf)  # the header's raw length is the record's
+                row = unpack_meta(name, rec)
+                check_row(row, buf)  # the header's raw length is the record's
                 assert buf is not None  # _check_row raised otherwise
                 if expect is not None and row.raw_len != expect:
                     return None
@@ -427,7 +318,7 @@ class DiskTier(Tier):
                     return None
                 if rec is None:
                     raise CorruptPage(f"row {name.hex()[:16]}…: frame has no meta record")
-                _check_row(_unpack_meta(name, rec), buf)
+                check_row(unpack_meta(name, rec), buf)
                 assert buf is not None  # _check_row raised otherwise
                 return bytes(buf)
         except LMDB_ERRORS as exc:
@@ -459,8 +350,8 @@ class DiskTier(Tier):
                     try:
                         if len(name) != ROW_NAME_BYTES:
                             raise CorruptPage(f"meta key of {len(name)} bytes is no row name")
-                        row = _unpack_meta(name, rec)
-                        _check_row(row, frame)
+                        row = unpack_meta(name, rec)
+                        check_row(row, frame)
                     except CorruptPage as exc:
                         bad.append(name)
                         first = first or str(exc)
@@ -492,7 +383,7 @@ class DiskTier(Tier):
                 with self._env.begin(write=True, buffers=True) as txn:
                     for name in names:
                         for db in (self._frames, self._meta):
-                            n = _delete_exact(txn, db, name)
+                            n = delete_exact(txn, db, name)
                             freed += n if db is self._frames else 0
             except LMDB_ERRORS as exc:
                 raise self._mapped("deleting damaged rows", exc) from exc
@@ -531,7 +422,7 @@ class DiskTier(Tier):
             with self._lock, self._env.begin(buffers=True) as txn:
                 frames = {bytes(k): len(v) for k, v in txn.cursor(db=self._frames)}
                 try:
-                    metas = {bytes(k): _unpack_meta(bytes(k), v)
+                    metas = {bytes(k): unpack_meta(bytes(k), v)
                              for k, v in txn.cursor(db=self._meta)}
                 except CorruptPage as exc:
                     raise AssertionError(f"disk tier: {exc}") from exc
@@ -610,6 +501,10 @@ class DiskTier(Tier):
                 return [txn.get(check_name(n)) is not None for n in names]
         except LMDB_ERRORS as exc:
             raise TierUnavailable(f"disk tier: lookup: {exc}") from exc
+
+    def contains_many(self, names: Sequence[bytes]) -> list[bool]:
+        """:meth:`contains` (one read transaction): the FrameStore's name for it."""
+        return self.contains(names)
 
     def close(self) -> None:
         with self._lock:

@@ -19,7 +19,7 @@ def test_dirty_sweep_writes_its_rows_in_group_commits(make_store: MakeStore) -> 
     ``kvbank bench reliability`` lost puts 6 s old with ``dirty_expire_s`` = 2. Counted
     in LMDB write transactions, not in time: 150 rows take at most a few groups."""
     store = make_store(host_bytes=1 << 20, disk_bytes=1 << 22, dirty_expire_s=0.2)
-    env = store._st.disk._env  # type: ignore[union-attr]  # the disk tier's LMDB environment
+    env = store._st.disk()._env  # type: ignore[attr-defined]  # the disk tier's LMDB environment
     names = [name_of(i) for i in range(150)]
     first = env.info()["last_txnid"]
     for i, n in enumerate(names):

@@ -16,7 +16,7 @@ from kvbank.errors import CorruptPage, TierFull, TierUnavailable
 from kvbank.testing.frames import FrameStoreTests
 from kvbank.testing.servers import RedisServer
 from kvbank.testing.tiers import name_of, page_of
-from kvbank.tiers.base import FrameStore, TierKind
+from kvbank.tiers.base import FrameStore, FrameWrite, TierKind
 from kvbank.tiers.remote import BUCKETS, RedisFrameStore, bucket_tag, connect
 
 from .conftest import MakeStore
@@ -105,7 +105,7 @@ def test_remote_budget_follows_redis_maxmemory(client: redis.Redis) -> None:
             for i in range(8):
                 _write(fs, i, size=4096)
         assert fs.failed_writes == 1 and fs.last_error is not None
-        assert fs.health()["failed_writes"] == 1
+        assert fs.health().failed_writes == 1 and fs.health().last_error == fs.last_error
     finally:
         client.config_set("maxmemory", 0)
 
@@ -187,6 +187,7 @@ def test_remote_every_entry_point_of_an_unreachable_tier_raises_only_kvbank_erro
         "read_into": lambda: fs.read_into(name_of(0), bytearray(4096)),
         "scan": lambda: list(fs.scan()),
         "write_frame": lambda: fs.write_frame(name_of(1), frame, raw_len=4096, dtype="uint8"),
+        "write_frames": lambda: fs.write_frames([FrameWrite(name_of(1), frame, 4096, "uint8")]),
         "close": fs.close,
     }
     public = {n for n in dir(RedisFrameStore) if not n.startswith("_")

@@ -18,12 +18,11 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from kvbank.codec import encode
+from kvbank.codec import DEFAULT_LEVEL, encode
 from kvbank.errors import CorruptPage, InvalidInput
 from kvbank.keys import ROW_NAME_BYTES
 from kvbank.results import EvictResult, RowInfo
 from kvbank.tiers.base import check_name
-from kvbank.tiers.disk import DEFAULT_LEVEL
 from kvbank.tiers.index import DEV, DISK, HOST, KIND_OF_BIT
 from kvbank.tiers.store.reads import drop_corrupt
 from kvbank.tiers.store.state import StoreState
@@ -128,17 +127,16 @@ def read_frame(st: StoreState, name: bytes) -> bytes | None:
             off = res.mem_off(rid, bit)
             res.hold(bit, off)
     if where & DISK:
-        assert st.disk is not None
         try:
-            frame = st.disk.read_frame(name)
+            frame = st.disk().read_frame(name)
         except CorruptPage:
             drop_corrupt(st, name, rid)
             return None
         return frame
     try:
         pool = st.pools[bit]
-        if st.disk is not None:
-            return st.copier.encode(st.disk, pool, off, size, dtype)
+        if st.has_disk:
+            return st.copier.encode(st.disk(), pool, off, size, dtype)
         buf = memoryview(bytearray(size))
         st.copier.read(pool, off, size, buf)
         return encode(buf, dtype, level=DEFAULT_LEVEL)

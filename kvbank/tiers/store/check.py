@@ -22,7 +22,7 @@ def check(st: StoreState) -> list[str]:
     for name in st.pins.names():
         if name not in st.ix.ids:
             out.append(f"row {name.hex()[:16]}…: pinned but not in the store")
-    if st.disk is not None and not st.jobs and not st.busy:
+    if st.has_disk and not st.jobs and not st.busy:
         out += _disk(st)
     return out
 
@@ -67,7 +67,7 @@ def _rows(st: StoreState) -> list[str]:
                 out.append(f"{tag}: its slot {off} is waiting to be freed")
             seen[(bit, off)] = name
             charged[bit] += pool.capacity(off)
-        if where & DISK and st.disk is None:
+        if where & DISK and not st.has_disk:
             out.append(f"{tag}: on disk, but there is no disk tier")
         if int(ix.flags[rid]) & MOVING and rid not in moving_jobs and not st.busy:
             out.append(f"{tag}: marked moving with no job")
@@ -103,8 +103,7 @@ def _rows(st: StoreState) -> list[str]:
 
 
 def _disk(st: StoreState) -> list[str]:
-    disk, ix = st.disk, st.ix
-    assert disk is not None
+    disk, ix = st.disk(), st.ix
     out: list[str] = []
     try:
         disk.check()

@@ -25,6 +25,7 @@ import numpy as np
 
 from kvbank.codec import frame_info
 from kvbank.errors import TierError
+from kvbank.tiers.base import FrameWrite
 from kvbank.tiers.index import DEV, DISK, HOST
 from kvbank.tiers.store import admin
 from kvbank.tiers.store.state import StoreState
@@ -83,10 +84,7 @@ def write_clean_many(st: StoreState, names: list[bytes]) -> int:
     """Write memory-only rows to disk in one transaction (one durable commit: a commit
     per row could not keep up with puts, and the dirty age grew without bound) and keep
     their memory copies; how many were written."""
-    from kvbank.tiers.disk import FrameWrite  # lmdb loads only with a disk tier
-
-    disk = st.disk
-    assert disk is not None
+    disk = st.disk()
     encoded: list[tuple[bytes, bytes, int]] = []
     for name in names:
         frame = admin.read_frame(st, name)  # holds the slot while it encodes
@@ -114,13 +112,7 @@ def write_clean_many(st: StoreState, names: list[bytes]) -> int:
                                         ix.parent_name(rid)), rid))
         if not todo:
             return 0
-        group = getattr(disk, "write_frames", None)  # the disk tier's group commit
-        if group is not None:
-            group([w for w, _ in todo], replace=True)
-        else:  # a frame store without one: a transaction per frame
-            for w, _ in todo:
-                disk.write_frame(w.name, w.frame, raw_len=w.raw_len, dtype=w.dtype,
-                                 parent=w.parent, replace=True)
+        disk.write_frames([w for w, _ in todo], replace=True)  # the disk's group commit
         written = 0
         stale: list[bytes] = []
         with st.lock:

@@ -150,7 +150,7 @@ class MemoryOps(Generic[SlotT], abc.ABC):
         check_names([name for name, _, _, _ in rows])
         check_names([parent for _, _, _, parent in rows if parent is not None])
         st, bit = self._st, self.bit
-        if st.config.write_policy is WritePolicy.WRITE_THROUGH and st.disk is not None:
+        if st.config.write_policy is WritePolicy.WRITE_THROUGH and st.has_disk:
             for name, slot, dtype, parent in rows:
                 self.commit(name, slot, dtype=dtype, parent=parent)
                 published.append(name)
@@ -270,7 +270,7 @@ class DeviceOps(MemoryOps[DeviceSlot]):
     def _source(self, off: int, size: int) -> memoryview:
         # Only write-through needs the bytes on the host (to encode a frame).
         st = self._st
-        if st.config.write_policy is WritePolicy.WRITE_THROUGH and st.disk is not None:
+        if st.config.write_policy is WritePolicy.WRITE_THROUGH and st.has_disk:
             return memoryview(self._pool().tensor(off, size).cpu().numpy().data)
         return memoryview(b"")
 

@@ -32,6 +32,7 @@ import numpy as np
 from kvbank.codec import frame_info
 from kvbank.config import WritePolicy
 from kvbank.errors import Busy, CorruptPage, TierError
+from kvbank.tiers.base import FrameWrite
 from kvbank.tiers.index import DEV, DISK, HOST, MOVING
 from kvbank.tiers.store.placement import reclaim
 from kvbank.tiers.store.state import StoreState
@@ -49,7 +50,7 @@ Window = collections.deque[tuple[Job, "Future[bytes]"]]  # demotions being encod
 
 def _dirty_sweep(st: StoreState) -> DirtySweep | None:
     expire = st.config.dirty_expire_s
-    if st.disk is None or not expire or st.config.write_policy is not WritePolicy.WRITE_BACK:
+    if not st.has_disk or not expire or st.config.write_policy is not WritePolicy.WRITE_BACK:
         return None
     from kvbank.tiers.store.dirty import DirtySweep  # imports admin, which needs no mover
 
@@ -67,7 +68,7 @@ class Mover:
         self.disk_lock = st.disk_lock
         self.workers = workers
         self.encoder: ThreadPoolExecutor | None = None
-        if st.disk is not None:
+        if st.has_disk:
             self.encoder = ThreadPoolExecutor(workers, thread_name_prefix="kvbank-codec")
         self._seen = -1  # st.changes at the last pressure test that found nothing to do
         self.dirty = _dirty_sweep(st)
@@ -84,9 +85,10 @@ class Mover:
         for bit, pool in st.pools.items():
             if pool.used_bytes - st.queued[bit] > high * pool.budget and st.victims(bit, 1):
                 return True
-        disk = st.disk
-        return bool(disk is not None and not st.purge_pending
-                    and disk.used_bytes > high * disk.budget_bytes and st.victims(DISK, 1))
+        if not st.has_disk or st.purge_pending:
+            return False
+        disk = st.disk()
+        return disk.used_bytes > high * disk.budget_bytes and bool(st.victims(DISK, 1))
 
     def _has_work(self) -> bool:
         st = self.st
@@ -103,7 +105,7 @@ class Mover:
         for bit, pool in st.pools.items():
             if pool.used_bytes - st.queued[bit] > high * pool.budget:
                 reclaim(st, bit, int(pool.used_bytes - low * pool.budget))
-        disk = st.disk
+        disk = st.disk() if st.has_disk else None
         if disk is not None and not st.purge_pending and disk.used_bytes > high * disk.budget_bytes:
             names = self.evict_disk(disk.used_bytes - int(low * disk.budget_bytes))
             if names:
@@ -115,8 +117,7 @@ class Mover:
         ``frame_bytes`` is scaled to raw bytes by the current compression ratio. With
         ``older_than``, stop at the first victim used at or after that stamp."""
         st = self.st
-        disk = st.disk
-        assert disk is not None  # only called with a disk tier
+        disk = st.disk()
         ix = st.ix
         n = ix.high
         raw_on_disk = int(ix.size[:n][(ix.where[:n] & DISK) != 0].sum(dtype=np.int64))
@@ -140,8 +141,7 @@ class Mover:
         """Evict from disk now so that a ``frame_len`` write fits the budget (the caller
         holds the disk lock). Goes down to the low watermark to amortise the scan."""
         st = self.st
-        disk = st.disk
-        assert disk is not None
+        disk = st.disk()
         over = disk.used_bytes + frame_len - disk.budget_bytes
         if over <= 0:
             return
@@ -153,12 +153,14 @@ class Mover:
             disk.delete_many(names)
 
     def spill(self, names: list[bytes]) -> None:
-        """Copy the frames of rows leaving the disk to the remote tier, as stored (no
-        re-encode), before the disk deletes them. A failed write is the remote tier's to
-        count and show in health; the disk eviction goes on (the caller holds disk_lock)."""
-        remote, disk = self.st.remote, self.st.disk
-        if remote is None or disk is None:
+        """Copy the frames of rows leaving the disk to the next frame store down (the
+        remote tier), as stored (no re-encode), before the disk deletes them. A failed
+        write is that store's to count and show in health; the disk eviction goes on (the
+        caller holds disk_lock)."""
+        st = self.st
+        if not st.below:
             return
+        disk, remote = st.disk(), st.below[0]
         for name in names:
             try:
                 frame = disk.read_frame(name)
@@ -240,14 +242,14 @@ class Mover:
         """Start encoding the demotions at the head of the queue (caller holds the lock).
         A copy or purge at the head waits until the demotions before it are written."""
         st = self.st
-        encoder, disk = self.encoder, st.disk
+        encoder = self.encoder  # made only with a disk tier
         depth = WINDOW_PER_WORKER * self.workers
-        while encoder is not None and disk is not None and st.jobs \
+        while encoder is not None and st.jobs \
                 and st.jobs[0].kind is JobKind.DEMOTE and len(window) < depth:
             job = st.jobs.popleft()
             dtype = st.ix.dtypes[int(st.ix.dtype[job.rid])]
             pool = st.pools[job.bit]
-            window.append((job, encoder.submit(st.copier.encode, disk, pool, job.off,
+            window.append((job, encoder.submit(st.copier.encode, st.disk(), pool, job.off,
                                                job.size, dtype)))
 
     def _cancel_jobs(self, window: Window) -> None:
@@ -317,11 +319,8 @@ class Mover:
     def _finish_demotes(self, batch: list[tuple[Job, Future[bytes]]]) -> None:
         """Write encoded demotions whose rows are still the ones queued, in one
         transaction (group commit), then drop their memory copies."""
-        from kvbank.tiers.disk import FrameWrite  # lmdb loads only with a disk tier
-
         st = self.st
-        disk = st.disk
-        assert disk is not None
+        disk = st.disk()
         frames: list[tuple[Job, bytes]] = []
         failure: BaseException | None = None
         for job, encoded in batch:
@@ -347,13 +346,7 @@ class Mover:
             if writes:
                 try:
                     self.make_disk_room(sum(len(w.frame) for w in writes))
-                    group = getattr(disk, "write_frames", None)
-                    if group is not None:
-                        group(writes, replace=True)
-                    else:
-                        for w in writes:
-                            disk.write_frame(w.name, w.frame, raw_len=w.raw_len, dtype=w.dtype,
-                                             parent=w.parent, replace=True)
+                    disk.write_frames(writes, replace=True)  # one transaction on LMDB
                 except BaseException:
                     with st.lock:
                         for job in todo:
@@ -376,9 +369,9 @@ class Mover:
 
     def purge(self, job: Job) -> None:
         st = self.st
-        disk = st.disk
-        if disk is None:
+        if not st.has_disk:
             return
+        disk = st.disk()
         with self.disk_lock:
             with st.lock:
                 ids, where = st.ix.ids, st.ix.where

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvbank.errors import TierFull
+from kvbank.tiers.base import FrameWrite
 from kvbank.tiers.index import DEV, DISK, HOST
 from kvbank.tiers.store.mover import WINDOW_PER_WORKER, Mover
 from kvbank.tiers.store.state import StoreState
@@ -40,10 +41,9 @@ WRITE_BACK_GROUP_MIN = 8
 
 
 def recover(st: StoreState) -> None:
-    disk = st.disk
-    if disk is None:
+    if not st.has_disk:
         return
-    ix = st.ix
+    disk, ix = st.disk(), st.ix
     pending: list[tuple[int, bytes]] = []
     for row in sorted(disk.scan(), key=lambda r: r.seq):  # oldest write first
         rid = ix.add(row.name, row.raw_len, ix.dtype_code(row.dtype), -1)
@@ -73,8 +73,8 @@ class _Dirty:
 
 
 def write_back(st: StoreState, mover: Mover, deadline: float, deadline_s: float) -> None:
-    disk, encoder = st.disk, mover.encoder
-    assert disk is not None and encoder is not None
+    disk, encoder = st.disk(), mover.encoder
+    assert encoder is not None  # made with the disk tier
     ix = st.ix
     with st.lock:
         n = ix.high
@@ -141,21 +141,17 @@ def _write_group(st: StoreState, mover: Mover, rows: list[_Dirty],
                  group: list[tuple[int, bytes]], seq0: int) -> tuple[int, str]:
     """Write ``(row index, frame)`` pairs, hottest first; how many were written, and why
     the rest were not ("" when all were). Row ``i`` gets write clock ``seq0 + len(rows) -
-    i``. One transaction when the disk tier has group commit and the whole group fits the
-    budget; else one per row, each making its own room."""
-    disk = st.disk
-    assert disk is not None
-    from kvbank.tiers.disk import FrameWrite  # lmdb loads only with a disk tier
-
-    ix = st.ix
+    i``. One :meth:`~kvbank.tiers.base.FrameStore.write_frames` (a transaction on LMDB)
+    when the whole group fits the budget; else one write per row, each making its own
+    room."""
+    disk, ix = st.disk(), st.ix
     top = seq0 + len(rows)
-    group_write = getattr(disk, "write_frames", None)  # the disk tier's group commit
     with st.disk_lock:
-        if len(group) > 1 and group_write is not None and _room(
+        if len(group) > 1 and _room(
                 st, mover, sum(len(f) for _, f in group), min(rows[i].stamp for i, _ in group)):
             # write_frames numbers its rows upward from ``seq``: coldest first.
             coldest_first = group[::-1]
-            group_write([FrameWrite(rows[i].name, f, rows[i].size, rows[i].dtype, rows[i].parent)
+            disk.write_frames([FrameWrite(rows[i].name, f, rows[i].size, rows[i].dtype, rows[i].parent)
                          for i, f in coldest_first], seq=top - coldest_first[0][0], replace=True)
             with st.lock:
                 for i, _ in group:
@@ -177,8 +173,7 @@ def _write_group(st: StoreState, mover: Mover, rows: list[_Dirty],
 def _room(st: StoreState, mover: Mover, frame_len: int, stamp: int) -> bool:
     """Make room for a ``frame_len`` frame of a row used at ``stamp`` by evicting disk
     rows used before it (caller holds the disk lock); False if that is not enough."""
-    disk = st.disk
-    assert disk is not None
+    disk = st.disk()
     over = disk.used_bytes + frame_len - disk.budget_bytes
     if over <= 0:
         return True

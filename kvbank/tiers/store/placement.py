@@ -59,7 +59,7 @@ def take_out(st: StoreState, bit: int, rid: int) -> bool:
         res.drop_copy(rid, bit)
         st.counters[bit].demotions += 1
         return True
-    if st.disk is None or st.disk_degraded():
+    if not st.has_disk or st.disk_degraded():
         # Nothing below, or a disk that refuses writes (full): the row leaves the store,
         # as it would from a store without a disk tier; the rows on disk stay.
         st.counters[bit].evictions += 1
@@ -89,7 +89,7 @@ def reclaim(st: StoreState, bit: int, need: int, *, queue: bool = True,
     ix = st.ix
     for rid in st.victims(bit, need, cls):
         cap = pool.capacity(st.res.mem_off(rid, bit))
-        clean = bool(int(ix.where[rid]) & DISK) or st.disk is None or (
+        clean = bool(int(ix.where[rid]) & DISK) or not st.has_disk or (
             bit == DEV and st.host is not None) or st.disk_degraded()
         if not clean and (not queue or room <= 0):
             continue
@@ -142,7 +142,7 @@ def alloc_memory(st: StoreState, size: int, deadline: float) -> tuple[int, int |
         off = alloc_waiting(st, HOST, size, deadline)
         if off is not None:
             return HOST, off
-    if st.disk is not None:
+    if st.has_disk:
         return DISK, None
     raise TierFull(
         f"store: no room for a {size}-byte row: "
@@ -155,10 +155,10 @@ def refuses(st: StoreState, size: int) -> str | None:
     """Why no tier could ever hold a row of ``size`` bytes (even empty), or None."""
     if any(pool.fits(size) for pool in st.pools.values()):
         return None
-    if st.disk is not None and size <= MAX_PAGE_BYTES:
+    if st.has_disk and size <= MAX_PAGE_BYTES:
         return None
     tiers = [f"{KIND_OF_BIT[b].value} (budget {p.budget})" for b, p in st.pools.items()]
-    if st.disk is not None:
+    if st.has_disk:
         tiers.append(f"disk (at most {MAX_PAGE_BYTES} bytes a row)")
     return f"a {size}-byte row fits no tier: " + (", ".join(tiers) or "none is enabled")
 

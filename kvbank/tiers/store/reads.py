@@ -27,9 +27,9 @@ logger = logging.getLogger("kvbank.tiers.store.store")
 
 
 def get_into(st: StoreState, name: bytes, out: memoryview | bytearray) -> int | None:
-    """The local tiers, then (on a miss, when configured) the remote tier."""
+    """The local tiers, then (on a miss, when configured) the remote tiers below them."""
     n = _get_local(st, name, out)
-    if n is None and st.remote is not None:
+    if n is None and st.below:
         with st.lock:
             known = name in st.ix.ids  # a local row purged meanwhile is a miss, not remote
         if not known:
@@ -139,10 +139,8 @@ def get_many_into(st: StoreState, lanes: Lanes, names: Sequence[bytes],
 
 def _read_disk(st: StoreState, name: bytes, rid: int, stamp: int, size: int,
                dst: memoryview) -> int | None:
-    disk = st.disk
-    assert disk is not None  # the DISK bit is set only with a disk tier
     try:
-        n = disk.read_into(name, dst, expect=size)
+        n = st.disk().read_into(name, dst, expect=size)
     except CorruptPage as exc:
         logger.warning("store: row %s… failed its checks on disk, dropped: %s",
                        name.hex()[:16], exc)
@@ -160,21 +158,23 @@ def _read_disk(st: StoreState, name: bytes, rid: int, stamp: int, size: int,
 
 
 def _read_remote(st: StoreState, name: bytes, dst: memoryview) -> int | None:
-    """A miss in every local tier, read from the remote tier (not promoted: the fleet
-    index, not this read, decides what a node keeps). A damaged frame is dropped and a
-    miss; an unreachable remote tier is a miss too (its health says why)."""
-    remote = st.remote
-    assert remote is not None
-    try:
-        n = remote.read_into(name, dst)
-    except CorruptPage as exc:
-        logger.warning("store: row %s… failed its checks in the remote tier, dropped: %s",
-                       name.hex()[:16], exc)
-        remote.drop_corrupt(name)
-        n = None
-    except TierError as exc:
-        logger.debug("store: remote read of %s… failed: %s", name.hex()[:16], exc)
-        n = None
+    """A miss in every local tier, read from the remote tiers in order (not promoted: the
+    fleet index, not this read, decides what a node keeps). A damaged frame is dropped and
+    a miss; an unreachable remote tier is a miss too (its health says why)."""
+    n: int | None = None
+    for remote in st.below:
+        try:
+            n = remote.read_into(name, dst)
+        except CorruptPage as exc:
+            logger.warning("store: row %s… failed its checks in the remote tier, dropped: %s",
+                           name.hex()[:16], exc)
+            remote.drop_corrupt(name)
+            n = None
+        except TierError as exc:
+            logger.debug("store: remote read of %s… failed: %s", name.hex()[:16], exc)
+            n = None
+        if n is not None:
+            break
     if n is not None:
         with st.lock:  # the local miss was answered after all (each local tier missed)
             st.misses -= 1
@@ -203,8 +203,7 @@ def count_passed(st: StoreState, bit: int) -> None:
 def drop_corrupt(st: StoreState, name: bytes, rid: int) -> None:
     """Delete a row whose frame failed its checks (counted by the disk tier); its
     memory copies, if any, stay. A lock does not protect corrupt bytes."""
-    disk = st.disk
-    assert disk is not None
+    disk = st.disk()
     with st.disk_lock:
         with st.lock:
             ix = st.ix

@@ -86,9 +86,8 @@ def stage(st: StoreState, name: bytes, bit: int, deadline: float) -> HostSlot | 
     n: int | None = size
     try:
         if src == DISK:
-            assert st.disk is not None  # DISK bit set only with a disk tier
             try:
-                n = st.copier.from_frames(st.disk, name, pool, off, size)
+                n = st.copier.from_frames(st.disk(), name, pool, off, size)
             except CorruptPage as exc:
                 logger.warning("store: row %s… failed its checks on disk, dropped: %s",
                                name.hex()[:16], exc)
@@ -277,9 +276,8 @@ def _fill(st: StoreState, pool: HostSlab, plan: list[Staging],
 
 
 def _read_into_slot(st: StoreState, pool: HostSlab, s: Staging) -> None:
-    assert st.disk is not None
     try:
-        s.n = st.copier.from_frames(st.disk, s.name, pool, s.off, s.size)
+        s.n = st.copier.from_frames(st.disk(), s.name, pool, s.off, s.size)
     except CorruptPage as exc:
         logger.warning("store: row %s… failed its checks on disk, dropped: %s",
                        s.name.hex()[:16], exc)

@@ -1,9 +1,10 @@
 """The state the store's parts share, and the small rules over it.
 
 :class:`StoreState` holds the row index, the memory pools (fastest first, typed fields
-``device`` and ``host``), the frame stores below them (``frames``, fastest first; the disk
-tier when configured), the slot ledger (:class:`~.residency.Residency`), page locks,
-admin pins, the change feed, counters and the mover's queue. Everything in it is guarded
+``device`` and ``host``), the frame stores below them (``frames``, fastest first: the disk
+tier, whose rows the index tracks, then the remote tiers, ``below``), the slot ledger
+(:class:`~.residency.Residency`), page locks, admin pins, the change feed, counters and
+the mover's queue. Everything in it is guarded
 by ``lock`` (the store lock of :mod:`kvbank.tiers.lockorder`) unless a field says so.
 ``changes`` counts events that can create work for the mover (a publish, an unlock, a
 settled job): the mover re-evaluates its O(rows) pressure test only when it moved.
@@ -69,13 +70,17 @@ class StoreState:
             self.pools[DEV] = device
         if host is not None:
             self.pools[HOST] = host
-        self.frames = frames
-        self.disk: FrameStore | None = frames[0] if frames else None
-        self.remote: FrameStore | None = frames[1] if len(frames) > 1 else None  # below disk
+        # The frame stores below the pools, fastest first. The first is the disk: the index
+        # tracks its rows (the DISK bit). The others lie below it and the index never
+        # tracks theirs: rows the disk evicts spill into the next one down, and a read
+        # every local tier missed asks them in order.
+        self.frames: tuple[FrameStore, ...] = tuple(frames)
+        self.has_disk = bool(self.frames)
+        self.below: tuple[FrameStore, ...] = self.frames[1:]
         # The local tiers a read asks, fastest first: only these count its hits and misses,
         # so every read is counted once per tier it reached and a disabled tier counts none.
         self.read_bits: tuple[int, ...] = (*(b for b in (DEV, HOST) if b in self.pools),
-                                           *((DISK,) if self.disk is not None else ()))
+                                           *((DISK,) if self.has_disk else ()))
         self.remote_hits = 0  # local misses the remote tier answered
         max_off = max((p.allocator.space_bytes for p in self.pools.values()), default=0)
         self.ix = RowIndex(max_off, clock)
@@ -111,6 +116,13 @@ class StoreState:
         if pool is None:
             raise TierUnavailable(f"{what}: the {KIND_OF_BIT[bit].value} tier is off")
         return pool
+
+    def disk(self) -> FrameStore:
+        """The frame store the index's DISK bit names (the first of ``frames``): a row
+        marked on disk, or a write to disk, implies it; ``TierUnavailable`` without one."""
+        if not self.frames:
+            raise TierUnavailable("store: the disk tier is off")
+        return self.frames[0]
 
     def dtype_code(self, dtype: str) -> int:
         # Checked up front even without a disk tier: a row must always be demotable.

@@ -27,10 +27,12 @@ module          owns
 ==============  ======================================================================
 
 The tiers: memory pools (:class:`~kvbank.tiers.base.SlotPool`), fastest first — the
-device pool, then the host slab — over frame stores
-(:class:`~kvbank.tiers.base.FrameStore`) — the disk tier. A row's tier bits in the index
-are ``1 << TierKind.rank``. ``put`` writes into the fastest pool with a free slot; rows
-move down under pressure (high/low watermarks): device → host (a copy by the mover),
+device pool, then the host slab — over an ordered list of frame stores
+(:class:`~kvbank.tiers.base.FrameStore`): the disk tier, whose rows the index tracks, then
+the remote tiers (``remote_url``, by scheme), which take the disk's evictions and answer
+reads every local tier missed. A row's tier bits in the index are
+``1 << TierKind.rank``. ``put`` writes into the fastest pool with a free slot; rows move
+down under pressure (high/low watermarks): device → host (a copy by the mover),
 host → disk (a codec frame), disk → dropped. Reads promote a disk row into host. LRU with
 prefix awareness; locked and pinned rows are never victims.
 
@@ -231,20 +233,22 @@ class TieredStore:
     @property
     def has_remote(self) -> bool:
         """Whether a remote tier lies below the disk."""
-        return self._st.remote is not None
+        return bool(self._st.below)
 
     def remote_has(self, names: Sequence[bytes]) -> list[bool]:
-        """Whether the remote tier holds each row (one round trip, outside the store
+        """Whether a remote tier holds each row (one round trip each, outside the store
         lock); all ``False`` without a remote tier or while it is unreachable (its
         health says why): a lookup there never turns a local answer into an error."""
-        contains = getattr(self._st.remote, "contains_many", None)  # the Redis tier's
-        if contains is None or not names:
-            return [False] * len(names)
-        try:
-            return [bool(x) for x in contains(names)]
-        except TierUnavailable as exc:
-            logger.debug("store: remote lookup of %d rows failed: %s", len(names), exc)
-            return [False] * len(names)
+        found = [False] * len(names)
+        if not names:
+            return found
+        for remote in self._st.below:
+            try:
+                found = [f or bool(x) for f, x in zip(found, remote.contains_many(names),
+                                                      strict=True)]
+            except TierUnavailable as exc:
+                logger.debug("store: remote lookup of %d rows failed: %s", len(names), exc)
+        return found
 
     def locate(self, names: Sequence[bytes]) -> list[TierKind | None]:
         """The fastest tier holding each row (``None`` = absent). Touches nothing."""
@@ -333,7 +337,7 @@ class TieredStore:
                 rows = int(np.count_nonzero(where & bit))
                 corrupt = 0
                 if bit == DISK:
-                    disk = st.disk
+                    disk = st.disk() if st.has_disk else None
                     enabled = disk is not None
                     used = alloc = disk.used_bytes if disk else 0
                     budget = disk.budget_bytes if disk else 0
@@ -360,7 +364,7 @@ class TieredStore:
             tiers: list[TierHealth] = []
             for bit in (DEV, HOST, DISK):
                 kind = KIND_OF_BIT[bit]
-                enabled = (st.disk is not None) if bit == DISK else bit in st.pools
+                enabled = st.has_disk if bit == DISK else bit in st.pools
                 if not enabled:
                     why = next((n for n in st.notes if n.startswith(kind.value)), "not configured")
                     tiers.append(TierHealth(kind, False, HealthState.OFF, why))
@@ -371,10 +375,11 @@ class TieredStore:
                     tiers.append(TierHealth(kind, True, HealthState.OK, said))
             ok = mover and all(t.state is not HealthState.DEGRADED for t in tiers)
             notes = list(st.notes)
-            failed = getattr(st.remote, "failed_writes", 0)  # the remote tier's own count
-            if failed:
-                notes.append(f"remote tier: {failed} failed writes; last: "
-                             f"{getattr(st.remote, 'last_error', '')}")
+            for remote in st.below:  # each remote tier counts its own failed writes
+                faults = remote.health()
+                if faults.failed_writes:
+                    notes.append(f"remote tier: {faults.failed_writes} failed writes; last: "
+                                 f"{faults.last_error}")
             return StoreHealth(ok, tuple(tiers), mover, tuple(notes))
 
     @property
@@ -416,7 +421,7 @@ class TieredStore:
             logger.warning("store: the mover is still running at close; tiers left open")
             return
         try:
-            if st.disk is not None and not st.mover_dead:
+            if st.has_disk and not st.mover_dead:
                 for job in list(st.jobs):
                     self._mover.purge(job)
                 st.jobs.clear()
@@ -438,7 +443,7 @@ class TieredStore:
 
 
 def _close_tiers(device: DevicePool | None, host: HostSlab | None,
-                 frames: list[FrameStore]) -> None:
+                 frames: Sequence[FrameStore]) -> None:
     for pool in (device, host):
         if pool is not None:
             pool.close()

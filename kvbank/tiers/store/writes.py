@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from kvbank.config import WritePolicy
 from kvbank.errors import InvalidInput, RowLocked, TierError, TierFull, TierUnavailable
-from kvbank.tiers.base import Buffer, as_bytes_view, check_name
+from kvbank.tiers.base import Buffer, FrameWrite, as_bytes_view, check_name
 from kvbank.tiers.index import DEV, DISK, HOST
 from kvbank.tiers.store.copier import Batch, Lanes
 from kvbank.tiers.store.mover import Mover
@@ -111,7 +111,7 @@ def put_many(st: StoreState, mover: Mover, lanes: Lanes,
                     st.res.hold(r.bit, r.off)
                 planned.append(r)
         lanes.map(lambda r: _fill(st, r), planned)
-        through = st.config.write_policy is WritePolicy.WRITE_THROUGH and st.disk is not None
+        through = st.config.write_policy is WritePolicy.WRITE_THROUGH and st.has_disk
         mem = [r for r in planned if r.off is not None and not through]
         with st.lock:
             for r in mem:
@@ -153,8 +153,7 @@ def _write_batch(st: StoreState, mover: Mover, lanes: Lanes, rows: list[_Row],
     """Encode on the lanes and write the frames a chunk per transaction, publishing each
     chunk's rows once it is durable. While one chunk commits (its fsync is disk time, no
     CPU), the workers encode the next, so the disk and the cores work at once."""
-    disk = st.disk
-    assert disk is not None  # off is None only when there is a disk tier
+    disk = st.disk()  # off is None only when there is a disk tier
     dtype = st.ix.dtypes[code]
     batch = {r.name for r in rows}
     chunks: list[list[_Row]] = [[]]
@@ -167,7 +166,6 @@ def _write_batch(st: StoreState, mover: Mover, lanes: Lanes, rows: list[_Row],
         size += r.src.nbytes
 
     def encode(r: _Row) -> bytes:
-        assert disk is not None
         return disk.frame(r.src, dtype)
 
     try:
@@ -192,10 +190,7 @@ def _write_batch(st: StoreState, mover: Mover, lanes: Lanes, rows: list[_Row],
 def _write_chunk(st: StoreState, mover: Mover, rows: list[_Row], frames: list[bytes],
                  code: int, batch: set[bytes]) -> None:
     """Write one chunk's frames in one transaction and publish its rows."""
-    from kvbank.tiers.disk import FrameWrite  # lmdb loads only with a disk tier
-
-    disk = st.disk
-    assert disk is not None
+    disk = st.disk()
     dtype = st.ix.dtypes[code]
     with st.disk_lock:
         with st.lock:
@@ -212,13 +207,8 @@ def _write_chunk(st: StoreState, mover: Mover, rows: list[_Row], frames: list[by
                                          r.parent if r.parent in ids or r.parent in batch
                                          else None))
         mover.make_disk_room(sum(len(w.frame) for w in writes))
-        group = getattr(disk, "write_frames", None)  # the disk tier's group commit
-        if group is not None and writes:
-            group(writes, replace=True)
-        else:  # a frame store without one: a transaction per frame
-            for w in writes:
-                disk.write_frame(w.name, w.frame, raw_len=w.raw_len, dtype=w.dtype,
-                                 parent=w.parent, replace=True)
+        if writes:
+            disk.write_frames(writes, replace=True)  # one transaction on LMDB
         orphans: list[bytes] = []
         try:
             with st.lock:
@@ -249,14 +239,13 @@ def publish(st: StoreState, mover: Mover, name: bytes, size: int, code: int,
             holder: str | None, reserve: Reserve = None) -> None:
     """Make a filled private slot (or a disk-only write, ``off is None``) the row."""
     to_disk = off is None or (
-        st.config.write_policy is WritePolicy.WRITE_THROUGH and st.disk is not None)
+        st.config.write_policy is WritePolicy.WRITE_THROUGH and st.has_disk)
     if not to_disk:
         with st.lock:
             commit_locked(st, name, size, code, parent, bit, off, holder, on_disk=False,
                           reserve=reserve)
         return
-    disk = st.disk
-    assert disk is not None  # off is None only when there is a disk tier
+    disk = st.disk()  # off is None only when there is a disk tier
     try:
         frame = disk.frame(src, st.ix.dtypes[code])
         with st.disk_lock:

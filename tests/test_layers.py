@@ -29,7 +29,8 @@ PACKAGE = Path(kvbank.__file__).parent
 # one above. Circles within a floor are caught by the circle test.
 FLOORS: dict[str, int] = {
     "errors": 0, "_version": 0, "extras": 0, "dtypes": 0, "_moved": 0,
-    "checks": 1, "config": 1, "keys": 1, "layout": 1, "builders": 1, "fastrows": 1,
+    "checks": 1, "config": 1, "keys": 1, "roles": 1, "canonical": 1, "layout": 1, "builders": 1,
+    "fastrows": 1,
     "codec": 2, "kernels": 2, "reshard": 2,
     # values and contracts every engine floor and the client share
     "tiers.base": 3, "lender.resume": 3, "results": 3, "buffers": 3,

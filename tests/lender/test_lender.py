@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvbank import Bank, BankConfig, LeaseMode, MemoryKind, full_attention
+from kvbank import Bank, BankConfig, LeaseMode, MemoryKind, full_attention, wire
 from kvbank.errors import (
     InvalidInput,
     LeaseConflict,
@@ -291,7 +291,7 @@ def test_lease_json_round_trip_has_only_plain_fields(bank: Bank) -> None:
     for one in (lease, bank.lend_all()):
         # The JSON carries the seconds left, not the lender's deadline; the reader rebuilds
         # its own deadline on its clock (here the same one, read once).
-        back = Lease.from_json(one.to_json(now=100.0), now=100.0)
+        back = wire.from_json(Lease, wire.to_json(one, now=100.0), now=100.0)
         assert back.expires_at == pytest.approx(one.expires_at)
         assert dataclasses.replace(back, expires_at=one.expires_at, expires_wall=one.expires_wall) == one
 

@@ -21,6 +21,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from kvbank import checks
 from kvbank.errors import LayoutError
 from kvbank.layout import (
     BufferSpec,
@@ -29,7 +30,6 @@ from kvbank.layout import (
     PageLayout,
     QuantMode,
     Role,
-    _positive_int,
     _shard_heads,
     dtype_name,
 )
@@ -104,7 +104,7 @@ def full_attention(
 ) -> PageLayout:
     """MHA or GQA: one ATTENTION group, K and V per layer split by KV head."""
     dt, qm = dtype_name(dtype), _quant(quant)
-    _positive_int(num_layers, "num_layers")
+    checks.count(num_layers, "num_layers", 1, error=LayoutError)
     heads = _heads_per_shard(num_kv_heads, shard_count)
     layers = tuple(range(num_layers))
     return PageLayout(
@@ -135,7 +135,7 @@ def mla(
     declared not transferred: the receiver rebuilds it from the latent.
     """
     dt = dtype_name(dtype)
-    _positive_int(num_layers, "num_layers")
+    checks.count(num_layers, "num_layers", 1, error=LayoutError)
     layers = tuple(range(num_layers))
     buffers: list[BufferSpec] = []
     for layer in layers:
@@ -175,7 +175,7 @@ def sliding_window(
     full-attention ones.
     """
     dt, qm = dtype_name(dtype), _quant(quant)
-    _positive_int(num_layers, "num_layers")
+    checks.count(num_layers, "num_layers", 1, error=LayoutError)
     heads = _heads_per_shard(num_kv_heads, shard_count)
     full = tuple(sorted(set(full_layers)))
     for layer in full:

@@ -68,6 +68,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvbank import checks
 from kvbank.errors import ConfigError
 
 ENV_PREFIX = "KVBANK_"
@@ -103,9 +104,7 @@ def parse_bytes(value: str | int, name: str = "size") -> int:
     if isinstance(value, bool):
         raise ConfigError(f"{name}: expected a byte size, got {value!r}")
     if isinstance(value, int):
-        if value < 0:
-            raise ConfigError(f"{name}: must be >= 0, got {value}")
-        return value
+        return checks.count(value, name, error=ConfigError)
     if not isinstance(value, str):
         raise ConfigError(f"{name}: expected a byte size (an int, or a string like 512M), "
                           f"got {value!r}", field=name)
@@ -216,9 +215,7 @@ class BankConfig:
             object.__setattr__(self, "pin_bytes", parse_bytes(self.pin_bytes, "pin_bytes"))
         for name in ("lease_ttl_s", "max_lease_ttl_s", "fetch_ttl_s", "reaper_interval_s",
                      "wait_timeout_s"):
-            v = getattr(self, name)
-            if not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
-                raise ConfigError(f"{name}: must be a positive number of seconds, got {v!r}")
+            checks.seconds(getattr(self, name), name, positive=True, error=ConfigError)
         if not isinstance(self.reshard_store, bool):
             raise ConfigError(f"reshard_store: must be a bool, got {self.reshard_store!r}")
         if self.lease_ttl_s > self.max_lease_ttl_s:
@@ -228,9 +225,8 @@ class BankConfig:
         for name in ("disk_sync", "disk_salvage"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name}: must be a bool, got {getattr(self, name)!r}")
-        if self.copy_threads is not None and (isinstance(self.copy_threads, bool) or not isinstance(
-                self.copy_threads, int) or not 1 <= self.copy_threads <= 256):
-            raise ConfigError(f"copy_threads: must be an integer in [1, 256], got {self.copy_threads!r}")
+        if self.copy_threads is not None:
+            checks.count(self.copy_threads, "copy_threads", 1, 256, error=ConfigError)
         if not isinstance(self.reserve_host, bool):
             raise ConfigError(f"reserve_host: must be a bool, got {self.reserve_host!r}")
 

@@ -36,6 +36,7 @@ from operator import itemgetter
 import numpy as np
 import numpy.typing as npt
 
+from kvbank import checks
 from kvbank.errors import InvalidInput, InvalidRowName, InvalidTokens
 
 KEY_VERSION = 1
@@ -157,8 +158,7 @@ def page_keys(
     ``extra[i]`` (multimodal hashes, …) is mixed into page ``i``'s key. ``parent`` continues
     a chain whose earlier pages were keyed before (it replaces ``k_0``).
     """
-    if isinstance(tokens_per_page, bool) or not isinstance(tokens_per_page, int) or tokens_per_page <= 0:
-        raise InvalidInput(f"tokens_per_page: must be a positive integer, got {tokens_per_page!r}")
+    checks.count(tokens_per_page, "tokens_per_page", 1)
     data = tokens_to_bytes(tokens)
     n_pages = len(data) // (4 * tokens_per_page)
     if extra is not None and len(extra) > n_pages:
@@ -251,9 +251,7 @@ class RowName:
         if not isinstance(self.page_key, bytes) or len(self.page_key) != PAGE_KEY_BYTES:
             raise InvalidRowName(f"page_key: expected {PAGE_KEY_BYTES} bytes, got {self.page_key!r}")
         for name in ("group", "shard_count", "shard_index"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= 0xFFFF:
-                raise InvalidRowName(f"{name}: must be an integer in [0, 65535], got {v!r}")
+            checks.count(getattr(self, name), name, 0, 0xFFFF, error=InvalidRowName)
         if self.shard_count == 0 or self.shard_index >= self.shard_count:
             raise InvalidRowName(
                 f"shard_index: {self.shard_index} out of range for shard_count {self.shard_count}"

@@ -67,6 +67,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from kvbank import checks
 from kvbank.canonical import encode, fields_of, list_of
 from kvbank.dtypes import DTYPE_ITEMSIZE as DTYPE_ITEMSIZE  # re-exported
 from kvbank.dtypes import check_dtype
@@ -101,16 +102,9 @@ def dtype_name(dtype: object, what: str = "dtype", context: str = "") -> str:
     return check_dtype(dtype, what, LayoutError, context).name
 
 
-def _positive_int(value: object, what: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise LayoutError(f"{what}: must be a positive integer, got {value!r}")
-    return value
-
-
-def _nonneg_int(value: object, what: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise LayoutError(f"{what}: must be a non-negative integer, got {value!r}")
-    return value
+def _count(value: object, what: str, lo: int = 0) -> int:
+    """:func:`kvbank.checks.count` for a layout's field: a LayoutError names it."""
+    return checks.count(value, what, lo, error=LayoutError)
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,7 +121,7 @@ class BufferSpec:
     sections: tuple[int, ...] = ()  # one shard's section lengths along head_axis
 
     def __post_init__(self) -> None:
-        _nonneg_int(self.layer, "buffer.layer")
+        _count(self.layer, "buffer.layer")
         if isinstance(self.role, str):
             object.__setattr__(self, "role", Role.parse(self.role))
         elif not isinstance(self.role, Role):
@@ -140,10 +134,10 @@ class BufferSpec:
         if not isinstance(shape, tuple) or not shape:
             raise LayoutError(f"buffer.shape: must be a non-empty tuple, got {self.shape!r}")
         for dim in shape:
-            _positive_int(dim, f"buffer.shape (layer {self.layer}, {self.role.name})")
+            _count(dim, f"buffer.shape (layer {self.layer}, {self.role.name})", 1)
         object.__setattr__(self, "shape", shape)
         if self.head_axis is not None:
-            _nonneg_int(self.head_axis, "buffer.head_axis")
+            _count(self.head_axis, "buffer.head_axis")
             if self.head_axis >= len(shape):
                 raise LayoutError(
                     f"buffer.head_axis: {self.head_axis} is outside shape {shape} "
@@ -159,10 +153,10 @@ class BufferSpec:
         if sections is None:
             raise LayoutError(f"buffer.sections: must be a tuple, got {self.sections!r} {where}")
         for s in sections:
-            _positive_int(s, f"buffer.sections {where}")
+            _count(s, f"buffer.sections {where}", 1)
         object.__setattr__(self, "sections", sections)
         if self.heads is not None:
-            _positive_int(self.heads, f"buffer.heads {where}")
+            _count(self.heads, f"buffer.heads {where}", 1)
         if (self.heads is not None or sections) and self.head_axis is None:
             raise LayoutError(f"buffer.head_axis: heads or sections need a split axis {where}")
         if self.heads is not None and sections:
@@ -241,15 +235,15 @@ class LayerGroup:
         if not isinstance(layers, tuple) or not layers:
             raise LayoutError(f"group.layers: must be a non-empty tuple, got {self.layers!r}")
         for layer in layers:
-            _nonneg_int(layer, "group.layers")
+            _count(layer, "group.layers")
         if len(set(layers)) != len(layers):
             raise LayoutError(f"group.layers: duplicate layer in {layers}")
         object.__setattr__(self, "layers", layers)
         if self.window is not None:
-            _positive_int(self.window, "group.window")
+            _count(self.window, "group.window", 1)
             if self.kind is not GroupKind.ATTENTION:
                 raise LayoutError("group.window: only an ATTENTION group has a window")
-        _nonneg_int(self.sink_tokens, "group.sink_tokens")
+        _count(self.sink_tokens, "group.sink_tokens")
         if self.sink_tokens and self.kind is not GroupKind.ATTENTION:
             raise LayoutError("group.sink_tokens: only an ATTENTION group has sink tokens")
         if self.sink_tokens and self.window is None:
@@ -291,7 +285,7 @@ class PageLayout:
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
             raise LayoutError(f"model: must be a non-empty fingerprint string, got {self.model!r}")
-        _positive_int(self.tokens_per_page, "tokens_per_page")
+        _count(self.tokens_per_page, "tokens_per_page", 1)
         groups = tuple(self.groups) if isinstance(self.groups, (list, tuple)) else self.groups
         buffers = tuple(self.buffers) if isinstance(self.buffers, (list, tuple)) else self.buffers
         if not isinstance(groups, tuple) or not groups:
@@ -311,8 +305,8 @@ class PageLayout:
         object.__setattr__(self, "buffers", buffers)
         if not isinstance(self.quant, QuantMode):
             object.__setattr__(self, "quant", QuantMode.parse(self.quant))
-        _positive_int(self.shard_count, "shard_count")
-        _nonneg_int(self.shard_index, "shard_index")
+        _count(self.shard_count, "shard_count", 1)
+        _count(self.shard_index, "shard_index")
         if self.shard_count > 0xFFFF:
             raise LayoutError(f"shard_count: at most 65535, got {self.shard_count}")
         if self.shard_index >= self.shard_count:
@@ -547,8 +541,8 @@ class PageLayout:
 def _shard_heads(heads: int, shard_count: int, what: str) -> int:
     """Heads one rank holds: ``heads / shard_count``, or 1 when ranks outnumber heads and
     each head is duplicated on ``shard_count / heads`` ranks (GQA with 8 KV heads at TP 16)."""
-    _positive_int(heads, what)
-    _positive_int(shard_count, "shard_count")
+    _count(heads, what, 1)
+    _count(shard_count, "shard_count", 1)
     if heads % shard_count == 0:
         return heads // shard_count
     if shard_count % heads == 0:

@@ -69,6 +69,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import torch
 
+from kvbank import checks
 from kvbank.errors import InvalidInput, PageSizeMismatch
 from kvbank.kernels.faults import TORCH_ERRORS, torch_fault
 from kvbank.layout import BufferRegion, GroupKind, PageLayout, Role
@@ -160,8 +161,7 @@ def _resolve(
     ``pages``, so its rows must not share bytes with each other either."""
     if not isinstance(layout, PageLayout):
         raise InvalidInput(f"layout: expected a PageLayout, got {type(layout).__name__}")
-    if isinstance(group, bool) or not isinstance(group, int) or not 0 <= group < len(layout.groups):
-        raise InvalidInput(f"group: {group!r} is out of range for {len(layout.groups)} groups")
+    checks.count(group, "group", 0, len(layout.groups) - 1)
     page_bytes = layout.group_page_bytes[group]
     if not isinstance(pages, torch.Tensor):
         raise InvalidInput(f"{what}: expected a torch.Tensor, got {type(pages).__name__}")

@@ -30,6 +30,7 @@ from collections.abc import Mapping
 
 import torch
 
+from kvbank import checks
 from kvbank.errors import InvalidInput, PageSizeMismatch
 from kvbank.reshard.plan import Copy, ReshardPlan
 
@@ -88,8 +89,7 @@ def reshard_pages(
     the same logical page). Extra shards in ``sources`` are ignored."""
     if not isinstance(plan, ReshardPlan):
         raise InvalidInput(f"plan: expected a ReshardPlan, got {type(plan).__name__}")
-    if isinstance(group, bool) or not isinstance(group, int) or not 0 <= group < len(plan.groups):
-        raise InvalidInput(f"group: {group!r} is out of range for {len(plan.groups)} groups")
+    checks.count(group, "group", 0, len(plan.groups) - 1)
     gp = plan.groups[group]
     out = _pages(out, "out", None, gp.dst_page_bytes)
     if out.shape[0] > 1 and out.stride(0) < out.shape[1]:

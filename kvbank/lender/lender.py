@@ -53,7 +53,6 @@ from __future__ import annotations
 
 import heapq
 import logging
-import math
 import os
 import threading
 import time
@@ -62,6 +61,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from kvbank import checks
 from kvbank.config import BankConfig
 from kvbank.errors import InvalidInput, LeaseExpired, LeaseNotFound, TierUnavailable
 from kvbank.keys import ROW_NAME_BYTES, shape_key
@@ -151,13 +151,12 @@ class Lender:
     def _ttl(self, ttl_s: float | None) -> float:
         if ttl_s is None:
             return float(self._config.lease_ttl_s)
-        if isinstance(ttl_s, bool) or not isinstance(ttl_s, (int, float)) or not math.isfinite(ttl_s) or ttl_s <= 0:
-            raise InvalidInput(f"ttl_s: must be a positive number of seconds, got {ttl_s!r}")
-        if ttl_s > self._config.max_lease_ttl_s:
+        ttl = checks.seconds(ttl_s, "ttl_s", positive=True)
+        if ttl > self._config.max_lease_ttl_s:
             raise InvalidInput(
                 f"ttl_s: {ttl_s} exceeds max_lease_ttl_s {self._config.max_lease_ttl_s}"
             )
-        return float(ttl_s)
+        return ttl
 
     @staticmethod
     def _enum(value: object, cls: type[MemoryKind] | type[LeaseMode], what: str) -> None:

@@ -32,6 +32,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import accumulate
 
+from kvbank import checks
 from kvbank.errors import InvalidInput
 from kvbank.layout import GroupKind, PageLayout
 
@@ -130,8 +131,7 @@ class _Availability:
 
     def __init__(self, layout: PageLayout, prompt_tokens: int, present: Presence,
                  names: Sequence[Sequence[bytes]] | None) -> None:
-        if isinstance(prompt_tokens, bool) or not isinstance(prompt_tokens, int) or prompt_tokens < 0:
-            raise InvalidInput(f"prompt_tokens: must be a non-negative integer, got {prompt_tokens!r}")
+        checks.count(prompt_tokens, "prompt_tokens")
         self.layout = layout
         self.p = p = layout.tokens_per_page
         self.t = t = prompt_tokens

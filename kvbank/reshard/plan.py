@@ -37,6 +37,7 @@ from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from kvbank import checks
 from kvbank.errors import InvalidInput, LayoutError
 from kvbank.layout import BufferSpec, GroupKind, PageLayout
 
@@ -147,8 +148,7 @@ def check_compatible(src: PageLayout, dst: PageLayout) -> None:
 def shard_layout(layout: PageLayout, shard_count: int, shard_index: int = 0) -> PageLayout:
     """``layout`` as declared for ``shard_count`` ranks, seen by rank ``shard_index``."""
     layout = _layout(layout, "layout")
-    if isinstance(shard_count, bool) or not isinstance(shard_count, int) or shard_count <= 0:
-        raise LayoutError(f"shard_count: must be a positive integer, got {shard_count!r}")
+    checks.count(shard_count, "shard_count", 1, error=LayoutError)
     n = layout.shard_count
     buffers = tuple(
         b.resplit(n, shard_count, f"buffers[{i}]") for i, b in enumerate(layout.buffers)

@@ -26,6 +26,7 @@ from typing import Generic, TypeVar
 
 import torch
 
+from kvbank import checks
 from kvbank.config import WritePolicy
 from kvbank.errors import InvalidInput
 from kvbank.tiers.base import DeviceSlot, HostSlot, check_name, check_names
@@ -72,8 +73,7 @@ class MemoryOps(Generic[SlotT], abc.ABC):
         WRITE lease's rows: a reservation each took the lock, the deadline and the pool
         check once per row). All or none: on a refusal the slots reserved so far go back."""
         for size in sizes:
-            if isinstance(size, bool) or not isinstance(size, int) or not 0 < size <= MAX_PAGE:
-                raise InvalidInput(f"size: must be an integer in [1, {MAX_PAGE}], got {size!r}")
+            checks.count(size, "size", 1, MAX_PAGE)
         if not isinstance(holder, str) or not holder:
             raise InvalidInput(f"holder: expected a non-empty string, got {holder!r}")
         st, bit = self._st, self.bit

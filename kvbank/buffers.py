@@ -3,11 +3,12 @@
 - :func:`page_views` — flat byte views of pages (a ``uint8 [n, page_bytes]`` tensor or a
   sequence of bytes-likes), each checked against the page size
   (:class:`~kvbank.errors.PageSizeMismatch`), without copying host memory.
+- :func:`snapshot_boundaries` — the ``at=`` of a ``put_states``: one page boundary per
+  snapshot, each within the prompt's full pages.
 - :func:`out_views` — writable views of a fetch's output buffers, one per planned row.
 - :func:`out_buffers` — new output buffers sized for a match's bound.
 - :func:`fetched` — ``fetch_prefix`` after its match: the rows the bound needs fetched into
-  the caller's buffers or new ones (``Bank``, ``Client`` off the lease path, the
-  transformers adapter over a bank with only ``match`` and ``fetch``).
+  the caller's buffers or new ones (``Bank``, and ``Client`` off the lease path).
 
 Every refusal is :class:`~kvbank.errors.InvalidInput` naming the argument and position.
 """
@@ -57,6 +58,19 @@ def page_views(pages: Pages, size: int, field: str) -> list[memoryview]:
             raise PageSizeMismatch(f"{field}[{i}]: {len(mv)} bytes, the layout's page is {size} bytes")
         out.append(mv)
     return out
+
+
+def snapshot_boundaries(at: Sequence[int], count: int, tokens_per_page: int, full_pages: int) -> list[int]:
+    """``at`` of ``count`` snapshots, checked: each a positive multiple of ``tokens_per_page``
+    within the ``full_pages`` keyed pages of the prompt."""
+    if isinstance(at, (str, bytes)) or not isinstance(at, Sequence) or len(at) != count:
+        raise InvalidInput(f"at: expected one boundary per snapshot ({count}), got {at!r}")
+    p = tokens_per_page
+    for i, b in enumerate(at):
+        if isinstance(b, bool) or not isinstance(b, int) or b <= 0 or b % p or b // p > full_pages:
+            raise InvalidInput(f"at[{i}]: must be a positive multiple of tokens_per_page {p} "
+                               f"within the {full_pages} full pages given, got {b!r}")
+    return list(at)
 
 
 def out_views(

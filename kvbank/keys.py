@@ -19,6 +19,7 @@ Primitives:
   len(key) as u32 ‖ key)``: deterministic, a different length can never produce the same
   key, and short keys are never padded with zeros (a zero-padded 16-byte key would be a
   32-byte key another engine could send).
+- :func:`prompt_keys` — a prompt's chain, from token ids or from an engine's keys.
 
 Nothing here depends on ``PYTHONHASHSEED``, the process or the host; golden vectors in
 ``tests/data/keys_golden.json`` pin the encoding. Changing it means bumping
@@ -300,6 +301,21 @@ def engine_keys(
             raise InvalidInput(f"keys[{i}]: expected a page key of 1..{MAX_ENGINE_KEY_BYTES} bytes, got {shown}")
         out.append(k if len(k) == PAGE_KEY_BYTES else sha(prefix + _lp(k)).digest())
     return out
+
+
+def prompt_keys(
+    tokens: TokenIds | None, keys: Sequence[bytes] | None, tokens_per_page: int,
+    layout_id: bytes, scope: Scope = DEFAULT_SCOPE,
+) -> list[bytes]:
+    """A prompt's page-key chain: :func:`page_keys` of its token ids, or :func:`engine_keys`
+    of an engine's own chain ``keys`` (exactly one of the two is given)."""
+    if not isinstance(scope, Scope):
+        raise InvalidInput(f"scope: expected a Scope, got {type(scope).__name__}")
+    if tokens is not None and keys is None:
+        return page_keys(tokens, tokens_per_page, scope)
+    if keys is not None and tokens is None:
+        return engine_keys(keys, layout_id, scope)
+    raise InvalidInput("tokens: give either tokens or keys (a page-key chain), not both or neither")
 
 
 def sized_bytes(values: Sequence[object], size: int) -> bool:

@@ -86,7 +86,15 @@ from kvbank.bank.cross_shard import CrossLocate, ReshardReader, ShardCounts
 from kvbank.bank.fetch import GetMany, fetch_rows, one_by_one
 from kvbank.bank.fleet import BankFleet
 from kvbank.bank.leases import LeaseOps
-from kvbank.buffers import OutBuffers, Pages, fetched, out_buffers, out_views, page_views
+from kvbank.buffers import (
+    OutBuffers,
+    Pages,
+    fetched,
+    out_buffers,
+    out_views,
+    page_views,
+    snapshot_boundaries,
+)
 from kvbank.config import BankConfig, check_settings
 from kvbank.errors import Busy, InvalidInput, LayoutError, RowLocked, TierUnavailable
 from kvbank.keys import DEFAULT_SCOPE, Scope, TokenIds, group_of, namespace
@@ -335,14 +343,9 @@ class Bank(LeaseOps):
         layout = self.layout(layout_id)
         self._group(layout, group, GroupKind.STATE)
         views = page_views(states, layout.group_page_bytes[group], "states")
-        if isinstance(at, (str, bytes)) or not isinstance(at, Sequence) or len(at) != len(views):
-            raise InvalidInput(f"at: expected one boundary per snapshot ({len(views)}), got {at!r}")
         chain = self.row_names(layout_id, tokens, group=group, scope=scope, keys=keys, shard=shard)
         p = layout.tokens_per_page
-        for i, b in enumerate(at):
-            if isinstance(b, bool) or not isinstance(b, int) or b <= 0 or b % p or b // p > len(chain):
-                raise InvalidInput(f"at[{i}]: must be a positive multiple of tokens_per_page {p} "
-                                   f"within the {len(chain)} full pages given, got {b!r}")
+        at = snapshot_boundaries(at, len(views), p, len(chain))
         self._catalog.learn(layout_id, scope)
         names = [chain[b // p - 1] for b in at]
         todo = [(name, view, None) for name, view, held

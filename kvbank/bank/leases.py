@@ -11,13 +11,13 @@ match's needed rows, with an optional deadline), :meth:`~LeaseOps.lend_all`, ``r
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 
 import torch
 
+from kvbank import checks
 from kvbank.bank.catalog import Catalog
-from kvbank.errors import Busy, InvalidInput
+from kvbank.errors import Busy
 from kvbank.layout import PageLayout
 from kvbank.lender.base import CommitResult, Lease, LeaseMode, MemoryKind
 from kvbank.lender.lender import Lender
@@ -35,10 +35,7 @@ class LeaseOps:
     def _deadline(self, timeout: float | None) -> float | None:
         if timeout is None:
             return None
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) \
-                or not math.isfinite(timeout) or timeout < 0:
-            raise InvalidInput(f"timeout: must be a finite number of seconds >= 0, got {timeout!r}")
-        return self._clock() + timeout
+        return self._clock() + checks.seconds(timeout, "timeout")
 
     def lend(self, rows: Match | Sequence[bytes], *, mode: LeaseMode = LeaseMode.READ,
              kind: MemoryKind = MemoryKind.HOST, ttl_s: float | None = None,

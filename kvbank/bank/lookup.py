@@ -5,8 +5,9 @@ matches, presences and resume bounds. Nothing here leases, locks, renews or reco
   chain (:func:`kvbank.keys.engine_keys`).
 - :func:`prompt_length` — ``T`` for the resume rules: the tokens' length, or with keys the
   engine's ``prompt_tokens`` (default: exactly the keyed pages).
-- :func:`build_match`, :func:`resumed_at`, :func:`build_presence` — the answers, given a
-  ``locate`` function (the store's: one lookup per call).
+- :func:`build_match`, :func:`build_presence` — the answers, given a ``locate`` function
+  (the store's: one lookup per call); :func:`~kvbank.lender.resume.resumed_at` (re-exported
+  here) needs none: a match already says where its rows are.
 """
 
 from __future__ import annotations
@@ -15,9 +16,10 @@ import dataclasses
 from collections.abc import Callable, Sequence
 
 from kvbank.errors import InvalidInput
-from kvbank.keys import Scope, TokenIds, engine_keys, namespace, page_keys, row_names
+from kvbank.keys import Scope, TokenIds, namespace, prompt_keys, row_names
 from kvbank.layout import PageLayout
 from kvbank.lender.resume import Columns, Obstacle, resume_and_boundaries, resume_bound
+from kvbank.lender.resume import resumed_at as resumed_at  # Bank.resume_at: lookup.resumed_at
 from kvbank.results import Match, Presence
 from kvbank.tiers.base import TierKind
 
@@ -28,13 +30,7 @@ Tiers = tuple[tuple[TierKind | None, ...], ...]  # per group, per page: where th
 
 def chain_keys(layout: PageLayout, tokens: TokenIds | None, keys: Sequence[bytes] | None,
                scope: Scope) -> list[bytes]:
-    if not isinstance(scope, Scope):
-        raise InvalidInput(f"scope: expected a Scope, got {type(scope).__name__}")
-    if tokens is not None and keys is None:
-        return page_keys(tokens, layout.tokens_per_page, scope)
-    if keys is not None and tokens is None:
-        return engine_keys(keys, layout.layout_id, scope)
-    raise InvalidInput("tokens: give either tokens or keys (a page-key chain), not both or neither")
+    return prompt_keys(tokens, keys, layout.tokens_per_page, layout.layout_id, scope)
 
 
 def prompt_length(layout: PageLayout, tokens: TokenIds | None, chain: list[bytes],
@@ -95,12 +91,6 @@ def build_match(layout: PageLayout, scope: Scope, prompt_tokens: int, chain: lis
         # Asked only on a total miss, so a hit pays nothing for it.
         bound = dataclasses.replace(bound, reason=Obstacle.NOTHING_STORED, blocking_group=None)
     return Match(layout.layout_id, scope, prompt_tokens, bound, names, tiers, boundaries)
-
-
-def resumed_at(layout: PageLayout, match: Match, tokens: int) -> Match:
-    """``match`` with its bound at ``tokens`` (one of its boundaries, or 0)."""
-    at = resume_bound(layout, match.prompt_tokens, _have(match.tiers), match.names, at=tokens)
-    return dataclasses.replace(match, resume=at)
 
 
 def build_presence(layout: PageLayout, scope: Scope, prompt_tokens: int, chain: list[bytes],

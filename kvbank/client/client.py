@@ -4,7 +4,10 @@ Same names, same arguments, same result types, same exceptions: the server answe
 typed error as ``{type, field, message}`` and the client raises that
 :class:`~kvbank.errors.KvbankError` class (:func:`kvbank.wire.forms.error_from_dict`); a
 transport failure is :class:`~kvbank.errors.TierUnavailable`. Switching a worker from
-``Bank.open(...)`` to ``Client(url)`` is a one-line change.
+``Bank.open(...)`` to ``Client(url)`` is a one-line change: both hold
+:class:`kvbank.api.WorkerAPI`, whose docstring names where they differ (``timeout=`` is
+bounded on this side; ``row_names`` and ``resume_at`` are computed here, from the layout;
+``put_states`` is one ``put_state`` call a snapshot).
 
 Paths, chosen per client (``same_host=None``: automatically):
 
@@ -50,12 +53,22 @@ from urllib.parse import urlsplit
 
 import torch
 
-from kvbank import wire
-from kvbank.buffers import OutBuffers, Pages, fetched, out_buffers, out_views, page_views
+from kvbank import checks, wire
+from kvbank.buffers import (
+    OutBuffers,
+    Pages,
+    fetched,
+    out_buffers,
+    out_views,
+    page_views,
+    snapshot_boundaries,
+)
 from kvbank.client.dataport import DataLink, DataPortUnreachable
 from kvbank.client.io import (
+    Deadline,
     Slot,
     check_prompt,
+    deadline_of,
     enum_name,
     fetch_stream,
     lease_path_id,
@@ -70,10 +83,12 @@ from kvbank.client.io import (
 )
 from kvbank.client.shm import Borrower
 from kvbank.errors import Busy, InvalidInput, KvbankError, LeaseExpired, TierFull, TierUnavailable
-from kvbank.keys import DEFAULT_SCOPE, Scope, TokenIds, tokens_to_bytes
+from kvbank.keys import DEFAULT_SCOPE, Scope, TokenIds, namespace, prompt_keys, tokens_to_bytes
+from kvbank.keys import row_names as _row_names
 from kvbank.layout import PageLayout
 from kvbank.lender.base import CommitResult, Lease, LeaseMode, MemoryKind
-from kvbank.results import BankStats, Fetched, FetchResult, Match, StoreHealth
+from kvbank.lender.resume import resumed_at
+from kvbank.results import BankStats, Fetched, FetchResult, Match, Presence, StoreHealth
 from kvbank.tiers.base import TierKind
 from kvbank.tiers.host import SHM_DIR
 from kvbank.wire.framing import PutKind, encode_match
@@ -171,15 +186,22 @@ class Client:
     # ---- plumbing --------------------------------------------------------------------
 
     def _call(self, method: str, path: str, *, body: Any = None, content: bytes | None = None,
-              idempotent: bool = False) -> Any:
+              idempotent: bool = False, deadline: Deadline | None = None,
+              wait_s: float | None = None) -> Any:
+        """One control call. ``deadline``: a call's ``timeout=``, bounding every wait and
+        retry (:class:`Busy` once it passed); ``wait_s``: the node's own wait before it
+        answers (a flush), added to the socket's limit."""
         payload = content if content is not None else (
             None if body is None else json.dumps(body, separators=(",", ":")).encode())
         headers = {**self._auth, "Content-Type": OCTETS if content is not None else JSON}
-        deadline = time.monotonic() + self._retry
+        retry_end = time.monotonic() + self._retry
+        if deadline is not None:
+            retry_end = min(retry_end, deadline.at)
         delay = 0.05
         while True:
+            limit = self._limit(deadline, f"{method} {path} was not answered")
             try:
-                conn = self._conn()
+                conn = self._conn(limit if wait_s is None else limit + wait_s)
                 try:
                     conn.request(method, path, body=payload, headers=headers)
                     resp = conn.getresponse()
@@ -187,8 +209,10 @@ class Client:
                 except (OSError, http.client.HTTPException) as exc:
                     conn.close()
                     raise TierUnavailable(f"node: {self.url} unreachable: {exc}") from exc
-            except TierUnavailable:
-                if idempotent and time.monotonic() + delay < deadline:
+            except TierUnavailable as exc:
+                if deadline is not None and deadline.passed():
+                    raise deadline.busy(f"{method} {path} was not answered") from exc
+                if idempotent and time.monotonic() + delay < retry_end:
                     time.sleep(delay)
                     delay = min(delay * 2, 1.0)
                     continue
@@ -204,16 +228,30 @@ class Client:
             except ValueError as exc:
                 raise TierUnavailable(f"node: {method} {path} answered {status} without JSON") from exc
 
-    def _conn(self) -> http.client.HTTPConnection:
+    def _limit(self, deadline: Deadline | None, what: str) -> float:
+        """The socket timeout of the next wait: ``timeout_s``, or less where ``deadline``
+        comes first (:class:`Busy` naming ``what`` where it passed already)."""
+        if deadline is None:
+            return self._timeout
+        left = deadline.left()
+        if left <= 0:
+            raise deadline.busy(what)
+        return min(left, self._timeout)
+
+    def _conn(self, timeout: float | None = None) -> http.client.HTTPConnection:
+        """A pooled (or new) connection whose waits end after ``timeout`` (default ``timeout_s``)."""
+        limit = self._timeout if timeout is None else timeout
         while True:
             with self._lock:
                 conn = self._conns.pop() if self._conns else None
             if conn is None:
                 break
             if _usable(conn):
+                if conn.sock is not None:
+                    conn.sock.settimeout(limit)
                 return conn
             conn.close()  # the node closed it while idle (its keep-alive timeout)
-        conn = _Connection(self._host, self._port, timeout=self._timeout)
+        conn = _Connection(self._host, self._port, timeout=limit)
         try:
             conn.connect()
         except OSError as exc:
@@ -316,28 +354,60 @@ class Client:
             got = self._layouts[layout_id] = wire.from_dict(PageLayout, doc)
         return got
 
+    def register_scope(self, layout_id: bytes, scope: Scope) -> bytes:
+        """Let the node's leases describe rows of ``scope`` under ``layout_id``; the 16-byte
+        namespace."""
+        if not isinstance(layout_id, bytes):
+            raise InvalidInput(f"layout_id: expected bytes, got {type(layout_id).__name__}")
+        if not isinstance(scope, Scope):
+            raise InvalidInput(f"scope: expected a Scope, got {type(scope).__name__}")
+        doc = self._call("POST", f"/v1/layouts/{layout_id.hex()}/scopes", body=scope_doc(scope),
+                         idempotent=True)
+        return bytes.fromhex(doc["namespace"])
+
+    def row_names(self, layout_id: bytes, tokens: TokenIds | None = None, *, group: int,
+                  scope: Scope = DEFAULT_SCOPE, keys: Sequence[bytes] | None = None,
+                  shard: int | None = None) -> list[bytes]:
+        """The row names of every full page of ``tokens`` (or of ``keys``) for ``group``,
+        computed here from the layout. ``shard``: the tensor-parallel rank (default: 0 of
+        a layout of one shard; a layout of several needs it named)."""
+        layout = self.layout(layout_id)
+        page_size(layout, group)
+        count = layout.shard_count
+        if shard is None and count != 1:
+            raise InvalidInput(f"shard: layout {layout_id.hex()[:16]}… has {count} shards; name the "
+                               "shard this call is for")
+        index = 0 if shard is None else shard
+        if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < count:
+            raise InvalidInput(f"shard: expected a shard index in [0, {count}), got {shard!r}")
+        chain = prompt_keys(tokens, keys, layout.tokens_per_page, layout_id, scope)
+        return _row_names(namespace(layout_id, scope), chain, group, count, index)
+
     # ---- storing ---------------------------------------------------------------------
 
-    def _store(self, kind: PutKind, head: bytes, views: list[memoryview]) -> list[bytes]:
+    def _store(self, kind: PutKind, head: bytes, views: list[memoryview],
+               deadline: Deadline | None = None) -> list[bytes]:
         if self.same_host:
-            doc = self._call("POST", "/v1/put/lease", content=head)
+            doc = self._call("POST", "/v1/put/lease", content=head, deadline=deadline)
             names = [bytes.fromhex(n) for n in doc["names"]]
             if doc["lease"] is not None:
                 filled = self._copy_leased(doc["lease"], views, into_slots=True)
-                self.commit(doc["lease"]["id"], [names[i] for i in filled])
+                self._commit_or_release(doc["lease"]["id"], [names[i] for i in filled], deadline)
                 return names
             if not doc["fallback"]:
                 return names  # every row was stored already
         elif self._data_on():
-            stored = self._store_data(head, views)
+            stored = self._store_data(head, views, deadline)
             if stored is not None:
                 return stored
         path = "/v1/put" if kind is PutKind.PAGES else "/v1/put_state"
-        conn = self._conn()
+        conn = self._conn(self._limit(deadline, "the put was not sent"))
         try:
             status, body = send_put(conn, path, head, views, self._auth)
         except (OSError, http.client.HTTPException) as exc:
             conn.close()
+            if deadline is not None and deadline.passed():
+                raise deadline.busy(f"the put to {self.url} was not answered (pages it stored stay)") from exc
             raise TierUnavailable(f"node: put to {self.url} broke off: {exc}; nothing was stored") from exc
         self._give_back(conn)
         if status >= 400:
@@ -365,29 +435,50 @@ class Client:
 
     def put(self, layout_id: bytes, tokens: TokenIds | None = None, *, group: int, pages: Pages,
             scope: Scope = DEFAULT_SCOPE, keys: Sequence[bytes] | None = None, first_page: int = 0,
-            shard: int | None = None) -> list[bytes]:
-        """:meth:`Bank.put` on the node: pages of an ATTENTION group; their row names."""
+            shard: int | None = None, timeout: float | None = None) -> list[bytes]:
+        """:meth:`Bank.put` on the node: pages of an ATTENTION group; their row names.
+
+        ``timeout`` bounds this client's waits on the node (:class:`Busy` once it passed;
+        pages committed before then stay stored, and a put again skips them)."""
+        deadline = deadline_of(timeout)
         layout = self.layout(layout_id)
         size = page_size(layout, group)
         views = page_views(pages, size, "pages")
         head = put_head(PutKind.PAGES, layout_id, tokens, keys, scope, group, first_page,
                               shard, None, views, size)
-        return self._store(PutKind.PAGES, head, views)
+        return self._store(PutKind.PAGES, head, views, deadline)
 
     def put_state(self, layout_id: bytes, tokens: TokenIds | None = None, *, group: int,
-                  state: Any, at: int | None = None, scope: Scope = DEFAULT_SCOPE,
-                  keys: Sequence[bytes] | None = None, shard: int | None = None) -> bytes:
+                  state: torch.Tensor | bytes | bytearray | memoryview, at: int | None = None,
+                  scope: Scope = DEFAULT_SCOPE, keys: Sequence[bytes] | None = None,
+                  shard: int | None = None) -> bytes:
         """:meth:`Bank.put_state` on the node: one STATE snapshot; its row name."""
         layout = self.layout(layout_id)
         size = page_size(layout, group)
-        if hasattr(state, "dim") and state.dim() == 1:
-            state = state.reshape(1, -1)
-        views = page_views(state if hasattr(state, "dim") else [state], size, "state")
+        if isinstance(state, torch.Tensor):
+            views = page_views(state.reshape(1, -1) if state.dim() == 1 else state, size, "state")
+        else:
+            views = page_views([state], size, "state")
         if len(views) != 1:
             raise InvalidInput(f"state: expected one snapshot, got {len(views)}")
         head = put_head(PutKind.STATE, layout_id, tokens, keys, scope, group, 0, shard,
                               at, views, size)
         return self._store(PutKind.STATE, head, views)[0]
+
+    def put_states(self, layout_id: bytes, tokens: TokenIds | None = None, *, group: int,
+                   states: Pages, at: Sequence[int], scope: Scope = DEFAULT_SCOPE,
+                   keys: Sequence[bytes] | None = None, shard: int | None = None) -> list[bytes]:
+        """:meth:`Bank.put_states` on the node: ``states[i]`` after ``at[i]`` tokens; their row
+        names, in the order given. Every snapshot and boundary is checked here before any
+        is sent; then one put of a snapshot each (the node has no batch of them)."""
+        layout = self.layout(layout_id)
+        size = page_size(layout, group)
+        views = page_views(states, size, "states")
+        chain = prompt_keys(tokens, keys, layout.tokens_per_page, layout_id, scope)
+        bounds = snapshot_boundaries(at, len(views), layout.tokens_per_page, len(chain))
+        return [self._store(PutKind.STATE, put_head(PutKind.STATE, layout_id, tokens, keys, scope, group,
+                                                    0, shard, b, [view], size), [view])[0]
+                for view, b in zip(views, bounds, strict=True)]
 
     # ---- matching and fetching -------------------------------------------------------
 
@@ -403,6 +494,26 @@ class Client:
             return self._matched(doc)
         body = prompt_doc(layout_id, tokens, scope, shard, keys, prompt_tokens)
         return self._matched(self._call("POST", "/v1/match", body=body, idempotent=True))
+
+    def resume_at(self, match: Match, tokens: int) -> Match:
+        """:meth:`Bank.resume_at`, computed here: ``match`` resumed at ``tokens``, one of
+        ``match.boundaries`` (or 0), from the tiers the match already found."""
+        if not isinstance(match, Match):
+            raise InvalidInput(f"match: expected a Match, got {type(match).__name__}")
+        return resumed_at(self.layout(match.layout_id), match, tokens)
+
+    def presence(self, layout_id: bytes, tokens: TokenIds | None = None, *,
+                 scope: Scope = DEFAULT_SCOPE, shards: Sequence[int] | None = None,
+                 keys: Sequence[bytes] | None = None, prompt_tokens: int | None = None) -> Presence:
+        """:meth:`Bank.presence` on the node: where the prompt's rows are for every shard
+        (default: all of the layout's), and the boundary all of them can resume at."""
+        body = prompt_doc(layout_id, tokens, scope, None, keys, prompt_tokens)
+        del body["shard"]
+        if shards is not None:
+            if isinstance(shards, (str, bytes)) or not isinstance(shards, Sequence):
+                raise InvalidInput(f"shards: expected a non-empty sequence of shard indices, got {shards!r}")
+            body["shards"] = list(shards)
+        return wire.from_dict(Presence, self._call("POST", "/v1/presence", body=body, idempotent=True))
 
     def out_buffers(self, match: Match) -> dict[int, torch.Tensor]:
         """:meth:`Bank.out_buffers`: new buffers for :meth:`fetch`, sized from the layout."""
@@ -469,21 +580,28 @@ class Client:
         return wire.to_dict(match)
 
     def fetch(self, match: Match, *, out: OutBuffers, fetch_id: str | None = None,
-              max_rows: int | None = None) -> FetchResult:
+              max_rows: int | None = None, timeout: float | None = None) -> FetchResult:
         """:meth:`Bank.fetch` on the node: ``out[g][k]`` receives ``match.resume.pages[g][k]``.
 
         A broken TCP stream is acknowledged up to its last whole row and resumed under
-        the same fetch id until ``retry_s`` has passed."""
+        the same fetch id until ``retry_s`` has passed. ``timeout`` bounds this client's
+        waits: a stream still running then is cut, and the rows that arrived whole are
+        acknowledged and answered (resume with the same fetch id); :class:`Busy` where the
+        node had not answered at all."""
+        deadline = deadline_of(timeout)
         if not isinstance(match, Match):
             raise InvalidInput(f"match: expected a Match, got {type(match).__name__}")
         views = out_views(self.layout(match.layout_id), match.resume.pages, out)
         req = {"match": self._match_doc(match), "fetch_id": fetch_id, "max_rows": max_rows}
-        fetched = self._lent_path(lambda: self._fetch_local(req, views, out), lambda: self._fetch_data(req, views))
+        fetched = self._lent_path(lambda: self._fetch_local(req, views, out, deadline),
+                                  lambda: self._fetch_data(req, views, deadline=deadline))
         if fetched is not None:
             return fetched
-        deadline = time.monotonic() + self._retry
+        retry_end = time.monotonic() + self._retry
+        if deadline is not None:
+            retry_end = min(retry_end, deadline.at)
         while True:
-            conn = self._conn()
+            conn = self._conn(self._limit(deadline, "the fetch stream did not begin"))
             read = fetch_stream(conn, json.dumps({**req, "via": "stream"}).encode(), views, self._auth)
             got, fid, err = read.got, read.fetch_id, read.error
             if err is None:
@@ -493,12 +611,14 @@ class Client:
             if fid is None:  # refused before any stream began
                 if err is not None and isinstance(err, KvbankError):
                     raise err
-                if time.monotonic() < deadline:
+                if time.monotonic() < retry_end:
                     time.sleep(0.05)
                     continue
+                if deadline is not None and deadline.passed():
+                    raise deadline.busy("the fetch stream did not begin") from err
                 raise TierUnavailable(f"node: fetch from {self.url} failed: {err}") from err
             result = self._ack(fid, got, None, read.stream)
-            if err is None or result.complete or time.monotonic() >= deadline:
+            if err is None or result.complete or time.monotonic() >= retry_end:
                 return result
             req["fetch_id"] = fid  # resume from the first undelivered row
 
@@ -530,8 +650,9 @@ class Client:
         return wire.from_dict(FetchResult, doc)
 
     def _fetch_local(self, req: dict[str, Any], views: dict[int, list[memoryview]],
-                     out: OutBuffers) -> FetchResult:
-        return self._read_lease(self._call("POST", "/v1/fetch", body={**req, "via": "lease"}), views, out)
+                     out: OutBuffers, deadline: Deadline | None) -> FetchResult:
+        doc = self._call("POST", "/v1/fetch", body={**req, "via": "lease"}, deadline=deadline)
+        return self._read_lease(doc, views, out)
 
     def _read_lease(self, doc: dict[str, Any], views: dict[int, list[memoryview]],
                     out: OutBuffers) -> FetchResult:
@@ -553,15 +674,26 @@ class Client:
     # ---- leases ----------------------------------------------------------------------
 
     def lend(self, rows: Match | Sequence[bytes], *, mode: LeaseMode = LeaseMode.READ,
-             kind: MemoryKind = MemoryKind.HOST, ttl_s: float | None = None) -> Lease:
-        """A NAMED lease on rows (a Match lends the rows its resume bound needs)."""
+             kind: MemoryKind = MemoryKind.HOST, ttl_s: float | None = None,
+             timeout: float | None = None) -> Lease:
+        """A NAMED lease on rows (a Match lends the rows its resume bound needs).
+
+        ``timeout`` bounds the wait for the node's answer: a lease that comes back after
+        it is released at once, then :class:`Busy` (one whose answer never came ends at
+        its ttl)."""
+        deadline = deadline_of(timeout)
         names = rows.needed if isinstance(rows, Match) else rows
         if isinstance(names, (bytes, str)) or not isinstance(names, Sequence):
             raise InvalidInput(f"names: expected a sequence of row names, got {type(names).__name__}")
         hexed = [name_hex(n, i) for i, n in enumerate(names)]
         doc = self._call("POST", "/v1/leases", body={"names": hexed, "mode": enum_name(mode, LeaseMode, "mode"),
-                                                     "kind": enum_name(kind, MemoryKind, "kind"), "ttl_s": ttl_s})
-        return wire.from_dict(Lease, doc)
+                                                     "kind": enum_name(kind, MemoryKind, "kind"), "ttl_s": ttl_s},
+                         deadline=deadline)
+        lease = wire.from_dict(Lease, doc)
+        if deadline is not None and deadline.passed():
+            self.release(lease.id)  # the caller gave up: hold nothing for it
+            raise deadline.busy("the lease was not ready (it came later and was released)")
+        return lease
 
     def lend_all(self, *, kind: MemoryKind = MemoryKind.HOST, mode: LeaseMode = LeaseMode.READ,
                  ttl_s: float | None = None) -> Lease:
@@ -578,10 +710,24 @@ class Client:
 
     def commit(self, lease_id: str, arrived: Sequence[bytes] | Sequence[bool]) -> CommitResult:
         """Publish the WRITE lease's rows that arrived whole; the rest are discarded."""
+        return self._commit(lease_id, arrived, None)
+
+    def _commit_or_release(self, lease_id: str, arrived: list[bytes], deadline: Deadline | None) -> None:
+        """A put's commit; where its deadline passes first, the lease is released (the
+        caller gave up: nothing is held for it) and :class:`Busy` raised."""
+        try:
+            self._commit(lease_id, arrived, deadline)
+        except Busy:
+            self.release(lease_id)
+            raise
+
+    def _commit(self, lease_id: str, arrived: Sequence[bytes] | Sequence[bool],
+                deadline: Deadline | None) -> CommitResult:
         items = list(arrived)
         body = items if items and all(isinstance(a, bool) for a in items) else [
             a.hex() if isinstance(a, bytes) else a for a in items]
-        doc = self._call("POST", f"/v1/leases/{lease_path_id(lease_id)}/commit", body={"arrived": body})
+        doc = self._call("POST", f"/v1/leases/{lease_path_id(lease_id)}/commit", body={"arrived": body},
+                         deadline=deadline)
         return wire.from_dict(CommitResult, doc)
 
     def check_live(self, lease_id: str) -> None:
@@ -606,9 +752,11 @@ class Client:
         doc = self._call("GET", "/v1/leases", idempotent=True)
         return tuple(wire.from_dict(Lease, d) for d in doc["leases"])
 
-    def flush(self) -> None:
-        """Wait until the node store's mover is idle."""
-        self._call("POST", "/v1/flush")
+    def flush(self, timeout_s: float | None = None) -> None:
+        """Wait until the node store's mover is idle; ``Busy`` after ``timeout_s`` (default:
+        the node store's ``wait_timeout_s``)."""
+        wait = None if timeout_s is None else checks.seconds(timeout_s, "timeout_s")
+        self._call("POST", "/v1/flush", body={"timeout_s": wait}, wait_s=wait)
 
     # ---- the data plane --------------------------------------------------------------
 
@@ -631,10 +779,12 @@ class Client:
         if isinstance(exc, DataPortUnreachable):
             self._data.port = None
 
-    def _store_data(self, head: bytes, views: list[memoryview]) -> list[bytes] | None:
+    def _store_data(self, head: bytes, views: list[memoryview],
+                    deadline: Deadline | None = None) -> list[bytes] | None:
         """A put over the data port: WRITE lease and ticket, the pages, the commit of what
-        arrived whole; the names, or None where the node can lend no slots (put over HTTP)."""
-        doc = self._call("POST", "/v1/put/lease?via=data", content=head)
+        arrived whole; the names, or None where the node can lend no slots (put over HTTP).
+        ``deadline`` bounds the control calls (the pages go at the data port's own pace)."""
+        doc = self._call("POST", "/v1/put/lease?via=data", content=head, deadline=deadline)
         names = [bytes.fromhex(n) for n in doc["names"]]
         lease = doc["lease"]
         if lease is None:
@@ -651,18 +801,22 @@ class Client:
             if isinstance(exc, TierUnavailable):
                 raise TierUnavailable(f"node: put to {self.url} broke off: {exc}; nothing was stored") from exc
             raise
-        self.commit(lease["id"], [names[i] for i, _ in slots])
+        self._commit_or_release(lease["id"], [names[i] for i, _ in slots], deadline)
         return names
 
     def _fetch_data(self, req: dict[str, Any], views: dict[int, list[memoryview]],
-                    first: dict[str, Any] | None = None) -> FetchResult | None:
+                    first: dict[str, Any] | None = None, *,
+                    deadline: Deadline | None = None) -> FetchResult | None:
         """A fetch over the data port, resumed under its fetch id while it breaks off
-        (until ``retry_s``); None where the port cannot be reached (``req`` then names the
-        fetch id, for the HTTP stream to go on with). ``first``: the node's answer to the
-        first call, already made."""
-        deadline = time.monotonic() + self._retry
+        (until ``retry_s``, or ``deadline``); None where the port cannot be reached (``req``
+        then names the fetch id, for the HTTP stream to go on with). ``first``: the node's
+        answer to the first call, already made."""
+        retry_end = time.monotonic() + self._retry
+        if deadline is not None:
+            retry_end = min(retry_end, deadline.at)
         while True:
-            doc, first = first or self._call("POST", "/v1/fetch", body={**req, "via": "data"}), None
+            doc, first = first or self._call("POST", "/v1/fetch", body={**req, "via": "data"},
+                                             deadline=deadline), None
             fid, lease, rows = doc["fetch_id"], doc["lease"], doc["rows"]
             req["fetch_id"] = fid
             if lease is None:
@@ -680,7 +834,7 @@ class Client:
                 raise TierUnavailable(f"node: a fetch answer of an unexpected shape: {exc!r}") from exc
             # the node counts these rows only if the lease outlived the transfer
             result = self._ack(fid, [rows[i][0] for i, _ in slots[:got]], lease["id"])
-            if err is None or result.complete or time.monotonic() >= deadline:
+            if err is None or result.complete or time.monotonic() >= retry_end:
                 return result
             time.sleep(0.01)
 

@@ -9,6 +9,8 @@
   ``prompt``), checked first (:func:`check_prompt`).
 - :func:`lease_slots` / :func:`merged_copies` — a same-host lease's slots form as the
   copies to make, rows lying back to back merged into one.
+- :func:`deadline_of` — a call's ``timeout=`` as a :class:`Deadline` on this process's
+  monotonic clock (the node takes none: the client bounds its own waits).
 
 httpx is not used here: it reads a body in 64 KiB ``bytes`` chunks the caller must copy
 again, which measured 0.55–0.78× raw TCP against ``readinto``'s 1.0×.
@@ -19,6 +21,7 @@ from __future__ import annotations
 import base64
 import http.client
 import json
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -26,9 +29,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvbank import wire
+from kvbank import checks, wire
 from kvbank.buffers import OutBuffers
-from kvbank.errors import InvalidInput, KvbankError, TierUnavailable
+from kvbank.errors import Busy, InvalidInput, KvbankError, TierUnavailable
 from kvbank.keys import PAGE_KEY_BYTES, Scope, TokenIds, tokens_to_bytes
 from kvbank.layout import PageLayout
 from kvbank.lender.base import LeaseMode, MemoryKind
@@ -60,6 +63,33 @@ class StreamRead:
     fetch_id: str | None
     stream: str | None
     error: BaseException | None
+
+
+@dataclass(frozen=True, slots=True)
+class Deadline:
+    """A call's ``timeout=`` seconds, ending at ``at`` on ``time.monotonic``."""
+
+    timeout: float
+    at: float
+
+    def left(self) -> float:
+        """Seconds left (<= 0: passed)."""
+        return self.at - time.monotonic()
+
+    def passed(self) -> bool:
+        return time.monotonic() >= self.at
+
+    def busy(self, what: str) -> Busy:
+        """The error of a call that gave up: ``what`` happened, not within the deadline."""
+        return Busy(f"timeout: {what} within its {self.timeout} s deadline", field="timeout")
+
+
+def deadline_of(timeout: float | None) -> Deadline | None:
+    """``timeout`` (seconds, or None: no deadline), checked as a Bank checks it."""
+    if timeout is None:
+        return None
+    seconds = checks.seconds(timeout, "timeout")
+    return Deadline(seconds, time.monotonic() + seconds)
 
 
 def send_put(conn: http.client.HTTPConnection, path: str, head: bytes,

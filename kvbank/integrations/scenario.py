@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from kvbank.api import WorkerAPI
 from kvbank.integrations import transformers as kt
 from kvbank.keys import DEFAULT_SCOPE, Scope
 
@@ -98,7 +99,7 @@ def _generate(model: Any, ids: torch.Tensor, cache: Any, n: int) -> list[int]:
 
 
 def store_system_prompt(
-    bank: kt.BankLike,
+    bank: WorkerAPI,
     model: Any | None = None,
     *,
     system_tokens: int = 2048,
@@ -115,7 +116,7 @@ def store_system_prompt(
 
 
 def resume_system_prompt(
-    bank: kt.BankLike,
+    bank: WorkerAPI,
     model: Any | None = None,
     *,
     system_tokens: int = 2048,
@@ -166,7 +167,7 @@ def resume_system_prompt(
 
 
 def shared_prompt_scenario(
-    bank: kt.BankLike,
+    bank: WorkerAPI,
     model: Any | None = None,
     *,
     system_tokens: int = 2048,

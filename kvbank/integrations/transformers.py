@@ -11,8 +11,9 @@ never imports transformers). User code::
     got = kt.load(bank, hl, model, prompt_b)        # worker B: a DynamicCache of r tokens
     out = model.generate(got.generate_ids, cache=got.cache)  # computes prompt_b[r:]
 
-``bank`` is anything with :class:`~kvbank.Bank`'s API (``register``, ``put``,
-``put_state``, ``match``, ``fetch``); the node service's client has the same one.
+``bank`` is a :class:`~kvbank.api.WorkerAPI`: a :class:`~kvbank.Bank`, or a
+:class:`~kvbank.Client` of a served node (the adapter calls ``register``, ``put``,
+``put_states``, ``fetch_prefix``).
 
 Primitives:
 
@@ -40,14 +41,14 @@ multi-token forward (transformers' Jamba mixer in 5.24) cannot be chunked or res
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import torch
 
-from kvbank.buffers import fetched
+from kvbank.api import WorkerAPI
 from kvbank.errors import InvalidInput, UnknownLayout
 from kvbank.integrations._hf_cache import (
     CacheLayerMap,
@@ -60,12 +61,11 @@ from kvbank.integrations._hf_cache import (
 )
 from kvbank.integrations._hf_layout import ModelLayout, fresh_cache, layout_for, model_fingerprint
 from kvbank.keys import DEFAULT_SCOPE, RowName, Scope, page_keys
-from kvbank.layout import GroupKind, PageLayout
+from kvbank.layout import GroupKind
 from kvbank.results import Fetched, FetchResult, Match
 
 __all__ = [
     "DEFAULT_SNAPSHOT_PAGES",
-    "BankLike",
     "CacheLayerMap",
     "Fetched",
     "LayerKind",
@@ -89,26 +89,6 @@ Tokens = Sequence[int] | torch.Tensor  # 1-D, or [1, T]
 # into 256-token chunks was measured 2.2x slower than one forward, into 16-token chunks
 # 10x: a snapshot at every page would cost more than it saves.
 DEFAULT_SNAPSHOT_PAGES = 16
-
-
-class BankLike(Protocol):
-    """What the adapter needs of a bank: :class:`~kvbank.Bank` and its service client."""
-
-    def register(self, layout: PageLayout) -> bytes: ...
-
-    def put(self, layout_id: bytes, tokens: Any = None, *, group: int, pages: Any,
-            scope: Scope = ..., keys: Sequence[bytes] | None = None, first_page: int = 0,
-            shard: int | None = None) -> list[bytes]: ...
-
-    def put_state(self, layout_id: bytes, tokens: Any = None, *, group: int, state: Any,
-                  at: int | None = None, scope: Scope = ...,
-                  keys: Sequence[bytes] | None = None, shard: int | None = None) -> bytes: ...
-
-    def match(self, layout_id: bytes, tokens: Any, *, scope: Scope = ...,
-              shard: int | None = None) -> Match: ...
-
-    def fetch(self, match: Match, *, out: Any, fetch_id: str | None = None,
-              max_rows: int | None = None) -> FetchResult: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,7 +159,7 @@ def _boundaries(hl: ModelLayout, t: int, snapshot_every: int) -> list[int]:
 
 
 def store(
-    bank: BankLike,
+    bank: WorkerAPI,
     hl: ModelLayout,
     model: HfModel,
     tokens: Tokens,
@@ -228,16 +208,8 @@ def store(
             bank.put(lid, group=g, pages=pages, scope=scope, keys=keys, shard=shard)
             counts[g], nbytes = keyed, nbytes + pages.numel()
     if hl.state_group is not None and snapshots:
-        # Bank.put_states takes them all in one call; a bank without it (a client of an
-        # older node) gets one put_state a snapshot.
-        put_states = getattr(bank, "put_states", None)
-        if put_states is not None:
-            put_states(lid, group=sg, states=torch.stack([page for _, page in snapshots]),
-                       at=[at for at, _ in snapshots], scope=scope, keys=keys, shard=shard)
-        else:
-            for at, page in snapshots:
-                bank.put_state(lid, group=sg, state=page, at=at, scope=scope, keys=keys,
-                               shard=shard)
+        bank.put_states(lid, group=sg, states=torch.stack([page for _, page in snapshots]),
+                        at=[at for at, _ in snapshots], scope=scope, keys=keys, shard=shard)
         counts[hl.state_group] = len(snapshots)
         nbytes += sum(page.numel() for _, page in snapshots)
     for i in recording:  # back to transformers' own bookkeeping: the last S - 1 tokens
@@ -251,7 +223,7 @@ def store(
 
 
 def fetch_pages(
-    bank: BankLike,
+    bank: WorkerAPI,
     hl: ModelLayout,
     tokens: Tokens,
     *,
@@ -262,19 +234,11 @@ def fetch_pages(
     if not isinstance(hl, ModelLayout):
         raise InvalidInput(f"hl: expected a ModelLayout, got {type(hl).__name__}")
     ids = _ids(tokens, torch.device("cpu")).numpy()
-    # Bank and Client match and fetch in one call (a node on this host: one round trip),
-    # into new buffers; a bank with only the protocol's calls, in two.
-    prefix: Callable[..., Fetched] | None = getattr(bank, "fetch_prefix", None)
+    # Match and fetch in one call (a node on this host: one round trip), into new buffers.
     try:  # the id is the layout's own hash: register only when the bank does not know it
-        if prefix is not None:
-            return prefix(hl.layout_id, ids, scope=scope, shard=shard)
-        m = bank.match(hl.layout_id, ids, scope=scope, shard=shard)
+        return bank.fetch_prefix(hl.layout_id, ids, scope=scope, shard=shard)
     except UnknownLayout:
-        lid = bank.register(hl.layout)
-        if prefix is not None:
-            return prefix(lid, ids, scope=scope, shard=shard)
-        m = bank.match(lid, ids, scope=scope, shard=shard)
-    return fetched(hl.layout, m, None, lambda out: bank.fetch(m, out=out))
+        return bank.fetch_prefix(bank.register(hl.layout), ids, scope=scope, shard=shard)
 
 
 def build_cache(hl: ModelLayout, model: HfModel, tokens: Tokens, fetched: Fetched) -> Loaded:
@@ -312,7 +276,7 @@ def _build_cache(hl: ModelLayout, model: HfModel, tokens: Tokens, fetched: Fetch
 
 
 def load(
-    bank: BankLike,
+    bank: WorkerAPI,
     hl: ModelLayout,
     model: HfModel,
     tokens: Tokens,

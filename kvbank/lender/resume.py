@@ -22,19 +22,26 @@ The set of valid ``r`` is not monotone (an evicted window can block a high bound
 a lower one is whole; a snapshot exists only at some boundaries), so every candidate is
 checked from the top down — no binary search. Presence is read once per keyed page and
 turned into prefix sums, so each candidate costs O(groups). :func:`resume_boundaries`
-lists every usable ``r``; ``resume_bound(..., at=r)`` gives the rows for one of them.
+lists every usable ``r``; ``resume_bound(..., at=r)`` gives the rows for one of them, and
+:func:`resumed_at` a match resumed there (a pure function of the match: Bank and Client
+both answer ``resume_at`` with it).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import accumulate
+from typing import TYPE_CHECKING
 
 from kvbank import checks
 from kvbank.errors import InvalidInput
 from kvbank.layout import GroupKind, PageLayout
+
+if TYPE_CHECKING:
+    from kvbank.results import Match
 
 Presence = Callable[[int, int], bool]  # (group index, key index) -> the row is available
 
@@ -267,3 +274,10 @@ def resume_boundaries(layout: PageLayout, prompt_tokens: int, present: Presence)
     """Every usable boundary ``r > 0`` of the prompt, ascending (an engine that caches by
     prefix length asks for all of them; the set is not monotone, see the module text)."""
     return _Availability(layout, prompt_tokens, present, None).boundaries()
+
+
+def resumed_at(layout: PageLayout, match: Match, tokens: int) -> Match:
+    """``match`` with its bound at ``tokens`` (one of ``match.boundaries``, or 0): the rows
+    of that boundary, from the tiers the match already found."""
+    at = resume_bound(layout, match.prompt_tokens, Columns(match.tiers), match.names, at=tokens)
+    return dataclasses.replace(match, resume=at)

@@ -8,13 +8,15 @@ route                                    what it does
 ``GET  /v1/health``                      the store's health (each tier, the mover)
 ``POST /v1/locate``                      row names → the tier holding each (or null)
 ``GET  /v1/leases``                      every live lease
-``POST /v1/flush``                       wait until the mover is idle
+``POST /v1/flush``                       wait until the mover is idle (``timeout_s``)
 ``POST /v1/layouts``                     register a layout (wire form) → ``layout_id``
 ``GET  /v1/layouts/{layout_id}``         the registered layout
+``POST /v1/layouts/{layout_id}/scopes``  register a scope for leases → ``namespace``
 ``POST /v1/put``, ``/v1/put_state``      binary put body (:mod:`~kvbank.wire.framing`)
 ``POST /v1/put/lease``                   same body without pages → names + a WRITE lease
                                          (``?via=data``: + a data-port ticket for it)
 ``POST /v1/match``                       layout id, tokens (or keys), scope → a Match
+``POST /v1/presence``                    the same prompt, ``shards`` → a Presence
 ``POST /v1/fetch``                       a Match → streamed rows (or, ``via="lease"``, a
                                          READ lease on them; ``via="data"``: that lease
                                          and a data-port ticket for it)
@@ -131,6 +133,20 @@ class MatchBody(BaseModel):
     shard: int | None = None
 
 
+class PresenceBody(BaseModel):
+    layout_id: str = Field(description="hex of the 32-byte layout id")
+    tokens: list[int] | None = Field(None, description="token ids")
+    tokens_b64: str | None = Field(None, description="token ids as base64 of little-endian int32")
+    keys: list[str] | None = Field(None, description="an engine's page-key chain (hex), instead of tokens")
+    prompt_tokens: int | None = Field(None, ge=0, description="the prompt's length, with keys")
+    scope: ScopeBody = ScopeBody()
+    shards: list[int] | None = Field(None, description="shard indices (default: every shard of the layout)")
+
+
+class FlushBody(BaseModel):
+    timeout_s: float | None = Field(None, ge=0, description="Busy after this long (default: the store's wait_timeout_s)")
+
+
 class FetchBody(BaseModel):
     match: dict[str, Any] | None = Field(None, description="a Match in its wire form")
     prompt: MatchBody | None = Field(
@@ -238,8 +254,8 @@ def create_app(node: Node) -> FastAPI:
         return _json({"leases": [_lease(x) for x in guard.leases(request, await node.call(bank.leases))]})
 
     @app.post("/v1/flush")
-    async def flush() -> Response:
-        await node.call(bank.flush)
+    async def flush(body: FlushBody | None = None) -> Response:
+        await node.call(bank.flush, None if body is None else body.timeout_s)
         return _json({"flushed": True})
 
     @app.post("/v1/layouts", responses=_links(get_layout=("get_layout_v1_layouts__layout_id__get",
@@ -253,6 +269,12 @@ def create_app(node: Node) -> FastAPI:
     async def get_layout(layout_id: str) -> Response:
         layout = await node.call(bank.layout, _hex(layout_id, "layout_id", 32))
         return _json(wire.to_dict(layout))
+
+    @app.post("/v1/layouts/{layout_id}/scopes")
+    async def register_scope(layout_id: str, body: ScopeBody, request: Request) -> Response:
+        lid = _hex(layout_id, "layout_id", 32)
+        scope = guard.scope(request, lid, body.scope())
+        return _json({"namespace": (await node.call(bank.register_scope, lid, scope)).hex()})
 
     @app.post("/v1/put", openapi_extra=_binary_doc("pages"))
     async def put(request: Request) -> Response:
@@ -294,8 +316,15 @@ def create_app(node: Node) -> FastAPI:
         lid, args = prompt_args(request, body)
         return await matched(lid, args)
 
-    def prompt_args(request: Request, body: MatchBody) -> tuple[bytes, dict[str, Any]]:
-        """The layout id and ``Bank.match`` keyword arguments of a JSON match body."""
+    @app.post("/v1/presence")
+    async def presence(body: PresenceBody, request: Request) -> Response:
+        lid, args = prompt_args(request, body)
+        del args["shard"]
+        got = await node.call(bank.presence, lid, shards=body.shards, **args)
+        return _json(wire.to_dict(got))
+
+    def prompt_args(request: Request, body: MatchBody | PresenceBody) -> tuple[bytes, dict[str, Any]]:
+        """The layout id and ``Bank.match`` keyword arguments of a JSON match (or presence) body."""
         lid = _hex(body.layout_id, "layout_id", 32)
         scope = guard.scope(request, lid, body.scope.scope())
         given = [x is not None for x in (body.tokens, body.tokens_b64, body.keys)]
@@ -313,7 +342,8 @@ def create_app(node: Node) -> FastAPI:
             if len(raw) % 4:
                 raise InvalidInput(f"tokens_b64: {len(raw)} bytes, not whole int32 tokens")
             tokens = np.frombuffer(raw, dtype="<i4")
-        return lid, dict(tokens=tokens, scope=scope, shard=body.shard, keys=keys,
+        shard = body.shard if isinstance(body, MatchBody) else None
+        return lid, dict(tokens=tokens, scope=scope, shard=shard, keys=keys,
                          prompt_tokens=body.prompt_tokens)
 
     async def matched(lid: bytes, args: dict[str, Any]) -> Response:

@@ -317,24 +317,30 @@ def test_resume_on_a_cuda_model_from_host_pages(bank: Bank) -> None:
     assert torch.allclose(_logits(model, got.rest, got.cache), ref, atol=5e-3)
 
 
-class _ProtocolOnly:
-    """A real bank seen through exactly the BankLike calls (no put_states): how a client
-    of a node without the batch call looks to the adapter."""
+class _Recording:
+    """A real bank that records the names of the calls the adapter makes on it."""
 
     def __init__(self, bank: Bank) -> None:
-        self.register, self.put, self.put_state = bank.register, bank.put, bank.put_state
-        self.match, self.fetch = bank.match, bank.fetch
+        self.bank, self.calls = bank, list[str]()
+
+    def __getattr__(self, name: str) -> Any:
+        self.calls.append(name)
+        return getattr(self.bank, name)
 
 
-def test_store_without_the_batch_call_puts_one_snapshot_at_a_time(bank: Bank) -> None:
+def test_store_puts_every_snapshot_in_one_call_and_load_fetches_in_one(bank: Bank) -> None:
+    """The adapter takes a WorkerAPI, so it uses the batch calls every bank has: one
+    put_states for all snapshots, one fetch_prefix for the match and the fetch."""
     model = M.build("mamba2", "float32")
     a, b = M.prompts()
     hl = kt.layout_for(model, tokens_per_page=8)
-    plain = _ProtocolOnly(bank)
-    assert not hasattr(plain, "put_states")
-    stored = kt.store(plain, hl, model, a, snapshot_every=5)
+    rec = _Recording(bank)
+    stored = kt.store(rec, hl, model, a, snapshot_every=5)
     assert stored.snapshots == (40, 48)
-    got = kt.load(plain, hl, model, b)
+    assert rec.calls.count("put_states") == 1 and "put_state" not in rec.calls
+    rec.calls.clear()
+    got = kt.load(rec, hl, model, b)
+    assert rec.calls == ["fetch_prefix"]
     assert got.tokens == 40
     assert torch.allclose(_logits(model, got.rest, got.cache),
                           _logits(model, torch.tensor([b]), None), atol=1e-4)

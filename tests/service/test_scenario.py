@@ -12,15 +12,17 @@ import torch
 
 from kvbank import Bank, Client, LeaseMode, MemoryKind, Scope, full_attention, hybrid_mamba
 from kvbank.errors import (
+    Busy,
     InvalidInput,
     InvalidTokens,
     LeaseNotFound,
     PageSizeMismatch,
     UnknownLayout,
 )
+from kvbank.keys import namespace, page_keys
 from kvbank.lender.base import CommitResult, Delivery, Lease
 from kvbank.lender.resume import Obstacle
-from kvbank.results import BankStats, FetchResult, Match
+from kvbank.results import BankStats, FetchResult, Match, Presence
 from kvbank.service.launch import NodeProcess
 from kvbank.tiers.base import TierKind
 
@@ -57,8 +59,6 @@ def test_scenario_same_results_on_bank_and_client(api: Any, request: pytest.Fixt
 
     m = api.match(lid, [*prompt[:90], 7, 7, 7], scope=scope)
     assert isinstance(m, Match) and m.resume.tokens == 80 and m.resume.row_count == 5
-    from kvbank.keys import page_keys
-
     by_keys = api.match(lid, keys=page_keys([*prompt[:90], 7, 7, 7], FA.tokens_per_page, scope), scope=scope,
                         prompt_tokens=93)
     assert by_keys.resume.tokens == 80 and by_keys.resume.rows == m.resume.rows
@@ -95,8 +95,7 @@ def test_scenario_same_results_on_bank_and_client(api: Any, request: pytest.Fixt
         api.renew(lease.id)
 
     more = prompt + list(range(7000, 7032))
-    new = api.row_names(lid, more, group=0, scope=scope)[6:] if isinstance(api, Bank) else None
-    wl = api.lend(new if new is not None else _names(api, lid, more, scope)[6:], mode=LeaseMode.WRITE)
+    wl = api.lend(api.row_names(lid, more, group=0, scope=scope)[6:], mode=LeaseMode.WRITE)
     assert [r.delivery for r in wl.rows] == [Delivery.RESERVED] * 2
     done = api.commit(wl.id, [wl.rows[0].name])
     assert isinstance(done, CommitResult) and done.committed == (wl.rows[0].name,)
@@ -122,11 +121,64 @@ def test_scenario_same_results_on_bank_and_client(api: Any, request: pytest.Fixt
     api.flush()
 
 
-def _names(client: Client, lid: bytes, tokens: list[int], scope: Scope) -> list[bytes]:
-    from kvbank.keys import namespace, page_keys, row_names
+def test_scenario_the_rest_of_the_worker_contract_on_bank_and_client(
+        api: Any, request: pytest.FixtureRequest) -> None:
+    """The WorkerAPI calls the scenario above leaves out answer alike on the bank and on a
+    node (both paths): row_names, register_scope, resume_at, presence, put_states, the
+    ``timeout=`` deadlines and flush's ``timeout_s``."""
+    scope = Scope(tenant="t", cache_salt=f"{request.node.callspec.id}-contract")
+    lid = api.register(FA)
+    prompt = list(range(6000, 6100))  # 6 full pages
+    names = api.row_names(lid, prompt, group=0, scope=scope)
+    assert len(names) == 6 and names == api.row_names(
+        lid, keys=page_keys(prompt, FA.tokens_per_page, scope), group=0, scope=scope)
+    assert api.register_scope(lid, scope) == namespace(lid, scope) == names[0][:16]
+    with pytest.raises(UnknownLayout):
+        api.register_scope(b"\x02" * 32, scope)
 
-    keys = page_keys(tokens, FA.tokens_per_page, scope)
-    return row_names(namespace(lid, scope), keys, 0, FA.shard_count, FA.shard_index)
+    pages = rand(6, PAGE, seed=3)
+    with pytest.raises(Busy, match="timeout"):
+        api.put(lid, prompt, group=0, pages=pages, scope=scope, timeout=0)
+    with pytest.raises(InvalidInput, match="timeout"):
+        api.put(lid, prompt, group=0, pages=pages, scope=scope, timeout=-1)
+    assert api.put(lid, prompt, group=0, pages=pages, scope=scope, timeout=30) == names
+    m = api.match(lid, prompt, scope=scope)
+    assert m.resume.tokens == 96 and m.boundaries == (16, 32, 48, 64, 80, 96)
+    low = api.resume_at(m, 32)
+    assert low.resume.tokens == 32 and low.needed == names[:2]
+    with pytest.raises(InvalidInput, match="at"):
+        api.resume_at(m, 33)
+    out = api.out_buffers(low)
+    if isinstance(api, Bank):  # a deadline already passed: kvbank.api, difference 3
+        assert not api.fetch(low, out=out, timeout=0).complete
+    else:
+        with pytest.raises(Busy, match="timeout"):
+            api.fetch(low, out=out, timeout=0)
+    got = api.fetch(low, out=out, timeout=30)
+    assert got.complete and got.resume.tokens == 32 and torch.equal(out[0], pages[:2])
+    with pytest.raises(Busy, match="timeout"):
+        api.lend(low, timeout=0)
+    lease = api.lend(low, timeout=30)
+    assert api.release(lease.id) is True
+
+    seen = api.presence(lid, prompt, scope=scope)
+    assert isinstance(seen, Presence) and seen.shards == (0,) and seen.tokens == 96
+    assert seen.held(0, 0, 5) and api.presence(lid, prompt, scope=scope, shards=[0]).shard_tokens == (96,)
+    with pytest.raises(InvalidInput, match="shards"):
+        api.presence(lid, prompt, scope=scope, shards=[1])
+
+    mid = api.register(MAMBA)
+    p = MAMBA.tokens_per_page
+    toks = list(range(4 * p))
+    states = rand(2, MAMBA.group_page_bytes[1], seed=4)
+    snaps = api.row_names(mid, toks, group=1, scope=scope)
+    with pytest.raises(InvalidInput, match=r"at\[1\]"):  # checked before any is stored
+        api.put_states(mid, toks, group=1, states=states, at=[p, 5 * p], scope=scope)
+    assert api.locate([snaps[0]]) == [None]
+    assert api.put_states(mid, toks, group=1, states=states, at=[2 * p, 4 * p], scope=scope) == \
+        [snaps[1], snaps[3]]
+    assert api.locate([snaps[1], snaps[3]]) == [TierKind.HOST, TierKind.HOST]
+    api.flush(timeout_s=30)
 
 
 def test_scenario_same_exceptions_on_bank_and_client(api: Any) -> None:

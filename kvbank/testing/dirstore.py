@@ -3,7 +3,7 @@
 It shows that a new tier is one file: :class:`DirFrameStore` subclasses
 :class:`~kvbank.tiers.base.FrameStoreBase`, writes the single-row calls and leaves
 ``write_frames`` to the base's loop; importing this module registers it for ``dir://``
-remote URLs (:func:`kvbank.tiers.remote.register_remote`), so a ``TieredStore`` with
+remote URLs (:func:`kvbank.tiers.schemes.register_remote`), so a ``TieredStore`` with
 ``remote_url="dir:///some/path"`` spills into it without a change to the store. It passes
 :class:`~kvbank.testing.frames.FrameStoreTests`.
 
@@ -54,7 +54,7 @@ from kvbank.errors import (
 )
 from kvbank.keys import ROW_NAME_BYTES
 from kvbank.tiers.base import Buffer, FrameRow, FrameStore, FrameStoreBase, check_name
-from kvbank.tiers.remote import register_remote
+from kvbank.tiers.schemes import register_remote
 
 __all__ = ["SCHEME", "DirFrameStore", "open_dir_url"]
 

@@ -2,14 +2,9 @@
 
 Primitives:
 
-- :func:`open_remote` — the tier from a bank's config (``remote_url``, ``remote_bytes``),
-  its factory chosen by the URL's scheme from one table (LMCache's adapters):
-  ``redis://``, ``rediss://`` and ``unix://`` open a :class:`RedisFrameStore`, and so do
-  cluster seeds ``host:port,host:port`` (no scheme). :func:`register_remote` adds a
-  scheme, so a new frame store plugs in without touching the store
-  (:mod:`kvbank.testing.dirstore` registers ``dir://``). An unknown scheme is
-  ``ConfigError`` naming the known ones. Clients and buckets come from
-  :mod:`kvbank.tiers.redis_client`.
+- It is opened by :func:`kvbank.tiers.schemes.open_remote` for a ``redis://``,
+  ``rediss://`` or ``unix://`` ``remote_url``, or Redis Cluster seeds
+  ``host:port,host:port``. Clients and buckets come from :mod:`kvbank.tiers.redis_client`.
 - :class:`RedisFrameStore` — the :class:`~kvbank.tiers.base.FrameStore` contract over
   Redis. A row is two keys in its bucket: ``<ns>{bNNN}f<name>`` holds the codec frame
   (``SET … PX ttl``) and the bucket hash ``<ns>{bNNN}m`` holds its metadata (frame and raw
@@ -46,7 +41,7 @@ import logging
 import struct
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from kvbank.codec import (
@@ -58,18 +53,15 @@ from kvbank.codec import (
     encode,
     frame_info,
 )
-from kvbank.config import BankConfig
 from kvbank.errors import (
-    ConfigError,
     CorruptPage,
     InvalidInput,
     PageSizeMismatch,
-    TierError,
     TierFull,
     TierUnavailable,
 )
 from kvbank.keys import ROW_NAME_BYTES
-from kvbank.tiers.base import Buffer, FrameHealth, FrameRow, FrameStore, FrameStoreBase, check_name
+from kvbank.tiers.base import Buffer, FrameHealth, FrameRow, FrameStoreBase, check_name
 from kvbank.tiers.redis_client import (
     BUCKETS,
     RedisClient,
@@ -79,8 +71,8 @@ from kvbank.tiers.redis_client import (
     redis,  # redis-py, or the error naming kvbank[fleet]
 )
 
-__all__ = ["BUCKETS", "RedisClient", "RedisFrameStore", "RemoteFactory", "bucket_of",
-           "bucket_tag", "connect", "open_remote", "register_remote", "remote_schemes"]
+__all__ = ["BUCKETS", "RedisClient", "RedisFrameStore", "bucket_of",
+           "bucket_tag", "connect"]
 
 logger = logging.getLogger(__name__)
 
@@ -106,60 +98,6 @@ redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[4])
 redis.call('HSET', KEYS[2], ARGV[1], ARGV[3])
 return old_len
 """
-
-
-RemoteFactory = Callable[[str, int], FrameStore]  # (remote_url, remote_bytes) -> open store
-SEEDS = ""  # the table's key for a URL with no scheme: Redis Cluster seeds host:port,...
-
-
-def _open_redis(url: str, budget: int) -> FrameStore:
-    seeds = [s.strip() for s in url.split(",") if s.strip()] if "://" not in url else []
-    # Few retries: a read that misses locally must not wait out a Redis outage (the
-    # reference retry policy hides ~6 s); a miss is the right answer then.
-    return RedisFrameStore(connect(None if seeds else url, cluster=seeds, retries=2), budget,
-                           own_client=True)
-
-
-_FACTORIES: dict[str, RemoteFactory] = {
-    "redis": _open_redis, "rediss": _open_redis, "unix": _open_redis, SEEDS: _open_redis}
-
-
-def register_remote(scheme: str, factory: RemoteFactory) -> None:
-    """Open ``scheme://…`` remote URLs with ``factory(url, budget)`` (replacing any)."""
-    if not isinstance(scheme, str) or not scheme.isascii() or not scheme.isidentifier() \
-            or scheme != scheme.lower():
-        raise InvalidInput(f"scheme: expected a lower-case name like 'redis', got {scheme!r}")
-    _FACTORIES[scheme] = factory
-
-
-def remote_schemes() -> list[str]:
-    """The schemes a ``remote_url`` may have, sorted."""
-    return sorted(s for s in _FACTORIES if s)
-
-
-def scheme_of(url: str) -> str:
-    """The URL's scheme, lower case; :data:`SEEDS` when it has none."""
-    return url.split("://", 1)[0].lower() if "://" in url else SEEDS
-
-
-def open_remote(config: BankConfig, notes: list[str]) -> FrameStore | None:
-    """The remote tier when configured, by its URL's scheme; unreachable at open = off,
-    with a note (the node serves its own tiers; a remote tier is an extra, never a
-    dependency). ``ConfigError`` for a scheme no factory is registered for."""
-    if not config.remote_url or config.remote_bytes <= 0:
-        return None
-    url = config.remote_url
-    factory = _FACTORIES.get(scheme_of(url))
-    if factory is None:
-        raise ConfigError(f"remote_url: no remote tier for the scheme {scheme_of(url)!r} of "
-                          f"{url!r}; known schemes: {remote_schemes()} (or Redis Cluster "
-                          "seeds host:port,host:port)", field="remote_url")
-    try:
-        return factory(url, config.remote_bytes)
-    except TierError as exc:
-        notes.append(f"remote tier off: {exc}")
-        logger.warning("remote tier off: %s", exc)
-        return None
 
 
 def _pack_meta(frame_len: int, raw_len: int, seq: int, expiry_ms: int, dtype: str,

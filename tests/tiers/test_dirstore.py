@@ -15,7 +15,7 @@ from kvbank.testing.dirstore import DirFrameStore
 from kvbank.testing.frames import FrameStoreTests
 from kvbank.testing.tiers import name_of, page_of
 from kvbank.tiers.base import FrameStore, TierKind
-from kvbank.tiers.remote import open_remote, remote_schemes
+from kvbank.tiers.schemes import open_remote, remote_schemes
 
 from .conftest import MakeStore
 from .store.test_stats import assert_counters_agree

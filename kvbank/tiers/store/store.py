@@ -81,6 +81,7 @@ from kvbank.tiers.base import Buffer, FrameStore, TierKind, as_bytes_view, check
 from kvbank.tiers.device import DevicePool, device_budget
 from kvbank.tiers.host import HostSlab
 from kvbank.tiers.index import DEV, DISK, HOST, KIND_OF_BIT
+from kvbank.tiers.schemes import open_remote
 from kvbank.tiers.store import admin, placement, reads, writes
 from kvbank.tiers.store import persist as persistence
 from kvbank.tiers.store.check import check
@@ -153,12 +154,9 @@ class TieredStore:
                 frames.append(disk)
                 if disk.salvaged is not None:
                     notes.append(disk.salvaged.summary())
-                if config.remote_url:  # redis-py (kvbank[fleet]) loads only for a remote tier
-                    from kvbank.tiers.remote import open_remote
-
-                    remote = open_remote(config, notes)  # the coldest frame store, below the disk
-                    if remote is not None:
-                        frames.append(remote)
+                remote = open_remote(config, notes)  # the coldest frame store, below the disk
+                if remote is not None:
+                    frames.append(remote)
             if device is None and host is None and not frames:
                 raise ConfigError(
                     "host_bytes: the store has no tier: host_bytes is 0, the device tier is "

@@ -16,7 +16,7 @@ held on disk are decoded into host slots a batch ahead of the socket instead of 
 body being built first. The batches' leases are held until the client acknowledges *this
 stream* (the transport may still be sending from a slot after its last ``write``
 returned: uvloop keeps a pointer, not a copy, and holds no buffer export one could test);
-then :meth:`Lender.finish_read` confirms each lease outlived the send, and only then are
+then :meth:`Lender.check_live` confirms each lease outlived the send, and only then are
 its rows *verified* (see :mod:`kvbank.service.node`). Nothing else ends them early: not
 a resume of the same fetch id, not the node forgetting the fetch.
 """
@@ -33,11 +33,11 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
+from kvbank.bank import puts
 from kvbank.errors import (
     InvalidInput,
     KvbankError,
     LeaseConflict,
-    PageSizeMismatch,
     TierError,
 )
 from kvbank.keys import PAGE_KEY_BYTES
@@ -216,20 +216,14 @@ def _reserved(lease: Lease, name: bytes) -> bool:
 
 
 def plan_put(node: Node, header: PutHeader, key_bytes: bytes | bytearray) -> tuple[list[bytes], Any, Any]:
-    """Check a put header against its layout; the row names it will store, and the
-    tokens or keys it named (for ``Bank.put`` on the fallback path)."""
+    """Check a put header against its layout (the rules are :mod:`kvbank.bank.puts`); the
+    row names it will store, and the tokens or keys it named (for ``Bank.put`` on the
+    fallback path)."""
     bank = node.bank
     layout = bank.layout(header.layout_id)
-    g = header.group
-    if not 0 <= g < len(layout.groups):
-        raise InvalidInput(f"header.group: expected a group index in [0, {len(layout.groups)}), got {g}")
     want = GroupKind.STATE if header.kind is PutKind.STATE else GroupKind.ATTENTION
-    if layout.groups[g].kind is not want:
-        raise InvalidInput(f"header.group: group {g} is a {layout.groups[g].kind.name} group; "
-                           f"this route takes {want.name} groups")
-    size = layout.group_page_bytes[g]
-    if header.page_bytes != size:
-        raise PageSizeMismatch(f"header.page_bytes: {header.page_bytes}, the layout's page is {size} bytes")
+    g = puts.put_group(layout, header.group, want, field="header.group", route="this route")
+    puts.check_page_bytes(layout, g, header.page_bytes, "header.page_bytes")
     scope = KeyScope(header.tenant, header.cache_salt, header.lora)
     tokens = keys = None
     if header.tokens is not None:
@@ -241,18 +235,11 @@ def plan_put(node: Node, header: PutHeader, key_bytes: bytes | bytearray) -> tup
     # these rows can describe them (their page size and regions).
     bank.register_scope(header.layout_id, scope)
     chain = bank.row_names(header.layout_id, tokens, group=g, scope=scope, keys=keys, shard=header.shard)
-    p = layout.tokens_per_page
     if header.kind is PutKind.PAGES:
-        if header.first_page + header.pages > len(chain):
-            raise InvalidInput(f"header.pages: {header.pages} pages from page {header.first_page} "
-                               f"exceed the {len(chain)} full pages of the tokens")
-        names = chain[header.first_page : header.first_page + header.pages]
+        names = puts.page_rows(chain, header.first_page, header.pages,
+                               field="header.pages", first_field="header.first_page")
     else:
-        boundary = len(chain) * p if header.at is None else header.at
-        if boundary <= 0 or boundary % p or boundary // p > len(chain):
-            raise InvalidInput(f"header.at: must be a positive multiple of {p} within the "
-                               f"{len(chain)} full pages given, got {boundary}")
-        names = [chain[boundary // p - 1]]
+        names = [puts.state_row(chain, header.at, layout.tokens_per_page, field="header.at")]
     return names, tokens, keys
 
 

@@ -16,6 +16,7 @@ import torch
 from kvbank import LeaseMode, Scope, full_attention
 from kvbank.client.client import Client
 from kvbank.errors import Forbidden, Unauthorized
+from kvbank.keys import namespace
 from kvbank.service.launch import NodeProcess
 from tests.service.conftest import NODE_ARGS
 
@@ -48,6 +49,7 @@ def _post(node: NodeProcess, path: str, body: Any, token: str | None) -> httpx.R
 @pytest.mark.parametrize(("method", "path"), [
     ("GET", "/v1/node"), ("GET", "/v1/stats"), ("GET", "/v1/leases"), ("POST", "/v1/match"),
     ("POST", "/v1/put"), ("POST", "/v1/fetch"), ("POST", "/v1/locate"), ("DELETE", "/v1/leases/x"),
+    ("POST", "/v1/presence"), ("POST", "/v1/layouts/x/scopes"),
 ])
 def test_every_data_route_needs_a_tenant_token(node: NodeProcess, method: str, path: str) -> None:
     assert httpx.request(method, node.url + path).status_code == 401
@@ -75,6 +77,13 @@ def test_tenant_b_never_reaches_tenant_a(node: NodeProcess) -> None:
             b.fetch(ma, out={0: torch.empty((4, PAGE), dtype=torch.uint8)})
         with pytest.raises(Forbidden):
             b.locate(names)
+        # presence and register_scope hold b to b's scope as match does
+        assert b.presence(lid, [*TOKENS, 1]).tokens == 0 and a.presence(lid, [*TOKENS, 1]).tokens == 4 * P
+        with pytest.raises(Forbidden):
+            b.presence(lid, [*TOKENS, 1], scope=Scope("a"))
+        with pytest.raises(Forbidden):
+            b.register_scope(lid, Scope("a"))
+        assert a.register_scope(lid, Scope(cache_salt="s")) == namespace(lid, Scope("a", "s"))
         with pytest.raises(Forbidden):
             b.lend(names)
         with pytest.raises(Forbidden):

@@ -78,7 +78,8 @@ from typing import Self
 
 import torch
 
-from kvbank.bank import lookup
+from kvbank import checks
+from kvbank.bank import lookup, puts
 from kvbank.bank.admin import BankAdmin
 from kvbank.bank.catalog import Catalog
 from kvbank.bank.closing import refused_once_closed
@@ -93,7 +94,6 @@ from kvbank.buffers import (
     out_buffers,
     out_views,
     page_views,
-    snapshot_boundaries,
 )
 from kvbank.config import BankConfig, check_settings
 from kvbank.errors import Busy, InvalidInput, LayoutError, RowLocked, TierUnavailable
@@ -221,19 +221,6 @@ class Bank(LeaseOps):
         chain = lookup.chain_keys(layout, tokens, keys, scope)
         return layout, chain, self._catalog.shard(layout_id, shard)
 
-    @staticmethod
-    def _group(layout: PageLayout, group: int, kind: GroupKind | None = None) -> int:
-        if isinstance(group, bool) or not isinstance(group, int) or not 0 <= group < len(layout.groups):
-            raise InvalidInput(f"group: expected a group index in [0, {len(layout.groups)}), got {group!r}")
-        g = layout.groups[group]
-        if kind is not None and g.kind is not kind:
-            want, other = ("put", "put_state") if kind is GroupKind.ATTENTION else ("put_state", "put")
-            raise InvalidInput(f"group: group {group} is a {g.kind.name} group; {want} takes "
-                               f"{kind.name} groups (use {other})")
-        if kind is not None and layout.group_page_bytes[group] == 0:
-            raise InvalidInput(f"group: group {group} transfers no bytes (every buffer transferred=False)")
-        return group
-
     def row_names(self, layout_id: bytes, tokens: TokenIds | None = None, *, group: int,
                   scope: Scope = DEFAULT_SCOPE, keys: Sequence[bytes] | None = None,
                   shard: int | None = None) -> list[bytes]:
@@ -241,7 +228,7 @@ class Bank(LeaseOps):
 
         ``shard`` is the tensor-parallel rank (default: the only registered one)."""
         layout, chain, index = self._chain(layout_id, tokens, keys, scope, shard)
-        self._group(layout, group)
+        checks.count(group, "group", 0, len(layout.groups) - 1)
         return _row_names(namespace(layout_id, scope), chain, group, layout.shard_count, index)
 
     # ---- storing -------------------------------------------------------------------------
@@ -259,16 +246,11 @@ class Bank(LeaseOps):
         """
         deadline = self._deadline(timeout)
         layout = self.layout(layout_id)
-        self._group(layout, group, GroupKind.ATTENTION)
+        puts.put_group(layout, group, GroupKind.ATTENTION, other="put_state")
         views = page_views(_host_pages(pages, "pages"), layout.group_page_bytes[group], "pages")
         chain = self.row_names(layout_id, tokens, group=group, scope=scope, keys=keys, shard=shard)
-        if isinstance(first_page, bool) or not isinstance(first_page, int) or first_page < 0:
-            raise InvalidInput(f"first_page: must be a non-negative integer, got {first_page!r}")
-        if first_page + len(views) > len(chain):
-            raise InvalidInput(f"pages: {len(views)} pages from page {first_page} exceed the "
-                               f"{len(chain)} full pages of the tokens (a partial last page is never stored)")
+        names = puts.page_rows(chain, first_page, len(views))
         self._catalog.learn(layout_id, scope)
-        names = chain[first_page : first_page + len(views)]
         dtype = layout.page_dtype(group)
         todo = [(chain[j], mv, chain[j - 1] if j else None)
                 for j, (mv, held) in enumerate(zip(views, self._store.locate(names), strict=True),
@@ -312,7 +294,7 @@ class Bank(LeaseOps):
         """Store a STATE group's snapshot after ``at`` tokens (a page boundary; default: all
         full pages of ``tokens``). It is keyed by the key of the page ending at ``at``."""
         layout = self.layout(layout_id)
-        self._group(layout, group, GroupKind.STATE)
+        puts.put_group(layout, group, GroupKind.STATE, route="put_state", other="put")
         size = layout.group_page_bytes[group]
         if isinstance(state, torch.Tensor):
             state = state.reshape(1, -1) if state.dim() == 1 else state
@@ -322,14 +304,8 @@ class Bank(LeaseOps):
         else:
             (view,) = page_views([state], size, "state")
         chain = self.row_names(layout_id, tokens, group=group, scope=scope, keys=keys, shard=shard)
-        p = layout.tokens_per_page
-        boundary = len(chain) * p if at is None else at
-        if isinstance(boundary, bool) or not isinstance(boundary, int) or boundary <= 0 or boundary % p:
-            raise InvalidInput(f"at: must be a positive multiple of tokens_per_page {p}, got {boundary!r}")
-        if boundary // p > len(chain):
-            raise InvalidInput(f"at: boundary {boundary} is beyond the {len(chain)} full pages given")
+        name = puts.state_row(chain, at, layout.tokens_per_page)
         self._catalog.learn(layout_id, scope)
-        name = chain[boundary // p - 1]
         if self._store.locate([name]) == [None]:
             self._put_new(name, view, dtype=layout.page_dtype(group))
         return name
@@ -341,13 +317,11 @@ class Bank(LeaseOps):
         ``at[i]`` tokens. The chain is hashed once; every snapshot and boundary is checked
         before any is stored. Returns their row names, in the order given."""
         layout = self.layout(layout_id)
-        self._group(layout, group, GroupKind.STATE)
+        puts.put_group(layout, group, GroupKind.STATE, route="put_state", other="put")
         views = page_views(states, layout.group_page_bytes[group], "states")
         chain = self.row_names(layout_id, tokens, group=group, scope=scope, keys=keys, shard=shard)
-        p = layout.tokens_per_page
-        at = snapshot_boundaries(at, len(views), p, len(chain))
+        names = puts.state_rows(chain, at, len(views), layout.tokens_per_page)
         self._catalog.learn(layout_id, scope)
-        names = [chain[b // p - 1] for b in at]
         todo = [(name, view, None) for name, view, held
                 in zip(names, views, self._store.locate(names), strict=True) if held is None]
         if todo:  # one batch; a row a lease locked meanwhile is skipped (same bytes)

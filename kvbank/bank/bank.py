@@ -100,6 +100,7 @@ from kvbank.errors import Busy, InvalidInput, LayoutError, RowLocked, TierUnavai
 from kvbank.keys import DEFAULT_SCOPE, Scope, TokenIds, group_of, namespace
 from kvbank.keys import row_names as _row_names
 from kvbank.layout import GroupKind, PageLayout
+from kvbank.lender.base import Lease, LeaseMode, MemoryKind
 from kvbank.lender.ledger import FetchInfo, FetchLedger
 from kvbank.lender.lender import Lender
 from kvbank.results import BankStats, Fetched, FetchResult, Match, Presence, StoreHealth
@@ -327,6 +328,42 @@ class Bank(LeaseOps):
         if todo:  # one batch; a row a lease locked meanwhile is skipped (same bytes)
             self._store.put_many(todo, dtype=layout.page_dtype(group))
         return names
+
+    def lend_put(self, layout_id: bytes, tokens: TokenIds | None = None, *, group: int,
+                 group_kind: GroupKind, count: int = 1, first_page: int = 0,
+                 at: int | None = None, page_bytes: int | None = None,
+                 scope: Scope = DEFAULT_SCOPE, keys: Sequence[bytes] | None = None,
+                 shard: int | None = None, kind: MemoryKind = MemoryKind.HOST,
+                 ttl_s: float | None = None, fields: str = "") -> tuple[list[bytes], Lease | None]:
+        """A put planned and its WRITE lease taken in one call (the counterpart of a
+        match and a READ lease): the row names of ``count`` pages from ``first_page`` of an
+        ATTENTION group, or of the snapshot at ``at`` of a STATE group, and a lease
+        reserving slots for those not stored yet (None: every one is stored already).
+
+        The names are looked up once here and once at commit: the lease reserves what this
+        lookup found absent, and a row stored in between is kept at commit (equal names
+        are equal bytes). ``page_bytes`` is the caller's declared page size, checked;
+        ``fields`` prefixes the field names of refusals (``"header."``)."""
+        layout = self.layout(layout_id)
+        other = "put_state" if group_kind is GroupKind.ATTENTION else "put"
+        g = puts.put_group(layout, group, group_kind, field=f"{fields}group",
+                           route="this route" if fields else "put", other=None if fields else other)
+        if page_bytes is not None:
+            puts.check_page_bytes(layout, g, page_bytes, f"{fields}page_bytes")
+        chain = self.row_names(layout_id, tokens, group=g, scope=scope, keys=keys, shard=shard)
+        if group_kind is GroupKind.ATTENTION:
+            names = puts.page_rows(chain, first_page, count, field=f"{fields}pages",
+                                   first_field=f"{fields}first_page")
+        else:
+            names = [puts.state_row(chain, at, layout.tokens_per_page, field=f"{fields}at")]
+        # A put is a command: the bank learns the (scope, layout) pair, so the lease can
+        # describe its rows (their page size and regions).
+        self._catalog.learn(layout_id, scope)
+        todo = [n for n, held in zip(names, self._store.locate(names), strict=True) if held is None]
+        if not todo:
+            return names, None
+        return names, self._lender.lend(todo, kind=kind, mode=LeaseMode.WRITE, ttl_s=ttl_s,
+                                        absent=True)
 
     # ---- queries ---------------------------------------------------------------------------
 

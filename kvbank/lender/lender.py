@@ -221,10 +221,17 @@ class Lender:
         kind: MemoryKind = MemoryKind.HOST,
         mode: LeaseMode = LeaseMode.READ,
         ttl_s: float | None = None,
+        absent: bool = False,
     ) -> Lease:
-        """A NAMED lease on ``names``. Rows held only on disk are staged into host first."""
+        """A NAMED lease on ``names``. Rows held only on disk are staged into host first.
+
+        ``absent=True`` (WRITE only): the caller located ``names`` a moment ago and found
+        none stored, so the reservation does not look them up again; a row stored in
+        between is found at commit and kept (equal names are equal bytes)."""
         self._enum(kind, MemoryKind, "kind")
         self._enum(mode, LeaseMode, "mode")
+        if absent and mode is not LeaseMode.WRITE:
+            raise InvalidInput("absent: only a WRITE lease reserves rows known to be absent")
         ttl = self._ttl(ttl_s)
         rows = self._names(names)
         shapes = self._shapes_of(rows, mode)
@@ -242,7 +249,8 @@ class Lender:
             if mode is LeaseMode.READ:
                 out, locked, slots, parents = reads.stage(self._store, lease_id, rows, shapes, kind)
             else:
-                out, locked, slots, parents = writes.reserve(self._store, lease_id, rows, shapes, kind)
+                out, locked, slots, parents = writes.reserve(self._store, lease_id, rows, shapes, kind,
+                                                             absent=absent)
         except BaseException:
             with self._lock:
                 self._conflicts.unclaim(lease_id, rows, mode)

@@ -42,9 +42,12 @@ def reserve(
     rows: tuple[bytes, ...],
     shapes: Sequence[PageShape | None],
     kind: MemoryKind,
+    *,
+    absent: bool = False,
 ) -> Parts:
-    """A WRITE lend's rows, slots and chain parents; locks nothing."""
-    where = store.locate(rows)
+    """A WRITE lend's rows, slots and chain parents; locks nothing. ``absent``: the caller
+    found none of ``rows`` stored a moment ago (no second lookup)."""
+    where = [None] * len(rows) if absent else store.locate(rows)
     parents: dict[bytes, bytes | None] = {}
     prev: bytes | None = None
     described: list[PageShape] = []

@@ -151,15 +151,29 @@ async def receive_put_lease(node: Node, request: Request) -> tuple[list[bytes], 
 
 
 def _lease_put(node: Node, header: PutHeader, key_bytes: bytearray) -> tuple[list[bytes], Lease | None, bool]:
-    names, _, _ = plan_put(node, header, key_bytes)
-    where = node.bank.locate(names)
-    todo = [n for n, w in zip(names, where, strict=True) if w is None]
-    if not todo:
-        return names, None, False
+    """The put's row names, its WRITE lease (None: every row is stored already) and
+    whether the client must put over TCP instead (no lease could be had)."""
+    return lend_put(node, header, key_bytes, ttl_s=None)
+
+
+def lend_put(node: Node, header: PutHeader, key_bytes: bytes | bytearray,
+             ttl_s: float | None) -> tuple[list[bytes], Lease | None, bool]:
+    """One bank call (:meth:`~kvbank.bank.bank.Bank.lend_put`): the put planned and a
+    WRITE HOST lease on its rows not stored yet. A lease refused (a reader holds a row,
+    the host tier is full) answers ``fallback`` with the names: the body is then stored
+    through ``Bank.put``."""
+    tokens, keys = _prompt(header, key_bytes)
+    want = GroupKind.STATE if header.kind is PutKind.STATE else GroupKind.ATTENTION
+    scope = KeyScope(header.tenant, header.cache_salt, header.lora)
     try:
-        lease = node.bank.lend(todo, mode=LeaseMode.WRITE, kind=MemoryKind.HOST)
+        names, lease = node.bank.lend_put(
+            header.layout_id, tokens, group=header.group, group_kind=want, count=header.pages,
+            first_page=header.first_page, at=header.at, page_bytes=header.page_bytes,
+            scope=scope, keys=keys, shard=header.shard, kind=MemoryKind.HOST, ttl_s=ttl_s,
+            fields="header.")
     except (LeaseConflict, TierError) as exc:
-        logger.debug("put lease: none (%s); the client puts over TCP", exc)
+        logger.debug("put lease: none (%s); the pages go through Bank.put", exc)
+        names, _, _ = plan_put(node, header, key_bytes)
         return names, None, True
     return names, lease, False
 
@@ -169,12 +183,13 @@ async def _put(node: Node, body: _Body, kind: PutKind, declared: str | None,
     header, total = await _head(node, body, declared, with_pages=True, request=request)
     if header.kind is not kind:
         raise InvalidInput(f"header.kind: this route takes {kind.value!r} bodies, got {header.kind.value!r}")
-    names, tokens, keys = await node.call(plan_put, node, header, await body.read(header.key_bytes))
+    key_bytes = await body.read(header.key_bytes)
+    # The lease outlives the body deadline, so it cannot expire (and its slots go to
+    # another row) while chunks are still being copied into them outside its lock.
+    ttl = min(node.config.bank.max_lease_ttl_s, 2 * node.config.body_timeout_s)
+    names, lease, fallback = await node.call(lend_put, node, header, key_bytes, ttl)
     pages: list[bytearray] = []
-    where = await node.call(node.bank.locate, names)
-    todo = [n for n, w in zip(names, where, strict=True) if w is None]
-    lease = await _write_lease(node, todo) if todo else None
-    if lease is None and not todo:  # every row is stored already: read and drop the pages
+    if lease is None and not fallback:  # every row is stored already: read and drop the pages
         scratch = memoryview(bytearray(header.page_bytes))
         for _ in names:
             await body.into(scratch)
@@ -200,8 +215,9 @@ async def _put(node: Node, body: _Body, kind: PutKind, declared: str | None,
         raise
     _release_views(views)  # before the commit: the slab must never outlive an export
     if lease is not None:
-        await node.call(node.bank.commit, lease.id, [n for n in todo if _reserved(lease, n)])
+        await node.call(node.bank.commit, lease.id, [n for n in lease.names if _reserved(lease, n)])
     else:
+        tokens, keys = _prompt(header, key_bytes)
         await node.call(_store_pages, node, header, tokens, keys, pages)
     return {"names": [n.hex() for n in names]}
 
@@ -215,6 +231,14 @@ def _reserved(lease: Lease, name: bytes) -> bool:
     return lease.row(name).delivery is Delivery.RESERVED
 
 
+def _prompt(header: PutHeader, key_bytes: bytes | bytearray) -> tuple[Any, list[bytes] | None]:
+    """The put's prompt as the header sends it: token ids, or page keys."""
+    if header.tokens is not None:
+        return np.frombuffer(bytes(key_bytes), dtype="<i4").astype(np.int64), None
+    raw = bytes(key_bytes)
+    return None, [raw[i : i + PAGE_KEY_BYTES] for i in range(0, len(raw), PAGE_KEY_BYTES)]
+
+
 def plan_put(node: Node, header: PutHeader, key_bytes: bytes | bytearray) -> tuple[list[bytes], Any, Any]:
     """Check a put header against its layout (the rules are :mod:`kvbank.bank.puts`); the
     row names it will store, and the tokens or keys it named (for ``Bank.put`` on the
@@ -225,12 +249,7 @@ def plan_put(node: Node, header: PutHeader, key_bytes: bytes | bytearray) -> tup
     g = puts.put_group(layout, header.group, want, field="header.group", route="this route")
     puts.check_page_bytes(layout, g, header.page_bytes, "header.page_bytes")
     scope = KeyScope(header.tenant, header.cache_salt, header.lora)
-    tokens = keys = None
-    if header.tokens is not None:
-        tokens = np.frombuffer(bytes(key_bytes), dtype="<i4").astype(np.int64)
-    else:
-        raw = bytes(key_bytes)
-        keys = [raw[i : i + PAGE_KEY_BYTES] for i in range(0, len(raw), PAGE_KEY_BYTES)]
+    tokens, keys = _prompt(header, key_bytes)
     # A put is a command: the bank learns the (scope, layout) pair, so a WRITE lease on
     # these rows can describe them (their page size and regions).
     bank.register_scope(header.layout_id, scope)
@@ -241,18 +260,6 @@ def plan_put(node: Node, header: PutHeader, key_bytes: bytes | bytearray) -> tup
     else:
         names = [puts.state_row(chain, header.at, layout.tokens_per_page, field="header.at")]
     return names, tokens, keys
-
-
-async def _write_lease(node: Node, names: list[bytes]) -> Lease | None:
-    """A WRITE HOST lease on the rows not yet stored, or None (use the fallback path)."""
-    ttl = min(node.config.bank.max_lease_ttl_s, 2 * node.config.body_timeout_s)
-    try:
-        # The lease outlives the body deadline, so it cannot expire (and its slots go to
-        # another row) while chunks are still being copied into them outside its lock.
-        return await node.call(node.bank.lend, names, mode=LeaseMode.WRITE, kind=MemoryKind.HOST, ttl_s=ttl)
-    except (LeaseConflict, TierError) as exc:
-        logger.debug("put: no write lease (%s); storing through Bank.put", exc)
-        return None
 
 
 def _slot_views(node: Node, lease: Lease, names: list[bytes]) -> dict[bytes, memoryview]:

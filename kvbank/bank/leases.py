@@ -1,7 +1,7 @@
 """A bank's leases: lend rows for in-place reads and fills, and the calls on a lease.
 
-:class:`LeaseOps` is a mixin of :class:`~kvbank.bank.bank.Bank` (beside
-:class:`~kvbank.bank.admin.AdminOps` and :class:`~kvbank.bank.fleet.FleetOps`), a thin layer
+:class:`LeaseOps` is a base of :class:`~kvbank.bank.bank.Bank` (the operator's and the
+fleet's calls are objects of their own, ``bank.admin`` and ``bank.fleet``), a thin layer
 over :class:`~kvbank.lender.lender.Lender`: :meth:`~LeaseOps.lend` (NAMED rows, or a
 match's needed rows, with an optional deadline), :meth:`~LeaseOps.lend_all`, ``renew``,
 ``release``, ``commit``, in-place ``view``/``device_view``/``write``, the copies

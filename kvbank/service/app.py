@@ -24,7 +24,7 @@ route                                    what it does
 ``POST /v1/leases``                      lend (NAMED or ALL, HOST or DEVICE, READ or WRITE)
 ``POST /v1/leases/{id}/renew``           renew → the lease
 ``POST /v1/leases/{id}/commit``          commit a WRITE lease → the CommitResult
-``POST /v1/leases/{id}/check``           the completion check (``finish_read``)
+``POST /v1/leases/{id}/check``           the completion check (``check_live``)
 ``DELETE /v1/leases/{id}``               release → ``{"released": bool}``
 ``GET  /v1/stats``                       BankStats
 =======================================  ==================================================

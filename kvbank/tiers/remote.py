@@ -27,7 +27,7 @@ its header against the metadata: wrong bytes are ``CorruptPage``, never returned
 Visibility: a row held only here is read by ``get_into`` on a local miss, but
 ``TieredStore.locate`` (and so a match) does not ask this tier: a locate is a pure lookup
 under the store lock. ``contains_many`` answers for many rows in one round trip, outside
-that lock; ``Bank.recall_remote`` uses it to bring a match's missing rows back, and the
+that lock; ``bank.fleet.recall_remote`` uses it to bring a match's missing rows back, and the
 served match calls that when it stops short. See docs/fleet.md.
 
 Lifecycle: ``RedisFrameStore(client, budget)`` scans the bucket hashes → reads and

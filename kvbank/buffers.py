@@ -39,7 +39,8 @@ def page_views(pages: Pages, size: int, field: str) -> list[memoryview]:
     """Flat byte views of the pages, each checked against the layout's page size."""
     if isinstance(pages, torch.Tensor):
         if pages.dtype != torch.uint8 or pages.dim() != 2:
-            raise InvalidInput(f"{field}: expected a uint8 tensor [n, page_bytes], got {pages.dtype} {tuple(pages.shape)}")
+            raise InvalidInput(f"{field}: expected a uint8 tensor [n, page_bytes], got "
+                               f"{pages.dtype} {tuple(pages.shape)}")
         if pages.shape[1] != size:
             raise PageSizeMismatch(f"{field}: pages of {pages.shape[1]} bytes, the layout's page is {size} bytes")
         arr = pages.detach().cpu().contiguous().numpy()

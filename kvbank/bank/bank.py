@@ -25,7 +25,8 @@ Primitives (value objects in :mod:`kvbank.results`, JSON forms in :mod:`kvbank.w
   Prompts are given as token ids or as an engine's own page-key chain (``keys=``; see
   :func:`kvbank.keys.engine_keys` for keys that are not 32 bytes).
 - :meth:`~Bank.fetch` — copy a match's needed rows into caller buffers (sized by
-  :meth:`~Bank.out_buffers`, or the caller's own) through the fetch ledger; the bound is recomputed from the rows that arrived whole, and a broken fetch
+  :meth:`~Bank.out_buffers`, or the caller's own) through the fetch ledger; the bound is
+  recomputed from the rows that arrived whole, and a broken fetch
   resumes (same ``fetch_id``) from its first undelivered row. :meth:`~Bank.fetch_prefix`
   matches a prompt and fetches its prefix in one call (on a served node, one round trip).
 - leases for in-place reads and fills (host shared memory, other processes too, or device

@@ -168,7 +168,8 @@ def _client(spec: dict[str, Any]) -> dict[str, Any]:
         client.put(slid, toks, group=0, pages=torch.zeros((MATCH_PAGES, small.group_page_bytes[0]), dtype=torch.uint8))
         with Bank.open(host_bytes="256M", device_bytes=0) as bank:
             bank.register(small)
-            bank.put(slid, toks, group=0, pages=torch.zeros((MATCH_PAGES, small.group_page_bytes[0]), dtype=torch.uint8))
+            bank.put(slid, toks, group=0,
+                     pages=torch.zeros((MATCH_PAGES, small.group_page_bytes[0]), dtype=torch.uint8))
             q = [*toks, 1]
             ours, base = [], []
             for _ in range(5):

@@ -47,7 +47,8 @@ effects of torch's OpenMP threads decide this. An indexed copy that forks torch'
 team per span (4 spans for a split pool) waits at every fork for a thread whose core
 another process holds; a lane that forked a team of its own on each call put 4 threads
 on 2 cores and paid a wake-up per call (``kvbank bench kernels``, medians of ten runs:
-gather-split 0.75x memcpy, gather-fused 0.82x, against 0.87x and 0.93x with serial lanes). And libgomp's workers spin after each
+gather-split 0.75x memcpy, gather-fused 0.82x, against 0.87x and 0.93x with serial lanes).
+And libgomp's workers spin after each
 parallel region (``GOMP_SPINCOUNT``, 300,000 by default: about 6 ms of a core here after
 a ``copy_``) unless it manages more threads than there are CPUs, when they spin 1,000
 times (the libgomp manual); serial lanes started right after a torch op of the caller

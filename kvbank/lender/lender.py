@@ -407,7 +407,8 @@ class Lender:
             held = self._live(lease_id, now)
             lease = held.lease
             if lease.mode is not LeaseMode.WRITE or lease.selection is not Selection.NAMED:
-                raise InvalidInput(f"lease_id: {lease_id} is a {lease.mode.name} {lease.selection.name} lease; only NAMED WRITE leases commit")
+                raise InvalidInput(f"lease_id: {lease_id} is a {lease.mode.name} "
+                                   f"{lease.selection.name} lease; only NAMED WRITE leases commit")
             got = writes.arrived_names(lease, arrived)
             # From here the lease is this call's: ended in the tables (no reaper, release
             # or second commit can touch its slots), published with no lender lock held.

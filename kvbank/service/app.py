@@ -94,7 +94,8 @@ STREAMED_PATHS = ("/v1/put", "/v1/put_state", "/v1/put/lease")  # binary bodies,
 def status_of(exc: KvbankError) -> int:
     """The HTTP status a typed error answers with."""
     for cls, status in (
-        (Unauthorized, 401), (Forbidden, 403), (PinBudgetExceeded, 409), (BodyTooLarge, 413), (UnknownLayout, 404), (LeaseNotFound, 404), (FetchNotFound, 404),
+        (Unauthorized, 401), (Forbidden, 403), (PinBudgetExceeded, 409), (BodyTooLarge, 413),
+        (UnknownLayout, 404), (LeaseNotFound, 404), (FetchNotFound, 404),
         (LeaseExpired, 410), (LeaseConflict, 409), (RowLocked, 409), (InvalidInput, 400),
         (TierFull, 507), (TierUnavailable, 503), (Busy, 503),
         (LeaseError, 409), (FetchError, 400),
@@ -144,7 +145,8 @@ class PresenceBody(BaseModel):
 
 
 class FlushBody(BaseModel):
-    timeout_s: float | None = Field(None, ge=0, description="Busy after this long (default: the store's wait_timeout_s)")
+    timeout_s: float | None = Field(
+        None, ge=0, description="Busy after this long (default: the store's wait_timeout_s)")
 
 
 class FetchBody(BaseModel):

@@ -15,7 +15,8 @@ Primitives:
   row, count it in :attr:`DiskTier.corrupt_rows` and report a miss. Wrong bytes are never
   returned.
 - Each ``meta`` record (packed and checked in :mod:`kvbank.tiers.diskmeta`) carries an
-  xxh3-64 of the row name and the record, and is checked like a frame: on every read (and the frame header's raw length must equal the record's),
+  xxh3-64 of the row name and the record, and is checked like a frame: on every read
+  (and the frame header's raw length must equal the record's),
   and at open, where every record is also bounded (sizes, dtype) and compared with its
   frame's length and header. A row that fails is deleted and counted in ``corrupt_rows``;
   the open never fails for it, and a read answers a miss.

@@ -193,7 +193,8 @@ _SALVAGE_ERRORS: tuple[type[Exception], ...] = (*OS_ERRORS, lmdb.Error)
 def salvage(directory: Path, reason: str, check_row: CheckRow, *, map_size: int) -> SalvageReport:
     """Rename ``directory`` aside, recreate it empty, and copy into a fresh environment
     there every row of the old one that ``check_row(name, frame, meta)`` accepts (it
-    returns the meta record to write, or raises :class:`CorruptPage` to drop the row). The old files are kept; the caller holds
+    returns the meta record to write, or raises :class:`CorruptPage` to drop the row). The
+    old files are kept; the caller holds
     the data dir's lock."""
     stamp = time.strftime("%Y%m%dT%H%M%S")
     kept = directory.with_name(f"{directory.name}.damaged-{stamp}-{os.getpid()}")

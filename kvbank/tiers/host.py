@@ -12,7 +12,8 @@ Primitives:
   pinned host memory (``cudaHostRegister``) so device copies from it are DMA.
 - :func:`map_segment` — the one way another process maps a host segment (by name, with
   the one name check: no path separator, no leading dot, no NUL; and only a regular
-  file, never through a symbolic link, never blocking on a FIFO); :func:`attach` / :class:`SlotMapping` map just one slot given a
+  file, never through a symbolic link, never blocking on a FIFO); :func:`attach` /
+  :class:`SlotMapping` map just one slot given a
   :class:`~kvbank.tiers.base.HostSlot` (segment name, offset, size), and the borrower
   (:mod:`kvbank.client.shm`) maps whole segments through it.
 - :func:`cleanup_stale` — unlinks segments left by dead processes (``kill -9``); every

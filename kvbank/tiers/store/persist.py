@@ -8,7 +8,8 @@
   the workers have ready are written together, at least ``WRITE_BACK_GROUP_MIN`` (waited
   for) and up to ``WRITE_BACK_GROUP`` rows in one LMDB transaction (one fsync instead of
   one per row); a group that does not fit the
-  budget whole is written row by row. Write clocks keep the LRU order for the restart. The store is closed meanwhile, so nothing else
+  budget whole is written row by row. Write clocks keep the LRU order for the restart. The
+  store is closed meanwhile, so nothing else
   changes the index; the disk lock orders the writes.
 """
 

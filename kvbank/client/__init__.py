@@ -2,6 +2,8 @@
 bytes through shared memory on the node's host or over the data port from elsewhere.
 
 - :mod:`.client` — :class:`Client`, the calls.
+- :mod:`.http` — the pool of keep-alive connections and the control calls on them.
+- :mod:`.paths` — the three page paths (shared memory, data port, HTTP stream) behind one protocol.
 - :mod:`.io` — request bodies and page I/O (put heads, fetch streams, copy planning).
 - :mod:`.shm` — :class:`Borrower`: map a HOST lease's slots and copy through them.
 - :mod:`.dataport` — :class:`DataLink`: page bodies over the node's data port.

@@ -9,7 +9,9 @@ transport failure is :class:`~kvbank.errors.TierUnavailable`. Switching a worker
 bounded on this side; ``row_names`` and ``resume_at`` are computed here, from the layout;
 ``put_states`` is one ``put_state`` call a snapshot).
 
-Paths, chosen per client (``same_host=None``: automatically):
+Paths, chosen per client (``same_host=None``: automatically), each a handler in
+:mod:`kvbank.client.paths` behind one protocol; a call picks one (``_path``) and falls back
+to the HTTP stream where it answers None:
 
 - **shared memory** — the node runs on this host (same boot id and uid, and its host
   segment maps here): ``fetch`` takes a READ HOST lease on the rows, copies them from the
@@ -25,9 +27,8 @@ Paths, chosen per client (``same_host=None``: automatically):
 - **TCP** — page bodies go over a plain ``http.client`` connection: a fetch stream is
   read with ``readinto`` straight into each destination row, a put body is sent from the
   caller's page buffers. JSON control calls go over the same pool of keep-alive
-  ``http.client`` connections (httpx cost ~0.3 ms more a call, which a same-host put or
-  fetch makes two of and a match one); a pooled connection the node closed while idle is
-  dropped before use.
+  ``http.client`` connections (:mod:`kvbank.client.http`); a pooled connection the node
+  closed while idle is dropped before use.
 
 Retries only where a call is idempotent (``match``, GETs, ``fetch`` — which resumes under
 its fetch id), until ``retry_s`` has passed.
@@ -38,17 +39,11 @@ Lifecycle: ``Client(url)`` (no connection yet) → calls → ``close()`` (or ``w
 from __future__ import annotations
 
 import http.client
-import json
-import os
-import select
-import socket
 import threading
-import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
-from pathlib import Path
+from collections.abc import Sequence
 from types import TracebackType
-from typing import Any, Self, TypeVar
+from typing import Any, Self
 from urllib.parse import urlsplit
 
 import torch
@@ -63,26 +58,22 @@ from kvbank.buffers import (
     page_views,
     snapshot_boundaries,
 )
-from kvbank.client.dataport import DataLink, DataPortUnreachable
+from kvbank.client.dataport import DataLink
+from kvbank.client.http import Pool
 from kvbank.client.io import (
     Deadline,
-    Slot,
     check_prompt,
     deadline_of,
     enum_name,
-    fetch_stream,
     lease_path_id,
-    lease_slots,
-    merged_copies,
     name_hex,
     page_size,
     prompt_doc,
     put_head,
     scope_doc,
-    send_put,
 )
-from kvbank.client.shm import Borrower
-from kvbank.errors import Busy, InvalidInput, KvbankError, LeaseExpired, TierFull, TierUnavailable
+from kvbank.client.paths import DataPort, PagePath, SharedMemory, Stream
+from kvbank.errors import Busy, InvalidInput, TierUnavailable
 from kvbank.keys import DEFAULT_SCOPE, Scope, TokenIds, namespace, prompt_keys, tokens_to_bytes
 from kvbank.keys import row_names as _row_names
 from kvbank.layout import PageLayout
@@ -90,7 +81,6 @@ from kvbank.lender.base import CommitResult, Lease, LeaseMode, MemoryKind
 from kvbank.lender.resume import resumed_at
 from kvbank.results import BankStats, Fetched, FetchResult, Match, Presence, StoreHealth
 from kvbank.tiers.base import TierKind
-from kvbank.tiers.host import SHM_DIR
 from kvbank.wire.framing import PutKind, encode_match
 from kvbank.wire.node import DEFAULT_BIND, DEFAULT_PORT
 
@@ -98,51 +88,7 @@ DEFAULT_URL = f"http://{DEFAULT_BIND}:{DEFAULT_PORT}"
 DEFAULT_TIMEOUT_S = 120.0
 DEFAULT_RETRY_S = 5.0
 
-
-JSON = "application/json"
-OCTETS = "application/octet-stream"
-
-
 _MATCH_DOCS = 64  # matches whose documents a client keeps for their fetches
-_ONE_SEND = 1 << 20  # a request body up to this size goes out with its headers (a copy of it costs less than a second wakeup)
-
-
-class _Connection(http.client.HTTPConnection):
-    """``http.client`` sends a request's headers and its body in two ``send`` calls; with
-    TCP_NODELAY that is two segments, and the node wakes, parses and waits once more per
-    call. A small bytes body goes out with its headers in one."""
-
-    def _send_output(self, message_body: Any = None, encode_chunked: bool = False) -> None:
-        if isinstance(message_body, bytes) and len(message_body) <= _ONE_SEND:
-            self._buffer.extend((b"", message_body))  # type: ignore[attr-defined]
-            msg = b"\r\n".join(self._buffer)  # type: ignore[attr-defined]
-            del self._buffer[:]  # type: ignore[attr-defined]
-            self.send(msg)
-            return
-        super()._send_output(message_body, encode_chunked)  # type: ignore[misc]
-
-
-def _usable(conn: http.client.HTTPConnection) -> bool:
-    """An idle pooled connection the node has not closed: nothing to read on it yet
-    (a readable idle socket is an EOF or bytes no request asked for)."""
-    sock = conn.sock
-    if sock is None:
-        return False
-    try:
-        return not select.select([sock], [], [], 0)[0]
-    except (OSError, ValueError):
-        return False
-
-
-def _raise_for(status: int, body: bytes) -> None:
-    try:
-        exc = wire.error_from_dict(json.loads(body))
-    except (ValueError, RecursionError, KvbankError):
-        exc = TierUnavailable(f"server: answered {status} without an error document: {body[:200]!r}")
-    raise exc
-
-
-T = TypeVar("T")
 
 
 class Client:
@@ -162,107 +108,46 @@ class Client:
         if parts.scheme != "http" or not parts.hostname:
             raise InvalidInput(f"url: expected http://HOST:PORT, got {url!r}")
         self.url = url.rstrip("/")
-        self._host, self._port = parts.hostname, parts.port or 80
-        self._timeout = float(timeout_s)
-        self._retry = float(retry_s)
         # ``token``: a tenant token, sent on every call (the node binds the caller to it)
-        self._auth = {} if token is None else {"Authorization": f"Bearer {token}"}
+        auth = {} if token is None else {"Authorization": f"Bearer {token}"}
+        self._pool = Pool(self.url, parts.hostname, parts.port or 80, timeout_s=float(timeout_s),
+                          retry_s=float(retry_s), auth=auth)
         self._layouts: dict[bytes, PageLayout] = {}
-        self._want_local = same_host
         self._local: bool | None = None if same_host is None else same_host
         self._lock = threading.Lock()
-        self._conns: list[http.client.HTTPConnection] = []
-        self._reader: Borrower | None = None
-        self._writer: Borrower | None = None
-        self._segment: str | None = None  # the node's host segment (same host)
-        self._resident = False  # the node keeps it resident: populate our mapping up front
         # the latest matches this client decoded, with the node's documents of them
         self._matches: OrderedDict[int, tuple[Match, dict[str, Any]]] = OrderedDict()
         # page bodies to another host over the node's data port (None: if it has one)
         self._want_data = data_plane
-        self._data = DataLink(self._host, self._timeout)
+        self._data = DataLink(parts.hostname, float(timeout_s))
         self._data_known = data_plane is False  # whether /v1/node told us the port yet
+        # the three page paths (:mod:`kvbank.client.paths`); ``_path`` picks one a call
+        self._shm = SharedMemory(self, required=same_host is True)
+        self._dataport = DataPort(self, self._data, required=data_plane is True)
+        self._stream = Stream(self)
 
     # ---- plumbing --------------------------------------------------------------------
 
     def _call(self, method: str, path: str, *, body: Any = None, content: bytes | None = None,
               idempotent: bool = False, deadline: Deadline | None = None,
               wait_s: float | None = None) -> Any:
-        """One control call. ``deadline``: a call's ``timeout=``, bounding every wait and
-        retry (:class:`Busy` once it passed); ``wait_s``: the node's own wait before it
-        answers (a flush), added to the socket's limit."""
-        payload = content if content is not None else (
-            None if body is None else json.dumps(body, separators=(",", ":")).encode())
-        headers = {**self._auth, "Content-Type": OCTETS if content is not None else JSON}
-        retry_end = time.monotonic() + self._retry
-        if deadline is not None:
-            retry_end = min(retry_end, deadline.at)
-        delay = 0.05
-        while True:
-            limit = self._limit(deadline, f"{method} {path} was not answered")
-            try:
-                conn = self._conn(limit if wait_s is None else limit + wait_s)
-                try:
-                    conn.request(method, path, body=payload, headers=headers)
-                    resp = conn.getresponse()
-                    status, data = resp.status, resp.read()
-                except (OSError, http.client.HTTPException) as exc:
-                    conn.close()
-                    raise TierUnavailable(f"node: {self.url} unreachable: {exc}") from exc
-            except TierUnavailable as exc:
-                if deadline is not None and deadline.passed():
-                    raise deadline.busy(f"{method} {path} was not answered") from exc
-                if idempotent and time.monotonic() + delay < retry_end:
-                    time.sleep(delay)
-                    delay = min(delay * 2, 1.0)
-                    continue
-                raise
-            if resp.will_close:
-                conn.close()
-            else:
-                self._give_back(conn)
-            if status >= 400:
-                _raise_for(status, data)
-            try:
-                return json.loads(data)
-            except ValueError as exc:
-                raise TierUnavailable(f"node: {method} {path} answered {status} without JSON") from exc
-
-    def _limit(self, deadline: Deadline | None, what: str) -> float:
-        """The socket timeout of the next wait: ``timeout_s``, or less where ``deadline``
-        comes first (:class:`Busy` naming ``what`` where it passed already)."""
-        if deadline is None:
-            return self._timeout
-        left = deadline.left()
-        if left <= 0:
-            raise deadline.busy(what)
-        return min(left, self._timeout)
+        """One control call (:meth:`kvbank.client.http.Pool.call`); the page paths make
+        theirs through here too."""
+        return self._pool.call(method, path, body=body, content=content, idempotent=idempotent,
+                               deadline=deadline, wait_s=wait_s)
 
     def _conn(self, timeout: float | None = None) -> http.client.HTTPConnection:
         """A pooled (or new) connection whose waits end after ``timeout`` (default ``timeout_s``)."""
-        limit = self._timeout if timeout is None else timeout
-        while True:
-            with self._lock:
-                conn = self._conns.pop() if self._conns else None
-            if conn is None:
-                break
-            if _usable(conn):
-                if conn.sock is not None:
-                    conn.sock.settimeout(limit)
-                return conn
-            conn.close()  # the node closed it while idle (its keep-alive timeout)
-        conn = _Connection(self._host, self._port, timeout=limit)
-        try:
-            conn.connect()
-        except OSError as exc:
-            raise TierUnavailable(f"node: {self.url} unreachable: {exc}") from exc
-        if conn.sock is not None:  # requests are small: do not wait to coalesce them
-            conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        return conn
+        return self._pool.conn(timeout)
 
-    def _give_back(self, conn: http.client.HTTPConnection) -> None:
-        with self._lock:
-            self._conns.append(conn)
+    def _path(self) -> PagePath:
+        """The way page bodies go now: shared memory on the node's host, else its data port
+        where it has one, else the HTTP stream."""
+        if self.same_host:
+            return self._shm
+        if self._data_on():
+            return self._dataport
+        return self._stream
 
     @property
     def same_host(self) -> bool:
@@ -278,38 +163,11 @@ class Client:
             self._data.port = port if isinstance(port, int) and not isinstance(port, bool) else None
             self._data_known = True
         info: dict[str, Any] = doc["host"]
-        seg = info.get("segment")
-        self._segment = seg if isinstance(seg, str) and seg else None
-        self._resident = info.get("resident") is True
+        self._shm.learn(info)
         return info
 
     def _detect(self) -> bool:
-        info = self._host_info()
-        try:
-            boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-        except OSError:
-            return False
-        seg = info.get("segment")
-        if not boot or info.get("boot_id") != boot or info.get("uid") != os.getuid() or not seg:
-            return False
-        if info.get("shm_dir") != str(SHM_DIR):
-            return False
-        try:  # another mount namespace can share the boot id but not /dev/shm
-            if (SHM_DIR / seg).stat().st_size != info.get("segment_bytes"):
-                return False
-        except OSError:
-            return False
-        return True
-
-    def _borrower(self, writable: bool) -> Borrower:
-        if self._segment is None and (self._reader if not writable else self._writer) is None:
-            self._host_info()  # same_host=True skips detection: learn the segment's state
-        with self._lock:
-            if writable:
-                self._writer = self._writer or Borrower(writable=True, populate=self._resident)
-                return self._writer
-            self._reader = self._reader or Borrower(populate=self._resident)
-            return self._reader
+        return SharedMemory.maps_here(self._host_info())
 
     def map_host(self, wait_s: float | None = None) -> bool:
         """Map the node's host segment now, for reading and for writing, as the first
@@ -319,19 +177,7 @@ class Client:
         it is ready; False on the TCP path."""
         if not self.same_host:
             return False
-        if self._segment is None:
-            self._host_info()
-        if self._segment is None:
-            return False
-        deadline = None if wait_s is None else time.monotonic() + wait_s
-        ready = True
-        for writable in (True, False):
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            try:
-                ready = self._borrower(writable).wait_populated(self._segment, left) and ready
-            except KvbankError as exc:
-                raise TierUnavailable(f"node: cannot map its segment {self._segment}: {exc}") from exc
-        return ready
+        return self._shm.map(wait_s)
 
     # ---- layouts ---------------------------------------------------------------------
 
@@ -387,51 +233,8 @@ class Client:
 
     def _store(self, kind: PutKind, head: bytes, views: list[memoryview],
                deadline: Deadline | None = None) -> list[bytes]:
-        if self.same_host:
-            doc = self._call("POST", "/v1/put/lease", content=head, deadline=deadline)
-            names = [bytes.fromhex(n) for n in doc["names"]]
-            if doc["lease"] is not None:
-                filled = self._copy_leased(doc["lease"], views, into_slots=True)
-                self._commit_or_release(doc["lease"]["id"], [names[i] for i in filled], deadline)
-                return names
-            if not doc["fallback"]:
-                return names  # every row was stored already
-        elif self._data_on():
-            stored = self._store_data(head, views, deadline)
-            if stored is not None:
-                return stored
-        path = "/v1/put" if kind is PutKind.PAGES else "/v1/put_state"
-        conn = self._conn(self._limit(deadline, "the put was not sent"))
-        try:
-            status, body = send_put(conn, path, head, views, self._auth)
-        except (OSError, http.client.HTTPException) as exc:
-            conn.close()
-            if deadline is not None and deadline.passed():
-                raise deadline.busy(f"the put to {self.url} was not answered (pages it stored stay)") from exc
-            raise TierUnavailable(f"node: put to {self.url} broke off: {exc}; nothing was stored") from exc
-        self._give_back(conn)
-        if status >= 400:
-            _raise_for(status, body)
-        return [bytes.fromhex(n) for n in json.loads(body)["names"]]
-
-    def _copy_leased(self, lease: dict[str, Any], bufs: Sequence[memoryview], *, into_slots: bool,
-                     jobs: Callable[[list[tuple[int, Slot]]], list[Slot]] | None = None) -> list[int]:
-        """Copy between ``bufs`` and a HOST lease in slots form (``slots_doc``): into its
-        slots (a WRITE lease) or out of them, ``jobs`` merging the copies where it can;
-        the entries copied. The lease is released
-        if anything fails first, or if its deadline passed by the end of the copies (the
-        node checks again when it is committed or acknowledged)."""
-        deadline = time.monotonic() + float(lease["ttl_s"])
-        try:
-            slots = lease_slots(lease, bufs)
-            copies = [job for _, job in slots] if jobs is None else jobs(slots)
-            self._borrower(writable=into_slots).copy_slots(copies, into_slots=into_slots)
-            if time.monotonic() >= deadline:
-                raise LeaseExpired(f"lease_id: lease {lease['id']} expired during the copies")
-        except BaseException:
-            self.release(lease["id"])
-            raise
-        return [i for i, _ in slots]
+        names = self._path().put(kind, head, views, deadline)
+        return self._stream.put(kind, head, views, deadline) if names is None else names
 
     def put(self, layout_id: bytes, tokens: TokenIds | None = None, *, group: int, pages: Pages,
             scope: Scope = DEFAULT_SCOPE, keys: Sequence[bytes] | None = None, first_page: int = 0,
@@ -529,37 +332,11 @@ class Client:
         one control call matches and lends (then the copies, then the acknowledgement);
         over HTTP streams it is :meth:`match`, then :meth:`fetch`."""
         body = prompt_doc(layout_id, tokens, scope, shard, keys, prompt_tokens)
-        fast = self._lent_path(lambda: self._prefix(body, "lease", out, max_rows),
-                               lambda: self._prefix(body, "data", out, max_rows))
+        fast = self._path().prefix(body, out, max_rows)
         if fast is not None:
             return fast
         m = self.match(layout_id, tokens, scope=scope, shard=shard, keys=keys, prompt_tokens=prompt_tokens)
         return fetched(self.layout(layout_id), m, out, lambda bufs: self.fetch(m, out=bufs, max_rows=max_rows))
-
-    def _prefix(self, prompt: dict[str, Any], via: str, out: OutBuffers | None,
-                max_rows: int | None) -> Fetched:
-        """Match and lend in one call (``via`` lease or data), then copy and acknowledge.
-        A bound that needs no rows opened no fetch on the node: nothing to copy."""
-        doc = self._call("POST", "/v1/fetch", body={"prompt": prompt, "via": via, "max_rows": max_rows})
-        m = self._matched(doc["match"])
-        return fetched(self.layout(m.layout_id), m, out, lambda bufs: self._read_lent(doc, m, via, bufs, max_rows))
-
-    def _read_lent(self, doc: dict[str, Any], m: Match, via: str, bufs: OutBuffers,
-                   max_rows: int | None) -> FetchResult:
-        """The rows the node lent for ``m`` (its answer ``doc``), into ``bufs``."""
-        try:
-            views = out_views(self.layout(m.layout_id), m.resume.pages, bufs)
-        except InvalidInput:
-            if doc["lease"] is not None:
-                self.release(doc["lease"]["id"])
-            raise
-        if via == "lease":
-            return self._read_lease(doc, views, bufs)
-        req = {"match": self._match_doc(m), "fetch_id": doc["fetch_id"], "max_rows": max_rows}
-        result = self._fetch_data(req, views, doc)
-        if result is None:  # the data port went away: stream the rest over HTTP
-            result = self.fetch(m, out=bufs, fetch_id=doc["fetch_id"], max_rows=max_rows)
-        return result
 
     def _matched(self, doc: Any) -> Match:
         m = wire.from_dict(Match, doc)
@@ -593,83 +370,14 @@ class Client:
             raise InvalidInput(f"match: expected a Match, got {type(match).__name__}")
         views = out_views(self.layout(match.layout_id), match.resume.pages, out)
         req = {"match": self._match_doc(match), "fetch_id": fetch_id, "max_rows": max_rows}
-        fetched = self._lent_path(lambda: self._fetch_local(req, views, out, deadline),
-                                  lambda: self._fetch_data(req, views, deadline=deadline))
-        if fetched is not None:
-            return fetched
-        retry_end = time.monotonic() + self._retry
-        if deadline is not None:
-            retry_end = min(retry_end, deadline.at)
-        while True:
-            conn = self._conn(self._limit(deadline, "the fetch stream did not begin"))
-            read = fetch_stream(conn, json.dumps({**req, "via": "stream"}).encode(), views, self._auth)
-            got, fid, err = read.got, read.fetch_id, read.error
-            if err is None:
-                self._give_back(conn)
-            else:
-                conn.close()
-            if fid is None:  # refused before any stream began
-                if err is not None and isinstance(err, KvbankError):
-                    raise err
-                if time.monotonic() < retry_end:
-                    time.sleep(0.05)
-                    continue
-                if deadline is not None and deadline.passed():
-                    raise deadline.busy("the fetch stream did not begin") from err
-                raise TierUnavailable(f"node: fetch from {self.url} failed: {err}") from err
-            result = self._ack(fid, got, None, read.stream)
-            if err is None or result.complete or time.monotonic() >= retry_end:
-                return result
-            req["fetch_id"] = fid  # resume from the first undelivered row
-
-    def _lent_path(self, local: Callable[[], T], data: Callable[[], T | None]) -> T | None:
-        """A fetch through a lease: ``local`` on the node's host, else ``data`` over its data
-        port where it has one; None where the rows must stream over HTTP instead (the
-        segments cannot be mapped here, the data port is gone, or the host tier cannot lend
-        every row at once: the stream sends them in batches)."""
-        if self.same_host:
-            try:
-                return local()
-            except TierUnavailable:
-                if self._want_local:
-                    raise
-                self._local = False  # segments cannot be mapped here after all
-            except TierFull:
-                pass
-        elif self._data_on():
-            try:
-                return data()
-            except TierFull:
-                pass
-        return None
+        got = self._path().fetch(req, views, out, deadline)
+        return self._stream.fetch(req, views, out, deadline) if got is None else got
 
     def _ack(self, fetch_id: str, rows: list[int], lease_id: str | None,
              stream: str | None = None) -> FetchResult:
         doc = self._call("POST", f"/v1/fetch/{fetch_id}/ack",
                          body={"rows": rows, "lease_id": lease_id, "stream": stream}, idempotent=True)
         return wire.from_dict(FetchResult, doc)
-
-    def _fetch_local(self, req: dict[str, Any], views: dict[int, list[memoryview]],
-                     out: OutBuffers, deadline: Deadline | None) -> FetchResult:
-        doc = self._call("POST", "/v1/fetch", body={**req, "via": "lease"}, deadline=deadline)
-        return self._read_lease(doc, views, out)
-
-    def _read_lease(self, doc: dict[str, Any], views: dict[int, list[memoryview]],
-                    out: OutBuffers) -> FetchResult:
-        """Copy a same-host fetch's lent rows (the node's answer ``doc``) and acknowledge them."""
-        fid = doc["fetch_id"]
-        lease = doc["lease"]
-        if lease is None:
-            return self._ack(fid, [], None)
-        rows = doc["rows"]
-        try:
-            bufs = [views[g][slot][:size] for _, g, slot, size in rows]
-        except (KeyError, IndexError, TypeError, ValueError) as exc:
-            self.release(lease["id"])
-            raise TierUnavailable(f"node: a fetch answer of an unexpected shape: {exc!r}") from exc
-        got = self._copy_leased(lease, bufs, into_slots=False, jobs=lambda ss: merged_copies(ss, rows, out))
-        # the node counts these rows only if the lease outlived the copies
-        return self._ack(fid, [rows[i][0] for i in got], lease["id"])
 
     # ---- leases ----------------------------------------------------------------------
 
@@ -703,7 +411,8 @@ class Client:
         return wire.from_dict(Lease, doc)
 
     def renew(self, lease_id: str, ttl_s: float | None = None) -> Lease:
-        return wire.from_dict(Lease, self._call("POST", f"/v1/leases/{lease_path_id(lease_id)}/renew", body={"ttl_s": ttl_s}))
+        doc = self._call("POST", f"/v1/leases/{lease_path_id(lease_id)}/renew", body={"ttl_s": ttl_s})
+        return wire.from_dict(Lease, doc)
 
     def release(self, lease_id: str) -> bool:
         return bool(self._call("DELETE", f"/v1/leases/{lease_path_id(lease_id)}")["released"])
@@ -770,87 +479,13 @@ class Client:
             raise TierUnavailable(f"node: {self.url} serves no data port (data_plane=True)")
         return self._data.port is not None
 
-    def _data_lost(self, exc: DataPortUnreachable | Busy) -> None:
-        """The data port cannot take this transfer: over HTTP instead, unless the data plane
-        is required. One unreachable from here is given up for good; a full one (``Busy``:
-        every data connection in use) is tried again next time."""
-        if self._want_data:
-            raise exc
-        if isinstance(exc, DataPortUnreachable):
-            self._data.port = None
-
-    def _store_data(self, head: bytes, views: list[memoryview],
-                    deadline: Deadline | None = None) -> list[bytes] | None:
-        """A put over the data port: WRITE lease and ticket, the pages, the commit of what
-        arrived whole; the names, or None where the node can lend no slots (put over HTTP).
-        ``deadline`` bounds the control calls (the pages go at the data port's own pace)."""
-        doc = self._call("POST", "/v1/put/lease?via=data", content=head, deadline=deadline)
-        names = [bytes.fromhex(n) for n in doc["names"]]
-        lease = doc["lease"]
-        if lease is None:
-            return None if doc["fallback"] else names
-        try:
-            slots = lease_slots(lease, views)
-            self._data.put(doc["ticket"], [buf for _, (_, _, _, buf) in slots])
-        except (DataPortUnreachable, Busy) as exc:
-            self.release(lease["id"])
-            self._data_lost(exc)
-            return None
-        except BaseException as exc:
-            self.release(lease["id"])  # nothing was committed: nothing of this put is visible
-            if isinstance(exc, TierUnavailable):
-                raise TierUnavailable(f"node: put to {self.url} broke off: {exc}; nothing was stored") from exc
-            raise
-        self._commit_or_release(lease["id"], [names[i] for i, _ in slots], deadline)
-        return names
-
-    def _fetch_data(self, req: dict[str, Any], views: dict[int, list[memoryview]],
-                    first: dict[str, Any] | None = None, *,
-                    deadline: Deadline | None = None) -> FetchResult | None:
-        """A fetch over the data port, resumed under its fetch id while it breaks off
-        (until ``retry_s``, or ``deadline``); None where the port cannot be reached (``req``
-        then names the fetch id, for the HTTP stream to go on with). ``first``: the node's
-        answer to the first call, already made."""
-        retry_end = time.monotonic() + self._retry
-        if deadline is not None:
-            retry_end = min(retry_end, deadline.at)
-        while True:
-            doc, first = first or self._call("POST", "/v1/fetch", body={**req, "via": "data"},
-                                             deadline=deadline), None
-            fid, lease, rows = doc["fetch_id"], doc["lease"], doc["rows"]
-            req["fetch_id"] = fid
-            if lease is None:
-                return self._ack(fid, [], None)
-            try:
-                bufs = [views[g][slot][:size] for _, g, slot, size in rows]
-                slots = lease_slots(lease, bufs)
-                got, err = self._data.fetch(doc["ticket"], [buf[:size] for _, (_, _, size, buf) in slots])
-            except (DataPortUnreachable, Busy) as exc:
-                self._ack(fid, [], lease["id"])  # releases the lease
-                self._data_lost(exc)
-                return None
-            except (KeyError, IndexError, TypeError, ValueError) as exc:
-                self.release(lease["id"])
-                raise TierUnavailable(f"node: a fetch answer of an unexpected shape: {exc!r}") from exc
-            # the node counts these rows only if the lease outlived the transfer
-            result = self._ack(fid, [rows[i][0] for i, _ in slots[:got]], lease["id"])
-            if err is None or result.complete or time.monotonic() >= retry_end:
-                return result
-            time.sleep(0.01)
-
     # ---- the rest --------------------------------------------------------------------
 
     def close(self) -> None:
         """Close every connection and unmap the node's segments. Idempotent."""
-        with self._lock:
-            conns, self._conns = self._conns, []
-            borrowers = [b for b in (self._reader, self._writer) if b is not None]
-            self._reader = self._writer = None
-        for c in conns:
-            c.close()
+        self._pool.close()
         self._data.close()
-        for b in borrowers:
-            b.close()
+        self._shm.close()
 
     def __enter__(self) -> Self:
         return self

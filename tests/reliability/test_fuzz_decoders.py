@@ -29,7 +29,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvbank import wire
-from kvbank.client.client import _raise_for
+from kvbank.client.http import raise_for
 from kvbank.client.io import fetch_stream
 from kvbank.errors import InvalidInput, KvbankError
 from kvbank.lender.base import Lease
@@ -244,7 +244,7 @@ def test_error_documents_of_any_body_raise_a_typed_error(body: str | bytes, stat
     document can never name another class to build)."""
     raw = body.encode() if isinstance(body, str) else body
     with pytest.raises(KvbankError) as caught:
-        _raise_for(status, raw)
+        raise_for(status, raw)
     assert type(caught.value).__module__ == "kvbank.errors"
 
 
@@ -256,7 +256,7 @@ def test_json_nested_past_the_depth_limit_is_a_typed_error_everywhere(app: Any, 
         with contextlib.suppress(InvalidInput):  # a value, or InvalidInput; nothing else
             decode(deep)
     with pytest.raises(KvbankError):
-        _raise_for(500, deep)
+        raise_for(500, deep)
     head = PREFIX.pack(PUT_MAGIC, VERSION, len(deep)) + deep
     r = app.post("/v1/put", content=head, headers={"content-type": "application/octet-stream"})
     assert r.status_code == 400 and r.json()["field"] == "header"

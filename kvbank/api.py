@@ -48,7 +48,9 @@ Where Bank and Client differ, and why (``tests/test_api.py`` keeps the same list
 2. **Not in the contract: the embedded bank's own housekeeping** — ``Bank.open`` and the
    constructors (a config vs a URL), ``fetches`` (the bank's fetch ledger; a node counts
    the fetches it serves in ``stats().served_fetches``), ``reshard_rows`` (the node calls
-   it before serving a fetch), ``check_invariants`` (tests of an embedded bank), the
+   it before serving a fetch), ``lend_put`` (the node's put route: a put planned and its
+   WRITE lease taken in one call; a Client's ``put`` makes it on the node),
+   ``check_invariants`` (tests of an embedded bank), the
    ``reservation`` and ``clock`` properties; and the Client's own ``same_host`` and
    ``map_host`` (its page path).
 3. **Deadlines** (``timeout=`` of ``put``, ``fetch``, ``lend``): the same parameter, but

@@ -89,14 +89,14 @@ def test_put_state_and_lease_commit_carry_the_layout_dtype(tmp_path: Path) -> No
     assert hybrid.page_dtype(1) == "bfloat16" and mixed.page_dtype(1) == "uint8"
     with Bank.open(host_bytes="64M", device_bytes=0, data_dir=tmp_path / "h",
                    write_policy=WritePolicy.WRITE_THROUGH) as b:
-        got = []
+        dtypes = []
         for layout in (hybrid, mixed):
             lid = b.register(layout)
             size = layout.group_page_bytes[1]
             name = b.put_state(lid, tokens(2, 7), group=1, state=bytes(range(256)) * (size // 256)
                                + bytes(size % 256))
-            got.append(_headers(b, [name])[0][0])
-        assert got == ["bfloat16", "uint8"]
+            dtypes.append(_headers(b, [name])[0][0])
+        assert dtypes == ["bfloat16", "uint8"]
 
 
 def test_batched_put_and_fetch_match_bytes_and_counters(tmp_path: Path) -> None:

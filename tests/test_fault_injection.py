@@ -28,11 +28,11 @@ from kvbank import Bank, BankConfig, Match, full_attention, hybrid_mamba
 from kvbank.bank.admin import BankAdmin
 from kvbank.bank.fleet import BankFleet
 from kvbank.codec import entropy
+from kvbank.config import WritePolicy
 from kvbank.errors import KvbankError
 from kvbank.keys import Scope
 from kvbank.lender.base import LeaseMode, MemoryKind
 from kvbank.testing.tiers import name_of, page_of
-from kvbank.tiers import disk as disk_module
 from kvbank.tiers.device import DevicePool
 from kvbank.tiers.disk import DiskTier, FrameWrite
 from kvbank.tiers.host import HostSlab
@@ -65,7 +65,7 @@ class _Env:
 @pytest.fixture
 def armed(monkeypatch: pytest.MonkeyPatch) -> Iterator[type[_Armed]]:
     real_open = lmdb.open
-    monkeypatch.setattr(disk_module.lmdb, "open", lambda *a, **k: _Env(real_open(*a, **k)))
+    monkeypatch.setattr(lmdb, "open", lambda *a, **k: _Env(real_open(*a, **k)))
     _Armed.exc = None
     yield _Armed
     _Armed.exc = None
@@ -179,7 +179,7 @@ def _bank_calls(bank: Bank, lid: bytes) -> dict[str, Callable[[], object]]:
 def test_bank_and_store_entry_points_over_a_failing_disk(
         tmp_path: Path, armed: type[_Armed], exc: BaseException) -> None:
     cfg = BankConfig(data_dir=tmp_path, host_bytes=64 * 1024, device_bytes=0,
-                     disk_sync=False, write_policy="write-through", dirty_expire_s=0)
+                     disk_sync=False, write_policy=WritePolicy.WRITE_THROUGH, dirty_expire_s=0)
     bank = Bank(cfg)
     try:
         lid = bank.register(FA)
@@ -280,7 +280,7 @@ class _Ctx:
 
 def _filled_bank(tmp_path: Path) -> _Ctx:
     cfg = BankConfig(data_dir=tmp_path, host_bytes=64 * 1024, device="cpu",
-                     device_bytes=32 * 1024, disk_sync=False, write_policy="write-through",
+                     device_bytes=32 * 1024, disk_sync=False, write_policy=WritePolicy.WRITE_THROUGH,
                      dirty_expire_s=0, copy_threads=1)
     bank = Bank(cfg, reaper=False)
     lid, mid = bank.register(FA), bank.register(MAMBA)
@@ -440,7 +440,7 @@ def test_fault_injection_every_store_entry_point_raises_only_kvbank_errors(
         library: str) -> None:
     faults = _Faults(monkeypatch, armed)
     cfg = BankConfig(data_dir=tmp_path, host_bytes=32 * 1024, device="cpu",
-                     device_bytes=16 * 1024, disk_sync=False, write_policy="write-through",
+                     device_bytes=16 * 1024, disk_sync=False, write_policy=WritePolicy.WRITE_THROUGH,
                      copy_threads=1)
     s = TieredStore(cfg)
     names = [name_of(i) for i in range(12)]
@@ -467,18 +467,19 @@ def test_fault_injection_memory_pools_raise_only_kvbank_errors(
         hoff, doff = host.alloc(PAGE), dev.alloc(PAGE)
         assert hoff is not None and doff is not None
         faults.arm(library)
-        calls: dict[str, Callable[[], object]] = {}
-        for pool, off in ((host, hoff), (dev, doff)):
-            kind = type(pool).__name__
-            calls |= {
-                f"{kind}.alloc": lambda p=pool: p.alloc(64 * 1024),  # a new chunk
-                f"{kind}.write": lambda p=pool, o=off: p.write(o, memoryview(bytes(PAGE))),
-                f"{kind}.read_into": lambda p=pool, o=off: p.read_into(o, PAGE, memoryview(bytearray(PAGE))),
-                f"{kind}.slot": lambda p=pool, o=off: p.slot(o, PAGE),
-                f"{kind}.capacity": lambda p=pool, o=off: p.capacity(o),
-                f"{kind}.fits": lambda p=pool: p.fits(PAGE),
-                f"{kind}.free": lambda p=pool, o=off: p.free(o),
+        def pool_calls(p: HostSlab | DevicePool, o: int) -> dict[str, Callable[[], object]]:
+            kind = type(p).__name__
+            return {
+                f"{kind}.alloc": lambda: p.alloc(64 * 1024),  # a new chunk
+                f"{kind}.write": lambda: p.write(o, memoryview(bytes(PAGE))),
+                f"{kind}.read_into": lambda: p.read_into(o, PAGE, memoryview(bytearray(PAGE))),
+                f"{kind}.slot": lambda: p.slot(o, PAGE),
+                f"{kind}.capacity": lambda: p.capacity(o),
+                f"{kind}.fits": lambda: p.fits(PAGE),
+                f"{kind}.free": lambda: p.free(o),
             }
+
+        calls = {**pool_calls(host, hoff), **pool_calls(dev, doff)}
         calls |= {
             "HostSlab.view": lambda: host.view(hoff, PAGE).release(),
             "HostSlab.numpy": lambda: host.numpy().sum(),
@@ -508,7 +509,7 @@ def test_fault_injection_zstd_failing_under_the_mover_degrades_the_disk_not_the_
     rows stay readable from memory, and nothing leaks."""
     faults = _Faults(monkeypatch, armed)
     s = TieredStore(BankConfig(data_dir=tmp_path, host_bytes=32 * 1024, device_bytes=0,
-                               disk_sync=False, write_policy="write-back", copy_threads=1,
+                               disk_sync=False, write_policy=WritePolicy.WRITE_BACK, copy_threads=1,
                                wait_timeout_s=0.5))
     try:
         faults.arm("zstd")

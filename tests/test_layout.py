@@ -212,7 +212,7 @@ def test_layout_error_is_a_value_error_and_a_kvbank_error() -> None:
         (lambda: L.BufferSpec(0, L.Role.KEY, "bfloat16", (2, 4), heads=4), "head_axis"),
         (lambda: L.BufferSpec(0, L.Role.KEY, "bfloat16", (2, 4), sections=(1, 1)), "head_axis"),
         (lambda: L.BufferSpec(0, L.Role.KEY, "bfloat16", (2, 4), head_axis=0, heads=0), "heads"),
-        (lambda: L.BufferSpec(0, L.Role.KEY, "bfloat16", (2, 4), head_axis=0, heads=True),  # type: ignore[arg-type]
+        (lambda: L.BufferSpec(0, L.Role.KEY, "bfloat16", (2, 4), head_axis=0, heads=True),
          "heads"),
         (lambda: L.BufferSpec(0, L.Role.KEY, "bfloat16", (2, 4), head_axis=0, sections=(1, 2)),
          "sections"),

@@ -193,7 +193,8 @@ def test_plan_takes_replicated_bytes_from_a_source_already_needed() -> None:
         for j in range(m):
             dst = build(m, j)
             index_key = dst.region(0, 0, L.Role.INDEX_KEY)
-            inside, outside = set(), set()
+            inside: set[int] = set()
+            outside: set[int] = set()
             for c in plan_reshard(build(n, 0), dst).groups[0].copies:
                 for _, d0, length in c.ranges():
                     hit = d0 < index_key.offset + index_key.nbytes and index_key.offset < d0 + length

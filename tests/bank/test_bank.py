@@ -206,7 +206,7 @@ def test_bad_input_names_the_field(bank: Bank) -> None:
     mid = bank.register(MAMBA)
     tokens = list(range(64))
     cases = [
-        (lambda: bank.register("layout"), InvalidInput, "layout"),
+        (lambda: bank.register("layout"), InvalidInput, "layout"),  # type: ignore[arg-type]
         (lambda: bank.put(lid, tokens, group=1, pages=[bytes(PAGE)]), InvalidInput, "group"),
         (lambda: bank.put(mid, tokens, group=1, pages=[b""]), InvalidInput, "put_state"),
         (lambda: bank.put_state(mid, tokens, group=0, state=b""), InvalidInput, "group"),
@@ -215,11 +215,11 @@ def test_bad_input_names_the_field(bank: Bank) -> None:
         (lambda: bank.put(lid, [-1] * 16, group=0, pages=[bytes(PAGE)]), InvalidTokens, "tokens"),
         (lambda: bank.put(lid, tokens, keys=[b"k" * 32], group=0, pages=[]), InvalidInput, "tokens"),
         (lambda: bank.put(lid, tokens, group=0, pages=[bytes(PAGE)] * 5), InvalidInput, "pages"),
-        (lambda: bank.put(lid, tokens, group=0, pages=b"x"), InvalidInput, "pages"),
+        (lambda: bank.put(lid, tokens, group=0, pages=b"x"), InvalidInput, "pages"),  # type: ignore[arg-type]
         (lambda: bank.put(lid, tokens, group=0, pages=[bytes(PAGE)], first_page=-1),
          InvalidInput, "first_page"),
-        (lambda: bank.match(lid, tokens, scope="a"), InvalidInput, "scope"),
-        (lambda: bank.fetch("match", out={}), InvalidInput, "match"),
+        (lambda: bank.match(lid, tokens, scope="a"), InvalidInput, "scope"),  # type: ignore[arg-type]
+        (lambda: bank.fetch("match", out={}), InvalidInput, "match"),  # type: ignore[arg-type]
     ]
     for call, exc, field in cases:
         with pytest.raises(exc, match=field):
@@ -233,7 +233,7 @@ def test_bad_input_names_the_field(bank: Bank) -> None:
         ({0: [bytes(PAGE)] * 3}, r"out\[0\]\[0\]"),
     ):
         with pytest.raises(InvalidInput, match=field):
-            bank.fetch(m, out=out)
+            bank.fetch(m, out=out)  # type: ignore[arg-type]
     with pytest.raises(InvalidInput, match="max_rows"):
         bank.fetch(m, out={0: torch.zeros(4, PAGE, dtype=torch.uint8)}, max_rows=-1)
     assert bank.stats().store.rows == 4
@@ -254,7 +254,7 @@ def test_malformed_state_out_and_fetch_id_are_typed_errors_and_change_nothing(ba
     strided = np.zeros((PAGE, 2), np.uint8)[:, 0]
     for out in ({0: [1] * 4}, {0: [strided] * 4}, {0: [torch.zeros(PAGE, dtype=torch.uint8)] * 4}):
         with pytest.raises(InvalidInput, match=r"out\[0\]\[0\]"):
-            bank.fetch(m, out=out)
+            bank.fetch(m, out=out)  # type: ignore[arg-type]
     with pytest.raises(InvalidInput, match="fetch_id"):
         bank.fetch(m, out={0: torch.zeros(4, PAGE, dtype=torch.uint8)}, fetch_id=["x"])  # type: ignore[arg-type]
     assert bank.stats().store.rows == 4 and bank.stats().open_fetches == 0

@@ -30,7 +30,7 @@ def _count_locates(bank: Bank) -> list[int]:
     store = bank._store
     real = store.locate
 
-    def counting(names):  # type: ignore[no-untyped-def]
+    def counting(names):
         calls.append(len(names))
         return real(names)
 
@@ -82,9 +82,9 @@ def test_lend_put_keeps_a_row_stored_between_the_lease_and_the_commit(bank: Bank
 
 def test_lend_put_refuses_what_put_refuses_naming_the_field(bank: Bank) -> None:
     lid = bank.register(FA)
-    with pytest.raises(InvalidInput, match="header.pages"):
+    with pytest.raises(InvalidInput, match=r"header\.pages"):
         bank.lend_put(lid, TOKENS, group=0, group_kind=GroupKind.ATTENTION, count=5, fields="header.")
-    with pytest.raises(InvalidInput, match="header.first_page"):
+    with pytest.raises(InvalidInput, match=r"header\.first_page"):
         bank.lend_put(lid, TOKENS, group=0, group_kind=GroupKind.ATTENTION, first_page=-1,
                       fields="header.")
     with pytest.raises(InvalidInput, match="page_bytes"):

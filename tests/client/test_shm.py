@@ -126,7 +126,7 @@ def test_borrow_copy_slots_refuses_a_slot_beyond_its_segment_before_copying(
         for offset in (end - size + 1, -1, end):
             with pytest.raises(InvalidInput, match="beyond segment"):
                 # the first slot is fine: nothing may be written before the refusal
-                w.copy_slots([(name, 0, size, memoryview(good)), (name, offset, size, memoryview(good))],
+                w.copy_slots([(name, 0, size, good.data), (name, offset, size, good.data)],
                              into_slots=True)
         seg = np.frombuffer(w.segment(name), dtype=np.uint8)
         assert np.array_equal(seg[:size], data[:size])

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from kvbank import layout as L
 from kvbank.errors import InvalidInput, LayoutError, PageSizeMismatch
 from kvbank.kernels.reshard import reshard_pages
-from kvbank.reshard.plan import plan_reshard, shard_layout
+from kvbank.reshard.plan import ReshardPlan, plan_reshard, shard_layout
 from tests.reshard_reference import BUILDERS, COUNTS, split_reference, valid
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -127,7 +127,8 @@ def test_reshard_differential_random_layouts(data: st.DataObject) -> None:
         shard_layout(full, m)
     except LayoutError as exc:
         assert "heads" in str(exc)  # sections of 8 and 16 always split 8 ways
-        heads = [b.shape[b.head_axis] for b in buffers if b.split is L.Split.HEAD]
+        heads = [b.shape[b.head_axis] for b in buffers
+                 if b.split is L.Split.HEAD and b.head_axis is not None]
         assert any(h % c and c % h for h in heads for c in (n, m))
         assume(False)
     _differential(full, n, m, seed=data.draw(st.integers(0, 1000)))
@@ -168,7 +169,7 @@ def test_reshard_pages_strided_rows_and_padding_zeroed() -> None:
     assert torch.equal(out, _reference(full, 0, pages, dst))
 
 
-def _gqa_case() -> tuple[object, dict[int, torch.Tensor], torch.Tensor]:
+def _gqa_case() -> tuple[ReshardPlan, dict[int, torch.Tensor], torch.Tensor]:
     full = BUILDERS["gqa"](1, 0)
     pages = _random_pages(full, 0, 2, seed=3)
     dst = shard_layout(full, 2, 0)
@@ -209,7 +210,7 @@ def test_reshard_pages_group_out_of_range() -> None:
     plan, shards, out = _gqa_case()
     for group in (1, -1, True):
         with pytest.raises(InvalidInput, match="group"):
-            reshard_pages(plan, group, shards, out)  # type: ignore[arg-type]
+            reshard_pages(plan, group, shards, out)
 
 
 def test_reshard_pages_no_pages_is_a_no_op() -> None:

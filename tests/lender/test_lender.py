@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -12,6 +13,7 @@ import pytest
 import torch
 
 from kvbank import Bank, BankConfig, LeaseMode, MemoryKind, full_attention, wire
+from kvbank.config import WritePolicy
 from kvbank.errors import (
     InvalidInput,
     LeaseConflict,
@@ -21,6 +23,7 @@ from kvbank.errors import (
 )
 from kvbank.lender.base import (
     Delivery,
+    DeviceLocation,
     HostLocation,
     Lease,
     LeaseRow,
@@ -53,7 +56,7 @@ def clock() -> FakeClock:
 
 @pytest.fixture
 def bank(clock: FakeClock):
-    b = Bank(BankConfig(host_bytes="4M", device_bytes=0, lease_ttl_s=5, max_lease_ttl_s=60),
+    b = Bank(BankConfig(host_bytes=4 << 20, device_bytes=0, lease_ttl_s=5, max_lease_ttl_s=60),
              clock=clock, wall_clock=lambda: EPOCH + clock.now, reaper=False)
     try:
         yield b
@@ -123,7 +126,7 @@ def test_disk_only_row_is_staged_into_host_when_lent(tmp_path: Path, clock: Fake
     # Write-through puts every row on disk too; host pressure then drops the clean host
     # copies, leaving the first rows on disk only.
     cfg = BankConfig(host_bytes=64 * 4096, device_bytes=0, data_dir=tmp_path, disk_sync=False,
-                     write_policy="write-through")
+                     write_policy=WritePolicy.WRITE_THROUGH)
     with Bank(cfg, clock=clock, reaper=False) as bank:
         lid, names = stored(bank, 4)
         for k in range(60):
@@ -151,7 +154,7 @@ def test_write_lease_commit_publishes_only_arrived_rows(bank: Bank) -> None:
         bank.commit(lease.id, [b"x" * 54])
     with pytest.raises(InvalidInput, match="mask"):
         bank.commit(lease.id, [True])
-    res = bank.commit(lease.id, np.array([False, True, False, True]))  # a mask in row order
+    res = bank.commit(lease.id, np.array([False, True, False, True]))  # type: ignore[arg-type]  # a numpy mask in row order
     assert res.committed == (chain[1], chain[3]) and res.discarded == (chain[2],)
     assert bank.locate(chain) == [TierKind.HOST, TierKind.HOST, None, TierKind.HOST]
     assert bank.match(lid, [*toks(4), 0]).resume.tokens == 16  # page 2 never arrived
@@ -214,7 +217,7 @@ def test_renew_extends_and_release_is_final(bank: Bank, clock: FakeClock) -> Non
 def test_reaper_thread_drops_locks_without_any_lender_call(clock: FakeClock) -> None:
     """The reaper thread alone ends an expired lease: on the bank's (fake) clock, so the
     test asserts no wall-clock figure; the poll has only a generous hang bound."""
-    cfg = BankConfig(host_bytes="4M", device_bytes=0, reaper_interval_s=0.01)
+    cfg = BankConfig(host_bytes=4 << 20, device_bytes=0, reaper_interval_s=0.01)
     with Bank(cfg, clock=clock) as bank:
         _, names = stored(bank, 2)
         bank.lend(names, ttl_s=5)
@@ -247,13 +250,14 @@ def test_match_and_contains_never_hold_off_eviction(clock: FakeClock) -> None:
 
 
 def test_device_leases_on_a_cpu_device_tier(clock: FakeClock) -> None:
-    cfg = BankConfig(host_bytes="4M", device="cpu", device_bytes="4M")
+    cfg = BankConfig(host_bytes=4 << 20, device="cpu", device_bytes=4 << 20)
     with Bank(cfg, clock=clock, reaper=False) as bank:
         lid, names = stored(bank, 2)
         assert bank.locate(names) == [TierKind.DEVICE] * 2
         lease = bank.lend(names, kind=MemoryKind.DEVICE)
-        assert lease.rows[0].location is not None and lease.rows[0].location.device == "cpu"
-        assert lease.rows[0].location.ipc_handle is None  # no CUDA here
+        loc = lease.rows[0].location
+        assert isinstance(loc, DeviceLocation) and loc.device == "cpu"
+        assert loc.ipc_handle is None  # no CUDA here
         t = bank.device_view(lease.id, names[0])
         assert bytes(t.numpy()) == pages(2)[0].numpy().tobytes()
         assert bank.read(lease.id, names[1]) == pages(2)[1].numpy().tobytes()
@@ -320,15 +324,16 @@ def test_shared_read_rows_stay_held_until_their_last_reader_ends(bank: Bank) -> 
 def test_row_evicted_between_locate_and_lock_is_missing_and_not_locked(clock: FakeClock) -> None:
     """A row that vanishes after locate saw it is listed MISSING, holds no lock, and the
     lease's other rows are READY and locked."""
-    cfg = BankConfig(host_bytes="4M", device_bytes=0)
+    cfg = BankConfig(host_bytes=4 << 20, device_bytes=0)
     with Bank(cfg, clock=clock, reaper=False) as bank:
         _, names = stored(bank, 3)
         store = bank._store
         real_lock = store.locks.lock
+        evicted = names[1]
 
-        def lock_after_eviction(rows: list[bytes], holder: str) -> None:
-            store.delete(names[1])  # evicted in the gap
-            real_lock(rows, holder)
+        def lock_after_eviction(names: Sequence[bytes], holder: str) -> None:
+            store.delete(evicted)  # evicted in the gap
+            real_lock(names, holder)
 
         store.locks.lock = lock_after_eviction  # type: ignore[method-assign]
         lease = bank.lend(names)
@@ -376,7 +381,7 @@ def test_write_through_a_lease_that_expires_mid_copy_never_lands_in_another_rows
         bank._lender.reap()  # the lease expires: its reserved slot goes back to the store
         bank.put(lid, toks(1, 200), group=0, pages=their_page)  # ...and is taken again
 
-    def racing_view(slot):  # type: ignore[no-untyped-def]
+    def racing_view(slot):
         if not done:
             t = threading.Thread(target=expire_and_reuse)
             done.append(t)

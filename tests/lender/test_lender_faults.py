@@ -94,7 +94,7 @@ def test_a_demotion_in_flight_never_frees_a_row_a_lease_locked_meanwhile(tmp_pat
     entered, gate = threading.Event(), threading.Event()
 
     class HeldEncode(Copier):
-        def encode(self, frames, pool, off, size, dtype):  # type: ignore[no-untyped-def]
+        def encode(self, frames, pool, off, size, dtype):
             entered.set()
             assert gate.wait(60)
             return super().encode(frames, pool, off, size, dtype)

@@ -64,7 +64,7 @@ def test_lender_stages_with_no_lender_lock_held(tmp_path: Path) -> None:
     entered, gate = threading.Event(), threading.Event()
 
     class SlowDisk(Copier):
-        def from_frames(self, frames, name, pool, off, size):  # type: ignore[no-untyped-def]
+        def from_frames(self, frames, name, pool, off, size):
             entered.set()
             assert gate.wait(30)
             return super().from_frames(frames, name, pool, off, size)
@@ -110,7 +110,7 @@ def test_a_slow_lend_never_delays_expiry_release_or_read(tmp_path: Path) -> None
     entered, gate, done = threading.Event(), threading.Event(), threading.Event()
 
     class SlowDisk(Copier):
-        def from_frames(self, frames, name, pool, off, size):  # type: ignore[no-untyped-def]
+        def from_frames(self, frames, name, pool, off, size):
             entered.set()
             assert gate.wait(60)
             return super().from_frames(frames, name, pool, off, size)
@@ -125,7 +125,11 @@ def test_a_slow_lend_never_delays_expiry_release_or_read(tmp_path: Path) -> None
             store.put(n, page_of(10 + i, P))
         short = lender.lend(hot[:1], ttl_s=0.5)
         kept = lender.lend(hot[1:2], ttl_s=30)
-        t = threading.Thread(target=lambda: (lender.lend(cold), done.set()))
+        def lend_cold() -> None:
+            lender.lend(cold)
+            done.set()
+
+        t = threading.Thread(target=lend_cold)
         t.start()
         assert entered.wait(30), "the cold lend never reached the disk"
         watchdog.start()

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvbank import Bank, LeaseMode, full_attention
+from kvbank import Bank, LeaseMode, full_attention, wire
 from kvbank.bench.borrower import BorrowerProcess, pattern
 from kvbank.errors import LeaseExpired
 from kvbank.tiers.base import TierKind
@@ -44,7 +44,7 @@ def test_borrower_reads_leased_pages_while_eviction_skips_them(bank: Bank) -> No
     want = {n.hex(): hashlib.sha256(pages[i].numpy().tobytes()).hexdigest() for i, n in enumerate(names)}
     lease = bank.lend(names, ttl_s=60)
     with BorrowerProcess() as borrower:
-        first = borrower.call("read", lease=lease.to_dict())
+        first = borrower.call("read", lease=wire.to_dict(lease))
         assert first == {"ok": True, "digests": want}
         # 200 new pages through a 64-page tier: eviction must pick victims, never ours
         for k in range(25):
@@ -52,7 +52,7 @@ def test_borrower_reads_leased_pages_while_eviction_skips_them(bank: Bank) -> No
         store = bank.stats().store
         assert store.tier(TierKind.HOST).evictions >= 100
         assert bank.match(lid, [*_tokens(8, 0), 0]).resume.tokens == 8 * 16
-        again = borrower.call("read", lease=lease.to_dict())  # same mapping, same bytes
+        again = borrower.call("read", lease=wire.to_dict(lease))  # same mapping, same bytes
         assert again == first
     assert bank.release(lease.id) is True
     for k in range(25):  # unlocked now: the same pressure evicts them
@@ -67,7 +67,7 @@ def test_borrower_fills_a_write_lease_and_only_arrived_rows_become_visible(bank:
     names = bank.row_names(lid, tokens, group=0)
     lease = bank.lend(names, mode=LeaseMode.WRITE, ttl_s=60)
     with BorrowerProcess() as borrower:
-        reply = borrower.call("fill", lease=lease.to_dict(), rows=[n.hex() for n in names[:3]], seed=7)
+        reply = borrower.call("fill", lease=wire.to_dict(lease), rows=[n.hex() for n in names[:3]], seed=7)
     assert reply["ok"], reply
     assert bank.match(lid, [*tokens, 0]).resume.tokens == 0  # nothing visible before commit
     res = bank.commit(lease.id, [bytes.fromhex(h) for h in reply["arrived"]])
@@ -95,7 +95,7 @@ def test_sigkilled_borrower_lease_expires_and_rows_unlock_after_the_ttl(bank: Ba
         borrower.wait_ready()
         t0 = time.monotonic()
         lease = bank.lend(names, ttl_s=ttl)
-        assert borrower.call("read", lease=lease.to_dict())["ok"]
+        assert borrower.call("read", lease=wire.to_dict(lease))["ok"]
         borrower.kill()
     # Poll the store's lock count only: no lender call may do the reaper thread's work.
     assert bank.stats().store.locked_names == len(names)

@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, settings
 from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import response_schema_conformance
 
-from kvbank import Scope, wire
+from kvbank import Bank, Scope, wire
 from kvbank.service.admin.routes import admin_of
 from tests.service.admin_app import FA, TOKEN, P, fill, served
 
@@ -30,7 +30,7 @@ STEPS = 8
 
 
 @pytest.fixture(scope="module")
-def app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, dict[str, Any]]]:
+def app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, dict[str, Any], Bank]]:
     with served(tmp_path_factory.mktemp("stateful"), tenants=(("a", TENANT),)) as (client, node):
         names = fill(node.bank, 3, 1, scope=Scope("a"))
         match = {"layout_id": FA.layout_id.hex(), "tokens": [*range(10_000, 10_000 + 3 * P), 1]}
@@ -91,7 +91,7 @@ def test_stateful_sequences_never_answer_5xx_and_conform(app: tuple[Any, dict[st
                 # it would only be refused (a fetch takes one or the other)
                 case.body.pop("prompt", None)
             # set on the case itself: a generated Authorization (the spec's bearer scheme) must not win
-            case.headers = {**(case.headers or {}), "Authorization": f"Bearer {_token(case.path)}"}
+            case.headers["Authorization"] = f"Bearer {_token(case.path)}"
             return {}
 
         def validate_response(self, response: Any, case: schemathesis.Case, **kwargs: Any) -> None:

@@ -9,13 +9,8 @@ import pytest
 
 from kvbank.config import BankConfig, WritePolicy
 from kvbank.errors import ConfigError
-from kvbank.service.config import (
-    DEFAULT_BIND,
-    DEFAULT_PORT,
-    MIN_BUDGET,
-    ServiceConfig,
-    default_data_dir,
-)
+from kvbank.service.config import MIN_BUDGET, ServiceConfig, default_data_dir
+from kvbank.wire.node import DEFAULT_BIND, DEFAULT_PORT
 
 
 def test_service_config_embedded_default_sizes_budgets_and_uses_the_cache_dir(tmp_path: Path) -> None:

@@ -76,7 +76,7 @@ def ticketed_fetch(c: Client, m: Match, fetch_id: str | None = None) -> dict[str
 
 def put_lease(c: Client, lid: bytes, tokens: list[int], pages: torch.Tensor) -> dict[str, Any]:
     """The data plane's put control call (a WRITE lease and its ticket), as the client makes it."""
-    views = [memoryview(pages[i].numpy()) for i in range(len(pages))]
+    views = [pages[i].numpy().data for i in range(len(pages))]
     head = put_head(PutKind.PAGES, lid, tokens, None, DEFAULT_SCOPE, 0, 0, None, None, views,
                     len(views[0]))
     doc: dict[str, Any] = c._call("POST", "/v1/put/lease?via=data", content=head)
@@ -242,11 +242,11 @@ def test_dataplane_fetch_dropped_mid_transfer_resumes(node: NodeProcess) -> None
         out = torch.zeros((6, PAGE), dtype=torch.uint8)
         sock = link(node)._start(Op.FETCH, doc["ticket"], 6 * PAGE)
         for i in range(2):
-            view = memoryview(out[i].numpy())
+            view = out[i].numpy().data
             got = 0
             while got < PAGE:
                 got += sock.recv_into(view[got:], PAGE - got)
-        sock.recv_into(memoryview(out[2].numpy())[: PAGE // 2], PAGE // 2)
+        sock.recv_into(out[2].numpy().data[: PAGE // 2], PAGE // 2)
         sock.close()  # mid-row
         part = c._ack(fid, [0, 1], lease["id"])
         assert part.delivered == ((0, 1),) and not part.complete
@@ -303,7 +303,7 @@ def test_dataplane_bad_reused_wrong_way_and_expired_tickets_are_refused(tmp_path
             fresh = rand(2, PAGE, 42)
             doc = put_lease(c, lid, toks(81, 2), fresh)
             sock = lk._start(Op.PUT, doc["ticket"], 2 * PAGE)
-            sock.sendall(memoryview(fresh.numpy()).cast("B"))
+            sock.sendall(fresh.numpy().data.cast("B"))
             sock.sendall(b"\x00" * 100)
             assert REPLY.unpack(sock.recv(REPLY.size, socket.MSG_WAITALL))[1] == 0  # the two slots, whole
             assert REPLY.unpack(sock.recv(REPLY.size, socket.MSG_WAITALL))[1] == 1  # then a refusal
@@ -377,7 +377,7 @@ def test_dataplane_sigterm_with_transfers_in_flight_exits_0(tmp_path: Path) -> N
             t2 = list(range(400_000, 400_000 + 4 * 16))
             doc = put_lease(c, lid, t2, pages[:4])
             writer = link(n)._start(Op.PUT, doc["ticket"], 4 * page)
-            writer.sendall(memoryview(pages[0].numpy()))
+            writer.sendall(pages[0].numpy().data)
             time.sleep(0.2)
             assert n.stop() == 0, "".join(n.lines)[-3000:]
             reader.close()

@@ -28,6 +28,7 @@ ROOT = Path(__file__).parents[2]
 def _raw(url: str, method: str, path: str, body: bytes = b"",
          headers: dict[str, str] | None = None) -> tuple[int, dict[str, object]]:
     parts = urlsplit(url)
+    assert parts.hostname is not None
     conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=30)
     try:
         conn.request(method, path, body=body, headers=headers or {})

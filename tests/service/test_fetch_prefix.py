@@ -19,7 +19,7 @@ from kvbank.service.launch import NodeProcess
 
 LAYOUT = full_attention("fetch-prefix@1", num_layers=2, num_kv_heads=2, head_dim=64)  # 16 KiB pages
 PAGE = LAYOUT.group_page_bytes[0]
-PATHS = {"shm": {"same_host": True}, "data": {"same_host": False, "data_plane": True},
+PATHS: dict[str, dict[str, Any]] = {"shm": {"same_host": True}, "data": {"same_host": False, "data_plane": True},
          "tcp": {"same_host": False, "data_plane": False}}
 
 

@@ -4,6 +4,7 @@ byte, with 2 MiB pages, rows staged back from disk, and many clients at once."""
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -25,12 +26,12 @@ def pages(n: int, seed: int) -> torch.Tensor:
 
 
 @pytest.fixture(scope="module")
-def small_node(tmp_path_factory: pytest.TempPathFactory) -> NodeProcess:
+def small_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeProcess]:
     """A node whose host tier holds 24 of the 2 MiB pages: the rest live on disk."""
     data: Path = tmp_path_factory.mktemp("paths")
     proc = NodeProcess.start(["--data-dir", str(data), "--host-bytes", "48M", "--disk-bytes", "1G",
                               "--device-bytes", "0", "--max-body-bytes", "256M"])
-    yield proc  # type: ignore[misc]
+    yield proc
     assert proc.stop() == 0, "".join(proc.lines)[-3000:]
 
 

@@ -5,6 +5,7 @@ covers every scope stored before the restart."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import httpx
 import numpy as np
@@ -32,7 +33,7 @@ def _tokens(seed: int) -> list[int]:
     return list(range(seed * 1000, seed * 1000 + N * P))
 
 
-def _admin(url: str, headers: dict[str, str], path: str, **params: object) -> dict[str, object]:
+def _admin(url: str, headers: dict[str, str], path: str, **params: Any) -> dict[str, Any]:
     r = httpx.get(url + path, params=params, headers=headers, timeout=10)
     assert r.status_code == 200, r.text
     return dict(r.json())
@@ -60,15 +61,15 @@ def test_layouts_survive_a_restart_and_rows_list_by_layout_across_scopes(tmp_pat
                 assert got.complete and torch.equal(out, _pages(i))
         headers = admin_headers(node)
         listed = _admin(node.url, headers, "/admin/layouts")["layouts"]
-        assert [x["layout_id"] for x in listed] == [lid.hex()]  # type: ignore[index, union-attr]
+        assert [x["layout_id"] for x in listed] == [lid.hex()]
         names: list[str] = []
         cursor = None
         while True:  # by layout alone, page by page: every scope stored before the restart
-            params: dict[str, object] = {"layout_id": lid.hex(), "limit": 4}
+            params: dict[str, Any] = {"layout_id": lid.hex(), "limit": 4}
             if cursor is not None:
                 params["cursor"] = cursor
             doc = _admin(node.url, headers, "/admin/rows", **params)
-            names += [r["name"] for r in doc["rows"]]  # type: ignore[index, union-attr]
+            names += [r["name"] for r in doc["rows"]]
             cursor = doc["next_cursor"]
             if cursor is None:
                 break

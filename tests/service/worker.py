@@ -49,6 +49,7 @@ def halfput(url: str) -> None:
     head = PutHeader(PutKind.PAGES, lid, "", "", "", 0, 0, None, None, len(toks), None, 8, PAGE)
     body = encode_put_prefix(head) + b"".join(t.to_bytes(4, "little") for t in toks)
     parts = urlsplit(url)
+    assert parts.hostname is not None
     conn = http.client.HTTPConnection(parts.hostname, parts.port)
     conn.putrequest("POST", "/v1/put")
     conn.putheader("Content-Length", str(len(body) + 8 * PAGE))
@@ -68,6 +69,7 @@ def halffetch(url: str, seed: int) -> None:
         out = torch.zeros((8, PAGE), dtype=torch.uint8)
         first = c.fetch(m, out={0: out}, max_rows=3)
         parts = urlsplit(url)
+        assert parts.hostname is not None
         conn = http.client.HTTPConnection(parts.hostname, parts.port)
         from kvbank import wire
 

@@ -39,7 +39,7 @@ def test_put_many_refusal_stores_nothing_and_leaks_no_slot(make_store: MakeStore
     store.check_invariants()
 
 
-def test_put_many_write_through_is_one_durable_batch(make_store: MakeStore, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_put_many_write_through_is_one_durable_batch(make_store: MakeStore, tmp_path) -> None:
     store = make_store(host_bytes=8 << 20, write_policy="write-through", disk_sync=True)
     rows = [(name_of(i), page_of(i, P), None) for i in range(6)]
     assert store.put_many(rows) == [True] * 6

@@ -53,7 +53,9 @@ def _flip_frame_byte(data_dir: Path, name: bytes, at: int) -> None:
     try:
         frames = env.open_db(b"frames")
         with env.begin(write=True, db=frames) as txn:
-            raw = bytearray(txn.get(name))
+            frame = txn.get(name)
+            assert frame is not None
+            raw = bytearray(frame)
             raw[at] ^= 0x5A
             txn.put(name, bytes(raw))
     finally:

@@ -156,7 +156,9 @@ def test_store_salvage_of_a_damaged_btree_page_is_said_in_health(tmp_path: Path)
     # key then its record, inline): the B-tree cannot be walked through it.
     env = lmdb.open(str(tmp_path / "lmdb"), max_dbs=2, subdir=True)
     with env.begin(db=env.open_db(b"meta")) as txn:
-        needle = name_of(0) + bytes(txn.get(name_of(0)))
+        record = txn.get(name_of(0))
+        assert record is not None
+        needle = name_of(0) + bytes(record)
     env.close()
     at = raw.rfind(needle)
     assert at > 0
@@ -187,7 +189,9 @@ def test_a_row_with_damaged_key_bytes_is_deleted_at_open_and_used_bytes_stay_exa
     name = name_of(3)
     env = lmdb.open(str(tmp_path / "lmdb"), max_dbs=2, subdir=True)
     with env.begin(db=env.open_db(b"meta")) as txn:
-        rec = bytes(txn.get(name))
+        got = txn.get(name)
+        assert got is not None
+        rec = bytes(got)
     env.close()
     # The meta node holds the key then its record: damage the key's first byte there,
     # which also puts it out of B-tree order.

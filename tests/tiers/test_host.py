@@ -96,7 +96,7 @@ def test_host_attach_reads_and_writes_in_place() -> None:
             close()
         out = memoryview(bytearray(5000))
         slab.read_into(slot.offset, 5000, out)
-        assert out[:4] == b"abcd"
+        assert out[:4].tobytes() == b"abcd"
     finally:
         slab.close()
 

@@ -12,7 +12,7 @@ from kvbank.tiers.store.rowlocks import PageLocks
 _NAMES = [bytes([i]) * 54 for i in range(5)]
 _HOLDERS = ["a", "b", "c"]
 
-op = st.one_of(
+op: st.SearchStrategy[tuple[str, list[bytes], str]] = st.one_of(
     st.tuples(st.just("lock"), st.lists(st.sampled_from(_NAMES), max_size=6), st.sampled_from(_HOLDERS)),
     st.tuples(st.just("unlock_all"), st.just([]), st.sampled_from(_HOLDERS)),
 )

@@ -105,7 +105,7 @@ def test_a_row_locked_while_a_put_copies_is_never_overwritten(make_store: MakeSt
     entered, gate = threading.Event(), threading.Event()
 
     class HeldFill(Copier):
-        def fill(self, pool, off, src):  # type: ignore[no-untyped-def]
+        def fill(self, pool, off, src):
             if bytes(src[:8]) == page_of(1, P)[:8]:
                 entered.set()
                 assert gate.wait(60)

@@ -66,6 +66,7 @@ def test_slots_grow_in_chunks_only_when_a_class_has_no_free_slot() -> None:
 def test_slots_freed_slot_is_reused_before_a_new_chunk() -> None:
     a, rec = _alloc(1 << 20)
     offs = [a.alloc(4096) for _ in range(4)]
+    assert offs[1] is not None
     a.free(offs[1])
     assert a.alloc(4096) == offs[1]
     assert len(rec.grown) == 1
@@ -85,6 +86,7 @@ def test_slots_empty_chunks_of_one_class_are_released_for_another() -> None:
     a, rec = _alloc(64 * 1024)
     small = [a.alloc(1024) for _ in range(64)]
     for off in small:
+        assert off is not None
         a.free(off)
     assert a.allocated_bytes == a.budget  # empty chunks stay claimed ...
     big = a.alloc(8192)  # ... until another class needs their units

@@ -191,7 +191,7 @@ def test_wire_round_trip(cls: type) -> None:
     @given(EXAMPLES[cls])
     def check(obj: Any) -> None:
         doc = through_json(wire.to_dict(obj))
-        back = wire.from_dict(cls, doc)
+        back: Any = wire.from_dict(cls, doc)
         assert back == obj
         if isinstance(obj, Scope):
             assert back.digest == obj.digest
@@ -262,11 +262,11 @@ def test_wire_hostile_documents_raise_only_invalid_input(cls: type) -> None:
         path = data.draw(st.sampled_from(_paths(doc)))
         bad = _set(copy.deepcopy(doc), path, data.draw(st.sampled_from(JUNK)))
         objects = [p for p in _paths(bad) if isinstance(_get(bad, p), dict) and _get(bad, p)]
-        if objects and data.draw(st.booleans()):  # and drop a key somewhere
+        if bool(objects) and data.draw(st.booleans()):  # and drop a key somewhere
             node = _get(bad, data.draw(st.sampled_from(objects)))
             del node[data.draw(st.sampled_from(sorted(node)))]
         try:
-            back = wire.from_dict(cls, bad)
+            back: object = wire.from_dict(cls, bad)
         except InvalidInput as exc:
             assert exc.field and exc.field.split(".")[0].split("[")[0] == wire.forms._root(cls)
         else:
@@ -463,6 +463,7 @@ def test_wire_error_field_given_explicitly_or_absent() -> None:
     assert errors.InvalidInput("row name: 3 bytes", field="names[2]").field == "names[2]"
     back = wire.error_from_dict({"type": "FutureError", "field": None, "message": "m"})
     assert type(back) is KvbankError and "FutureError" in str(back)
+    bad: object
     for bad in ({"type": "InvalidInput"}, {"type": 1, "field": None, "message": ""},
                 {"type": "InvalidInput", "field": 3, "message": ""}, [], None):
         with pytest.raises(InvalidInput):

@@ -60,7 +60,7 @@ def test_cluster_index_publish_lookup_one_script_per_master(cluster: RedisCluste
         ix.publish(names[:700], a)
         ix.publish(names[300:], b)
         ix.holders(names, ix.live())  # loads the read script where it is missing
-        calls = {n.name: n for n in rc.get_primaries()}  # type: ignore[no-untyped-call]
+        calls = {n.name: n for n in rc.get_primaries()}
         before = {k: int(rc.info("commandstats", target_nodes=n).get("cmdstat_evalsha", {})
                          .get("calls", 0)) for k, n in calls.items()}
         got = ix.holders(names, ix.live())

@@ -215,7 +215,7 @@ def test_store_put_waiting_for_the_mover_is_busy_at_its_deadline(make_store: Mak
     gate, entered = threading.Event(), threading.Event()
 
     class StuckEncode(Copier):
-        def encode(self, frames, pool, off, size, dtype):  # type: ignore[no-untyped-def]
+        def encode(self, frames, pool, off, size, dtype):
             entered.set()
             assert gate.wait(30)
             return super().encode(frames, pool, off, size, dtype)

@@ -30,7 +30,7 @@ OPS = 120  # per thread; small, the point is overlap, not volume
 REFUSALS = (RowLocked, Busy, TierFull)  # what a racing operation may be told, typed
 
 
-def _check_bytes(i: int, data: bytes | memoryview) -> None:
+def _check_bytes(i: int, data: bytes | bytearray | memoryview) -> None:
     if bytes(data) != page_of(i, P):
         raise AssertionError(f"row {i}: wrong bytes")
 
@@ -160,7 +160,7 @@ def test_store_same_row_put_vs_lock_never_overwrites_a_locked_row(make_store: Ma
 class _Zero(random.Random):
     """A random source that always picks row 0 (and pairs it with row 1 for samples)."""
 
-    def randrange(self, *_: object, **__: object) -> int:  # type: ignore[override]
+    def randrange(self, *_: object, **__: object) -> int:
         return 0
 
     def sample(self, population: object, k: int, **__: object) -> list[int]:  # type: ignore[override]

@@ -43,7 +43,9 @@ def _corrupt_frames(data_dir: Path, rows: list[int]) -> None:
     try:
         with env.begin(write=True, db=env.open_db(b"frames")) as txn:
             for i in rows:
-                raw = bytearray(txn.get(name_of(i)))
+                frame = txn.get(name_of(i))
+                assert frame is not None
+                raw = bytearray(frame)
                 raw[-1] ^= 0xFF
                 txn.put(name_of(i), bytes(raw))
     finally:

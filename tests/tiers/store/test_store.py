@@ -33,7 +33,7 @@ H, D, K = TierKind.HOST, TierKind.DISK, TierKind.DEVICE
 P = 4096  # page size of most tests
 
 
-def read(store, i: int, size: int = P) -> bytes | None:  # type: ignore[no-untyped-def]
+def read(store, i: int, size: int = P) -> bytes | None:
     out = bytearray(size)
     n = store.get_into(name_of(i), out)
     return None if n is None else bytes(out[:n])
@@ -251,7 +251,9 @@ def test_store_corrupt_disk_row_is_a_miss_and_counted(make_store: MakeStore, tmp
     s.close()
     env = lmdb.open(str(tmp_path / "data" / "lmdb"), max_dbs=2)
     with env.begin(write=True, db=env.open_db(b"frames")) as txn:
-        raw = bytearray(txn.get(name_of(1)))
+        frame = txn.get(name_of(1))
+        assert frame is not None
+        raw = bytearray(frame)
         raw[-1] ^= 0xFF
         txn.put(name_of(1), bytes(raw))
     env.close()
@@ -521,7 +523,7 @@ def test_store_close_is_idempotent_and_unlinks_shared_memory(make_store: MakeSto
 # -- batch staging (a lease's rows in one call) -------------------------------------------
 
 
-def _disk_only_store(make_store: MakeStore, n: int, **kw: object):  # type: ignore[no-untyped-def]
+def _disk_only_store(make_store: MakeStore, n: int, **kw: object):
     """A store whose rows 0..n-1 are on disk only (written through, then reopened)."""
     first = make_store(host_bytes=64 * 1024, disk_bytes=1 << 20, write_policy="write-through")
     for i in range(n):
@@ -548,7 +550,7 @@ def test_a_demotion_in_flight_keeps_a_row_pinned_meanwhile(make_store: MakeStore
                 assert gate.wait(60)
             super().between_many(host, dev, copies, to_host=to_host)
 
-        def encode(self, frames, pool, off, size, dtype):  # type: ignore[no-untyped-def]
+        def encode(self, frames, pool, off, size, dtype):
             if path == "host-to-disk":
                 entered.set()
                 assert gate.wait(60)
@@ -664,7 +666,9 @@ def test_store_stage_host_many_corrupt_disk_row_is_a_miss(
     first.close()
     env = lmdb.open(str(tmp_path / "data" / "lmdb"), max_dbs=2)
     with env.begin(write=True, db=env.open_db(b"frames")) as txn:
-        raw = bytearray(txn.get(name_of(1)))
+        frame = txn.get(name_of(1))
+        assert frame is not None
+        raw = bytearray(frame)
         raw[-1] ^= 0xFF
         txn.put(name_of(1), bytes(raw))
     env.close()
@@ -687,7 +691,7 @@ class _ChangedThenFails(Copier):
         self.calls = 0
         self.hook = between
 
-    def from_frames(self, frames, name, pool, off, size):  # type: ignore[no-untyped-def]
+    def from_frames(self, frames, name, pool, off, size):
         if name != self.name:
             return super().from_frames(frames, name, pool, off, size)
         self.calls += 1
@@ -793,7 +797,7 @@ def test_store_change_during_an_encode_leaves_no_stale_frame(
     entered, gate = threading.Event(), threading.Event()
 
     class HeldEncode(Copier):
-        def encode(self, frames, pool, off, size, dtype):  # type: ignore[no-untyped-def]
+        def encode(self, frames, pool, off, size, dtype):
             entered.set()
             assert gate.wait(10)
             return super().encode(frames, pool, off, size, dtype)

@@ -31,6 +31,7 @@ from kvbank.codec import entropy
 from kvbank.config import WritePolicy
 from kvbank.errors import KvbankError
 from kvbank.keys import Scope
+from kvbank.layout import GroupKind
 from kvbank.lender.base import LeaseMode, MemoryKind
 from kvbank.testing.tiers import name_of, page_of
 from kvbank.tiers.device import DevicePool
@@ -346,6 +347,8 @@ def _bank_entry_points(c: _Ctx) -> dict[str, Callable[[], object]]:
         "put_states": lambda: b.put_states(c.mid, [t + 1 for t in OTHER], group=1,
                                            at=[MAMBA.tokens_per_page],
                                            states=torch.ones((1, STATE_PAGE), dtype=torch.uint8)),
+        "lend_put": lambda: b.lend_put(c.lid, [t + 2 for t in OTHER], group=0,
+                                       group_kind=GroupKind.ATTENTION, count=1),
         "admin.touch": lambda: b.admin.touch(n),
         "admin.pin": lambda: b.admin.pin(n[:1]),
         "admin.unpin": lambda: b.admin.unpin(n[:1]),

@@ -1,7 +1,7 @@
 """A borrowing process for cross-process lease tests and the lender benchmark.
 
 Run ``python -m kvbank.bench.borrower``; it reads one JSON command per line on
-stdin and answers one JSON line on stdout. Leases arrive as :meth:`Lease.to_dict` JSON —
+stdin and answers one JSON line on stdout. Leases arrive in their wire form (``kvbank.wire.to_dict``) —
 plain fields, no pickle — and the segments are mapped by name with
 :class:`~kvbank.client.shm.Borrower` (each segment once, for the process's life).
 

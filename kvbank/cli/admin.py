@@ -176,10 +176,7 @@ def _layouts(api: Api, a: argparse.Namespace, out: TextIO) -> int:
 
 
 def _leases(api: Api, a: argparse.Namespace, out: TextIO) -> int:
-    if a.release:
-        doc = api.call("DELETE", f"/admin/leases/{a.release}")
-    else:
-        doc = api.call("GET", "/admin/leases")
+    doc = api.call("DELETE", f"/admin/leases/{a.release}") if a.release else api.call("GET", "/admin/leases")
     if a.json:
         print(json.dumps(doc), file=out)
     elif a.release:

@@ -120,7 +120,8 @@ def test_state_snapshots_are_restored_with_the_attention_kv(bank: Bank) -> None:
     assert bank.read(lease.id, m.names[1][5]) == snap96.numpy().tobytes()
     bank.release(lease.id)
 
-    assert bank.admin.evict([m.names[1][5]]).evicted == (m.names[1][5],)  # the snapshot at 96 is gone: resume where one exists
+    # the snapshot at 96 is gone: resume where one exists
+    assert bank.admin.evict([m.names[1][5]]).evicted == (m.names[1][5],)
     m2 = bank.match(lid, tokens)
     assert m2.resume.tokens == 48 and m2.resume.pages == ((0, 1, 2), (2,))
     assert m2.resume.reason is Obstacle.NO_SNAPSHOT

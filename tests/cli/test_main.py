@@ -33,7 +33,8 @@ def test_cli_help_and_version_import_no_torch_and_no_http_stack() -> None:
     """--help and --version must answer at once: nothing heavy is imported for them."""
     code = ("import sys\nfrom kvbank import cli\n"
             "try:\n    cli.main(['--version'])\nexcept SystemExit:\n    pass\n"
-            "heavy = [m for m in ('torch', 'numpy', 'uvicorn', 'fastapi', 'httpx', 'kvbank.bank.bank') if m in sys.modules]\n"
+            "heavy = [m for m in ('torch', 'numpy', 'uvicorn', 'fastapi', 'httpx',"
+            " 'kvbank.bank.bank') if m in sys.modules]\n"
             "print('heavy=' + ','.join(heavy))")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False)
     assert res.returncode == 0, res.stderr

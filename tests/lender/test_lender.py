@@ -154,7 +154,8 @@ def test_write_lease_commit_publishes_only_arrived_rows(bank: Bank) -> None:
         bank.commit(lease.id, [b"x" * 54])
     with pytest.raises(InvalidInput, match="mask"):
         bank.commit(lease.id, [True])
-    res = bank.commit(lease.id, np.array([False, True, False, True]))  # type: ignore[arg-type]  # a numpy mask in row order
+    mask = np.array([False, True, False, True])  # a numpy mask in row order
+    res = bank.commit(lease.id, mask)  # type: ignore[arg-type]
     assert res.committed == (chain[1], chain[3]) and res.discarded == (chain[2],)
     assert bank.locate(chain) == [TierKind.HOST, TierKind.HOST, None, TierKind.HOST]
     assert bank.match(lid, [*toks(4), 0]).resume.tokens == 16  # page 2 never arrived

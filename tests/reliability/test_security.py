@@ -203,7 +203,9 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[NodeProces
             procs.append(NodeProcess.start(["--data-dir", str(tmp_path_factory.mktemp(f"fleet-{tag}")),
                                             *NODE_ARGS, "--redis", rds.url], env=env))
         for p in procs:
-            _wait(lambda p=p: _health(p).get("fleet", {}).get("state") == "ok", "the node to register")  # type: ignore[misc]  # mypy infers no lambda with defaults
+            # mypy infers no lambda with defaults
+            _wait(lambda p=p: _health(p).get("fleet", {}).get("state") == "ok",  # type: ignore[misc]
+                  "the node to register")
         yield procs[0], procs[1]
     finally:
         for p in procs:

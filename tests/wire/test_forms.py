@@ -75,7 +75,8 @@ def layouts(draw: st.DrawFn) -> PageLayout:
 
 
 @st.composite
-def bounds(draw: st.DrawFn, layout: PageLayout | None = None) -> tuple[PageLayout, ResumeBound, tuple[tuple[bytes, ...], ...]]:
+def bounds(draw: st.DrawFn, layout: PageLayout | None = None
+           ) -> tuple[PageLayout, ResumeBound, tuple[tuple[bytes, ...], ...]]:
     lay = layout or draw(layouts())
     t = draw(st.integers(0, 8 * lay.tokens_per_page))
     keyed = t // lay.tokens_per_page

@@ -25,9 +25,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from kvbank.errors import InvalidInput, TierUnavailable
+from kvbank.errors import InvalidInput, TierUnavailable, UnknownLayout
+from kvbank.layout import PageLayout
 
-__all__ = ["DEFAULT_URL", "ConnectorConfig", "Guard"]
+__all__ = ["DEFAULT_URL", "ConnectorConfig", "Guard", "registered"]
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +76,16 @@ class ConnectorConfig:
                 raise InvalidInput(f"kv_connector_extra_config.{name}: a number >= 0, got {v!r}")
             object.__setattr__(out, name, float(v))
         return out
+
+
+def registered(client: Any, layout: PageLayout, fn: Callable[[], T]) -> T:
+    """``fn()``, registering ``layout`` once more if the node does not know it (a node
+    restarted on an empty data dir forgets its layouts)."""
+    try:
+        return fn()
+    except UnknownLayout:
+        client.register(layout)
+        return fn()
 
 
 class Guard:

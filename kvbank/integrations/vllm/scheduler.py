@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvbank import Client, Scope
-from kvbank.integrations.vllm.config import ConnectorConfig, Guard
+from kvbank.integrations.vllm.config import ConnectorConfig, Guard, registered
 from kvbank.integrations.vllm.layout import VllmLayout, layout_for, page_keys_of, scope_for
 from kvbank.integrations.vllm.metadata import (
     KvbankMetadata,
@@ -116,8 +116,9 @@ class KvbankScheduler:
         if not keys:
             return 0
         prompt = min(t, len(keys) * p + p - 1)
-        m = self._ready().match(self.vl.layout_id, keys=keys, prompt_tokens=prompt,
-                                scope=self.scope, shard=0)
+        client = self._ready()
+        m = registered(client, self.vl.layout, lambda: client.match(
+            self.vl.layout_id, keys=keys, prompt_tokens=prompt, scope=self.scope, shard=0))
         return int(m.resume.tokens)
 
     # ---- vLLM scheduler calls ------------------------------------------------------

@@ -34,7 +34,7 @@ import torch
 
 from kvbank import Client, Scope
 from kvbank.integrations.vllm.blocks import BlockAdapter, Interior, gather_group, scatter_group
-from kvbank.integrations.vllm.config import ConnectorConfig, Guard
+from kvbank.integrations.vllm.config import ConnectorConfig, Guard, registered
 from kvbank.integrations.vllm.layout import UnsupportedCache, VllmLayout, layout_for, scope_for
 from kvbank.integrations.vllm.metadata import KvbankMetadata, KvbankWorkerMetadata, LoadSpec, SaveSpec
 
@@ -152,9 +152,10 @@ class KvbankWorker:
         """Fetch this rank's rows for ``spec`` and scatter them; False = the load failed."""
         p = self.vl.tokens_per_page
         n = spec.tokens // p
-        got = self.clients.get().fetch_prefix(
+        client = self.clients.get()
+        got = registered(client, self.vl.layout, lambda: client.fetch_prefix(
             self.vl.layout_id, keys=list(spec.keys[:n]), prompt_tokens=spec.tokens + 1,
-            scope=self.scope, shard=self.rank)
+            scope=self.scope, shard=self.rank))
         if got.tokens < spec.tokens or got.result is None:
             return False
         lo = spec.local_tokens // p
@@ -221,9 +222,13 @@ class KvbankWorker:
 
     def _put(self, spec: SaveSpec, group: int, first: int, pages: torch.Tensor) -> None:
         n = pages.shape[0]
-        self.guard.call(f"save of {spec.req_id}", lambda: self.clients.get().put(
-            self.vl.layout_id, group=group, pages=pages, keys=list(spec.keys[: first + n]),
-            first_page=first, scope=self.scope, shard=self.rank), None)
+        def put() -> None:
+            client = self.clients.get()
+            registered(client, self.vl.layout, lambda: client.put(
+                self.vl.layout_id, group=group, pages=pages, keys=list(spec.keys[: first + n]),
+                first_page=first, scope=self.scope, shard=self.rank))
+
+        self.guard.call(f"save of {spec.req_id}", put, None)
 
     def drain(self, timeout_s: float = SHUTDOWN_DRAIN_S) -> None:
         """Wait (bounded) for the saves still running."""

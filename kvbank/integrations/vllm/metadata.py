@@ -41,13 +41,13 @@ class SaveSpec:
 
 
 @dataclass
-class KvbankMetadata(KVConnectorMetadata):
+class KvbankMetadata(KVConnectorMetadata):  # type: ignore[misc,unused-ignore]
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
 
 
 @dataclass
-class KvbankWorkerMetadata(KVConnectorWorkerMetadata):
+class KvbankWorkerMetadata(KVConnectorWorkerMetadata):  # type: ignore[misc,unused-ignore]
     failed: set[str] = field(default_factory=set)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:

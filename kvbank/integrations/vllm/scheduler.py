@@ -152,7 +152,8 @@ class KvbankScheduler:
                            found.tokens - found.local)
             return
         ids = tuple(tuple(int(b) for b in g) for g in blocks.get_block_ids())
-        keys = self.guard.call("keys", lambda: tuple(self.keys(request, r // p)), ())
+        none: tuple[bytes, ...] = ()
+        keys = self.guard.call("keys", lambda: tuple(self.keys(request, r // p)), none)
         if len(keys) != r // p:
             return
         self._loads.append(LoadSpec(rid, keys, r, found.local, ids, self.load_async))
@@ -194,7 +195,8 @@ class KvbankScheduler:
         first = req.saved_pages
         if end <= first or not wants(req.request, "save"):
             return
-        keys = self.guard.call("keys", lambda: tuple(self.keys(req.request, end)), ())
+        none: tuple[bytes, ...] = ()
+        keys = self.guard.call("keys", lambda: tuple(self.keys(req.request, end)), none)
         if len(keys) != end:  # block hashes not there yet: try again next step
             return
         ids = tuple(tuple(g[first:end]) if len(g) >= end else () for g in req.block_ids)

@@ -28,6 +28,7 @@ import logging
 import threading
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
 from typing import Any
 
 import torch
@@ -36,7 +37,12 @@ from kvbank import Client, Scope
 from kvbank.integrations.vllm.blocks import BlockAdapter, Interior, gather_group, scatter_group
 from kvbank.integrations.vllm.config import ConnectorConfig, Guard, registered
 from kvbank.integrations.vllm.layout import UnsupportedCache, VllmLayout, layout_for, scope_for
-from kvbank.integrations.vllm.metadata import KvbankMetadata, KvbankWorkerMetadata, LoadSpec, SaveSpec
+from kvbank.integrations.vllm.metadata import (
+    KvbankMetadata,
+    KvbankWorkerMetadata,
+    LoadSpec,
+    SaveSpec,
+)
 
 __all__ = ["KvbankWorker", "tp_rank"]
 
@@ -208,7 +214,8 @@ class KvbankWorker:
     def wait_for_save(self, meta: KvbankMetadata) -> None:
         self._saves = [f for f in self._saves if not f.done()]
         for spec in meta.saves:
-            jobs = self.guard.call(f"save of {spec.req_id}", lambda s=spec: self._gather(s), [])
+            none: list[tuple[int, int, torch.Tensor]] = []
+            jobs = self.guard.call(f"save of {spec.req_id}", partial(self._gather, spec), none)
             for g, first, pages in jobs:
                 self._saves.append(self._saver.submit(self._put, spec, g, first, pages))
 

@@ -156,7 +156,7 @@ def test_layout_tp_ranks_are_shards_of_one_layout() -> None:
 
 
 def test_layout_refuses_mamba_groups_with_a_clear_message() -> None:
-    with pytest.raises(UnsupportedCache, match="MambaSpec.*not supported"):
+    with pytest.raises(UnsupportedCache, match=r"MambaSpec.*not supported"):
         layout_for(vllm_config(), kv_config(mamba=True))
 
 

@@ -112,6 +112,7 @@ class Engine:
                  env: dict[str, str] | None = None) -> None:
         arg = json.dumps({"model": str(model), "url": url, "engine": engine or {}})
         self.log = log
+        self.out: list[str] = []  # the engine's stdout (vLLM logs there)
         self._err = open(log, "w")  # noqa: SIM115 - closed in close()
         self.proc = subprocess.Popen(
             [sys.executable, str(HERE / "engine_driver.py"), arg], stdin=subprocess.PIPE,
@@ -122,6 +123,7 @@ class Engine:
     def _read(self) -> dict[str, Any]:
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
+            self.out.append(line)
             if line.startswith("RESULT "):
                 doc: dict[str, Any] = json.loads(line[7:])
                 if "error" in doc:
@@ -145,7 +147,7 @@ class Engine:
         self.call(op="reset")
 
     def log_text(self) -> str:
-        return self.log.read_text()
+        return self.log.read_text() + "".join(self.out)
 
     def close(self) -> None:
         try:

@@ -85,25 +85,35 @@ def test_llama_changed_config_shares_nothing(models: dict[str, Path], node: Node
         other.close()
 
 
-def test_llama_killed_node_is_a_miss_with_equal_output(llama: Engine, models: dict[str, Path],
-                                                      tmp_path: Path) -> None:
-    """The node dies under a live engine: lookups and saves fail, output is a recompute's;
-    a node started again is used again."""
+def test_llama_damaged_pages_then_killed_node_are_misses_with_equal_output(
+        models: dict[str, Path], tmp_path: Path) -> None:
+    """Sync loads (one group): pages damaged on disk make the load fail in the worker
+    (vLLM recomputes the blocks it was told are invalid); then the node dies under the live
+    engine (SIGKILL) and lookups and saves fail. Output equals the recompute's each time."""
     ids = prompt(600, 4)
-    n = Node(tmp_path / "n2", free_port())
+    n = Node(tmp_path / "n2", free_port(), "--write-policy", "write-through")
     n.start()
     e = Engine(models["llama"], n.url, tmp_path / "engine.log")
     try:
         e.reset()
         base = e.generate(ids, params=OFF)
+        e.reset()
         e.generate(ids)  # stored
+        assert n.stop() == 0
+        assert rot_disk(n.data) > 0
+        n.start()
+        e.reset()
+        bad = e.generate(ids)
+        assert bad["tokens"] == base["tokens"]
+        assert close_logprobs(bad["logprobs"], base["logprobs"])
+        assert e.log_text().count("could not load") == 1
         n.stop(9)  # SIGKILL: no goodbye
         e.reset()
         dead = e.generate(ids)
         assert dead["cached"] == 0
         assert dead["tokens"] == base["tokens"]
         assert close_logprobs(dead["logprobs"], base["logprobs"])
-        assert "kvbank" in e.log_text()  # the failure was logged (a warning), not raised
+        assert "node unreachable" in e.log_text()  # logged as a warning, not raised
     finally:
         e.close()
         n.stop()

@@ -77,7 +77,10 @@ def test_llama_changed_config_shares_nothing(models: dict[str, Path], node: Node
     ids = prompt(500, 3)
     llama.reset()
     llama.generate(ids)  # stored under the first model's layout
-    other = Engine(models["llama_changed"], node.url, tmp_path / "engine.log")
+    # both halves in this one process (vLLM's in-process engine core and worker): a start
+    # ~20 s shorter, and the connector's single-process case
+    other = Engine(models["llama_changed"], node.url, tmp_path / "engine.log",
+                   {"distributed_executor_backend": "uni"}, env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
     try:
         out = other.generate(ids)
         assert out["cached"] == 0
@@ -143,3 +146,18 @@ def test_gemma3_swa_and_full_groups_xxhash_load_async(models: dict[str, Path], n
         assert 1 <= failed_loads <= 2, failed_loads  # it failed once, and was not retried
     finally:
         e.close()
+
+
+def test_llama_tp2_each_rank_stores_and_loads_its_own_shard(models: dict[str, Path],
+                                                            tmp_path: Path) -> None:
+    """TP=2 (one KV head a rank), a fresh node: each rank puts its own shard on the miss and
+    loads its own shard on the hit; a rank that loaded the other rank's heads would change
+    the logprobs (real weights)."""
+    n = Node(tmp_path / "n3", free_port())
+    n.start()
+    e = Engine(models["llama"], n.url, tmp_path / "engine.log", {"tensor_parallel_size": 2})
+    try:
+        check_hit(e, prompt(400, 6), min_hit=384)
+    finally:
+        e.close()
+        n.stop()

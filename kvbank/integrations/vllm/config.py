@@ -28,7 +28,7 @@ from typing import Any, TypeVar
 from kvbank.errors import InvalidInput, TierUnavailable, UnknownLayout
 from kvbank.layout import PageLayout
 
-__all__ = ["DEFAULT_URL", "ConnectorConfig", "Guard", "registered"]
+__all__ = ["DEFAULT_URL", "ConnectorConfig", "Guard", "registered", "safe"]
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +86,16 @@ def registered(client: Any, layout: PageLayout, fn: Callable[[], T]) -> T:
     except UnknownLayout:
         client.register(layout)
         return fn()
+
+
+def safe(what: str, fn: Callable[[], T], fallback: T) -> T:
+    """``fn()``, or ``fallback`` with a warning if it raises: for the connector's own
+    bookkeeping, which must run whether or not the node is up (no breaker here)."""
+    try:
+        return fn()
+    except Exception as exc:  # never into vLLM
+        logger.warning("kvbank: %s failed: %s: %s", what, type(exc).__name__, exc)
+        return fallback
 
 
 class Guard:

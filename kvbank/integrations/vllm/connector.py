@@ -30,7 +30,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-from kvbank.integrations.vllm.config import ConnectorConfig
+from kvbank.integrations.vllm.config import ConnectorConfig, safe
 from kvbank.integrations.vllm.metadata import KvbankMetadata
 from kvbank.integrations.vllm.scheduler import KvbankScheduler
 from kvbank.integrations.vllm.worker import KvbankWorker
@@ -81,12 +81,17 @@ class KvbankConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc,unu
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         assert self.sched is not None
-        self.sched.guard.call("update_state_after_alloc", lambda: self.sched.update_state_after_alloc(  # type: ignore[union-attr]
-            request, blocks, num_external_tokens), None)
+        # no breaker here: a load promised to vLLM must reach the worker (or fail there)
+        self.sched.update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         assert self.sched is not None
-        meta: KVConnectorMetadata = self.sched.build_connector_meta(scheduler_output)
+        sched = self.sched
+        try:
+            meta: KVConnectorMetadata = sched.build_connector_meta(scheduler_output)
+        except Exception as exc:  # never into vLLM; the planned loads still go out
+            logger.warning("kvbank: build_connector_meta failed: %s: %s", type(exc).__name__, exc)
+            meta = KvbankMetadata(loads=sched.take_loads())
         return meta
 
     def on_new_request(self, request: Any) -> None:
@@ -94,8 +99,10 @@ class KvbankConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc,unu
             self.sched.on_new_request(request)
 
     def update_connector_output(self, connector_output: Any) -> None:
-        if self.sched is not None:
-            self.sched.update_connector_output(connector_output)
+        sched = self.sched
+        if sched is not None:
+            safe("update_connector_output",
+                 lambda: sched.update_connector_output(connector_output), None)
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self.sched is not None

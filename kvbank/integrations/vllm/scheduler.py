@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvbank import Client, Scope
-from kvbank.integrations.vllm.config import ConnectorConfig, Guard, registered
+from kvbank.integrations.vllm.config import ConnectorConfig, Guard, registered, safe
 from kvbank.integrations.vllm.layout import VllmLayout, layout_for, page_keys_of, scope_for
 from kvbank.integrations.vllm.metadata import (
     KvbankMetadata,
@@ -140,30 +140,40 @@ class KvbankScheduler:
         return r - num_computed_tokens, self.load_async
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        """Plan the load vLLM just allocated blocks for. Once vLLM counts external tokens a
+        load spec must reach the worker: one it cannot serve (no keys) fails there, and
+        vLLM recomputes; a missing one would leave the blocks unwritten."""
         rid = request.request_id
         found = self._lookups.pop(rid, None)
-        if num_external_tokens <= 0 or found is None:
+        if num_external_tokens <= 0:
             return
-        r = found.local + int(num_external_tokens)
         p = self.vl.tokens_per_page
-        if r != found.tokens or r % p:
+        local = found.local if found is not None else 0
+        r = local + int(num_external_tokens)
+        keys: tuple[bytes, ...] = ()
+        if found is None or r % p or r > found.tokens:
             logger.warning("kvbank: request %s: vLLM allocated %d external tokens, the lookup "
-                           "answered %d; not loading", rid, num_external_tokens,
-                           found.tokens - found.local)
-            return
-        ids = tuple(tuple(int(b) for b in g) for g in blocks.get_block_ids())
-        none: tuple[bytes, ...] = ()
-        keys = self.guard.call("keys", lambda: tuple(self.keys(request, r // p)), none)
-        if len(keys) != r // p:
-            return
-        self._loads.append(LoadSpec(rid, keys, r, found.local, ids, self.load_async))
+                           "answered %s; the load will fail and vLLM recomputes", rid,
+                           num_external_tokens, None if found is None else found.tokens - local)
+        else:
+            keys = safe("page keys", lambda: tuple(self.keys(request, r // p)), keys)
+        try:
+            ids = tuple(tuple(int(b) for b in g) for g in blocks.get_block_ids())
+        except Exception as exc:  # never into vLLM; an empty plan fails on the worker
+            logger.warning("kvbank: request %s: block ids unreadable: %s", rid, exc)
+            ids = ()
+        self._loads.append(LoadSpec(rid, keys, r, local, ids, self.load_async))
         req = self._reqs.setdefault(rid, _Req(request))
         req.saved_pages = max(req.saved_pages, r // p)  # those pages are in kvbank already
-        self.stats["hit_tokens"] += r - found.local
+        self.stats["hit_tokens"] += r - local
+
+    def take_loads(self) -> list[LoadSpec]:
+        """The planned loads, once (build_connector_meta sends them)."""
+        out, self._loads = self._loads, []
+        return out
 
     def build_connector_meta(self, out: Any) -> KvbankMetadata:
-        meta = KvbankMetadata(loads=self._loads)
-        self._loads = []
+        meta = KvbankMetadata(loads=self.take_loads())
         scheduled: dict[str, int] = dict(out.num_scheduled_tokens)
         for new in out.scheduled_new_reqs:
             req = self._reqs.get(new.req_id)
@@ -196,7 +206,7 @@ class KvbankScheduler:
         if end <= first or not wants(req.request, "save"):
             return
         none: tuple[bytes, ...] = ()
-        keys = self.guard.call("keys", lambda: tuple(self.keys(req.request, end)), none)
+        keys = safe("page keys", lambda: tuple(self.keys(req.request, end)), none)
         if len(keys) != end:  # block hashes not there yet: try again next step
             return
         ids = tuple(tuple(g[first:end]) if len(g) >= end else () for g in req.block_ids)
@@ -228,5 +238,5 @@ class KvbankScheduler:
 
     def shutdown(self) -> None:
         if self._client is not None:
-            self.guard.call("close", self._client.close, None)
+            safe("close", self._client.close, None)
             self._client = None

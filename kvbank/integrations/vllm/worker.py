@@ -35,7 +35,7 @@ import torch
 
 from kvbank import Client, Scope
 from kvbank.integrations.vllm.blocks import BlockAdapter, Interior, gather_group, scatter_group
-from kvbank.integrations.vllm.config import ConnectorConfig, Guard, registered
+from kvbank.integrations.vllm.config import ConnectorConfig, Guard, registered, safe
 from kvbank.integrations.vllm.layout import UnsupportedCache, VllmLayout, layout_for, scope_for
 from kvbank.integrations.vllm.metadata import (
     KvbankMetadata,
@@ -158,6 +158,8 @@ class KvbankWorker:
         """Fetch this rank's rows for ``spec`` and scatter them; False = the load failed."""
         p = self.vl.tokens_per_page
         n = spec.tokens // p
+        if n == 0 or len(spec.keys) < n or not spec.block_ids:
+            return False  # the scheduler could not plan this load
         client = self.clients.get()
         got = registered(client, self.vl.layout, lambda: client.fetch_prefix(
             self.vl.layout_id, keys=list(spec.keys[:n]), prompt_tokens=spec.tokens + 1,
@@ -250,7 +252,7 @@ class KvbankWorker:
         self.drain()
         self._saver.shutdown(wait=False)
         self._loader.shutdown(wait=False)
-        self.guard.call("close", self.clients.close, None)
+        safe("close", self.clients.close, None)
 
 
 def _runs(ids: Sequence[int]) -> list[tuple[int, list[int]]]:

@@ -301,3 +301,26 @@ def test_worker_async_load_reports_done_and_failed(node: Node) -> None:
         done, failed = w.get_transfer_results()
         assert done == {"s"} and failed == (set() if ok else {"s"})
         w.shutdown()
+
+
+def test_scheduler_a_promised_load_reaches_the_worker_even_with_the_breaker_down(
+        node: Node, make_sched: Any) -> None:
+    """Once vLLM counts external tokens the worker must load them or report the load failed:
+    a node failure between lookup and allocation (breaker down) still plans the load, and
+    an allocation the lookup did not answer plans one that fails on the worker."""
+    sched = make_sched()
+    req = request("p", 100, "p")
+    store(node, sched, req, 3)
+    assert sched.get_num_new_matched_tokens(req, 0) == (96, False)
+    sched.guard._down_until = float("inf")  # another request's lookup found the node dead
+    sched.update_state_after_alloc(req, blocks([1, 2, 3, 4]), 96)
+    other = request("u", 100, "u")
+    sched.update_state_after_alloc(other, blocks([5, 6, 7, 8]), 64)  # never looked up
+    plans = {s.req_id: s for s in sched.build_connector_meta(sched_out([], {})).loads}
+    assert len(plans["p"].keys) == 3 and plans["p"].tokens == 96
+    assert plans["u"].keys == () and plans["u"].tokens == 64
+    w = KvbankWorker(vllm_config(), kv_config(), cfg(node), rank=0, interior=Interior.SPLIT_N)
+    w.register_kv_caches({name: torch.zeros((16, 2, P, 2 * D)) for name in LAYERS})
+    w.start_load_kv(KvbankMetadata(loads=[plans["u"]]))
+    assert w.get_block_ids_with_load_errors() == {5, 6}
+    w.shutdown()

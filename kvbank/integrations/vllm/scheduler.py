@@ -174,6 +174,11 @@ class KvbankScheduler:
 
     def build_connector_meta(self, out: Any) -> KvbankMetadata:
         meta = KvbankMetadata(loads=self.take_loads())
+        # the loads are promised to vLLM: whatever goes wrong in planning saves, they go out
+        safe("planning saves", lambda: self._plan_saves(meta, out), None)
+        return meta
+
+    def _plan_saves(self, meta: KvbankMetadata, out: Any) -> None:
         scheduled: dict[str, int] = dict(out.num_scheduled_tokens)
         for new in out.scheduled_new_reqs:
             req = self._reqs.get(new.req_id)
@@ -196,7 +201,6 @@ class KvbankScheduler:
                         req.block_ids.append([])
                     req.block_ids[g].extend(more)
             self._plan_save(meta, rid, req, cached.num_computed_tokens[i] + scheduled.get(rid, 0))
-        return meta
 
     def _plan_save(self, meta: KvbankMetadata, rid: str, req: _Req, done: int) -> None:
         """A SaveSpec for the prompt pages ``done`` tokens complete that are not saved yet."""

@@ -324,3 +324,44 @@ def test_scheduler_a_promised_load_reaches_the_worker_even_with_the_breaker_down
     w.start_load_kv(KvbankMetadata(loads=[plans["u"]]))
     assert w.get_block_ids_with_load_errors() == {5, 6}
     w.shutdown()
+
+
+# ---- the connector class vLLM loads ---------------------------------------------------
+
+
+def connector(node: Node, role: Any, policy: str = "fail", **extra: Any) -> Any:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from kvbank.integrations.vllm import KvbankConnector
+
+    conf = vllm_config()
+    conf.kv_transfer_config = SimpleNamespace(
+        kv_connector_extra_config={"url": node.url, **extra}, kv_load_failure_policy=policy,
+        is_kv_producer=True)
+    return KvbankConnector(conf, getattr(KVConnectorRole, role), kv_config())
+
+
+def test_connector_sets_recompute_policy_unless_told_to_keep(node: Node) -> None:
+    c = connector(node, "SCHEDULER")
+    assert c._kv_transfer_config.kv_load_failure_policy == "recompute"
+    kept = connector(node, "SCHEDULER", keep_failure_policy=True)
+    assert kept._kv_transfer_config.kv_load_failure_policy == "fail"
+    for x in (c, kept):
+        x.shutdown()
+
+
+def test_connector_never_raises_into_vllm_and_planned_loads_still_go_out(node: Node) -> None:
+    """A request or a scheduler output of a shape the connector does not expect is a miss
+    (lookups) or a step without saves (metadata) — and a load already promised to vLLM is
+    still sent to the worker."""
+    c = connector(node, "SCHEDULER")
+    assert c.get_num_new_matched_tokens(SimpleNamespace(request_id="x"), 0) == (0, False)
+    req = request("l", 100, "l")
+    store(node, c.sched, req, 3)
+    assert c.get_num_new_matched_tokens(req, 0) == (96, False)
+    c.update_state_after_alloc(req, blocks([1, 2, 3, 4]), 96)
+    meta = c.build_connector_meta(SimpleNamespace())  # no fields at all
+    assert [s.req_id for s in meta.loads] == ["l"]
+    c.update_connector_output(object())
+    assert c.request_finished_all_groups(req, ([1, 2, 3, 4],)) == (False, None)
+    c.shutdown()

@@ -1,0 +1,125 @@
+"""The connector's settings (``kv_connector_extra_config``) and the guard around kvbank calls.
+
+Keys of ``kv_connector_extra_config`` (all optional):
+
+| key | default | meaning |
+| --- | --- | --- |
+| ``url`` | ``http://127.0.0.1:7410`` | the ``kvbank serve`` node of this host |
+| ``tenant`` | ``""`` | goes into the scope: tenants never share pages |
+| ``token`` | none | a tenant token, when the node requires one |
+| ``timeout_s`` | 5 | one kvbank call's socket timeout (the scheduler waits on lookups) |
+| ``retry_s`` | 0.5 | how long idempotent calls are retried |
+| ``breaker_s`` | 10 | after a node failure, kvbank is skipped (every lookup a miss) this long |
+| ``load_async`` | ``"auto"`` | ``true``: every load async; ``false``: sync; ``auto``: async when the model has more than one KV-cache group (vLLM can only recover a failed load of such a model asynchronously) |
+
+Every kvbank error, a dead node or a timeout is a miss for vLLM: :class:`Guard` logs it at
+warning and answers the caller's fallback; only a transport failure trips the breaker.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from kvbank.errors import InvalidInput, TierUnavailable, UnknownLayout
+from kvbank.layout import PageLayout
+
+__all__ = ["DEFAULT_URL", "ConnectorConfig", "Guard", "registered", "safe"]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_URL = "http://127.0.0.1:7410"
+# A lookup blocks vLLM's scheduler loop: the Client's own defaults (120 s, 5 s of retries)
+# would stall every running request that long on a dead node.
+DEFAULT_TIMEOUT_S = 5.0
+DEFAULT_RETRY_S = 0.5
+DEFAULT_BREAKER_S = 10.0
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectorConfig:
+    url: str = DEFAULT_URL
+    tenant: str = ""
+    token: str | None = None
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    retry_s: float = DEFAULT_RETRY_S
+    breaker_s: float = DEFAULT_BREAKER_S
+    load_async: bool | None = None  # None = auto
+
+    @classmethod
+    def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
+        doc = dict(extra or {})
+        known = {"url", "tenant", "token", "timeout_s", "retry_s", "breaker_s", "load_async",
+                 "kvbank_url"}
+        unknown = sorted(set(doc) - known)
+        if unknown:
+            raise InvalidInput(f"kv_connector_extra_config: unknown keys {unknown} "
+                               f"(known: {sorted(known)})")
+        url = str(doc.get("url", doc.get("kvbank_url", DEFAULT_URL)))
+        la = doc.get("load_async", "auto")
+        if la not in ("auto", True, False, None):
+            raise InvalidInput(f"kv_connector_extra_config.load_async: true, false or 'auto', "
+                               f"got {la!r}")
+        out = cls(url=url, tenant=str(doc.get("tenant", "")), token=doc.get("token"),
+                  load_async=None if la in ("auto", None) else bool(la))
+        defaults = {"timeout_s": DEFAULT_TIMEOUT_S, "retry_s": DEFAULT_RETRY_S,
+                    "breaker_s": DEFAULT_BREAKER_S}
+        for name, default in defaults.items():
+            v = doc.get(name, default)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
+                raise InvalidInput(f"kv_connector_extra_config.{name}: a number >= 0, got {v!r}")
+            object.__setattr__(out, name, float(v))
+        return out
+
+
+def registered(client: Any, layout: PageLayout, fn: Callable[[], T]) -> T:
+    """``fn()``, registering ``layout`` once more if the node does not know it (a node
+    restarted on an empty data dir forgets its layouts)."""
+    try:
+        return fn()
+    except UnknownLayout:
+        client.register(layout)
+        return fn()
+
+
+def safe(what: str, fn: Callable[[], T], fallback: T) -> T:
+    """``fn()``, or ``fallback`` with a warning if it raises: for the connector's own
+    bookkeeping, which must run whether or not the node is up (no breaker here)."""
+    try:
+        return fn()
+    except Exception as exc:  # never into vLLM
+        logger.warning("kvbank: %s failed: %s: %s", what, type(exc).__name__, exc)
+        return fallback
+
+
+class Guard:
+    """Runs kvbank calls so that nothing escapes into vLLM, with a circuit breaker."""
+
+    def __init__(self, breaker_s: float) -> None:
+        self._breaker_s = breaker_s
+        self._down_until = 0.0
+        self._lock = threading.Lock()
+
+    @property
+    def down(self) -> bool:
+        return time.monotonic() < self._down_until
+
+    def call(self, what: str, fn: Callable[[], T], fallback: T) -> T:
+        if self.down:
+            return fallback
+        try:
+            return fn()
+        except TierUnavailable as exc:
+            with self._lock:
+                self._down_until = time.monotonic() + self._breaker_s
+            logger.warning("kvbank: %s failed, node unreachable; kvbank skipped for %.0f s: %s",
+                           what, self._breaker_s, exc)
+        except Exception as exc:  # never into vLLM: every kvbank failure is a miss
+            logger.warning("kvbank: %s failed (a miss): %s: %s", what, type(exc).__name__, exc)
+        return fallback

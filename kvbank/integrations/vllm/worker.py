@@ -1,0 +1,268 @@
+"""The connector's worker half: loads into and saves out of one TP rank's paged cache.
+
+Each TP rank is one kvbank shard (``shard_count`` = TP, ``shard_index`` = rank). A
+scheduler ``Match`` names shard 0's rows, so a rank never fetches by it: it runs its own
+``fetch_prefix`` by the load's page keys with ``shard=rank`` (match and lend in one call
+on the node's host) and scatters only what *its* shard holds. A rank whose rows are
+missing or short fails the load; vLLM unions the ranks' failures and recomputes.
+
+Lifecycle per step (the metadata is bound by vLLM):
+
+- ``start_load_kv`` — sync loads (one KV-cache group) run here, before the forward;
+  async loads go to a loader thread and are reported by ``get_transfer_results``
+  (failed ones also in ``failed_recving``). A failed sync load reports its blocks in
+  ``get_block_ids_with_load_errors``; both kinds go to the scheduler in
+  ``build_connector_worker_meta``.
+- ``wait_for_save`` — the pages this step completed are copied out of the cache now
+  (vLLM may reuse the blocks after the step) and put on a saver thread, off the
+  critical path. ``shutdown`` drains the saver (a put still running when vLLM kills the
+  worker is lost: a future miss, never a wrong row).
+
+Loads write only blocks vLLM allocated for them: non-null blocks of pages between the
+engine's local hit and ``r``. A page vLLM expects that kvbank did not deliver fails the load.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
+from typing import Any
+
+import torch
+
+from kvbank import Client, Scope
+from kvbank.integrations.vllm.blocks import BlockAdapter, Interior, gather_group, scatter_group
+from kvbank.integrations.vllm.config import ConnectorConfig, Guard, registered, safe
+from kvbank.integrations.vllm.layout import UnsupportedCache, VllmLayout, layout_for, scope_for
+from kvbank.integrations.vllm.metadata import (
+    KvbankMetadata,
+    KvbankWorkerMetadata,
+    LoadSpec,
+    SaveSpec,
+)
+
+__all__ = ["KvbankWorker", "tp_rank"]
+
+logger = logging.getLogger(__name__)
+
+SHUTDOWN_DRAIN_S = 4.0  # vLLM force-kills workers 5 s after shutdown starts
+
+
+def tp_rank(vllm_config: Any) -> int:
+    """This process's TP rank (0 when vLLM's groups are not set up: tests, TP 1)."""
+    if int(vllm_config.parallel_config.tensor_parallel_size) == 1:
+        return 0
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+    return int(get_tensor_model_parallel_rank())
+
+
+class _Clients:
+    """One Client a thread role (main, loader, saver), each registering the layout once."""
+
+    def __init__(self, cfg: ConnectorConfig, vl: VllmLayout) -> None:
+        self._cfg, self._vl = cfg, vl
+        self._local = threading.local()
+        self._all: list[Client] = []
+        self._lock = threading.Lock()
+
+    def get(self) -> Client:
+        c: Client | None = getattr(self._local, "client", None)
+        if c is None:
+            c = Client(self._cfg.url, timeout_s=self._cfg.timeout_s, retry_s=self._cfg.retry_s,
+                       token=self._cfg.token)
+            c.register(self._vl.layout)
+            self._local.client = c
+            with self._lock:
+                self._all.append(c)
+        return c
+
+    def close(self) -> None:
+        with self._lock:
+            for c in self._all:
+                c.close()
+            self._all.clear()
+
+
+class KvbankWorker:
+    """See the module docstring. One per TP rank, in the worker's process."""
+
+    def __init__(self, vllm_config: Any, kv_cache_config: Any, cfg: ConnectorConfig,
+                 rank: int | None = None, interior: Interior | None = None) -> None:
+        self.cfg = cfg
+        self.rank = tp_rank(vllm_config) if rank is None else rank
+        self.vl: VllmLayout = layout_for(vllm_config, kv_cache_config, shard_index=self.rank)
+        self.scope: Scope = scope_for(vllm_config, cfg.tenant)
+        self.order = str(getattr(kv_cache_config, "kv_cache_layout", None) or "LBHNC")
+        if interior is None:
+            from vllm.platforms import current_platform
+
+            interior = Interior.SPLIT_N if current_platform.is_cpu() else Interior.SPLIT_C
+        self.interior = interior
+        self._specs = {name: gs.kv_cache_spec for gs in kv_cache_config.kv_cache_groups
+                       for name in gs.layer_names}
+        self.adapters: dict[str, BlockAdapter] = {}
+        self.guard = Guard(cfg.breaker_s)
+        self.clients = _Clients(cfg, self.vl)
+        self._loader = ThreadPoolExecutor(1, thread_name_prefix="kvbank-load")
+        self._saver = ThreadPoolExecutor(1, thread_name_prefix="kvbank-save")
+        self._loading: dict[str, Future[bool]] = {}
+        self._saves: list[Future[None]] = []
+        self._load_errors: set[int] = set()
+        self._failed: set[str] = set()
+
+    # ---- caches --------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Adapters for every layer of the layout; an unknown order or shape is refused."""
+        adapters = {}
+        for names in self.vl.group_layers:
+            for name in names:
+                cache = kv_caches.get(name)
+                if cache is None:
+                    raise UnsupportedCache(f"kv cache of {name}: vLLM registered no tensor for it")
+                spec = self._specs[name]
+                hv = spec.head_size_v if spec.head_size_v is not None else spec.head_size
+                adapters[name] = BlockAdapter.of(name, cache, self.order, self.interior,
+                                                 int(spec.head_size), int(hv))
+        self.adapters = adapters
+
+    # ---- loads ---------------------------------------------------------------------
+
+    def start_load_kv(self, meta: KvbankMetadata) -> None:
+        for spec in meta.loads:
+            if spec.is_async:
+                self._loading[spec.req_id] = self._loader.submit(self._load_guarded, spec)
+            elif not self._load_guarded(spec):
+                self._failed.add(spec.req_id)
+                self._load_errors |= set(self._target_blocks(spec, 0))
+
+    def _load_guarded(self, spec: LoadSpec) -> bool:
+        ok = self.guard.call(f"load of {spec.req_id}", lambda: self._load(spec), False)
+        if not ok:
+            logger.warning("kvbank: rank %d could not load %d tokens of %s; vLLM recomputes",
+                           self.rank, spec.tokens - spec.local_tokens, spec.req_id)
+        return ok
+
+    def _target_blocks(self, spec: LoadSpec, group: int) -> list[int]:
+        """Block ids vLLM expects this load to write in ``group`` (pages local..r)."""
+        p = self.vl.tokens_per_page
+        ids = spec.block_ids[group] if group < len(spec.block_ids) else ()
+        return [ids[k] for k in range(spec.local_tokens // p, min(spec.tokens // p, len(ids)))
+                if ids[k] != 0]
+
+    def _load(self, spec: LoadSpec) -> bool:
+        """Fetch this rank's rows for ``spec`` and scatter them; False = the load failed."""
+        p = self.vl.tokens_per_page
+        n = spec.tokens // p
+        if n == 0 or len(spec.keys) < n or not spec.block_ids:
+            return False  # the scheduler could not plan this load
+        client = self.clients.get()
+        got = registered(client, self.vl.layout, lambda: client.fetch_prefix(
+            self.vl.layout_id, keys=list(spec.keys[:n]), prompt_tokens=spec.tokens + 1,
+            scope=self.scope, shard=self.rank))
+        if got.tokens < spec.tokens or got.result is None:
+            return False
+        lo = spec.local_tokens // p
+        plans: list[tuple[int, list[int], list[int]]] = []
+        for g, planned in enumerate(got.match.resume.pages):
+            ids = spec.block_ids[g] if g < len(spec.block_ids) else ()
+            delivered = set(got.result.delivered[g])
+            rows, blocks, covered = [], [], set()
+            for pos, k in enumerate(planned):
+                if k < lo or k >= n or k >= len(ids) or ids[k] == 0:
+                    continue
+                if k not in delivered:
+                    return False
+                rows.append(pos)
+                blocks.append(ids[k])
+                covered.add(ids[k])
+            if not set(self._target_blocks(spec, g)) <= covered:
+                return False  # vLLM expects a block kvbank did not deliver
+            plans.append((g, rows, blocks))
+        for g, rows, blocks in plans:
+            if blocks:
+                pages = got.pages[g]
+                pages_t = pages if isinstance(pages, torch.Tensor) else torch.as_tensor(pages)
+                scatter_group(self.vl, self.adapters, g, pages_t[rows], blocks)
+        return True
+
+    def get_transfer_results(self) -> tuple[set[str], set[str]]:
+        """(finished receiving, failed receiving) of the async loads done by now."""
+        done = {rid for rid, f in self._loading.items() if f.done()}
+        failed = set()
+        for rid in done:
+            ok = self._loading.pop(rid).result()  # _load_guarded never raises
+            if not ok:
+                failed.add(rid)
+        self._failed |= failed
+        return done, failed
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        out, self._load_errors = self._load_errors, set()
+        return out
+
+    def build_worker_meta(self) -> KvbankWorkerMetadata | None:
+        if not self._failed:
+            return None
+        out, self._failed = KvbankWorkerMetadata(self._failed), set()
+        return out
+
+    # ---- saves ---------------------------------------------------------------------
+
+    def wait_for_save(self, meta: KvbankMetadata) -> None:
+        self._saves = [f for f in self._saves if not f.done()]
+        for spec in meta.saves:
+            none: list[tuple[int, int, torch.Tensor]] = []
+            jobs = self.guard.call(f"save of {spec.req_id}", partial(self._gather, spec), none)
+            for g, first, pages in jobs:
+                self._saves.append(self._saver.submit(self._put, spec, g, first, pages))
+
+    def _gather(self, spec: SaveSpec) -> list[tuple[int, int, torch.Tensor]]:
+        """Per group, runs of consecutive non-null blocks as (group, first page, pages)."""
+        out = []
+        for g, ids in enumerate(spec.block_ids):
+            for start, run in _runs(ids):
+                out.append((g, spec.first_page + start, gather_group(self.vl, self.adapters, g, run)))
+        return out
+
+    def _put(self, spec: SaveSpec, group: int, first: int, pages: torch.Tensor) -> None:
+        n = pages.shape[0]
+        def put() -> None:
+            client = self.clients.get()
+            registered(client, self.vl.layout, lambda: client.put(
+                self.vl.layout_id, group=group, pages=pages, keys=list(spec.keys[: first + n]),
+                first_page=first, scope=self.scope, shard=self.rank))
+
+        self.guard.call(f"save of {spec.req_id}", put, None)
+
+    def drain(self, timeout_s: float = SHUTDOWN_DRAIN_S) -> None:
+        """Wait (bounded) for the saves still running."""
+        for f in self._saves:
+            try:
+                f.result(timeout=timeout_s)
+            except Exception as exc:  # a put past the deadline is a future miss
+                logger.warning("kvbank: a save did not finish at shutdown: %s", exc)
+        self._saves = []
+
+    def shutdown(self) -> None:
+        self.drain()
+        self._saver.shutdown(wait=False)
+        self._loader.shutdown(wait=False)
+        safe("close", self.clients.close, None)
+
+
+def _runs(ids: Sequence[int]) -> list[tuple[int, list[int]]]:
+    """Runs of non-null block ids: (offset of the run's first page, its block ids)."""
+    runs: list[tuple[int, list[int]]] = []
+    for k, b in enumerate(ids):
+        if b == 0:
+            continue
+        if runs and runs[-1][0] + len(runs[-1][1]) == k:
+            runs[-1][1].append(b)
+        else:
+            runs.append((k, [b]))
+    return runs

@@ -10,7 +10,9 @@ Keys of ``kv_connector_extra_config`` (all optional):
 | ``timeout_s`` | 5 | one kvbank call's socket timeout (the scheduler waits on lookups) |
 | ``retry_s`` | 0.5 | how long idempotent calls are retried |
 | ``breaker_s`` | 10 | after a node failure, kvbank is skipped (every lookup a miss) this long |
-| ``load_async`` | ``"auto"`` | ``true``: every load async; ``false``: sync; ``auto``: async when the model has more than one KV-cache group (vLLM can only recover a failed load of such a model asynchronously) |
+| ``load_async`` | ``"auto"`` | ``true``: every load async; ``false``: sync; ``auto``: async |
+|  |  | when the model has more than one KV-cache group (vLLM can only recover a failed |
+|  |  | load of such a model asynchronously) |
 
 Every kvbank error, a dead node or a timeout is a miss for vLLM: :class:`Guard` logs it at
 warning and answers the caller's fallback; only a transport failure trips the breaker.

@@ -166,8 +166,10 @@ class WorkerAPI(Protocol):
     # ---- fetching
 
     def fetch(self, match: Match, *, out: OutBuffers, fetch_id: str | None = ...,
-              max_rows: int | None = ..., timeout: float | None = ...) -> FetchResult:
-        """Copy the rows ``match``'s bound needs into ``out``; the bound of what arrived whole."""
+              max_rows: int | None = ..., timeout: float | None = ...,
+              shard: int | None = ...) -> FetchResult:
+        """Copy the rows ``match``'s bound needs into ``out``; the bound of what arrived whole.
+        ``shard``: the caller's rank; a match of another shard's rows is refused."""
         ...
 
     def fetch_prefix(self, layout_id: bytes, tokens: TokenIds | None = ..., *,
@@ -185,8 +187,8 @@ class WorkerAPI(Protocol):
 
     def lend(self, rows: Match | Sequence[bytes], *, mode: LeaseMode = ...,
              kind: MemoryKind = ..., ttl_s: float | None = ...,
-             timeout: float | None = ...) -> Lease:
-        """A NAMED lease on rows (a Match: the rows its bound needs)."""
+             timeout: float | None = ..., shard: int | None = ...) -> Lease:
+        """A NAMED lease on rows (a Match: the rows its bound needs); ``shard`` as in fetch."""
         ...
 
     def lend_all(self, *, kind: MemoryKind = ..., mode: LeaseMode = ...,

@@ -19,11 +19,12 @@ Each has a JSON form in :mod:`kvbank.wire.forms`.
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvbank.keys import Scope
+from kvbank.errors import InvalidInput
+from kvbank.keys import ROW_NAME_BYTES, Scope, shard_of
 from kvbank.lender.resume import ResumeBound
 from kvbank.tiers.base import TierKind
 
@@ -159,6 +160,38 @@ class Match:
     def needed(self) -> list[bytes]:
         """The rows the resume bound needs, group by group (what to fetch or lend)."""
         return self.resume.needed()
+
+    @property
+    def shard(self) -> int | None:
+        """The shard index its rows are named under (read from the row names: every
+        name of a match carries the caller's shard); None for a match of no rows."""
+        for names in self.names:
+            if names:
+                return shard_of(names[0])[1]
+        return None
+
+
+def check_shard(rows: Match | Sequence[object], shard: int | None) -> None:
+    """Refuse to load (fetch or lend) rows of another shard than ``shard``, the caller's
+    tensor-parallel rank: a Match (or row names) taken for shard 0 names shard 0's rows,
+    the same size as every rank's, so loading them on rank 1 would give it rank 0's KV
+    heads. ``shard=None`` checks nothing (the caller's rows are the ones named)."""
+    if shard is None:
+        return
+    if isinstance(shard, bool) or not isinstance(shard, int) or shard < 0:
+        raise InvalidInput(f"shard: expected a shard index (a non-negative integer), got {shard!r}")
+    if isinstance(rows, Match):
+        has = rows.shard
+        if has is not None and has != shard:
+            raise InvalidInput(f"shard: the match names rows of shard {has}, not shard {shard}; "
+                               f"match again with shard={shard} (its rows are other bytes)")
+        return
+    if isinstance(rows, (bytes, bytearray, str)) or not isinstance(rows, Sequence):
+        return  # not row names: the lend refuses them itself
+    for i, name in enumerate(rows):
+        if type(name) is bytes and len(name) == ROW_NAME_BYTES and shard_of(name)[1] != shard:
+            raise InvalidInput(f"shard: names[{i}] is a row of shard {shard_of(name)[1]}, not "
+                               f"shard {shard}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -104,7 +104,15 @@ from kvbank.layout import GroupKind, PageLayout
 from kvbank.lender.base import Lease, LeaseMode, MemoryKind
 from kvbank.lender.ledger import FetchInfo, FetchLedger
 from kvbank.lender.lender import Lender
-from kvbank.results import BankStats, Fetched, FetchResult, Match, Presence, StoreHealth
+from kvbank.results import (
+    BankStats,
+    Fetched,
+    FetchResult,
+    Match,
+    Presence,
+    StoreHealth,
+    check_shard,
+)
 from kvbank.tiers.base import TierKind
 from kvbank.tiers.store.reserve import Reservation
 from kvbank.tiers.store.store import TieredStore
@@ -414,7 +422,8 @@ class Bank(LeaseOps):
     # ---- fetching ------------------------------------------------------------------------
 
     def fetch(self, match: Match, *, out: OutBuffers, fetch_id: str | None = None,
-              max_rows: int | None = None, timeout: float | None = None) -> FetchResult:
+              max_rows: int | None = None, timeout: float | None = None,
+              shard: int | None = None) -> FetchResult:
         """Copy ``match``'s needed rows into ``out`` (``out[g][k]`` receives
         ``match.resume.pages[g][k]``); the bound is recomputed from what arrived whole.
 
@@ -424,9 +433,12 @@ class Bank(LeaseOps):
         ``timeout`` the time it spends (it stops between rows and answers what arrived).
         A row the match found under another shard count (``match.via``) is built from its
         source rows, and counts delivered only when all of them arrived whole.
+        ``shard`` (the caller's tensor-parallel rank): a match whose rows are another
+        shard's is refused (:class:`InvalidInput`), never loaded.
         """
         if not isinstance(match, Match):
             raise InvalidInput(f"match: expected a Match, got {type(match).__name__}")
+        check_shard(match, shard)
         deadline = self._deadline(timeout)
         layout = self.layout(match.layout_id)
         if max_rows is not None and (isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 0):

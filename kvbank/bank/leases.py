@@ -21,7 +21,7 @@ from kvbank.errors import Busy
 from kvbank.layout import PageLayout
 from kvbank.lender.base import CommitResult, Lease, LeaseMode, MemoryKind
 from kvbank.lender.lender import Lender
-from kvbank.results import Match
+from kvbank.results import Match, check_shard
 
 
 class LeaseOps:
@@ -39,8 +39,10 @@ class LeaseOps:
 
     def lend(self, rows: Match | Sequence[bytes], *, mode: LeaseMode = LeaseMode.READ,
              kind: MemoryKind = MemoryKind.HOST, ttl_s: float | None = None,
-             timeout: float | None = None) -> Lease:
-        """A NAMED lease on rows (a Match lends the rows its resume bound needs)."""
+             timeout: float | None = None, shard: int | None = None) -> Lease:
+        """A NAMED lease on rows (a Match lends the rows its resume bound needs);
+        ``shard``: the caller's rank, rows of another shard are refused."""
+        check_shard(rows, shard)
         deadline = self._deadline(timeout)
         if isinstance(rows, Match):
             self.layout(rows.layout_id)

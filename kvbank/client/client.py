@@ -79,7 +79,15 @@ from kvbank.keys import row_names as _row_names
 from kvbank.layout import PageLayout
 from kvbank.lender.base import CommitResult, Lease, LeaseMode, MemoryKind
 from kvbank.lender.resume import resumed_at
-from kvbank.results import BankStats, Fetched, FetchResult, Match, Presence, StoreHealth
+from kvbank.results import (
+    BankStats,
+    Fetched,
+    FetchResult,
+    Match,
+    Presence,
+    StoreHealth,
+    check_shard,
+)
 from kvbank.tiers.base import TierKind
 from kvbank.wire.framing import PutKind, encode_match
 from kvbank.wire.node import DEFAULT_BIND, DEFAULT_PORT
@@ -357,17 +365,20 @@ class Client:
         return wire.to_dict(match)
 
     def fetch(self, match: Match, *, out: OutBuffers, fetch_id: str | None = None,
-              max_rows: int | None = None, timeout: float | None = None) -> FetchResult:
+              max_rows: int | None = None, timeout: float | None = None,
+              shard: int | None = None) -> FetchResult:
         """:meth:`Bank.fetch` on the node: ``out[g][k]`` receives ``match.resume.pages[g][k]``.
 
         A broken TCP stream is acknowledged up to its last whole row and resumed under
         the same fetch id until ``retry_s`` has passed. ``timeout`` bounds this client's
         waits: a stream still running then is cut, and the rows that arrived whole are
         acknowledged and answered (resume with the same fetch id); :class:`Busy` where the
-        node had not answered at all."""
+        node had not answered at all. ``shard``: the caller's rank; a match of another
+        shard's rows is refused here, before any call."""
         deadline = deadline_of(timeout)
         if not isinstance(match, Match):
             raise InvalidInput(f"match: expected a Match, got {type(match).__name__}")
+        check_shard(match, shard)
         views = out_views(self.layout(match.layout_id), match.resume.pages, out)
         req = {"match": self._match_doc(match), "fetch_id": fetch_id, "max_rows": max_rows}
         got = self._path().fetch(req, views, out, deadline)
@@ -383,13 +394,15 @@ class Client:
 
     def lend(self, rows: Match | Sequence[bytes], *, mode: LeaseMode = LeaseMode.READ,
              kind: MemoryKind = MemoryKind.HOST, ttl_s: float | None = None,
-             timeout: float | None = None) -> Lease:
-        """A NAMED lease on rows (a Match lends the rows its resume bound needs).
+             timeout: float | None = None, shard: int | None = None) -> Lease:
+        """A NAMED lease on rows (a Match lends the rows its resume bound needs);
+        ``shard``: the caller's rank, rows of another shard are refused before any call.
 
         ``timeout`` bounds the wait for the node's answer: a lease that comes back after
         it is released at once, then :class:`Busy` (one whose answer never came ends at
         its ttl)."""
         deadline = deadline_of(timeout)
+        check_shard(rows, shard)
         names = rows.needed if isinstance(rows, Match) else rows
         if isinstance(names, (bytes, str)) or not isinstance(names, Sequence):
             raise InvalidInput(f"names: expected a sequence of row names, got {type(names).__name__}")

@@ -229,8 +229,10 @@ class _ShortFetch:
         return getattr(self.bank, name)
 
     def fetch(self, match: Match, *, out: Any, fetch_id: str | None = None,
-              max_rows: int | None = None, timeout: float | None = None) -> FetchResult:
-        return self.bank.fetch(match, out=out, fetch_id=fetch_id, max_rows=self.rows, timeout=timeout)
+              max_rows: int | None = None, timeout: float | None = None,
+              shard: int | None = None) -> FetchResult:
+        return self.bank.fetch(match, out=out, fetch_id=fetch_id, max_rows=self.rows, timeout=timeout,
+                               shard=shard)
 
     def fetch_prefix(self, layout_id: bytes, tokens: Any = None, **kw: Any) -> Fetched:
         return self.bank.fetch_prefix(layout_id, tokens, **kw, max_rows=self.rows)

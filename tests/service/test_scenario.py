@@ -198,3 +198,35 @@ def test_scenario_same_exceptions_on_bank_and_client(api: Any) -> None:
     with pytest.raises(InvalidInput, match="fetch_id"):
         m = api.match(lid, list(range(64)))
         api.fetch(m, out={0: torch.zeros((0, PAGE), dtype=torch.uint8)}, fetch_id="")
+
+
+def test_a_fetch_never_loads_another_shards_rows(api: Any) -> None:
+    """Issue 25: a Match names one shard's rows. Rank 1 handed the scheduler's shard-0
+    match must be refused (InvalidInput naming ``shard``), never given rank 0's heads."""
+    tp = full_attention("svc-tp@shardfetch", num_layers=2, num_kv_heads=4, head_dim=64, shard_count=2)
+    lid = api.register(tp)
+    assert api.register(tp.with_shard(1)) == lid
+    size = tp.group_page_bytes[0]
+    prompt = list(range(1000, 1064))  # 4 pages, bound 48
+    zero, one = rand(4, size, 71), rand(4, size, 72)  # distinct bytes per shard
+    api.put(lid, prompt, group=0, pages=zero, shard=0)
+    api.put(lid, prompt, group=0, pages=one, shard=1)
+    m0 = api.match(lid, prompt, shard=0)
+    assert m0.shard == 0 and m0.resume.tokens == 48
+    with pytest.raises(InvalidInput, match=r"shard.*shard 0.*shard 1"):
+        api.fetch(m0, out=api.out_buffers(m0), shard=1)
+    with pytest.raises(InvalidInput, match="shard"):
+        api.lend(m0, shard=1)
+    with pytest.raises(InvalidInput, match="shard"):
+        api.lend(m0.needed, shard=1)
+    # the right way: rank 1 matches under its own shard and gets its own bytes
+    m1 = api.match(lid, prompt, shard=1)
+    assert m1.shard == 1
+    out = api.out_buffers(m1)
+    assert api.fetch(m1, out=out, shard=1).resume.tokens == 48
+    assert torch.equal(out[0], one[:3]) and not torch.equal(out[0], zero[:3])
+    out = api.out_buffers(m0)
+    assert api.fetch(m0, out=out, shard=0).resume.tokens == 48 and torch.equal(out[0], zero[:3])
+    lease = api.lend(m1, shard=1)
+    api.release(lease.id)
+

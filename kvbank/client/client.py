@@ -118,6 +118,7 @@ class Client:
         self.url = url.rstrip("/")
         # ``token``: a tenant token, sent on every call (the node binds the caller to it)
         auth = {} if token is None else {"Authorization": f"Bearer {token}"}
+        self._tenant_token = token is not None
         self._pool = Pool(self.url, parts.hostname, parts.port or 80, timeout_s=float(timeout_s),
                           retry_s=float(retry_s), auth=auth)
         self._layouts: dict[bytes, PageLayout] = {}
@@ -256,7 +257,7 @@ class Client:
         size = page_size(layout, group)
         views = page_views(pages, size, "pages")
         head = put_head(PutKind.PAGES, layout_id, tokens, keys, scope, group, first_page,
-                              shard, None, views, size)
+                        shard, None, views, size, self._tenant_token)
         return self._store(PutKind.PAGES, head, views, deadline)
 
     def put_state(self, layout_id: bytes, tokens: TokenIds | None = None, *, group: int,
@@ -273,7 +274,7 @@ class Client:
         if len(views) != 1:
             raise InvalidInput(f"state: expected one snapshot, got {len(views)}")
         head = put_head(PutKind.STATE, layout_id, tokens, keys, scope, group, 0, shard,
-                              at, views, size)
+                        at, views, size, self._tenant_token)
         return self._store(PutKind.STATE, head, views)[0]
 
     def put_states(self, layout_id: bytes, tokens: TokenIds | None = None, *, group: int,
@@ -288,7 +289,8 @@ class Client:
         chain = prompt_keys(tokens, keys, layout.tokens_per_page, layout_id, scope)
         bounds = snapshot_boundaries(at, len(views), layout.tokens_per_page, len(chain))
         return [self._store(PutKind.STATE, put_head(PutKind.STATE, layout_id, tokens, keys, scope, group,
-                                                    0, shard, b, [view], size), [view])[0]
+                                                    0, shard, b, [view], size, self._tenant_token),
+                                      [view])[0]
                 for view, b in zip(views, bounds, strict=True)]
 
     # ---- matching and fetching -------------------------------------------------------

@@ -32,7 +32,7 @@ import torch
 from kvbank import checks, wire
 from kvbank.buffers import OutBuffers
 from kvbank.errors import Busy, InvalidInput, KvbankError, TierUnavailable
-from kvbank.keys import PAGE_KEY_BYTES, Scope, TokenIds, tokens_to_bytes
+from kvbank.keys import Scope, TokenIds, engine_keys, tokens_to_bytes
 from kvbank.layout import PageLayout
 from kvbank.lender.base import LeaseMode, MemoryKind
 from kvbank.wire.framing import (
@@ -188,18 +188,23 @@ def _check_rows(rows: list[StreamRow], views: Mapping[int, list[memoryview]]) ->
 
 def put_head(kind: PutKind, layout_id: bytes, tokens: TokenIds | None,
               keys: Sequence[bytes] | None, scope: Scope, group: int, first_page: int,
-              shard: int | None, at: int | None, views: list[memoryview], size: int) -> bytes:
-    """A put body's prefix, header and token ids (or keys), checked as Bank checks them."""
+              shard: int | None, at: int | None, views: list[memoryview], size: int,
+              tenant_token: bool = False) -> bytes:
+    """A put body's prefix, header and token ids (or keys), checked as Bank checks them.
+    ``tenant_token``: the client sends a tenant token (the node may fill in the tenant)."""
     if (tokens is None) == (keys is None):
         raise InvalidInput("tokens: give either tokens or keys (a page-key chain), not both or neither")
     if not isinstance(scope, Scope):
         raise InvalidInput(f"scope: expected a Scope, got {type(scope).__name__}")
     if keys is not None:
-        if isinstance(keys, (bytes, str)) or not isinstance(keys, Sequence):
-            raise InvalidInput(f"keys: expected a sequence of page keys, got {type(keys).__name__}")
-        for i, k in enumerate(keys):
-            if type(k) is not bytes or len(k) != PAGE_KEY_BYTES:
-                raise InvalidInput(f"keys[{i}]: expected a {PAGE_KEY_BYTES}-byte page key")
+        # The rule match uses (kvbank.keys.engine_keys): an engine's keys of any length
+        # become 32-byte page keys here, so the node receives the chain it would match.
+        expanded = engine_keys(keys, layout_id, scope)
+        if tenant_token and not scope.tenant and expanded != list(keys):
+            # the expansion hashes the scope; the node would match under its bound tenant
+            raise InvalidInput("scope.tenant: a put by engine keys that are not 32 bytes under a "
+                               "tenant token must name the token's tenant in scope")
+        keys = expanded
         key_bytes = b"".join(keys)
     else:
         key_bytes = tokens_to_bytes(tokens)  # type: ignore[arg-type]  # None excluded above

@@ -230,3 +230,19 @@ def test_a_fetch_never_loads_another_shards_rows(api: Any) -> None:
     lease = api.lend(m1, shard=1)
     api.release(lease.id)
 
+
+def test_put_takes_the_engine_keys_match_takes(api: Any) -> None:
+    """Issue 25: vLLM's 16-byte xxhash block hashes, put then matched by the same keys."""
+    lid = api.register(FA)
+    keys = [bytes([i]) * 16 for i in range(1, 5)]
+    pages = rand(4, PAGE, 73)
+    names = api.put(lid, keys=keys, group=0, pages=pages)
+    assert names == api.row_names(lid, keys=keys, group=0)
+    m = api.match(lid, keys=keys)
+    assert list(m.names[0]) == names and m.resume.tokens == 48  # the last page is computed
+    out = api.out_buffers(m)
+    assert api.fetch(m, out=out).resume.tokens == 48 and torch.equal(out[0], pages[:3])
+    more = [bytes([i]) * 16 for i in (9, 10)]
+    assert api.put(lid, keys=keys + more, group=0, pages=rand(2, PAGE, 74), first_page=4) \
+        == api.row_names(lid, keys=keys + more, group=0)[4:]
+    assert api.match(lid, keys=keys + more).resume.tokens == 80

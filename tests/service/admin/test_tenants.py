@@ -15,7 +15,7 @@ import torch
 
 from kvbank import LeaseMode, Scope, full_attention
 from kvbank.client.client import Client
-from kvbank.errors import Forbidden, Unauthorized
+from kvbank.errors import Forbidden, InvalidInput, Unauthorized
 from kvbank.keys import namespace
 from kvbank.service.launch import NodeProcess
 from tests.service.conftest import NODE_ARGS
@@ -149,3 +149,16 @@ def test_cross_shard_fetch_under_tenant_tokens(node: NodeProcess, same_host: boo
             assert b.match(lid2, [*toks, 1], shard=j).resume.tokens == 0
             with pytest.raises(Forbidden):
                 b.fetch(m, out={0: torch.zeros_like(out)})
+
+
+def test_a_put_by_engine_keys_under_a_token_names_its_tenant(node: NodeProcess) -> None:
+    """16-byte engine keys are expanded under the scope: a put that left the tenant for the
+    node to fill in would be keyed under "" and never match. Refused; named, it matches."""
+    keys = [bytes([i]) * 16 for i in range(1, 5)]
+    with Client(node.url, token=TA) as a:
+        lid = a.register(FA)
+        with pytest.raises(InvalidInput, match=r"scope\.tenant"):
+            a.put(lid, keys=keys, group=0, pages=pages(4))
+        names = a.put(lid, keys=keys, group=0, pages=pages(4), scope=Scope("a"))
+        m = a.match(lid, keys=keys)  # the node fills in tenant "a"
+        assert list(m.names[0]) == names and m.resume.tokens == 3 * P

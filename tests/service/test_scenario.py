@@ -246,3 +246,12 @@ def test_put_takes_the_engine_keys_match_takes(api: Any) -> None:
     assert api.put(lid, keys=keys + more, group=0, pages=rand(2, PAGE, 74), first_page=4) \
         == api.row_names(lid, keys=keys + more, group=0)[4:]
     assert api.match(lid, keys=keys + more).resume.tokens == 80
+    # STATE snapshots by the same 16-byte keys: put_state and put_states name the rows
+    # row_names gives (the one expansion rule)
+    mid = api.register(MAMBA)
+    mkeys = [bytes([i]) * 16 for i in range(21, 25)]
+    snaps = api.row_names(mid, keys=mkeys, group=1)
+    states = rand(2, MAMBA.group_page_bytes[1], 75)
+    assert api.put_state(mid, keys=mkeys, group=1, state=states[0], at=32) == snaps[1]
+    assert api.put_states(mid, keys=mkeys, group=1, states=states, at=[48, 64]) == snaps[2:]
+    assert api.locate(snaps) == [None, TierKind.HOST, TierKind.HOST, TierKind.HOST]

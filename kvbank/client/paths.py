@@ -26,6 +26,7 @@ them; a lease is released wherever the transfer fails first).
 
 from __future__ import annotations
 
+import abc
 import http.client
 import json
 import os
@@ -74,7 +75,7 @@ class PagePath(Protocol):
         ...
 
 
-class _Lent:
+class _Lent(abc.ABC):
     """What the two lent paths share: a prefix is one control call that matches and lends
     (``via``), then the lent rows are read as a fetch's are."""
 
@@ -112,9 +113,10 @@ class _Lent:
             raise
         return self._answered(doc, m, views, bufs, max_rows)
 
+    @abc.abstractmethod
     def _answered(self, doc: Doc, m: Match, views: Views, bufs: OutBuffers,
                   max_rows: int | None) -> FetchResult:
-        raise NotImplementedError
+        """Copy the lent rows into ``views`` by this path, and acknowledge them."""
 
 
 class SharedMemory(_Lent):

@@ -23,32 +23,21 @@ whether the bank is closed (every call then raises
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
-from kvbank.bank.catalog import Catalog
-from kvbank.bank.closing import refused_once_closed
+from kvbank.bank.closing import BankPart, refused_once_closed
 from kvbank.errors import InvalidInput
 from kvbank.keys import ROW_NAME_BYTES, Scope, namespace
 from kvbank.layout import PageLayout
 from kvbank.results import EvictResult, RowEvent, RowInfo
-from kvbank.tiers.store.store import TieredStore
 
 MAX_PAGE_ROWS = 10_000  # the store's own scan bound
 DEFAULT_PAGE_ROWS = 100
 
 
 @refused_once_closed("bank.admin")
-class BankAdmin:
+class BankAdmin(BankPart):
     """A bank's admin calls (``bank.admin``). See the module docstring."""
-
-    def __init__(self, store: TieredStore, catalog: Catalog, *, closed: Callable[[], bool]) -> None:
-        self._store = store
-        self._catalog = catalog
-        self._is_closed = closed  # the bank's: every public call checks it first
-
-    @property
-    def _closed(self) -> bool:
-        return self._is_closed()
 
     def prefixes(self, layout_id: bytes | None = None, scope: Scope | None = None,
                  prefix: bytes = b"") -> list[bytes]:

@@ -343,7 +343,8 @@ class Bank(LeaseOps):
                  at: int | None = None, page_bytes: int | None = None,
                  scope: Scope = DEFAULT_SCOPE, keys: Sequence[bytes] | None = None,
                  shard: int | None = None, kind: MemoryKind = MemoryKind.HOST,
-                 ttl_s: float | None = None, fields: str = "") -> tuple[list[bytes], Lease | None]:
+                 ttl_s: float | None = None, fields: str = "",
+                 lease: bool = True) -> tuple[list[bytes], Lease | None]:
         """A put planned and its WRITE lease taken in one call (the counterpart of a
         match and a READ lease): the row names of ``count`` pages from ``first_page`` of an
         ATTENTION group, or of the snapshot at ``at`` of a STATE group, and a lease
@@ -352,7 +353,8 @@ class Bank(LeaseOps):
         The names are looked up once here and once at commit: the lease reserves what this
         lookup found absent, and a row stored in between is kept at commit (equal names
         are equal bytes). ``page_bytes`` is the caller's declared page size, checked;
-        ``fields`` prefixes the field names of refusals (``"header."``)."""
+        ``fields`` prefixes the field names of refusals (``"header."``); ``lease=False``
+        plans only (the names, no lookup, no lease)."""
         layout = self.layout(layout_id)
         other = "put_state" if group_kind is GroupKind.ATTENTION else "put"
         g = puts.put_group(layout, group, group_kind, field=f"{fields}group",
@@ -368,6 +370,8 @@ class Bank(LeaseOps):
         # A put is a command: the bank learns the (scope, layout) pair, so the lease can
         # describe its rows (their page size and regions).
         self._catalog.learn(layout_id, scope)
+        if not lease:
+            return names, None
         todo = [n for n, held in zip(names, self._store.locate(names), strict=True) if held is None]
         if not todo:
             return names, None

@@ -14,9 +14,13 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable
-from typing import Protocol, TypeVar
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from kvbank.errors import TierUnavailable
+
+if TYPE_CHECKING:
+    from kvbank.bank.catalog import Catalog
+    from kvbank.tiers.store.store import TieredStore
 
 B = TypeVar("B", bound=type)
 R = TypeVar("R")
@@ -55,3 +59,17 @@ def refused_once_closed(label: str) -> Callable[[B], B]:
                 setattr(cls, name, _refusing(attr, f"{label}.{name}"))
         return cls
     return apply
+
+
+class BankPart:
+    """What ``bank.admin`` and ``bank.fleet`` are built from: the bank's store and catalog,
+    and the bank's own closed flag (every public call checks it first)."""
+
+    def __init__(self, store: TieredStore, catalog: Catalog, *, closed: Callable[[], bool]) -> None:
+        self._store = store
+        self._catalog = catalog
+        self._is_closed = closed
+
+    @property
+    def _closed(self) -> bool:
+        return self._is_closed()

@@ -28,34 +28,23 @@ follows is ``bank.admin.take_events``. Primitives:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
-from kvbank.bank.catalog import Catalog
-from kvbank.bank.closing import closed_error, refused_once_closed
+from kvbank.bank.closing import BankPart, closed_error, refused_once_closed
 from kvbank.errors import InvalidInput
 from kvbank.keys import ROW_NAME_BYTES, group_of, same_chain
 from kvbank.layout import GroupKind
 from kvbank.lender.resume import resume_bound, resume_boundaries
 from kvbank.results import Match
 from kvbank.tiers.base import Buffer, TierKind
-from kvbank.tiers.store.store import TieredStore
 
 DEFAULT_NAME_PAGE = 4096  # rows per page of held_names (one store scan each)
 RECALL_BATCH_ROWS = 64  # rows per store batch of a recall from the remote tier
 
 
 @refused_once_closed("bank.fleet")
-class BankFleet:
+class BankFleet(BankPart):
     """What the fleet needs of a bank (``bank.fleet``). See the module docstring."""
-
-    def __init__(self, store: TieredStore, catalog: Catalog, *, closed: Callable[[], bool]) -> None:
-        self._store = store
-        self._catalog = catalog
-        self._is_closed = closed  # the bank's: every public call checks it first
-
-    @property
-    def _closed(self) -> bool:
-        return self._is_closed()
 
     def layout_ids(self) -> list[bytes]:
         """Every registered layout id."""

@@ -4,7 +4,7 @@ A put stores one group's pages (an ``ATTENTION`` group) or state snapshots (a ``
 group) of one prompt, under row names taken from the prompt's chain
 (:func:`kvbank.bank.Bank.row_names`: one name per full page, in order). A receiver — the
 bank's own ``put``/``put_state``/``put_states``, the node's put body route
-(:func:`kvbank.service.stream.plan_put`) — checks and plans the put here, then stores it
+(through :meth:`kvbank.bank.bank.Bank.lend_put`) — checks and plans the put here, then stores it
 its own way (a batch into the store, or a WRITE lease filled in place).
 
 Primitives, pure (no bank, no store, no clock); each raises a typed error whose message

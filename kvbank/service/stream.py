@@ -33,7 +33,6 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from kvbank.bank import puts
 from kvbank.errors import (
     InvalidInput,
     KvbankError,
@@ -162,20 +161,25 @@ def lend_put(node: Node, header: PutHeader, key_bytes: bytes | bytearray,
     WRITE HOST lease on its rows not stored yet. A lease refused (a reader holds a row,
     the host tier is full) answers ``fallback`` with the names: the body is then stored
     through ``Bank.put``."""
-    tokens, keys = _prompt(header, key_bytes)
-    want = GroupKind.STATE if header.kind is PutKind.STATE else GroupKind.ATTENTION
-    scope = KeyScope(header.tenant, header.cache_salt, header.lora)
     try:
-        names, lease = node.bank.lend_put(
-            header.layout_id, tokens, group=header.group, group_kind=want, count=header.pages,
-            first_page=header.first_page, at=header.at, page_bytes=header.page_bytes,
-            scope=scope, keys=keys, shard=header.shard, kind=MemoryKind.HOST, ttl_s=ttl_s,
-            fields="header.")
+        names, lease = _bank_put(node, header, key_bytes, ttl_s, lease=True)
     except (LeaseConflict, TierError) as exc:
         logger.debug("put lease: none (%s); the pages go through Bank.put", exc)
-        names, _, _ = plan_put(node, header, key_bytes)
+        names, _ = _bank_put(node, header, key_bytes, ttl_s, lease=False)
         return names, None, True
     return names, lease, False
+
+
+def _bank_put(node: Node, header: PutHeader, key_bytes: bytes | bytearray, ttl_s: float | None,
+              *, lease: bool) -> tuple[list[bytes], Lease | None]:
+    """The header's put through ``Bank.lend_put`` (the rules are :mod:`kvbank.bank.puts`)."""
+    tokens, keys = _prompt(header, key_bytes)
+    want = GroupKind.STATE if header.kind is PutKind.STATE else GroupKind.ATTENTION
+    return node.bank.lend_put(
+        header.layout_id, tokens, group=header.group, group_kind=want, count=header.pages,
+        first_page=header.first_page, at=header.at, page_bytes=header.page_bytes,
+        scope=KeyScope(header.tenant, header.cache_salt, header.lora), keys=keys,
+        shard=header.shard, kind=MemoryKind.HOST, ttl_s=ttl_s, fields="header.", lease=lease)
 
 
 async def _put(node: Node, body: _Body, kind: PutKind, declared: str | None,
@@ -237,29 +241,6 @@ def _prompt(header: PutHeader, key_bytes: bytes | bytearray) -> tuple[Any, list[
         return np.frombuffer(bytes(key_bytes), dtype="<i4").astype(np.int64), None
     raw = bytes(key_bytes)
     return None, [raw[i : i + PAGE_KEY_BYTES] for i in range(0, len(raw), PAGE_KEY_BYTES)]
-
-
-def plan_put(node: Node, header: PutHeader, key_bytes: bytes | bytearray) -> tuple[list[bytes], Any, Any]:
-    """Check a put header against its layout (the rules are :mod:`kvbank.bank.puts`); the
-    row names it will store, and the tokens or keys it named (for ``Bank.put`` on the
-    fallback path)."""
-    bank = node.bank
-    layout = bank.layout(header.layout_id)
-    want = GroupKind.STATE if header.kind is PutKind.STATE else GroupKind.ATTENTION
-    g = puts.put_group(layout, header.group, want, field="header.group", route="this route")
-    puts.check_page_bytes(layout, g, header.page_bytes, "header.page_bytes")
-    scope = KeyScope(header.tenant, header.cache_salt, header.lora)
-    tokens, keys = _prompt(header, key_bytes)
-    # A put is a command: the bank learns the (scope, layout) pair, so a WRITE lease on
-    # these rows can describe them (their page size and regions).
-    bank.register_scope(header.layout_id, scope)
-    chain = bank.row_names(header.layout_id, tokens, group=g, scope=scope, keys=keys, shard=header.shard)
-    if header.kind is PutKind.PAGES:
-        names = puts.page_rows(chain, header.first_page, header.pages,
-                               field="header.pages", first_field="header.first_page")
-    else:
-        names = [puts.state_row(chain, header.at, layout.tokens_per_page, field="header.at")]
-    return names, tokens, keys
 
 
 def _slot_views(node: Node, lease: Lease, names: list[bytes]) -> dict[bytes, memoryview]:

@@ -197,7 +197,8 @@ def _hex(value: str, field: str, nbytes: int | None = None) -> bytes:
 
 def create_app(node: Node) -> FastAPI:
     """The FastAPI application serving ``node``."""
-    app = NodeAPI(title="kvbank node", version=__version__, errors=_error,
+    # /docs is the node's own (kvbank.service.admin.ui: assets in the package, offline)
+    app = NodeAPI(title="kvbank node", version=__version__, errors=_error, docs_url=None, redoc_url=None,
                   description="Data API of one kvbank node: layouts, pages, matches, fetches, leases.")
     bank = node.bank
     admin = install_admin(app, node)

@@ -33,6 +33,8 @@ admin_token          KVBANK_ADMIN_TOKEN          the admin API's bearer token (u
                                                  is generated into ``DATA_DIR/admin.token``)
 metrics              KVBANK_METRICS              serve ``/metrics`` (on by default)
 metrics_auth         KVBANK_METRICS_AUTH         ``/metrics`` needs the admin token too
+series_interval_s    KVBANK_SERIES_INTERVAL_S    the status page's sampling interval (1 s;
+                                                 600 samples are kept)
 tenants              KVBANK_TENANTS              ``tenant = token`` pairs (TOML table
                                                  ``[tenants]``; env ``a=tok1,b=tok2``):
                                                  when set, every data call needs a token
@@ -80,6 +82,7 @@ DEFAULT_IDLE_TIMEOUT_S = 30.0
 DEFAULT_HEADER_TIMEOUT_S = 10.0
 DEFAULT_BODY_TIMEOUT_S = 60.0
 DEFAULT_SHUTDOWN_TIMEOUT_S = 10.0
+DEFAULT_SERIES_INTERVAL_S = 1.0
 
 MIN_BUDGET = 64 << 20
 HOST_SHARE, HOST_CAP = 0.25, 64 << 30  # of MemAvailable; /dev/shm's free half caps it too
@@ -87,7 +90,7 @@ DISK_SHARE, DISK_CAP = 0.50, 1 << 40  # of the data dir file system's free space
 
 _INTS = ("port", "data_port", "threads", "max_headers", "max_connections", "data_connections")
 _SIZES = ("max_body_bytes", "max_json_bytes", "max_header_bytes")
-_SECONDS = ("idle_timeout_s", "header_timeout_s", "body_timeout_s", "shutdown_timeout_s")
+_SECONDS = ("idle_timeout_s", "header_timeout_s", "body_timeout_s", "shutdown_timeout_s", "series_interval_s")
 
 
 def default_data_dir(env: Mapping[str, str] | None = None) -> Path:
@@ -156,6 +159,7 @@ class ServiceConfig:
     admin_token: str | None = None
     metrics: bool = True
     metrics_auth: bool = False
+    series_interval_s: float = DEFAULT_SERIES_INTERVAL_S
     tenants: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:

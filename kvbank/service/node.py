@@ -51,6 +51,7 @@ from kvbank.errors import InvalidInput, KvbankError
 from kvbank.lender.base import Delivery, HostLocation, Lease, LeaseMode, MemoryKind
 from kvbank.lender.ledger import FetchLedger, PlannedRow
 from kvbank.results import FetchResult, Match
+from kvbank.service.admin.timeseries import Traffic
 from kvbank.service.config import ServiceConfig
 from kvbank.service.dataplane import DataPlane
 from kvbank.service.fleet.fleet import Fleet
@@ -135,6 +136,7 @@ class Node:
         # never acknowledges leaves one.
         self._fetches: OrderedDict[str, _Fetch] = OrderedDict()
         self.identity = host_identity()
+        self.traffic = Traffic()  # matches by namespace and tokens served, for the status page
         self.fleet: Fleet | None = None  # set by the server when the node joins a fleet
         self.dataplane: DataPlane | None = None  # set by the server when it serves a data port
         # The host tier's segment, from an ALL lease (which describes the pools, locks
@@ -225,6 +227,7 @@ class Node:
             m = bank.match(layout_id, **args)
         if self.fleet is not None and self.fleet.complete(m, args):
             m = bank.match(layout_id, **args)
+        self.traffic.match(m)
         return m
 
     def match_lend(self, layout_id: bytes, args: dict[str, Any], fetch_id: str | None,
@@ -356,6 +359,7 @@ class Node:
         missing = tuple(map(tuple, lost))
         complete = not any(missing)
         if complete:
+            self.traffic.fetched(bound.tokens)
             self.ledger.close(fetch_id)
             with self._lock:
                 self._fetches.pop(fetch_id, None)

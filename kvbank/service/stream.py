@@ -175,10 +175,12 @@ def _bank_put(node: Node, header: PutHeader, key_bytes: bytes | bytearray, ttl_s
     """The header's put through ``Bank.lend_put`` (the rules are :mod:`kvbank.bank.puts`)."""
     tokens, keys = _prompt(header, key_bytes)
     want = GroupKind.STATE if header.kind is PutKind.STATE else GroupKind.ATTENTION
+    scope = KeyScope(header.tenant, header.cache_salt, header.lora)
+    node.traffic.scope(header.layout_id, scope)  # whose rows these are, for the status page
     return node.bank.lend_put(
         header.layout_id, tokens, group=header.group, group_kind=want, count=header.pages,
         first_page=header.first_page, at=header.at, page_bytes=header.page_bytes,
-        scope=KeyScope(header.tenant, header.cache_salt, header.lora), keys=keys,
+        scope=scope, keys=keys,
         shard=header.shard, kind=MemoryKind.HOST, ttl_s=ttl_s, fields="header.", lease=lease)
 
 

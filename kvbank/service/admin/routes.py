@@ -19,6 +19,8 @@ route                                  what it does
 ``POST /admin/drain``, ``/undrain``    refuse new puts and turn unready; accept them again
 ``POST /admin/pin``, ``/unpin``        pin rows under the pin budget (409 over it)
 ``POST /admin/check``                  the bank's invariant check, what it found
+``GET  /admin/series``, ``/usage``      the status page's samples and usage table (:mod:`.ui`)
+``GET  /admin/ui``                     the status page (no token to load; it asks for one)
 ``GET  /metrics``                      Prometheus text (admin token with metrics_auth)
 =====================================  ===================================================
 
@@ -53,6 +55,8 @@ from kvbank.service.admin.auth import (
 from kvbank.service.admin.metrics import CONTENT_TYPE, Metrics, MetricsMiddleware
 from kvbank.service.admin.state import AdminState, GateMiddleware
 from kvbank.service.admin.tenants import TenantGuard, TenantMiddleware
+from kvbank.service.admin.timeseries import Series
+from kvbank.service.admin.ui import install_status
 from kvbank.service.node import Node
 from kvbank.tiers.base import TierKind
 
@@ -101,6 +105,7 @@ class Admin:
         self.state = state
         self.guard = guard
         self.metrics = metrics
+        self.series: Series | None = None  # the status page's samples (install_admin starts it)
 
     def require(self, creds: Creds, request: Request) -> None:
         """The admin token, or 401 (none) / 403 (wrong)."""
@@ -138,6 +143,10 @@ def install_admin(app: FastAPI, node: Node) -> Admin:
     if metrics is not None:
         app.add_middleware(MetricsMiddleware, metrics=metrics)
     app.include_router(_router(admin))
+    admin.series = Series(node.bank, node.traffic, metrics=metrics, interval_s=cfg.series_interval_s,
+                          extra=lambda: {"served_fetches": len(node.ledger), "in_flight": state.in_flight})
+    admin.series.start()
+    install_status(app, admin, admin.series, node.traffic)
     if metrics is not None:
         deps = [Depends(admin.require)] if cfg.metrics_auth else []
 

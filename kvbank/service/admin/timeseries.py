@@ -13,7 +13,8 @@ Primitives:
   ``bank.stats()``), :class:`Traffic`, and the request histogram and byte counters of
   :class:`~kvbank.service.admin.metrics.Metrics` (when ``/metrics`` is on), into a ring of
   ``points`` samples (the oldest falls out). Counters stay cumulative in a sample; the
-  page takes differences. :meth:`Series.answer` is ``GET /admin/series``: the ring, and
+  page takes differences; each is numbered (``n``). :meth:`Series.answer` is
+  ``GET /admin/series``: the ring (or its samples after a number), and
   latency percentiles per route over the last :data:`LATENCY_WINDOW` samples
   (interpolated in the histogram's buckets, as Prometheus' ``histogram_quantile`` does).
 - :func:`usage` — ``GET /admin/usage``: rows and bytes held per model, layout and tenant,
@@ -172,6 +173,7 @@ class Series:
         self._ring: collections.deque[dict[str, Any]] = collections.deque(maxlen=points)
         self._hist: collections.deque[dict[str, Buckets]] = collections.deque(maxlen=LATENCY_WINDOW + 1)
         self._lock = threading.Lock()
+        self._taken = 0  # samples taken: each one's number ``n``, for ``after``
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -204,7 +206,7 @@ class Series:
         s = self.bank.stats()
         st = s.store
         point: dict[str, Any] = {
-            "t": round(time.time(), 3),
+            "n": 0, "t": round(time.time(), 3),
             "gets": st.gets, "hits": st.hits, "misses": st.misses, "puts": st.puts, "rows": st.rows,
             "leases": s.live_leases, "fetches": s.open_fetches,
             "tiers": {t.kind.value: {"used": t.used_bytes, "budget": t.budget_bytes, "rows": t.rows,
@@ -221,6 +223,8 @@ class Series:
             point["moved"] = _moved(self.metrics)
             hist = _histograms(self.metrics)
         with self._lock:
+            self._taken += 1
+            point["n"] = self._taken
             self._ring.append(point)
             if self.metrics is not None:
                 self._hist.append(hist)
@@ -244,11 +248,11 @@ class Series:
                                            for q in QUANTILES}}
         return out
 
-    def answer(self, since: float | None = None) -> dict[str, Any]:
-        """``GET /admin/series``: the samples after ``since`` (all by default) and the
-        latency table."""
+    def answer(self, after: int | None = None) -> dict[str, Any]:
+        """``GET /admin/series``: the samples numbered above ``after`` (all by default) and
+        the latency table."""
         with self._lock:
-            points = [p for p in self._ring if since is None or p["t"] > since]
+            points = [p for p in self._ring if after is None or p["n"] > after]
             window = max(0, len(self._hist) - 1)
         return {"interval_s": self.interval_s, "points": points, "metrics": self.metrics is not None,
                 "latency_window_s": round(window * self.interval_s, 3), "latency": self.latency()}

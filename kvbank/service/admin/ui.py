@@ -9,7 +9,7 @@ route                           what it answers
                                 it; it asks for the admin token and keeps it in the
                                 tab's ``sessionStorage``, sent as a bearer header, never
                                 in a URL. A refused token shows the form and no data.
-``GET /admin/series``           the ring of samples (:mod:`.timeseries`) after ``since``,
+``GET /admin/series``           the ring of samples (:mod:`.timeseries`) after ``after``,
                                 and latency percentiles per route (admin token)
 ``GET /admin/usage``            rows, bytes and hit rate per model, layout and tenant
                                 (admin token; recomputed at most every
@@ -102,9 +102,9 @@ def install_status(app: FastAPI, admin: Admin, series: Series, traffic: Traffic)
 
     @r.get("/series")
     async def series_route(
-        since: Annotated[float | None, Query(ge=0, description="only samples taken after this unix time")] = None,
+        after: Annotated[int | None, Query(ge=0, description="only the samples numbered above this (n)")] = None,
     ) -> dict[str, Any]:
-        doc = series.answer(since)
+        doc = series.answer(after)
         doc["fleet"] = node.fleet is not None
         return doc
 

@@ -7,12 +7,17 @@ case                    ours                                          baseline (
                         a node with tenant tokens, with a token       without tenant tokens
 ``metrics-overhead``    ``fetch-remote`` GB/s (TCP, 2 MiB rows) on a  the same on a node with
                         node with ``/metrics`` on                     ``/metrics`` off
+``metrics-overhead-ui`` the same, with the node's status page open    the same
+                        in headless Chromium, refreshing (without
+                        chromium: a client polling what the page
+                        polls, at its pace; the baseline says which)
 ``rows-list-1m``        ms to list one page (100 rows) of one layout  ``sorted()`` of every
                         from a bank holding 1 M rows                  name, first 100
                         (``bank.admin.rows``)
 ======================  ============================================  =========================
 
-Targets: ``match-1000-auth`` ratio ≤ 1.05, ``metrics-overhead`` ratio ≥ 0.97,
+Targets: ``match-1000-auth`` ratio ≤ 1.05, ``metrics-overhead`` and
+``metrics-overhead-ui`` ratio ≥ 0.97,
 ``rows-list-1m`` ≤ 50 ms. The nodes run as ``kvbank serve`` processes; calls alternate
 between the two nodes of a pair so that the shared machine's noise hits both alike.
 ``--quick`` stores 100 k rows instead of 1 M (the case name stays the contract; its
@@ -21,6 +26,7 @@ baseline says the count).
 
 from __future__ import annotations
 
+import itertools
 import os
 import statistics
 import tempfile
@@ -33,6 +39,7 @@ from kvbank.bench.common import BenchRow, row
 
 SUITE = "admin"
 TOKEN = "bench-tenant-token-0123456789"
+ADMIN_TOKEN = "bench-admin-token-0123456789"
 MATCH_PAGES = 1000
 FETCH_ROWS = 64
 LIST_PAGE = 100
@@ -86,7 +93,62 @@ def _match_auth(tenant_url: str, plain_url: str, reps: int) -> BenchRow:
                "Client.match, node without tenant tokens", statistics.median(base) * 1e3)
 
 
-def _metrics_overhead(on_url: str, off_url: str, reps: int, rows: int) -> BenchRow:
+class _PagePoller:
+    """Without a browser: what the status page fetches, at its pace (the series every
+    interval, the usage table every fifth), from a thread."""
+
+    def __init__(self, url: str, interval_s: float = 1.0) -> None:
+        import threading
+
+        self._url, self._interval = url, interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="bench-page-poller", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        import httpx
+
+        after = None
+        with httpx.Client(base_url=self._url, headers={"Authorization": f"Bearer {ADMIN_TOKEN}"},
+                          timeout=30) as http:
+            for tick in itertools.count():
+                doc = http.get("/admin/series", params={} if after is None else {"after": after}).json()
+                if doc["points"]:
+                    after = doc["points"][-1]["n"]
+                if tick % 5 == 0:
+                    http.get("/admin/usage").raise_for_status()
+                if self._stop.wait(self._interval):
+                    return
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(30)
+
+
+def _open_page(stack: ExitStack, url: str) -> str:
+    """The node's status page, open and refreshing until ``stack`` closes: in headless
+    Chromium when there is one, else polled by a client; which of the two."""
+    from kvbank.bench.browser import Chromium, chromium_binary
+
+    binary = chromium_binary()
+    if binary is None:
+        stack.callback(_PagePoller(url).close)
+        return "page polled by a client (no chromium)"
+    browser = stack.enter_context(Chromium(binary))
+    tab = browser.page()
+    stack.callback(tab.close)
+    tab.open(url + "/admin/ui")
+    tab.wait("!document.getElementById('login').hidden")
+    tab.evaluate("document.getElementById('token').focus()")
+    tab.type(ADMIN_TOKEN)
+    tab.wait("document.querySelectorAll('svg[data-plot=hit_rate]').length > 0", 60)
+    if tab.errors:
+        raise RuntimeError(f"status page: console errors {tab.errors}")
+    return "page open in chromium"
+
+
+def _metrics_overhead(on_url: str, off_url: str, reps: int, rows: int,
+                      case: str = "metrics-overhead", with_page: str = "") -> BenchRow:
     import torch
 
     from kvbank.builders import full_attention
@@ -111,8 +173,9 @@ def _metrics_overhead(on_url: str, off_url: str, reps: int, rows: int) -> BenchR
 
         ours, base = _alternate(lambda: fetch(on, on_url), lambda: fetch(off, off_url), reps)
     gb = rows * page / 1e9
-    return row(SUITE, "metrics-overhead", "GB/s", gb / statistics.median(ours),
-               "fetch-remote, /metrics off", gb / statistics.median(base))
+    return row(SUITE, case, "GB/s", gb / statistics.median(ours),
+               "fetch-remote, /metrics off" + (f" ({with_page} on the /metrics-on node)" if with_page else ""),
+               gb / statistics.median(base))
 
 
 def _rows_list(n_rows: int, reps: int) -> BenchRow:
@@ -158,7 +221,12 @@ def run(quick: bool = False) -> Iterator[BenchRow]:
         plain = _node(stack, tmp, "plain", {})
         yield _match_auth(tenant.url, plain.url, reps)
         stack.close()
-        on = _node(stack, tmp, "metrics-on", {"KVBANK_METRICS": "true"})
+        on = _node(stack, tmp, "metrics-on", {"KVBANK_METRICS": "true", "KVBANK_ADMIN_TOKEN": ADMIN_TOKEN})
         off = _node(stack, tmp, "metrics-off", {"KVBANK_METRICS": "false"})
-        yield _metrics_overhead(on.url, off.url, 5 if quick else 11, 16 if quick else FETCH_ROWS)
+        rows = 16 if quick else FETCH_ROWS
+        yield _metrics_overhead(on.url, off.url, 5 if quick else 11, rows)
+        with ExitStack() as page:
+            how = _open_page(page, on.url)
+            # enough fetches to span several of the page's refreshes (one a second)
+            yield _metrics_overhead(on.url, off.url, 11 if quick else 31, rows, "metrics-overhead-ui", how)
     yield _rows_list(100_000 if quick else 1_000_000, 5 if quick else 9)

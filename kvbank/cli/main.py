@@ -22,8 +22,11 @@ import argparse
 import importlib
 import logging
 import sys
+import threading
 from collections.abc import Sequence
+from typing import Any
 
+from kvbank import progress
 from kvbank._version import __version__
 from kvbank.bench import SUITES
 from kvbank.errors import KvbankError
@@ -40,6 +43,8 @@ a KVBANK_<NAME> variable (KVBANK_PORT, KVBANK_HOST_BYTES, ...). Sizes take suffi
 SIGTERM or SIGINT stops accepting, lets in-flight requests finish, closes the bank (host
 rows are written to disk) and exits 0.
 """
+
+BENCH_BAR_AFTER_S = 3.0  # a suite shorter than this draws no bar
 
 # flag -> (ServiceConfig / BankConfig field, help)
 _SERVE_FLAGS: tuple[tuple[str, str, str], ...] = (
@@ -93,23 +98,50 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         return 0
     from kvbank.service.server import serve
 
+    progress.enable()  # the reservation and the close's write-back, on a terminal
     return serve(config)
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
     names = list(SUITES) if args.suite == "all" else [args.suite]
+    progress.enable(not args.json)  # --json: the rows alone
     for name in names:
         module = importlib.import_module(SUITES[name])
-        for r in module.run(quick=args.quick):
-            if args.json:
-                print(r.to_json(), flush=True)
-            else:
-                print(
-                    f"{r.suite:8} {r.case:28} {r.value:14.4g} {r.metric:10} "
-                    f"vs {r.baseline}: {r.baseline_value:.4g}  ratio {r.ratio:.3f}",
-                    flush=True,
-                )
+        with _Ticking(f"bench {name}") as shown:
+            for r in module.run(quick=args.quick):
+                shown.update(1)
+                if args.json:
+                    print(r.to_json(), flush=True)
+                else:
+                    progress.echo(
+                        f"{r.suite:8} {r.case:28} {r.value:14.4g} {r.metric:10} "
+                        f"vs {r.baseline}: {r.baseline_value:.4g}  ratio {r.ratio:.3f}")
     return 0
+
+
+class _Ticking:
+    """A suite's bar (cases done, time running), redrawn twice a second so a long case
+    shows its clock; drawn only after a few seconds, on a terminal (:mod:`kvbank.progress`)."""
+
+    def __init__(self, desc: str) -> None:
+        self.bar = progress.bar(None, desc, unit="case", delay_s=BENCH_BAR_AFTER_S)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._tick, name="kvbank-bench-progress", daemon=True)
+
+    def _tick(self) -> None:
+        while not self._stop.wait(0.5):
+            self.bar.refresh()
+
+    def __enter__(self) -> Any:
+        if not isinstance(self.bar, progress.Quiet):
+            self._thread.start()
+        return self.bar
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+        self.bar.close()
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:

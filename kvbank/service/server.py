@@ -13,7 +13,10 @@ Lifecycle::
       └─ SIGTERM / SIGINT: stop accepting, let in-flight requests finish (at most
          ``shutdown_timeout_s``), end the data connections (a transfer in flight breaks
          off: nothing it carried is committed or acknowledged by the node), close the
-         bank (host rows persisted to disk, as ``Bank.close`` does), exit 0
+         bank (host rows persisted to disk, as ``Bank.close`` does), exit 0. A stop that
+         takes more than :data:`STOP_NOTICE_S` says on stderr what it is waiting for
+         (:class:`_Stopping`); on a terminal, the host reservation and the close's
+         write-back draw progress bars (:mod:`kvbank.progress`)
 
 The socket is bound before the bank opens so that a taken port fails at once, and the
 ready line is printed only once uvicorn accepts: a script may start the node and wait for
@@ -26,6 +29,7 @@ import logging
 import socket
 import sys
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
@@ -33,6 +37,7 @@ from typing import TextIO
 
 import uvicorn
 
+from kvbank import progress
 from kvbank.bank.bank import Bank
 from kvbank.errors import ConfigError, TierUnavailable
 from kvbank.service.admin.routes import admin_of
@@ -47,6 +52,8 @@ from kvbank.service.sockets import listen
 logger = logging.getLogger(__name__)
 
 READY = "kvbank serve: ready on"
+STOP_NOTICE_S = 1.0  # a stop longer than this says what it waits for
+STOP_REPEAT_S = 5.0  # and says it again this often while the wait lasts
 
 
 def _size(n: int) -> str:
@@ -74,7 +81,9 @@ def serve(config: ServiceConfig, *, out: TextIO = sys.stdout) -> int:
             sock.close()
             raise ConfigError(f"data_dir: cannot create {config.bank.data_dir}: {exc}") from exc
     bank = Bank(config.bank)
+    _show_reservation(bank)
     node = Node(bank, config)
+    stopping = _Stopping(sys.stderr)
     try:
         node.fleet = join_fleet(bank, config)
         app = create_app(node)
@@ -90,14 +99,26 @@ def serve(config: ServiceConfig, *, out: TextIO = sys.stdout) -> int:
         )
         admin = admin_of(app)
         data_port = None if node.dataplane is None else node.dataplane.port
-        server = _Server(uv, lambda: _ready(config, out, admin.state.token_file, data_port))
+        server = _Server(uv, lambda: _ready(config, out, admin.state.token_file, data_port),
+                         on_exit=lambda: stopping.start(
+                             lambda: f"{admin.state.in_flight} requests in flight to finish "
+                                     f"(at most {config.shutdown_timeout_s:g} s)"))
         server.run(sockets=[sock])
     finally:
         sock.close()
-        if node.dataplane is not None:  # before the bank closes: its threads hold slot views
-            node.dataplane.stop(config.shutdown_timeout_s)
-        node.close()
-        _close_bank(bank, config.shutdown_timeout_s)
+        stopping.start()
+        try:
+            if node.dataplane is not None:  # before the bank closes: its threads hold slot views
+                stopping.now("the data port's connections to end")
+                node.dataplane.stop(config.shutdown_timeout_s)
+            stopping.now("the bank's calls in progress to return" +
+                         (" and the fleet to leave Redis" if node.fleet is not None else ""))
+            node.close()
+            stopping.now("the bank to close (memory rows written to disk)" if config.bank.data_dir is not None
+                         else "the bank to close")
+            _close_bank(bank, config.shutdown_timeout_s)
+        finally:
+            stopping.stop()
     logger.debug("kvbank serve: stopped")
     return 0
 
@@ -126,6 +147,74 @@ def _ready(config: ServiceConfig, out: TextIO, token_file: Path | None, data_por
           f"disk tier {disk}, {data}; {admin})", file=out, flush=True)
 
 
+def _show_reservation(bank: Bank) -> None:
+    """With ``reserve_host``, on a terminal: a bar of the host budget pre-faulted so far."""
+    r = bank.reservation
+    if r is None:
+        return
+    shown = progress.bar(r.target_bytes, "host tier: reserving memory", unit="B", unit_scale=True)
+    if isinstance(shown, progress.Quiet):
+        return
+
+    def run() -> None:
+        try:
+            while not r.wait(0.25):
+                shown.update(r.done_bytes - shown.n)
+        finally:
+            shown.close()
+
+    threading.Thread(target=run, name="kvbank-reserve-progress", daemon=True).start()
+
+
+class _Stopping:
+    """What a stop is waiting for, said on ``err`` once the stop has lasted
+    :data:`STOP_NOTICE_S`, again when the wait changes, and every :data:`STOP_REPEAT_S`
+    while it lasts. A wait is a text or a callable giving one (a count that changes)."""
+
+    def __init__(self, err: TextIO) -> None:
+        self._err = err
+        self._lock = threading.Lock()
+        self._what: str | Callable[[], str] = "the server to stop"
+        self._began: float | None = None
+        self._done = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self, what: str | Callable[[], str] | None = None) -> None:
+        """The stop began (idempotent), waiting for ``what``."""
+        with self._lock:
+            if what is not None:
+                self._what = what
+            if self._thread is not None:
+                return
+            self._began = time.monotonic()
+            self._thread = threading.Thread(target=self._run, name="kvbank-stopping", daemon=True)
+            self._thread.start()
+
+    def now(self, what: str | Callable[[], str]) -> None:
+        with self._lock:
+            self._what = what
+
+    def stop(self) -> None:
+        self._done.set()
+        if self._thread is not None:
+            self._thread.join(5)
+
+    def _run(self) -> None:
+        said, said_at = None, 0.0
+        while not self._done.wait(0.1):
+            with self._lock:
+                what, began = self._what, self._began
+            assert began is not None  # set with the thread
+            now = time.monotonic()
+            if now - began < STOP_NOTICE_S:
+                continue
+            if what is not said or now - said_at >= STOP_REPEAT_S:
+                text = what() if callable(what) else what
+                print(f"kvbank serve: stopping ({now - began:.0f} s): waiting for {text}",
+                      file=self._err, flush=True)
+                said, said_at = what, now
+
+
 def _close_bank(bank: Bank, deadline_s: float) -> None:
     """``bank.close()`` within a deadline (it persists host rows to disk)."""
     err: list[BaseException] = []
@@ -148,12 +237,16 @@ def _close_bank(bank: Bank, deadline_s: float) -> None:
 class _Server(uvicorn.Server):
     """uvicorn's server, printing the ready line once it accepts connections."""
 
-    def __init__(self, config: uvicorn.Config, on_ready: Callable[[], None]) -> None:
+    def __init__(self, config: uvicorn.Config, on_ready: Callable[[], None],
+                 on_exit: Callable[[], None] | None = None) -> None:
         super().__init__(config)
         self._on_ready = on_ready
+        self._on_exit = on_exit
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         super().handle_exit(sig, frame)
+        if self._on_exit is not None:
+            self._on_exit()
         # uvicorn re-raises a captured signal once it has stopped, which would kill the
         # process before the bank closes (host rows unpersisted) and exit -15. The node
         # closes its bank and exits 0 instead.

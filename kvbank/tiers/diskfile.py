@@ -39,6 +39,7 @@ from typing import Any
 
 import lmdb
 
+from kvbank import progress
 from kvbank.errors import CorruptPage, TierUnavailable
 from kvbank.tiers.base import OS_ERRORS
 
@@ -208,10 +209,14 @@ def salvage(directory: Path, reason: str, check_row: CheckRow, *, map_size: int)
     copied = dropped = 0
     first = ""
     entries = [0]
+    shown = progress.bar(None, f"salvaging {directory}", unit="row")
     try:
         frames_db, meta_db = env.open_db(b"frames"), env.open_db(b"meta")
         batch: list[tuple[bytes, bytes, bytes]] = []
         for name, frame, meta, error in _rows(src, entries):
+            if shown.total is None and entries[0]:
+                shown.total = entries[0]  # the old frame count, read as the walk starts
+            shown.update(1)
             if not error:
                 try:
                     meta = check_row(name, frame, meta)
@@ -230,6 +235,7 @@ def salvage(directory: Path, reason: str, check_row: CheckRow, *, map_size: int)
     except _SALVAGE_ERRORS as exc:  # the old files are read as the walk goes
         raise TierUnavailable(f"disk tier: salvage into {directory}: {exc}") from exc
     finally:
+        shown.close()
         env.close()
         if src != kept:
             shutil.rmtree(src, ignore_errors=True)

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvbank import progress
 from kvbank.errors import TierFull
 from kvbank.tiers.base import FrameWrite
 from kvbank.tiers.index import DEV, DISK, HOST
@@ -99,6 +100,7 @@ def write_back(st: StoreState, mover: Mover, deadline: float, deadline_s: float)
     window: collections.deque[tuple[int, Future[bytes]]] = collections.deque()
     nxt = written = 0
     why = ""
+    shown = progress.bar(len(rows), "writing memory rows to disk", unit="row")
     try:
         while nxt < len(rows) or window:
             while nxt < len(rows) and len(window) < depth:
@@ -122,11 +124,13 @@ def write_back(st: StoreState, mover: Mover, deadline: float, deadline_s: float)
                 break
             done, why = _write_group(st, mover, rows, group, seq0)
             written += done
+            shown.update(done)
             if why:
                 break
     except TierFull as exc:
         why = str(exc)
     finally:
+        shown.close()
         wait([f for _, f in window])
         with st.lock:
             for r in rows:

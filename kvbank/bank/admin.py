@@ -18,7 +18,8 @@ whether the bank is closed (every call then raises
   (:class:`~kvbank.errors.PinBudgetExceeded`, nothing pinned).
 - :meth:`~BankAdmin.touch`, :meth:`~BankAdmin.take_events` (the change feed, which
   ``bank.fleet``'s node follows), :meth:`~BankAdmin.read_frame` (a row's encoded frame),
-  :meth:`~BankAdmin.layouts`, :meth:`~BankAdmin.prefixes`.
+  :meth:`~BankAdmin.layouts`, :meth:`~BankAdmin.prefixes`, :meth:`~BankAdmin.count` (rows
+  under a name prefix, from the ordered index: what the status page's usage table reads).
 """
 
 from __future__ import annotations
@@ -89,6 +90,11 @@ class BankAdmin(BankPart):
             if len(out) >= limit:
                 break
         return out
+
+    def count(self, prefix: bytes) -> int:
+        """How many rows are stored under a name prefix (a namespace: one (scope, layout)
+        pair), at the cost of a bisect, not of the rows."""
+        return self._store.count(prefix)
 
     def evict(self, names: Sequence[bytes]) -> EvictResult:
         """Drop rows from every tier; locked and pinned rows are reported, not evicted."""

@@ -69,6 +69,14 @@ _LOAD = 512  # sublist length of OrderedNames after a split (splits above 2 * _L
 I64 = npt.NDArray[np.int64]
 
 
+def _after_prefix(prefix: bytes) -> bytes | None:
+    """The least byte string above every string starting with ``prefix`` (None: none is)."""
+    stripped = prefix.rstrip(b"\xff")
+    if not stripped:
+        return None
+    return stripped[:-1] + bytes([stripped[-1] + 1])
+
+
 class OrderedNames:
     """A sorted set of names: add, discard, and pages by prefix after a cursor."""
 
@@ -140,6 +148,20 @@ class OrderedNames:
             i += 1
             j = 0
         return out
+
+    def count(self, prefix: bytes) -> int:
+        """How many names start with ``prefix``: two bisects and the lengths of the
+        sublists between them, never the names themselves."""
+        if not prefix:
+            return self._len
+        end = _after_prefix(prefix)
+        return self._rank(end) - self._rank(prefix) if end is not None else self._len - self._rank(prefix)
+
+    def _rank(self, name: bytes) -> int:
+        """How many names sort before ``name``."""
+        i = bisect_left(self._maxes, name)
+        before = sum(len(lst) for lst in self._lists[:i])
+        return before + (bisect_left(self._lists[i], name) if i < len(self._lists) else 0)
 
     def __iter__(self) -> Iterator[bytes]:
         for lst in self._lists:

@@ -17,9 +17,9 @@ Primitives:
   ``GET /admin/series``: the ring (or its samples after a number), and
   latency percentiles per route over the last :data:`LATENCY_WINDOW` samples
   (interpolated in the histogram's buckets, as Prometheus' ``histogram_quantile`` does).
-- :func:`usage` — ``GET /admin/usage``: rows and bytes held per model, layout and tenant,
-  read page by page from the bank's listing (at most :data:`USAGE_SCAN_ROWS` rows per
-  answer; a larger store is reported as scanned in part), with each namespace's hit rate.
+- :func:`usage` — ``GET /admin/usage``: rows and bytes held per model, layout and tenant
+  (each namespace's rows counted in the store's ordered name index, a bisect), with each
+  namespace's hit rate.
 
 Lifecycle: :func:`~kvbank.service.admin.routes.install_admin` builds both and starts the
 thread; it ends at :meth:`Series.stop`, or by itself once the bank is closed. Sampling
@@ -47,9 +47,6 @@ DEFAULT_INTERVAL_S = 1.0
 DEFAULT_POINTS = 600  # ten minutes at one sample a second
 LATENCY_WINDOW = 60  # samples the latency percentiles are taken over
 QUANTILES = (0.5, 0.9, 0.99)
-USAGE_SCAN_ROWS = 200_000  # rows read per /admin/usage answer (about 0.2 s at 1 M rows)
-USAGE_PAGE = 10_000  # the bank listing's own page bound
-_NS = 16  # a row name starts with its 16-byte namespace
 
 
 @dataclass(slots=True)
@@ -258,44 +255,34 @@ class Series:
                 "latency_window_s": round(window * self.interval_s, 3), "latency": self.latency()}
 
 
-def usage(bank: Bank, traffic: Traffic, max_rows: int = USAGE_SCAN_ROWS) -> dict[str, Any]:
-    """``GET /admin/usage``: rows and bytes per (model, layout, tenant), hit rates. Rows
-    of a namespace the node saw no traffic for since it started (kept across a restart)
-    are listed under the tenant ``null``."""
+def usage(bank: Bank, traffic: Traffic) -> dict[str, Any]:
+    """``GET /admin/usage``: rows, bytes and hit rate per (model, layout, tenant). Rows of
+    a namespace are counted in the store's ordered name index (a bisect per namespace,
+    never a walk over the rows); bytes are rows times the layout's page size, exact when
+    its groups share one page size (``bytes_exact``), else rows times their mean. A
+    namespace the node saw no traffic for since it started (rows kept across a restart)
+    has the tenant ``null``."""
     spaces = traffic.spaces()
     layouts = {x.layout_id: x for x in bank.admin.layouts()}
-    held: dict[bytes, tuple[bytes, list[int]]] = {}  # namespace -> layout id, [rows, bytes]
-    scanned, partial = 0, False
+    owner: dict[bytes, bytes] = {ns: s.layout_id for ns, s in spaces.items()}
     for lid in layouts:
-        after: bytes | None = None
-        while True:
-            limit = min(USAGE_PAGE, max_rows - scanned)
-            if limit <= 0:
-                partial = True
-                break
-            page = bank.admin.rows(lid, after=after, limit=limit)
-            for r in page:
-                acc = held.setdefault(r.name[:_NS], (lid, [0, 0]))[1]
-                acc[0] += 1
-                acc[1] += r.size
-            scanned += len(page)
-            if len(page) < limit:
-                break
-            after = page[-1].name
+        owner.update(dict.fromkeys(bank.admin.prefixes(lid), lid))
     rows: list[dict[str, Any]] = []
-    for ns in sorted(set(held) | set(spaces)):
-        space = spaces.get(ns)
-        lid, (n_rows, n_bytes) = held.get(ns) or (spaces[ns].layout_id, [0, 0])
-        layout = layouts.get(lid)
+    for ns, lid in sorted(owner.items()):
+        space, layout = spaces.get(ns), layouts.get(lid)
+        n = bank.admin.count(ns)
+        if not n and space is None:
+            continue  # a pair the catalog knows (a registration) with no rows and no traffic
+        sizes = () if layout is None else layout.group_page_bytes
         rows.append({
             "model": None if layout is None else layout.model, "layout_id": lid.hex(),
             "tokens_per_page": None if layout is None else layout.tokens_per_page,
             "tenant": None if space is None else space.tenant, "namespace": ns.hex(),
-            "rows": n_rows, "bytes": n_bytes,
+            "rows": n, "bytes": round(n * sum(sizes) / len(sizes)) if sizes else None,
+            "bytes_exact": len(set(sizes)) == 1,
             "matches": 0 if space is None else space.matches,
             "tokens_asked": 0 if space is None else space.asked,
             "tokens_matched": 0 if space is None else space.matched,
             "hit_rate": None if space is None or not space.asked else round(space.matched / space.asked, 4),
         })
-    return {"rows": rows, "scanned_rows": scanned, "partial": partial}
-
+    return {"rows": rows}

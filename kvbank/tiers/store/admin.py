@@ -36,6 +36,14 @@ def _names(names: Sequence[bytes]) -> list[bytes]:
     return [check_name(n) for n in names]
 
 
+def count(st: StoreState, prefix: bytes) -> int:
+    if not isinstance(prefix, bytes) or len(prefix) > ROW_NAME_BYTES:
+        raise InvalidInput(f"prefix: expected at most {ROW_NAME_BYTES} bytes, got {prefix!r}")
+    with st.lock:
+        st.check_open()
+        return st.ix.ordered.count(prefix)
+
+
 def scan(st: StoreState, prefix: bytes, after: bytes | None, limit: int) -> list[RowInfo]:
     if not isinstance(prefix, bytes) or len(prefix) > ROW_NAME_BYTES:
         raise InvalidInput(f"prefix: expected at most {ROW_NAME_BYTES} bytes, got {prefix!r}")

@@ -276,6 +276,10 @@ class TieredStore:
 
     # -- admin and fleet ---------------------------------------------------------------
 
+    def count(self, prefix: bytes = b"") -> int:
+        """How many rows' names start with ``prefix`` (a bisect, not a scan). Pure."""
+        return admin.count(self._st, prefix)
+
     def scan(self, prefix: bytes = b"", *, after: bytes | None = None,
              limit: int) -> list[RowInfo]:
         """Rows whose name starts with ``prefix``, in name order, after the cursor

@@ -101,8 +101,7 @@ def test_series_latency_covers_the_routes_called() -> None:
 
 def test_usage_counts_rows_and_bytes_by_model_layout_and_tenant() -> None:
     """Each namespace's rows and bytes as the store holds them, named by the tenant the
-    node saw it under, with the tokens its matches covered; a scan over the row bound
-    says it is partial."""
+    node saw it under, with the tokens its matches covered."""
     with served(None, series_interval_s=QUIET) as (client, node):
         fill(node.bank, 5, seed=3, scope=Scope("acme"))
         fill(node.bank, 3, seed=4, scope=Scope("globex"))
@@ -110,13 +109,14 @@ def test_usage_counts_rows_and_bytes_by_model_layout_and_tenant() -> None:
         _match(client, [*range(40_000, 40_000 + 3 * P), 1], "globex")
         doc = client.get("/admin/usage", headers=auth()).json()
         rows = {r["tenant"]: r for r in doc["rows"]}
-        assert set(rows) == {"acme", "globex"} and not doc["partial"] and doc["scanned_rows"] == 8
+        assert set(rows) == {"acme", "globex"} and all(r["bytes_exact"] for r in doc["rows"])
         assert (rows["acme"]["rows"], rows["acme"]["bytes"]) == (5, 5 * PAGE)
         assert (rows["globex"]["rows"], rows["globex"]["bytes"]) == (3, 3 * PAGE)
         assert rows["acme"]["model"] == FA.model and rows["acme"]["layout_id"] == FA.layout_id.hex()
         assert rows["acme"]["hit_rate"] == pytest.approx(5 * P / (5 * P + 1), abs=1e-4)
-        part = usage(node.bank, node.traffic, max_rows=4)
-        assert part["partial"] and part["scanned_rows"] == 4
+        node.bank.admin.evict(fill(node.bank, 5, seed=3, scope=Scope("acme"))[:2])
+        again = {r["tenant"]: r["rows"] for r in usage(node.bank, node.traffic)["rows"]}
+        assert again == {"acme": 3, "globex": 3}  # counted in the index as it is now
 
 
 def test_docs_work_offline() -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import shutil
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -166,3 +167,36 @@ def test_status_page_with_a_wrong_token_shows_the_login_form_and_no_data(browser
         assert any("403" in e for e in tab.errors), tab.errors
     finally:
         tab.close()
+
+
+def test_status_page_lists_the_fleet_nodes_with_their_state(browser: Chromium, redis_server,
+                                                            tmp_path: Path) -> None:
+    """On a node in a fleet, the fleet table shows every registered node, this one
+    marked, with the state /admin/fleet gives."""
+    nodes = [NodeProcess.start(["--data-dir", str(tmp_path / name), *NODE_ARGS, "--redis", redis_server.url],
+                               env={**os.environ, "KVBANK_ADMIN_TOKEN": TOKEN})
+             for name in ("a", "b")]
+    tab = browser.page()
+    try:
+        for n in nodes:  # both registered before the page reads the fleet
+            for _ in range(200):
+                if len(_admin(n, "/admin/fleet")["nodes"]) == 2:
+                    break
+                time.sleep(0.05)
+        tab.open(nodes[0].url + "/admin/ui")
+        tab.wait("!document.getElementById('login').hidden")
+        tab.evaluate("document.getElementById('token').focus()")
+        tab.type(TOKEN)
+        tab.wait("document.querySelectorAll('#p-fleet tr').length === 3", 60)
+        shown = tab.evaluate("[...document.querySelectorAll('#p-fleet tr')].slice(1).map(r => "
+                             "[...r.children].map(td => td.innerText))")
+        fleet = _admin(nodes[0], "/admin/fleet")
+        want = {(n["name"] + (" (this node)" if n["node_id"] == fleet["self"] else ""), n["address"], n["state"])
+                for n in fleet["nodes"]}
+        assert {(r[0], r[1], r[2]) for r in shown} == want
+        assert sum("(this node)" in r[0] for r in shown) == 1 and {r[2] for r in shown} == {"live"}
+        assert tab.errors == []
+    finally:
+        tab.close()
+        for n in nodes:
+            assert n.stop() == 0, "".join(n.lines)[-2000:]

@@ -1,11 +1,25 @@
 """Eviction policy: which rows leave a tier, as a pure function over the row index.
 
 :func:`victims` answers row ids in the order to take them out of tier ``bit`` to free
-``need`` bytes: LRU by the index's logical clock, with prefix awareness — a row is not
-chosen while one of its children (``parent=`` links) is an evictable candidate in the same
-tier, so chains go from their tail and the longest usable prefixes stay. Rows in ``keep``
-(locked or pinned), rows whose slot is busy and rows being moved are never chosen. It
-reads the index and changes nothing; the caller holds the store lock.
+``need`` bytes, oldest *key* first, with prefix awareness — a row is not chosen while one
+of its children (``parent=`` links) is an evictable candidate in the same tier, so chains
+go from their tail and the longest usable prefixes stay. Rows in ``keep`` (locked or
+pinned), rows whose slot is busy and rows being moved are never chosen. It reads the index
+and changes nothing; the caller holds the store lock.
+
+Two rules give the key (:class:`~kvbank.config.EvictionPolicy`):
+
+- ``lru``: the row's stamp (the index's logical clock at its last put or read).
+- ``value`` (the default): the stamp, plus a head start of :data:`REUSE_SPAN` times the
+  tier's candidate rows for a row whose name was used at least twice (``freq``, which the
+  index's reuse history carries across evictions). On prompt traces most pages are used
+  once and never again, and a page that was used before is several times likelier to be
+  used again (docs/tiers.md, "Eviction"); under LRU the one-time pages push the reused
+  ones out. The head start is a bounded age bonus, not a class: a reused row that stops
+  being used still ages out, one tier's worth of uses later than a first-time row.
+
+The key is built in the same vectorised pass that gathers the stamps, so a value
+eviction costs what an LRU one does (``kvbank bench tiers``, ``evict-1m``).
 """
 
 from __future__ import annotations
@@ -15,10 +29,17 @@ from collections.abc import Callable, Iterable, Iterator
 import numpy as np
 import numpy.typing as npt
 
+from kvbank.config import EvictionPolicy
 from kvbank.tiers.allocator import PAGE_ALIGN, SMALL_ALIGN
 from kvbank.tiers.index import HOST, MOVING, OFF_SHIFT, RowIndex
 
 LRU_FIRST_K = 64  # victims ordered in the first chunk at least (see lru_order)
+# The value rule's head start for a reused row, in tier-fulls of stamps: a reused row
+# outlives first-time rows put up to this many tier-fulls after it. Chosen on the first
+# half of the Mooncake trace and checked on its second half and on generated traces
+# (docs/tiers.md); 1 to 8 score within a point of each other there.
+REUSE_SPAN = 4
+REUSED = 2  # uses (freq) from which a row counts as reused
 
 
 def victims(
@@ -32,6 +53,7 @@ def victims(
     charge: Callable[[int], int],
     cls: int | None = None,
     first_k: int = LRU_FIRST_K,
+    rule: EvictionPolicy = EvictionPolicy.LRU,
 ) -> list[int]:
     """Row ids to take out of tier ``bit`` to free ``need`` bytes (``charge(rid)`` bytes
     each). With ``cls`` only rows in slots of that capacity (so each frees a usable slot).
@@ -69,7 +91,7 @@ def victims(
     taken: set[int] = set()
     deferred: set[int] = set()
     freed = 0
-    for rid in lru_order(ix, idx, need, first_k):
+    for rid in lru_order(ix, idx, need, first_k, rule):
         if freed >= need:
             break
         if rid in taken:
@@ -93,14 +115,28 @@ def victims(
     return out
 
 
+def keys(ix: RowIndex, idx: npt.NDArray[np.int64],
+         rule: EvictionPolicy = EvictionPolicy.LRU) -> npt.NDArray[np.int64]:
+    """The eviction keys of the candidate ids ``idx`` under ``rule`` (smallest first out)."""
+    stamps = ix.atime[idx].astype(np.int64)
+    if rule is EvictionPolicy.VALUE:
+        # Doubled, plus the class bit: keys stay unique (a reused row whose head start
+        # lands on a first-time row's stamp sorts after it), so chunks sort exactly.
+        reused = (ix.freq[idx] >= REUSED).astype(np.int64)
+        stamps = (stamps + reused * (REUSE_SPAN * idx.size)) * 2 + reused
+    return stamps
+
+
 def lru_order(ix: RowIndex, idx: npt.NDArray[np.int64], need: int,
-              first_k: int = LRU_FIRST_K) -> Iterator[int]:
-    """The candidate ids ``idx``, oldest stamp first, sorting only what the caller
-    consumes: ``np.argpartition`` takes the k oldest (k from the bytes needed, with room
-    for chain prefixes the caller defers), sorts those, and k grows 4x while the caller
-    wants more. Live stamps are unique (a clock), so the chunks concatenate to exactly
-    the full sort's order. Cost: O(candidates) per chunk, not a full sort."""
-    stamps = ix.atime[idx]
+              first_k: int = LRU_FIRST_K,
+              rule: EvictionPolicy = EvictionPolicy.LRU) -> Iterator[int]:
+    """The candidate ids ``idx``, smallest key first (:func:`keys`), sorting only what
+    the caller consumes: ``np.argpartition`` takes the k smallest (k from the bytes
+    needed, with room for chain prefixes the caller defers), sorts those, and k grows 4x
+    while the caller wants more. Keys are unique (live stamps are a clock), so the chunks
+    concatenate to exactly the full sort's order. Cost: O(candidates) per chunk, not a
+    full sort."""
+    stamps = keys(ix, idx, rule)
     sample = idx[:: max(1, idx.size // 4096)]  # the mean row size, from a strided sample
     avg = max(1.0, float(ix.size[sample].mean()))
     k = max(first_k, 2 * int(need / avg) + 1)

@@ -188,7 +188,7 @@ class StoreState:
                 return pool.capacity(mem_off(rid, bit))
         return policy.victims(ix, bit, need, keep=keep, busy_offs=busy,
                               host_copy=self.res.host_copy, charge=charge, cls=cls,
-                              first_k=policy.LRU_FIRST_K)
+                              first_k=policy.LRU_FIRST_K, rule=self.config.eviction_policy)
 
 
 def deadline_after(timeout_s: float | None, default: float) -> float:

@@ -4,6 +4,7 @@ from their tail)."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -100,6 +101,8 @@ def test_victims_keep_every_guarantee(data: st.DataObject, rule: EvictionPolicy)
     n = data.draw(st.integers(1, 80))
     parents = [data.draw(st.integers(-1, i - 1)) if i else -1 for i in range(n)]
     ix = _index(n, parents)
+    if data.draw(st.booleans()):  # a late clock: the value order merges two LRU orders
+        ix.clock = 2**31
     for rid in data.draw(st.lists(st.integers(0, n - 1), max_size=60)):
         ix.touch(rid)
     keep = tuple(data.draw(st.lists(st.integers(0, n - 1), max_size=10)))
@@ -123,6 +126,9 @@ def test_victims_keep_every_guarantee(data: st.DataObject, rule: EvictionPolicy)
     chunked = policy.victims(ix, HOST, need, keep=keep, busy_offs=set(busy), host_copy={},
                              charge=lambda rid: 64, rule=rule, first_k=1)
     assert chunked == full == out
+    idx = np.asarray(sorted(set(range(n)) - set(moving)), dtype=np.int64)
+    by_keys = idx[np.argsort(policy.keys(ix, idx, rule))].tolist()
+    assert list(policy.order(ix, idx, need, 1, rule)) == by_keys
 
 
 def test_store_evicts_first_time_rows_before_reused_ones(make_store: MakeStore) -> None:

@@ -252,7 +252,7 @@ def _evict(rows: int, victims: int, repeat: int) -> Iterator[BenchRow]:
         if store.stats().tier(TierKind.HOST).evictions != (repeat + 1) * victims:
             raise RuntimeError("bench: the eviction rounds did not happen")
         # The two rules' choice of one round's victims on this very index, interleaved.
-        st = store._st  # type: ignore[attr-defined]
+        st = store._st
         rules = {rule: functools.partial(policy.victims, st.ix, HOST, victims * 64, keep=(),
                                          busy_offs=set(), host_copy={}, charge=lambda rid: 64,
                                          rule=rule)

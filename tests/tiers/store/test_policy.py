@@ -152,3 +152,33 @@ def test_eviction_policy_setting() -> None:
     assert BankConfig.from_env({"KVBANK_EVICTION_POLICY": "lru"}).eviction_policy is LRU
     with pytest.raises(ConfigError, match="eviction_policy"):
         BankConfig(eviction_policy="arc")  # type: ignore[arg-type]
+
+
+def test_store_counts_victims_by_reason_and_bytes_admitted_and_refused(
+        make_store: MakeStore) -> None:
+    """The host tier counts what its puts stored, what it refused for want of room (all
+    rows locked, no disk), and each victim as first-time or reused."""
+    from kvbank.errors import TierFull
+    from kvbank.tiers.base import TierKind
+
+    store = make_store(data_dir=None, host_bytes=4 * 4096, high_watermark=1.0, low_watermark=0.9)
+    page = b"\x01" * 4096
+    out = bytearray(4096)
+    store.put(name_of(0), page)
+    store.get_into(name_of(0), out)  # reused
+    for i in range(1, 4):
+        store.put(name_of(i), page)
+    for i in range(4, 7):  # three first-time rows go
+        store.put(name_of(i), page)
+    for _ in range(4 * policy.REUSE_SPAN + 1):  # keep the others in use until row 0 ages out
+        for i in range(4, 7):
+            store.get_into(name_of(i), out)
+    store.put(name_of(7), page)
+    host = store.stats().tier(TierKind.HOST)
+    assert (host.victims_first, host.victims_reused) == (3, 1)
+    assert host.admitted_bytes == 8 * 4096 and host.rejected_bytes == 0
+    store.locks.lock([name_of(i) for i in (4, 5, 6, 7)], "t")
+    with pytest.raises(TierFull):
+        store.put(name_of(8), page)
+    assert store.stats().tier(TierKind.HOST).rejected_bytes == 4096
+    store.locks.unlock_all("t")

@@ -247,7 +247,7 @@ def replay(reqs: Sequence[Request], rows: int, policy: EvictionPolicy, *, disk: 
     settings: dict[str, object] = dict(
         host_bytes=rows * page, device_bytes=0, data_dir=tmp, eviction_policy=policy,
         high_watermark=1.0, low_watermark=1.0 - 1.0 / (rows + 1), dirty_expire_s=0.0,
-        disk_sync=False)
+        disk_sync=False, wait_timeout_s=600.0)  # a put waits for the mover on a busy machine
     if disk:
         settings["disk_bytes"] = DISK_TIMES * rows * _frame_bytes(page)
     hit = total = 0

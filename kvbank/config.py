@@ -18,6 +18,8 @@ high_watermark              KVBANK_HIGH_WATERMARK      fill ratio that starts de
 low_watermark               KVBANK_LOW_WATERMARK       fill ratio demotion stops at
 write_policy                KVBANK_WRITE_POLICY        write-back (demote on eviction) or
                                                        write-through (every put also to disk)
+eviction_policy             KVBANK_EVICTION_POLICY     which rows leave a full tier: value
+                                                       (reuse-aware, the default) or lru
 disk_sync                   KVBANK_DISK_SYNC           fsync every disk commit (true) or
                                                        leave it to the OS (false)
 dirty_expire_s              KVBANK_DIRTY_EXPIRE_S      write-back: a memory row not on disk
@@ -88,6 +90,11 @@ DEFAULT_MOVEMENT_QUEUE_BYTES = 256 << 20
 DEFAULT_PIN_FRACTION = 0.25  # pin_bytes when unset: this share of host_bytes
 DEFAULT_DIRTY_EXPIRE_S = 30.0  # the kernel's dirty_expire_centisecs default
 DEFAULT_WAIT_TIMEOUT_S = 60.0  # how long a store call may wait for the mover or for room
+
+
+class EvictionPolicy(enum.Enum):
+    VALUE = "value"  # rows seen again before (history) outlive first-time rows; LRU within
+    LRU = "lru"  # least recently used first, chains from their tail
 
 
 class WritePolicy(enum.Enum):
@@ -161,6 +168,7 @@ class BankConfig:
     high_watermark: float = DEFAULT_HIGH_WATERMARK
     low_watermark: float = DEFAULT_LOW_WATERMARK
     write_policy: WritePolicy = WritePolicy.WRITE_BACK
+    eviction_policy: EvictionPolicy = EvictionPolicy.VALUE
     disk_sync: bool = True
     dirty_expire_s: float = DEFAULT_DIRTY_EXPIRE_S  # write-back: 0 = rows reach disk on demotion only
     disk_salvage: bool = False  # salvage a damaged disk tier at open instead of refusing
@@ -187,6 +195,13 @@ class BankConfig:
         if not isinstance(self.write_policy, (str, WritePolicy)):
             raise ConfigError(f"write_policy: expected one of {[p.value for p in WritePolicy]}, "
                               f"got {self.write_policy!r}")
+        if not isinstance(self.eviction_policy, EvictionPolicy):
+            try:
+                object.__setattr__(self, "eviction_policy", EvictionPolicy(self.eviction_policy))
+            except ValueError:
+                raise ConfigError(
+                    f"eviction_policy: expected one of {[p.value for p in EvictionPolicy]}, "
+                    f"got {self.eviction_policy!r}", field="eviction_policy") from None
         _check_device(self.device)
         if _number(self.dirty_expire_s, "dirty_expire_s") < 0:
             raise ConfigError(f"dirty_expire_s: must be >= 0 seconds, got {self.dirty_expire_s!r}")
@@ -278,7 +293,7 @@ def _from_text(name: str, raw: str) -> Any:
         return _parse_bool(raw, ENV_PREFIX + name.upper())
     if name in ("device", "remote_url"):
         return raw
-    if name == "write_policy":
+    if name in ("write_policy", "eviction_policy"):
         return raw
     if name in ("reshard_store", "reserve_host"):
         return _parse_bool(raw, ENV_PREFIX + name.upper())

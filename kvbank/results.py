@@ -54,6 +54,10 @@ class TierStats:
     # Page bytes of the rows held, as stored before any codec: with ``used_bytes`` of a
     # compressed tier (disk), the codec ratio. Rebuilt with the index at open.
     raw_bytes: int = 0
+    victims_first: int = 0  # rows the eviction rule took out (dropped or demoted), never reused
+    victims_reused: int = 0  # ... reused ones that aged out
+    admitted_bytes: int = 0  # page bytes of puts stored into the tier
+    rejected_bytes: int = 0  # page bytes of puts refused for want of room
 
 
 @dataclass(frozen=True, slots=True)

@@ -141,7 +141,7 @@ class Bank(LeaseOps):
         keep = cfg.data_dir if cfg.data_dir is not None and cfg.disk_bytes > 0 else None
         self._catalog = Catalog(data_dir=keep)
         self._counts = ShardCounts()  # registered shard counts by logical id
-        self._store = TieredStore(self.config)
+        self._store = TieredStore(self.config, clock=clock)  # row ages in the bank's time
         try:
             for layout in self._catalog.restore(self._refuses, self._has_rows):
                 self._counts.add(layout)

@@ -21,6 +21,9 @@ evict-1m                  ms of the put that meets a      ``np.argsort`` of the 
                           full host tier of 1 Mi rows     of the same rows (what a full-
                           (half of them reread) and       sort selection pays at least)
                           evicts 1024 of them (one round)
+evict-1m-value-choice     ms of the value rule's choice   the LRU rule's choice on the same
+                          of one round's victims on that  index, interleaved run by run
+                          index (the default rule)
 stage-host-many-64        ``stage_host_many`` of 64 rows  64 ``stage_host`` calls on the
                           (in host, locked): calls/s      same rows
 ========================  ==============================  ==================================
@@ -33,6 +36,7 @@ milliseconds and the ratio is ours / baseline (lower is better).
 
 from __future__ import annotations
 
+import functools
 import gc
 import logging
 import shutil
@@ -46,10 +50,12 @@ import lmdb
 import numpy as np
 import torch
 
-from kvbank.bench.common import BenchRow, paired_rates, row
+from kvbank.bench.common import BenchRow, paired_rates, paired_seconds, row
 from kvbank.codec import decode_into, encode
-from kvbank.config import BankConfig
+from kvbank.config import BankConfig, EvictionPolicy
 from kvbank.tiers.base import TierKind
+from kvbank.tiers.index import HOST
+from kvbank.tiers.store import policy
 from kvbank.tiers.store.store import TieredStore
 
 SUITE = "tiers"
@@ -245,11 +251,22 @@ def _evict(rows: int, victims: int, repeat: int) -> Iterator[BenchRow]:
                 store.put(next(fresh), page)
         if store.stats().tier(TierKind.HOST).evictions != (repeat + 1) * victims:
             raise RuntimeError("bench: the eviction rounds did not happen")
+        # The two rules' choice of one round's victims on this very index, interleaved.
+        st = store._st
+        rules = {rule: functools.partial(policy.victims, st.ix, HOST, victims * 64, keep=(),
+                                         busy_offs=set(), host_copy={}, charge=lambda rid: 64,
+                                         rule=rule)
+                 for rule in EvictionPolicy}
+        with st.lock:
+            value_s, lru_s = paired_seconds(rules[EvictionPolicy.VALUE],
+                                            rules[EvictionPolicy.LRU], repeat=repeat)
     finally:
         store.close()
     label = f"{rows >> 20}m" if rows >= 1 << 20 else f"{rows >> 10}k"
     yield row(SUITE, f"evict-{label}", "ms", float(np.median(ours[1:])) * 1e3,
               f"np.argsort of {rows} LRU stamps", float(np.median(base[1:])) * 1e3)
+    yield row(SUITE, f"evict-{label}-value-choice", "ms", value_s * 1e3,
+              f"the lru rule's choice of {victims} victims of the same {rows} rows", lru_s * 1e3)
 
 
 def _stage_many(repeat: int) -> Iterator[BenchRow]:

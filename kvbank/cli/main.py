@@ -7,6 +7,8 @@ Subcommands:
   the effective settings and exits.
 - ``kvbank bench SUITE [--json] [--quick]`` — run a benchmark suite; ``--json`` prints one
   JSON row per case (``suite, case, metric, value, baseline, baseline_value, ratio``).
+  ``kvbank bench trace --trace FILE [--budgets 2,5] [--policies value] [--tiers host+disk]``
+  replays a request trace (:mod:`kvbank.bench.trace`).
 - ``kvbank demo [--url URL]`` — the demo scenario against a served node (one started on a
   free port unless ``--url`` names a running one).
 - ``kvbank admin SUBCOMMAND`` — the admin API of a running node (:mod:`kvbank.cli.admin`).
@@ -24,6 +26,7 @@ import logging
 import sys
 import threading
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from kvbank import progress
@@ -59,6 +62,8 @@ _SERVE_FLAGS: tuple[tuple[str, str, str], ...] = (
     ("--device-bytes", "device_bytes", "device tier budget (default: a share of free GPU memory; 0 = off)"),
     ("--write-policy", "write_policy", "write-back (rows reach disk when demoted or at shutdown) or "
                                        "write-through (every put is on disk before it is answered)"),
+    ("--eviction-policy", "eviction_policy", "which rows leave a full tier: value (rows seen "
+                                             "before outlive first-time rows; default) or lru"),
     ("--redis", "redis", "join a fleet through this Redis (redis:// or rediss:// URL)"),
     ("--redis-cluster", "redis_cluster", "join a fleet through this Redis Cluster (HOST:PORT,...)"),
     ("--remote-url", "remote_url", "Redis remote tier below the disk (URL or HOST:PORT,... seeds)"),
@@ -107,8 +112,12 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     progress.enable(not args.json)  # --json: the rows alone
     for name in names:
         module = importlib.import_module(SUITES[name])
+        extra: dict[str, object] = {}
+        if name == "trace":  # the replay's own options (kvbank.bench.trace)
+            extra = {"trace": args.trace, "budgets": args.budgets, "policies": args.policies,
+                     "tiers": args.tiers, "quiet": args.json}
         with _Ticking(f"bench {name}") as shown:
-            for r in module.run(quick=args.quick):
+            for r in module.run(quick=args.quick, **extra):
                 shown.update(1)
                 if args.json:
                     print(r.to_json(), flush=True)
@@ -142,6 +151,16 @@ class _Ticking:
         if self._thread.is_alive():
             self._thread.join()
         self.bar.close()
+
+
+def _numbers(text: str) -> tuple[float, ...]:
+    try:
+        out = tuple(float(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected numbers separated by commas, got {text!r}") from None
+    if not out or any(not 0 < x <= 100 for x in out):
+        raise argparse.ArgumentTypeError(f"budgets are percent in (0, 100], got {text!r}")
+    return out
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
@@ -185,6 +204,15 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("suite", choices=[*SUITES, "all"], help="which suite")
     bench.add_argument("--json", action="store_true", help="one JSON row per case")
     bench.add_argument("--quick", action="store_true", help="smaller sizes, fewer repetitions")
+    trace = bench.add_argument_group("trace", "options of the trace suite")
+    trace.add_argument("--trace", type=Path, default=None, metavar="FILE",
+                       help="a Mooncake JSONL request trace (default: a generated chat trace)")
+    trace.add_argument("--budgets", type=_numbers, default=(2.0, 5.0, 10.0, 20.0), metavar="PCT,...",
+                       help="host budgets as percent of the trace's distinct blocks (default 2,5,10,20)")
+    trace.add_argument("--policies", type=lambda s: tuple(s.split(",")), default=("value",),
+                       metavar="NAME,...", help="eviction policies to replay beside lru (default value)")
+    trace.add_argument("--tiers", choices=("host", "host+disk"), default="host",
+                       help="host only, or host and a disk of four times its rows")
     bench.set_defaults(func=_cmd_bench)
 
     demo = sub.add_parser(

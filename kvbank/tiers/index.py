@@ -17,7 +17,16 @@ parent     int32    id of the previous page of the chain, -1 for none
 atime      uint32   logical clock of the last put/get; also the row's version stamp.
                     Before it wraps, stamps are renumbered by rank (order kept)
 flags      uint8    MOVING: a demotion job holds the row
+freq       uint8    uses of the row's name (puts and reads), saturating at 255, counted
+                    from the :class:`ReuseHistory` at add: a row evicted and put again
+                    remembers that it was used before
 =========  =======  ================================================================
+
+Reuse history: :class:`ReuseHistory` is a small count sketch (two uint8 slots per name,
+the smaller one read) of the names used lately, rows gone from the store included; it is
+halved every quarter of its size in notes, so a name seen once is forgotten after about
+that many uses of others. The value eviction rule reads ``freq`` (see
+:mod:`kvbank.tiers.store.policy`).
 
 Ages without a per-row field: the index keeps a short list of *clock marks* — (stamp,
 time) pairs, one at most every 50 ms while stamps are issued, thinned by half past 4,096 —
@@ -185,6 +194,52 @@ class OrderedNames:
             raise AssertionError(f"ordered names: {n} names, length says {self._len}")
 
 
+_HISTORY_MIN_BITS = 20  # 1 MiB of counters: the reuse horizon is ~256 k uses at least
+
+
+class ReuseHistory:
+    """How often each name was used lately, rows no longer stored included: a count-min
+    sketch of two uint8 slots per name (Python's cached hash of the name bytes), halved
+    every ``size / 4`` notes so that old uses fade and the table stays sparse (few false
+    "seen before"). Grows with the index by tiling, which keeps every count: a hash's slot
+    modulo ``2 size`` tiles the one modulo ``size``."""
+
+    __slots__ = ("_mask", "_notes", "counts")
+
+    def __init__(self, bits: int = _HISTORY_MIN_BITS) -> None:
+        self.counts = np.zeros(1 << bits, np.uint8)
+        self._mask = (1 << bits) - 1
+        self._notes = 0
+
+    def seen(self, name: bytes) -> int:
+        """Uses of ``name`` the sketch remembers (an upper bound)."""
+        h = hash(name)
+        c = self.counts
+        return int(min(c[h & self._mask], c[(h >> 32) & self._mask]))
+
+    def note(self, name: bytes) -> None:
+        """Count one use of ``name``."""
+        h = hash(name)
+        c, m = self.counts, self._mask
+        for i in (h & m, (h >> 32) & m):
+            if c[i] < 255:
+                c[i] += 1
+        self._notes += 1
+        if self._notes >= c.shape[0] >> 2:
+            self._notes = 0
+            c >>= 1
+
+    def fit(self, rows: int) -> None:
+        """Keep at least four slots a row (the index grew)."""
+        size = self.counts.shape[0]
+        if size >= 4 * rows:
+            return
+        while size < 4 * rows:
+            size *= 2
+        self.counts = np.tile(self.counts, size // self.counts.shape[0])
+        self._mask = size - 1
+
+
 class RowIndex:
     """Rows by name -> id, fields in parallel arrays."""
 
@@ -205,6 +260,8 @@ class RowIndex:
         self.parent = np.full(cap, -1, np.int32)
         self.atime = np.zeros(cap, np.uint32)
         self.flags = np.zeros(cap, np.uint8)
+        self.freq = np.zeros(cap, np.uint8)
+        self.history = ReuseHistory()
         self._mark_c: list[int] = []  # stamps of the clock marks, increasing
         self._mark_t: list[float] = []  # when each was issued
         self._free: list[int] = []
@@ -238,6 +295,7 @@ class RowIndex:
             new = np.full(cap, -1, old.dtype) if attr == "parent" else np.zeros(cap, old.dtype)
             new[: old.shape[0]] = old
             setattr(self, attr, new)
+        self.history.fit(cap)
 
     def add(self, name: bytes, size: int, dtype: int, parent: int) -> int:
         if self._free:
@@ -256,6 +314,7 @@ class RowIndex:
         self.dtype[rid] = dtype
         self.parent[rid] = parent
         self.flags[rid] = 0
+        self.freq[rid] = min(254, self.history.seen(name))  # touch adds this use
         self.touch(rid)
         return rid
 
@@ -286,6 +345,11 @@ class RowIndex:
             self.renumber()
         self.clock += 1
         self.atime[rid] = self.clock
+        if self.freq[rid] < 255:
+            self.freq[rid] += 1
+        name = self.names[rid]
+        if name is not None:
+            self.history.note(name)
         self._mark(self.clock)
         return self.clock
 
@@ -296,6 +360,11 @@ class RowIndex:
             self.renumber()
         stamps = np.arange(self.clock + 1, self.clock + k + 1, dtype=np.int64)
         self.atime[rids] = stamps
+        self.freq[rids] = np.minimum(self.freq[rids], 254) + 1
+        for rid in rids.tolist():
+            name = self.names[rid]
+            if name is not None:
+                self.history.note(name)
         if k:
             self._mark(self.clock + 1)
         self.clock += k
@@ -334,7 +403,7 @@ class RowIndex:
 
     def nbytes(self) -> int:
         """Bytes of the arrays (the dict and names list are measured by the caller)."""
-        return sum(int(getattr(self, a).nbytes) for a in _ARRAYS)
+        return sum(int(getattr(self, a).nbytes) for a in _ARRAYS) + int(self.history.counts.nbytes)
 
     def check(self) -> list[str]:
         """The ordered names hold exactly the live names (the checker calls it)."""
@@ -367,4 +436,4 @@ class RowIndex:
         return max(0.0, self._now() - since)
 
 
-_ARRAYS = ("size", "where", "off", "dtype", "parent", "atime", "flags")
+_ARRAYS = ("size", "where", "off", "dtype", "parent", "atime", "flags", "freq")

@@ -69,6 +69,9 @@ class _BankCollector(Collector):
             "kvbank_tier_demotions": ("rows moved to a lower tier", lambda t: t.demotions),
             "kvbank_tier_promotions": ("rows copied into the tier on read", lambda t: t.promotions),
             "kvbank_tier_corrupt_frames": ("corrupt frames found and dropped", lambda t: t.corrupt_rows),
+            "kvbank_tier_admitted_bytes": ("page bytes of puts stored into the tier", lambda t: t.admitted_bytes),
+            "kvbank_tier_rejected_bytes": ("page bytes of puts refused for want of room",
+                                           lambda t: t.rejected_bytes),
         }
         for name, (doc, get) in tier_counters.items():
             c = CounterMetricFamily(name, doc, labels=["tier"])
@@ -76,6 +79,14 @@ class _BankCollector(Collector):
                 if t.enabled:
                     c.add_metric([t.kind.value], float(get(t)))  # type: ignore[no-untyped-call]
             yield c
+        victims = CounterMetricFamily("kvbank_tier_victims", "rows the eviction rule took out of the "
+                                      "tier, by reason: first_time (never reused) or reused (aged out)",
+                                      labels=["tier", "reason"])
+        for t in st.tiers:
+            if t.enabled:
+                victims.add_metric([t.kind.value, "first_time"], float(t.victims_first))
+                victims.add_metric([t.kind.value, "reused"], float(t.victims_reused))
+        yield victims
         for name, doc, value in (
             ("kvbank_puts", "rows stored", st.puts), ("kvbank_gets", "row reads", st.gets),
             ("kvbank_hits", "row reads that hit", st.hits), ("kvbank_misses", "row reads that missed", st.misses),

@@ -71,6 +71,10 @@ class TierModel(BaseModel):
     raw_bytes: int = Field(ge=0, description="page bytes of the rows held, before any codec")
     codec_ratio: float | None = Field(description="raw_bytes / used_bytes of the disk tier (its frames); "
                                       "null for memory tiers and an empty disk")
+    victims_first_time: int = Field(0, ge=0, description="rows the eviction rule took out, never reused")
+    victims_reused: int = Field(0, ge=0, description="rows the eviction rule took out, reused but aged out")
+    admitted_bytes: int = Field(0, ge=0, description="page bytes of puts stored into the tier")
+    rejected_bytes: int = Field(0, ge=0, description="page bytes of puts refused for want of room")
 
 
 class FleetNodeModel(BaseModel):

@@ -85,7 +85,9 @@ def _tiers(bank: Bank, stats: StoreStats) -> list[M.TierModel]:
                         high_watermark=cfg.high_watermark, low_watermark=cfg.low_watermark,
                         hits=t.hits, misses=t.misses, evictions=t.evictions, demotions=t.demotions,
                         promotions=t.promotions, corrupt_frames=t.corrupt_rows,
-                        raw_bytes=t.raw_bytes, codec_ratio=_codec_ratio(t))
+                        raw_bytes=t.raw_bytes, codec_ratio=_codec_ratio(t),
+                        victims_first_time=t.victims_first, victims_reused=t.victims_reused,
+                        admitted_bytes=t.admitted_bytes, rejected_bytes=t.rejected_bytes)
             for t in stats.tiers]
 
 

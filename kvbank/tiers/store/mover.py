@@ -131,6 +131,7 @@ class Mover:
             names.append(name)
             where = int(ix.where[rid])
             st.counters[DISK].evictions += 1
+            st.counters[DISK].victim(ix, rid)
             if where & (DEV | HOST):  # a memory copy stays; only the disk copy goes
                 ix.where[rid] = where & ~DISK
             else:

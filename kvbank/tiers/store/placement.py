@@ -36,6 +36,7 @@ def take_out(st: StoreState, bit: int, rid: int) -> bool:
     False when a job was queued (the slot is freed when the mover settles it)."""
     ix, res = st.ix, st.res
     where = int(ix.where[rid])
+    st.counters[bit].victim(ix, rid)
     if bit == DEV and where & HOST:  # a host copy exists (staged): drop the device one
         res.drop_copy(rid, DEV)
         st.counters[DEV].demotions += 1
@@ -144,6 +145,8 @@ def alloc_memory(st: StoreState, size: int, deadline: float) -> tuple[int, int |
             return HOST, off
     if st.has_disk:
         return DISK, None
+    if host is not None:
+        st.counters[HOST].rejected_bytes += size
     raise TierFull(
         f"store: no room for a {size}-byte row: "
         + ", ".join(f"{KIND_OF_BIT[b].value} {p.used_bytes}/{p.budget} bytes"

@@ -40,10 +40,23 @@ DISK_RETRY_S = 5.0  # after a failed disk write, memory tiers run host-only this
 
 
 class Counters:
-    __slots__ = ("demotions", "evictions", "hits", "misses", "promotions")
+    __slots__ = ("admitted_bytes", "demotions", "evictions", "hits", "misses", "promotions",
+                 "rejected_bytes", "victims_first", "victims_reused")
 
     def __init__(self) -> None:
         self.hits = self.misses = self.evictions = self.demotions = self.promotions = 0
+        # Rows the eviction rule took out of the tier (dropped or demoted), by reason: a
+        # row never reused, or a reused one that aged out (its head start spent).
+        self.victims_first = self.victims_reused = 0
+        self.admitted_bytes = 0  # page bytes of puts stored into the tier
+        self.rejected_bytes = 0  # page bytes of puts refused for want of room
+
+    def victim(self, ix: RowIndex, rid: int) -> None:
+        """Count a row the eviction rule chose, by reason."""
+        if int(ix.freq[rid]) >= policy.REUSED:
+            self.victims_reused += 1
+        else:
+            self.victims_first += 1
 
 
 class StoreState:
@@ -188,7 +201,7 @@ class StoreState:
                 return pool.capacity(mem_off(rid, bit))
         return policy.victims(ix, bit, need, keep=keep, busy_offs=busy,
                               host_copy=self.res.host_copy, charge=charge, cls=cls,
-                              first_k=policy.LRU_FIRST_K)
+                              first_k=policy.LRU_FIRST_K, rule=self.config.eviction_policy)
 
 
 def deadline_after(timeout_s: float | None, default: float) -> float:

@@ -353,7 +353,10 @@ class TieredStore:
                 raw = int(ix.size[: ix.high][(where & bit) != 0].sum(dtype=np.int64))
                 tiers.append(TierStats(KIND_OF_BIT[bit], enabled, rows, used, alloc, budget,
                                        c.hits, c.misses, c.evictions, c.demotions,
-                                       c.promotions, corrupt, raw))
+                                       c.promotions, corrupt, raw, victims_first=c.victims_first,
+                                       victims_reused=c.victims_reused,
+                                       admitted_bytes=c.admitted_bytes,
+                                       rejected_bytes=c.rejected_bytes))
             return StoreStats(tuple(tiers), len(ix), len(st.locks), len(st.res.reserved),
                               len(st.jobs), sum(st.queued.values()), st.puts, st.gets,
                               st.hits, st.misses, len(st.pins), st.pins.nbytes,

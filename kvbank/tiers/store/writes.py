@@ -315,5 +315,6 @@ def commit_locked(st: StoreState, name: bytes, size: int, code: int, parent: byt
         ix.set_off(rid, off)
         where |= bit
     ix.where[rid] = where
+    st.counters[bit if off is not None else DISK].admitted_bytes += size
     st.puts += 1
     st.notify()

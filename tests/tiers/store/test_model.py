@@ -15,3 +15,13 @@ TestStoreWriteThrough = WriteThroughMachine.TestCase
 TestStoreWriteThrough.settings = _SETTINGS
 TestStoreWithDevice = DeviceMachine.TestCase
 TestStoreWithDevice.settings = _SETTINGS
+
+
+class LruMachine(StoreMachine):
+    """The same machine under the LRU rule (the value rule is the default)."""
+
+    config_overrides = {"eviction_policy": "lru"}  # noqa: RUF012 (a ClassVar in the base)
+
+
+TestStoreLru = LruMachine.TestCase
+TestStoreLru.settings = _SETTINGS

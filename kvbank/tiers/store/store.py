@@ -177,8 +177,8 @@ class TieredStore:
         self._lanes = Lanes(threads)  # a batch's copies and codec work
         self._mover = Mover(st, encode_workers)
         self.locks = LockTable(st)
-        self.host = HostOps(st, self._mover)
-        self.device = DeviceOps(st, self._mover)
+        self.host = HostOps(st, self._mover, self._lanes)
+        self.device = DeviceOps(st, self._mover, self._lanes)
         self._mover.start()
 
     def _deadline(self, timeout_s: float | None) -> float:

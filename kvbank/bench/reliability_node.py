@@ -10,7 +10,8 @@ turns them into rows.
 - ``crash-puts-partial`` — multi-page puts in flight at a SIGKILL of a write-through node
   that come back partly stored after the restart (goal 0: a put is all or nothing);
 - ``client-restart`` — transfers that fail once the node is back, for long-lived clients
-  that lived through a SIGKILL and a restart (the data port changes) (goal 0).
+  on every path that lived through a SIGKILL and a restart (the data port changes)
+  (goal 0).
 """
 
 from __future__ import annotations
@@ -159,6 +160,72 @@ def _wrong(c: Client, client: int, round_: int, put: int, pages: int) -> int:
                for j, i in enumerate(got))
 
 
+# ---- client-restart ------------------------------------------------------------------
+
+
+CLIENT_KINDS = ("same-host", "data-port", "data-auto", "http")  # data-auto: data_plane=None
+
+
+@dataclass
+class RestartResult:
+    transfers: int  # puts and fetches tried after the node was back
+    failed: int  # of those, raised or came back short
+    wrong: int  # wrong bytes fetched
+    auto_on_data_port: bool  # the data_plane=None client moves pages on the new port
+
+
+def _kind_client(url: str, kind: str) -> Client:
+    if kind == "data-auto":
+        return Client(url, same_host=False, timeout_s=60)
+    return path_client(url, kind, retry_s=5.0)
+
+
+def client_restart(workdir: Path, *, rounds: int = 2, transfers: int = 8) -> RestartResult:
+    """One long-lived ``Client`` per kind (same host, data port required, data port
+    when offered, HTTP) puts and fetches; the node is SIGKILLed and restarted on the same
+    HTTP port (its data port is a new one); every client then makes ``transfers`` puts
+    and fetches, each checked. Value: the transfers that failed once the node was back."""
+    args = node_args(workdir / "data")
+    node = NodeProcess.start(args)
+    port = node.url.rsplit(":", 1)[1]
+    clients = {k: _kind_client(node.url, k) for k in CLIENT_KINDS}
+    res = RestartResult(0, 0, 0, False)
+    try:
+        for c in clients.values():
+            c.register(LAYOUT)
+        for r in range(rounds + 1):
+            if r:
+                node.kill()
+                node = NodeProcess.start([*args, "--port", port])
+            for j, c in enumerate(clients.values()):
+                for k in range(transfers if r else 1):
+                    client = 1000 + j
+                    put = r * 1000 + k
+                    res.transfers += 2 * bool(r)
+                    try:
+                        toks = chain_tokens(client, put, 4)
+                        c.put(LAYOUT.layout_id, toks, group=0, pages=prompt_pages(client, 0, put, 4))
+                        f = c.fetch_prefix(LAYOUT.layout_id, [*toks, 1])
+                        got = f.pages[0] if f.pages else None
+                        want = prompt_pages(client, 0, put, 4)
+                        if got is None or got.shape[0] != 4:
+                            res.failed += bool(r)
+                            continue
+                        res.wrong += sum(sum(a != b for a, b in zip(got[i].numpy().tobytes(), want[i],
+                                                                    strict=True)) for i in range(4))
+                    except KvbankError:
+                        if not r:
+                            raise
+                        res.failed += 1
+        auto = clients["data-auto"]
+        res.auto_on_data_port = auto._data.port == auto._call("GET", "/v1/node")["data_port"]
+    finally:
+        for c in clients.values():
+            c.close()
+        node.stop()
+    return res
+
+
 def run_part(quick: bool) -> tuple[list[BenchRow], int]:
     from kvbank.bench.reliability import goal_row
 
@@ -171,4 +238,9 @@ def run_part(quick: bool) -> tuple[list[BenchRow], int]:
         rows.append(goal_row("crash-puts-partial",
                              f"puts in flight at a kill that came back partly stored "
                              f"(of {partial.interrupted})", partial.partial, 0))
+        back = client_restart(root / "restart", rounds=2 if quick else 5)
+        wrong += back.wrong
+        rows.append(goal_row("client-restart",
+                             f"transfers of long-lived clients that failed once a restarted "
+                             f"node was back (of {back.transfers})", back.failed, 0))
     return rows, wrong

@@ -135,6 +135,7 @@ class Node:
         # never acknowledges leaves one.
         self._fetches: OrderedDict[str, _Fetch] = OrderedDict()
         self.identity = host_identity()
+        self.instance = secrets.token_hex(8)
         self.fleet: Fleet | None = None  # set by the server when the node joins a fleet
         self.dataplane: DataPlane | None = None  # set by the server when it serves a data port
         # The host tier's segment, from an ALL lease (which describes the pools, locks
@@ -158,6 +159,9 @@ class Node:
         cfg = self.config.bank
         return {
             "version": __version__,
+            # this process: a client that sees it change knows the node restarted (and
+            # reads the rest of this document again: the data port is a new one)
+            "instance": self.instance,
             "host": {**self.identity, "segment": None if segment is None else segment.segment,
                      "segment_bytes": None if segment is None else segment.size,
                      # kept resident (reserve_host): a same-host client may build its page

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from kvbank import Client, Match, full_attention, hybrid_mamba, wire
-from kvbank.client.dataport import DataLink
+from kvbank.client.dataport import DataLink, DataPortUnreachable
 from kvbank.client.io import put_head
 from kvbank.errors import Busy, InvalidInput, LeaseExpired, TierUnavailable
 from kvbank.keys import DEFAULT_SCOPE
@@ -440,24 +440,26 @@ def test_dataplane_settings_from_every_source(tmp_path: Path) -> None:
     assert "--data-port" in out and "--data-connections" in out
 
 
+def _firewalled(c: Client) -> None:
+    """Make every connection from ``c`` to the data port refused, as a firewall would."""
+    def refuse() -> socket.socket:
+        raise DataPortUnreachable(f"data_port: 127.0.0.1:{c._data.port} unreachable: refused")
+    c._data._connect = refuse  # type: ignore[method-assign]
+
+
 def test_dataplane_port_unreachable_from_the_client_falls_back_to_http(node: NodeProcess) -> None:
     """A data port this client cannot connect to (as if firewalled off): a client that
     does not require the data plane releases the lease it took and puts, or streams the
     same fetch id, over HTTP; one that requires it gets TierUnavailable, nothing stored."""
-    closed = socket.socket()
-    closed.bind(("127.0.0.1", 0))
-    nowhere = closed.getsockname()[1]
-    closed.close()  # nothing listens there now
     data = rand(3, PAGE, 101)
     with Client(node.url, same_host=False) as c:
         lid = c.register(LAYOUT)
         assert c._data_on()
-        c._data.port = nowhere
+        _firewalled(c)
         tcp_in = moved(node, "in", "tcp")
         c.put(lid, toks(101, 3), group=0, pages=data)
         assert moved(node, "in", "tcp") - tcp_in > 3 * PAGE and not c._data_on()
         m = c.match(lid, [*toks(101, 3), 1])
-        c._data.port = nowhere
         out = torch.zeros((3, PAGE), dtype=torch.uint8)
         got = c.fetch(m, out={0: out})
         assert got.complete and torch.equal(out, data)
@@ -465,7 +467,33 @@ def test_dataplane_port_unreachable_from_the_client_falls_back_to_http(node: Nod
         assert not held & set(m.needed)  # the put's WRITE lease and the fetch's READ lease are gone
     with Client(node.url, same_host=False, data_plane=True) as c:
         assert c._data_on()
-        c._data.port = nowhere
+        _firewalled(c)
         with pytest.raises(TierUnavailable, match="unreachable"):
             c.put(lid, toks(102, 3), group=0, pages=data)
         assert c.match(lid, [*toks(102, 3), 1]).resume.tokens == 0
+
+
+def test_dataplane_port_that_moved_is_read_again_from_the_node(node: NodeProcess) -> None:
+    """A data port that refuses because the node moved it (a restart: the client holds
+    the old number) is read again from ``/v1/node`` and the same transfer goes on the new
+    one, for a client that requires the data plane and one that does not."""
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))
+    nowhere = closed.getsockname()[1]
+    closed.close()  # nothing listens there now
+    data = rand(3, PAGE, 103)
+    for k, want in enumerate((None, True)):
+        with Client(node.url, same_host=False, data_plane=want) as c:
+            lid = c.register(LAYOUT)
+            assert c._data_on()
+            port = c._data.port
+            c._data.port = nowhere
+            tcp_in = moved(node, "in", "tcp")
+            c.put(lid, toks(103 + k, 3), group=0, pages=data)
+            assert moved(node, "in", "tcp") - tcp_in < PAGE and c._data.port == port
+            m = c.match(lid, [*toks(103 + k, 3), 1])
+            c._data.close()  # its pooled connections would still reach the node
+            c._data.port = nowhere
+            out = torch.zeros((3, PAGE), dtype=torch.uint8)
+            assert c.fetch(m, out={0: out}).complete and torch.equal(out, data)
+            assert c._data.port == port

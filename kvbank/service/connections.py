@@ -12,7 +12,9 @@ builds the node's HTTP protocol, uvicorn's own with three limits added:
   Idle time between requests is uvicorn's keep-alive timeout (``idle_timeout_s``); a body
   is bounded by ``body_timeout_s`` where the routes read it.
 - **header bytes** (``max_header_bytes``): a request whose head has not ended within this
-  many bytes is answered 431 and closed, before the parser buffers more of it.
+  many bytes is answered 431 and closed, before the parser buffers more of it; and a
+  head that did end (one that arrived in a single read) is counted as parsed — request
+  line and every header — and answered 431 before it reaches the application.
 - **connections** (``max_connections``): a connection beyond the limit is answered 503 at
   once and closed, so idle connections cost at most the limit in file descriptors.
 
@@ -46,6 +48,8 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["RequestLimits", "protocol", "refusal"]
 
+_LINE_BYTES = 16  # a request line's bytes besides its URL: method, spaces, version, CRLF
+
 
 def refusal(status: int, reason: str, message: str) -> bytes:
     """A whole ``Connection: close`` HTTP/1.1 answer with a JSON error body."""
@@ -70,7 +74,9 @@ def protocol(config: ServiceConfig) -> type[asyncio.Protocol]:
         _head_timer: asyncio.TimerHandle | None = None
         _in_head = False  # between a request's first byte (or the accept) and its headers' end
         _in_message = False  # the parser is inside a request (its head or its body)
-        _head_bytes = 0
+        _head_bytes = 0  # bytes received since the head began (a head spanning reads)
+        _parsed = 0  # bytes of the head the parser has handed over (its line and headers)
+        _refused = False  # answered and closing: the parser's callbacks do nothing more
 
         def connection_made(self, transport: Any) -> None:  # uvicorn's own signature
             super().connection_made(transport)
@@ -95,18 +101,44 @@ def protocol(config: ServiceConfig) -> type[asyncio.Protocol]:
                 self._refuse(too_big)
 
         def on_message_begin(self) -> None:
+            if self._refused:
+                return
             super().on_message_begin()
             self._in_message = True
+            self._parsed = 0
             if not self._in_head:
                 self._start_head()
 
+        def on_url(self, url: bytes) -> None:
+            if self._refused:
+                return
+            self._parsed += len(url) + _LINE_BYTES
+            super().on_url(url)
+
+        def on_header(self, name: bytes, value: bytes) -> None:
+            if self._refused:
+                return
+            self._parsed += len(name) + len(value) + 4  # ": " and CRLF
+            super().on_header(name, value)
+
+        def on_body(self, body: bytes) -> None:
+            if not self._refused:
+                super().on_body(body)
+
         def on_message_complete(self) -> None:
+            if self._refused:
+                return
             self._in_message = False
             super().on_message_complete()
 
         def on_headers_complete(self) -> None:
+            if self._refused:
+                return
             self._in_head = False
             self._stop_head_timer()
+            if self._parsed > max_header_bytes:  # a whole head in one read: counted here
+                self._refuse(too_big)
+                return
             super().on_headers_complete()
 
         def _start_head(self) -> None:
@@ -133,6 +165,7 @@ def protocol(config: ServiceConfig) -> type[asyncio.Protocol]:
             self._refuse(too_slow)
 
         def _refuse(self, answer: bytes) -> None:
+            self._refused = True
             self._in_head = False
             self._stop_head_timer()
             self.transport.write(answer)

@@ -232,6 +232,22 @@ def test_headers_over_the_byte_limit_are_431_and_closed(node: NodeProcess) -> No
         assert _status(_read_all(s)) == 431
 
 
+def test_a_head_over_the_byte_limit_in_one_read_is_431_too(node: NodeProcess) -> None:
+    """Regression (served-node review D5): the head's bytes were counted only while it
+    had not ended, so a whole oversized head arriving in one read was served (200 up to
+    ~120 KiB). Sent in one write, a head of twice the limit, and one just past it."""
+    for extra in (MAX_HEADER_BYTES, 64):
+        head = (b"GET /v1/node HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * (MAX_HEADER_BYTES - 64 + extra)
+                + b"\r\n\r\n")
+        with _connect(node) as s:
+            s.sendall(head)
+            assert _status(_read_all(s)) == 431, extra
+    with _connect(node) as s:  # a head well under the limit is served
+        s.sendall(b"GET /v1/node HTTP/1.1\r\nHost: x\r\nX-Ok: " + b"a" * (MAX_HEADER_BYTES // 2)
+                  + b"\r\nConnection: close\r\n\r\n")
+        assert _status(_read_all(s)) == 200
+
+
 def test_too_many_headers_are_431(node: NodeProcess) -> None:
     headers = {f"x-h{i}": "1" for i in range(100)}
     r = httpx.get(node.url + "/v1/node", headers=headers, timeout=HANG_S)

@@ -15,8 +15,12 @@ builds the node's HTTP protocol, uvicorn's own with three limits added:
   many bytes is answered 431 and closed, before the parser buffers more of it; and a
   head that did end (one that arrived in a single read) is counted as parsed — request
   line and every header — and answered 431 before it reaches the application.
-- **connections** (``max_connections``): a connection beyond the limit is answered 503 at
-  once and closed, so idle connections cost at most the limit in file descriptors.
+- **connections** (``max_connections``): a connection beyond the limit makes room by
+  closing (503) the one that has waited longest for its request head — a connection
+  that says nothing, or trickles its head, holds a slot only until a newcomer needs it,
+  so idle connections cannot starve anyone (served-node review D9); when every
+  connection is being served, the newcomer is answered 503 at once and closed. Idle
+  connections cost at most the limit in file descriptors.
 
 :class:`RequestLimits` is the ASGI side, on the application itself (so an in-process
 node has it too): at most ``max_headers`` headers (431); a body over its limit is 413
@@ -77,13 +81,26 @@ def protocol(config: ServiceConfig) -> type[asyncio.Protocol]:
         _head_bytes = 0  # bytes received since the head began (a head spanning reads)
         _parsed = 0  # bytes of the head the parser has handed over (its line and headers)
         _refused = False  # answered and closing: the parser's callbacks do nothing more
+        _head_since = 0.0  # loop time the current head began (the wait for it, at first)
 
         def connection_made(self, transport: Any) -> None:  # uvicorn's own signature
             super().connection_made(transport)
             if len(self.connections) > max_connections:
-                self._refuse(too_many)
-                return
+                victim = self._longest_waiting()
+                if victim is None:  # every other connection is being served
+                    self._refuse(too_many)
+                    return
+                victim._refuse(too_many)  # it made room: a newcomer may have a request
             self._start_head()
+
+        def _longest_waiting(self) -> NodeHttpProtocol | None:
+            """The open connection that has waited longest for its request head."""
+            best: NodeHttpProtocol | None = None
+            for c in self.connections:
+                if (c is not self and isinstance(c, NodeHttpProtocol) and c._in_head
+                        and not c._refused and (best is None or c._head_since < best._head_since)):
+                    best = c
+            return best
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._stop_head_timer()
@@ -144,6 +161,7 @@ def protocol(config: ServiceConfig) -> type[asyncio.Protocol]:
         def _start_head(self) -> None:
             self._in_head = True
             self._head_bytes = 0
+            self._head_since = self.loop.time()
             if self._head_timer is None:
                 self._head_timer = self.loop.call_later(header_timeout, self._head_timed_out)
 

@@ -382,6 +382,7 @@ def _store_entry_points(s: TieredStore, names: list[bytes]) -> dict[str, Callabl
         "take_events": s.take_events,
         "stats": s.stats,
         "health": s.health,
+        "note": lambda: s.note("disk tier: a note"),
         "flush": lambda: s.flush(2),
         "check_invariants": s.check_invariants,
         "delete": lambda: s.delete(names[1]),

@@ -145,6 +145,13 @@ class Bank(LeaseOps):
         try:
             for layout in self._catalog.restore(self._refuses, self._has_rows):
                 self._counts.add(layout)
+            if self._store.disk_created and self._catalog.persisted_pairs:
+                # LMDB starts a missing data.mdb empty: say the rows it held are gone
+                lost = (f"disk tier: {keep}/lmdb/data.mdb was missing at open, although the "
+                        f"catalog records puts of {self._catalog.persisted_pairs} scope and "
+                        "layout pairs: the rows it held are lost; the disk tier starts empty")
+                logger.warning("%s", lost)
+                self._store.note(lost)
             self._lender = Lender(self._store, self.config, clock=clock, wall_clock=wall_clock,
                                   describe=self._catalog.describe, reaper=reaper)
         except BaseException:

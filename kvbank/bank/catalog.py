@@ -34,7 +34,6 @@ rows stay, and workers register their layouts again; a torn log record ends the 
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
@@ -49,6 +48,7 @@ from kvbank.errors import InvalidInput, KvbankError, TierUnavailable, UnknownLay
 from kvbank.keys import NAMESPACE_BYTES, Scope, group_of, namespace, namespace_of
 from kvbank.layout import PageLayout
 from kvbank.lender.base import PageShape
+from kvbank.tiers.datadir import open_private, private_dir, replace_file
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +79,7 @@ class Catalog:
         self._shards: dict[bytes, set[int]] = {}
         self._namespaces: OrderedDict[bytes, bytes] = OrderedDict()  # ns -> layout id, LRU last
         self._shapes: dict[tuple[bytes, int], PageShape] = {}
+        self.persisted_pairs = 0  # (namespace, layout) pairs namespaces.bin held at restore
 
     def register(self, layout: PageLayout) -> bytes:
         if not isinstance(layout, PageLayout):
@@ -181,6 +182,7 @@ class Catalog:
             known = set(self._layouts)
         # has_rows asks the store (its lock): never called under the catalog's lock.
         pairs = files.load_namespaces()
+        self.persisted_pairs = len(pairs)
         kept = {ns: lid for ns, lid in pairs.items() if lid in known and has_rows(ns)}
         with self._lock:
             for ns, lid in kept.items():
@@ -236,26 +238,12 @@ class _Files:
         self._broken = False  # an append failed: warned once, no more appends
 
     def _replace(self, path: Path, data: bytes) -> None:
-        tmp = path.with_name(path.name + ".tmp")
+        # a temp file no planted symlink can redirect (kvbank.tiers.datadir), removed on
+        # failure: a half-written copy must not fill a full disk more
         try:
-            self.folder.mkdir(parents=True, exist_ok=True)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            try:
-                view = memoryview(data)
-                while view:
-                    view = view[os.write(fd, view):]
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.replace(tmp, path)
-            dfd = os.open(self.folder, os.O_RDONLY)
-            try:
-                os.fsync(dfd)  # the rename itself is durable
-            finally:
-                os.close(dfd)
+            private_dir(self.folder)
+            replace_file(path, data)
         except OSError as exc:
-            with contextlib.suppress(OSError):  # a half-written copy must not fill a full disk more
-                tmp.unlink(missing_ok=True)
             raise TierUnavailable(f"catalog: cannot write {path}: {exc}") from exc
 
     def save_layouts(self, layouts: Iterable[PageLayout]) -> None:
@@ -322,8 +310,8 @@ class _Files:
             return
         try:
             if self._log is None:
-                self.folder.mkdir(parents=True, exist_ok=True)
-                self._log = os.open(self.namespaces, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+                private_dir(self.folder)
+                self._log = open_private(self.namespaces, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
             os.write(self._log, _RECORD.pack(ns, layout_id, zlib.crc32(ns + layout_id)))
         except OSError as exc:
             # Listing by layout alone degrades (rows stay readable and listable by scope

@@ -31,6 +31,7 @@ from kvbank.bench.common import BenchRow
 SUITE = "reliability"
 PARTS: dict[str, str] = {
     "procs": "kvbank.bench.reliability_procs",  # crash-puts, disk-rot, lease-holder-killed, disk-full
+    "node": "kvbank.bench.reliability_node",  # crash-puts-partial, client-restart, tenant-neighbour
     "fleet": "kvbank.bench.reliability_fleet",  # redis-flap, peer-killed, soak-16x60(-rss)
 }
 BEGIN, END = "<!-- reliability figures: begin -->", "<!-- reliability figures: end -->"

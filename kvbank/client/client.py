@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import http.client
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from types import TracebackType
@@ -130,6 +131,9 @@ class Client:
         self._want_data = data_plane
         self._data = DataLink(parts.hostname, float(timeout_s))
         self._data_known = data_plane is False  # whether /v1/node told us the port yet
+        # a port given up as unreachable is asked for again from this monotonic time on
+        self._data_retry_at: float | None = None
+        self._instance: object = None  # the node process /v1/node last described
         # the three page paths (:mod:`kvbank.client.paths`); ``_path`` picks one a call
         self._shm = SharedMemory(self, required=same_host is True)
         self._dataport = DataPort(self, self._data, required=data_plane is True)
@@ -167,13 +171,26 @@ class Client:
 
     def _host_info(self) -> dict[str, Any]:
         doc = self._call("GET", "/v1/node", idempotent=True)
+        instance = doc.get("instance")
+        if instance != self._instance:  # first read, or the node restarted since
+            self._instance = instance
+            self._data_known = self._want_data is False
         if not self._data_known:
             port = doc.get("data_port")
             self._data.port = port if isinstance(port, int) and not isinstance(port, bool) else None
             self._data_known = True
+            self._data_retry_at = None
         info: dict[str, Any] = doc["host"]
         self._shm.learn(info)
         return info
+
+    def _data_moved(self) -> bool:
+        """The data port refused a connection: read ``/v1/node`` again (a restarted node
+        listens on a new port). True when it now advertises another port to try."""
+        before = self._data.port
+        self._data_known = self._want_data is False
+        self._host_info()
+        return self._data.port is not None and self._data.port != before
 
     def _detect(self) -> bool:
         return SharedMemory.maps_here(self._host_info())
@@ -488,6 +505,8 @@ class Client:
         """Whether page bodies to this (remote) node take its data port."""
         if self._want_data is False:
             return False
+        if self._data_retry_at is not None and time.monotonic() >= self._data_retry_at:
+            self._data_known = False  # given up a while ago: the node may be back on a new port
         if not self._data_known:
             self._host_info()
         if self._data.port is None and self._want_data:

@@ -50,6 +50,7 @@ if TYPE_CHECKING:
     from kvbank.client.client import Client
 
 T = TypeVar("T")
+DATA_RETRY_S = 5.0  # a data port given up as unreachable is asked for again after this
 Views = dict[int, list[memoryview]]  # group -> a writable view of each destination row
 Doc = dict[str, Any]  # a request body or the node's JSON answer
 
@@ -277,19 +278,26 @@ class DataPort(_Lent):
         self.link = link
         self.required = required
 
-    def _lost(self, exc: DataPortUnreachable | Busy) -> None:
-        """The data port cannot take this transfer: over HTTP instead, unless the data plane
-        is required. One unreachable from here is given up for good; a full one (``Busy``:
-        every data connection in use) is tried again next time."""
+    def _lost(self, exc: DataPortUnreachable | Busy) -> bool:
+        """The data port cannot take this transfer. Unreachable: ``/v1/node`` is read again,
+        and True when the node (restarted) now listens on another port: try there. Else
+        over HTTP instead, unless the data plane is required; a port still unreachable is
+        given up for ``DATA_RETRY_S`` (then asked for again), a full one (``Busy``: every
+        data connection in use) is tried again next time."""
+        if isinstance(exc, DataPortUnreachable) and self.client._data_moved():
+            return True
         if self.required:
             raise exc
         if isinstance(exc, DataPortUnreachable):
             self.link.port = None
+            self.client._data_retry_at = time.monotonic() + DATA_RETRY_S
+        return False
 
     def put(self, kind: PutKind, head: bytes, views: list[memoryview],
-            deadline: Deadline | None) -> list[bytes] | None:
+            deadline: Deadline | None, *, retried: bool = False) -> list[bytes] | None:
         """WRITE lease and ticket, the pages, the commit of what arrived whole; ``deadline``
-        bounds the control calls (the pages go at the data port's own pace)."""
+        bounds the control calls (the pages go at the data port's own pace). A port that
+        moved (the node restarted) is tried once more at its new number."""
         c = self.client
         doc = c._call("POST", "/v1/put/lease?via=data", content=head, deadline=deadline)
         names = [bytes.fromhex(n) for n in doc["names"]]
@@ -301,7 +309,8 @@ class DataPort(_Lent):
             self.link.put(doc["ticket"], [buf for _, (_, _, _, buf) in slots])
         except (DataPortUnreachable, Busy) as exc:
             c.release(lease["id"])
-            self._lost(exc)
+            if self._lost(exc) and not retried:
+                return self.put(kind, head, views, deadline, retried=True)
             return None
         except BaseException as exc:
             c.release(lease["id"])  # nothing was committed: nothing of this put is visible
@@ -334,6 +343,7 @@ class DataPort(_Lent):
         retry_end = time.monotonic() + c._pool.retry_s
         if deadline is not None:
             retry_end = min(retry_end, deadline.at)
+        moved = False
         while True:
             doc, first = first or c._call("POST", "/v1/fetch", body={**req, "via": "data"},
                                           deadline=deadline), None
@@ -347,7 +357,9 @@ class DataPort(_Lent):
                 got, err = self.link.fetch(doc["ticket"], [buf[:size] for _, (_, _, size, buf) in slots])
             except (DataPortUnreachable, Busy) as exc:
                 c._ack(fid, [], lease["id"])  # releases the lease
-                self._lost(exc)
+                if self._lost(exc) and not moved:
+                    moved = True  # the node listens on a new port: resume there, once
+                    continue
                 return None
             except (KeyError, IndexError, TypeError, ValueError) as exc:
                 c.release(lease["id"])

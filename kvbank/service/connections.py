@@ -12,9 +12,15 @@ builds the node's HTTP protocol, uvicorn's own with three limits added:
   Idle time between requests is uvicorn's keep-alive timeout (``idle_timeout_s``); a body
   is bounded by ``body_timeout_s`` where the routes read it.
 - **header bytes** (``max_header_bytes``): a request whose head has not ended within this
-  many bytes is answered 431 and closed, before the parser buffers more of it.
-- **connections** (``max_connections``): a connection beyond the limit is answered 503 at
-  once and closed, so idle connections cost at most the limit in file descriptors.
+  many bytes is answered 431 and closed, before the parser buffers more of it; and a
+  head that did end (one that arrived in a single read) is counted as parsed — request
+  line and every header — and answered 431 before it reaches the application.
+- **connections** (``max_connections``): a connection beyond the limit makes room by
+  closing (503) the one that has waited longest for its request head — a connection
+  that says nothing, or trickles its head, holds a slot only until a newcomer needs it,
+  so idle connections cannot starve anyone (served-node review D9); when every
+  connection is being served, the newcomer is answered 503 at once and closed. Idle
+  connections cost at most the limit in file descriptors.
 
 :class:`RequestLimits` is the ASGI side, on the application itself (so an in-process
 node has it too): at most ``max_headers`` headers (431); a body over its limit is 413
@@ -46,6 +52,8 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["RequestLimits", "protocol", "refusal"]
 
+_LINE_BYTES = 16  # a request line's bytes besides its URL: method, spaces, version, CRLF
+
 
 def refusal(status: int, reason: str, message: str) -> bytes:
     """A whole ``Connection: close`` HTTP/1.1 answer with a JSON error body."""
@@ -70,14 +78,29 @@ def protocol(config: ServiceConfig) -> type[asyncio.Protocol]:
         _head_timer: asyncio.TimerHandle | None = None
         _in_head = False  # between a request's first byte (or the accept) and its headers' end
         _in_message = False  # the parser is inside a request (its head or its body)
-        _head_bytes = 0
+        _head_bytes = 0  # bytes received since the head began (a head spanning reads)
+        _parsed = 0  # bytes of the head the parser has handed over (its line and headers)
+        _refused = False  # answered and closing: the parser's callbacks do nothing more
+        _head_since = 0.0  # loop time the current head began (the wait for it, at first)
 
         def connection_made(self, transport: Any) -> None:  # uvicorn's own signature
             super().connection_made(transport)
             if len(self.connections) > max_connections:
-                self._refuse(too_many)
-                return
+                victim = self._longest_waiting()
+                if victim is None:  # every other connection is being served
+                    self._refuse(too_many)
+                    return
+                victim._refuse(too_many)  # it made room: a newcomer may have a request
             self._start_head()
+
+        def _longest_waiting(self) -> NodeHttpProtocol | None:
+            """The open connection that has waited longest for its request head."""
+            best: NodeHttpProtocol | None = None
+            for c in self.connections:
+                if (c is not self and isinstance(c, NodeHttpProtocol) and c._in_head
+                        and not c._refused and (best is None or c._head_since < best._head_since)):
+                    best = c
+            return best
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._stop_head_timer()
@@ -95,23 +118,50 @@ def protocol(config: ServiceConfig) -> type[asyncio.Protocol]:
                 self._refuse(too_big)
 
         def on_message_begin(self) -> None:
+            if self._refused:
+                return
             super().on_message_begin()
             self._in_message = True
+            self._parsed = 0
             if not self._in_head:
                 self._start_head()
 
+        def on_url(self, url: bytes) -> None:
+            if self._refused:
+                return
+            self._parsed += len(url) + _LINE_BYTES
+            super().on_url(url)
+
+        def on_header(self, name: bytes, value: bytes) -> None:
+            if self._refused:
+                return
+            self._parsed += len(name) + len(value) + 4  # ": " and CRLF
+            super().on_header(name, value)
+
+        def on_body(self, body: bytes) -> None:
+            if not self._refused:
+                super().on_body(body)
+
         def on_message_complete(self) -> None:
+            if self._refused:
+                return
             self._in_message = False
             super().on_message_complete()
 
         def on_headers_complete(self) -> None:
+            if self._refused:
+                return
             self._in_head = False
             self._stop_head_timer()
+            if self._parsed > max_header_bytes:  # a whole head in one read: counted here
+                self._refuse(too_big)
+                return
             super().on_headers_complete()
 
         def _start_head(self) -> None:
             self._in_head = True
             self._head_bytes = 0
+            self._head_since = self.loop.time()
             if self._head_timer is None:
                 self._head_timer = self.loop.call_later(header_timeout, self._head_timed_out)
 
@@ -133,6 +183,7 @@ def protocol(config: ServiceConfig) -> type[asyncio.Protocol]:
             self._refuse(too_slow)
 
         def _refuse(self, answer: bytes) -> None:
+            self._refused = True
             self._in_head = False
             self._stop_head_timer()
             self.transport.write(answer)

@@ -40,9 +40,10 @@ the WRITE lease uncommitted (the client releases it, or it expires): nothing bec
 visible. A connection dropped mid-fetch leaves the client the slots it received whole,
 which it acknowledges, and the fetch id resumes from the first row not recorded. A slot
 is never received into past its lease's deadline: each ``recv_into`` is bounded by the
-time the lease has left. Bounded: the connections (``data_connections``; one more is
-answered ``Busy`` and closed), the wait for a request (``idle_timeout_s``), a transfer
-(``body_timeout_s``), the request (a fixed 24 bytes), the tickets remembered.
+time the lease has left. Bounded: the connections (``data_connections``; one more
+closes the connection idle longest, or is answered ``Busy`` and closed when none is
+idle), the wait for a request (``idle_timeout_s``), a transfer (``body_timeout_s``),
+the request (a fixed 24 bytes), the tickets remembered.
 
 Lifecycle (server): ``DataPlane(bank, config)`` → ``start()`` (binds; the port) →
 ``issue(...)`` from the control routes → ``stop()`` (closes the listener and every
@@ -191,6 +192,9 @@ class DataPlane:
         self.tickets = Tickets(bank.clock)
         self._lock = threading.Lock()
         self._conns: dict[socket.socket, threading.Thread] = {}
+        # monotonic time each connection began waiting for its next request (None: busy)
+        self._waiting: dict[socket.socket, float | None] = {}
+        self._picked: set[socket.socket] = set()  # closed to make room for a newcomer
         self._served: OrderedDict[str, None] = OrderedDict()  # fetch leases sent over this port
         self._sock: socket.socket | None = None
         self._acceptor: threading.Thread | None = None
@@ -263,11 +267,23 @@ class DataPlane:
                     time.sleep(0.05)
                 continue
             conn.setblocking(True)
+            victim: socket.socket | None = None
             with self._lock:
                 full = len(self._conns) >= self._max
+                if full:  # the connection idle longest makes room (served-node review D9)
+                    idle = [(t, s) for s, t in self._waiting.items()
+                            if t is not None and s not in self._picked]
+                    if idle:
+                        victim = min(idle, key=lambda x: x[0])[1]
+                        self._picked.add(victim)
+                        full = False
                 if not full:
                     t = threading.Thread(target=self._serve, args=(conn,), name="kvbank-data", daemon=True)
                     self._conns[conn] = t
+                    self._waiting[conn] = time.monotonic()
+            if victim is not None:
+                with contextlib.suppress(OSError):  # gone already
+                    victim.shutdown(socket.SHUT_RDWR)  # its thread sees the end and closes it
             if full:
                 self._turn_away(conn)
                 continue
@@ -289,12 +305,18 @@ class DataPlane:
             head = bytearray(REQUEST.size)
             while not self._stopping.is_set():
                 set_timeouts(conn, self._idle)
+                with self._lock:
+                    self._waiting[conn] = time.monotonic()
                 try:
                     k = conn.recv_into(head, REQUEST.size, socket.MSG_WAITALL)
                 except (BlockingIOError, TimeoutError):
                     return  # idle past idle_timeout_s: close
                 if k == 0:
-                    return  # the client closed between transfers
+                    return  # the client closed between transfers (or it made room)
+                with self._lock:
+                    if conn in self._picked:
+                        return  # picked to make room as its request came: the client retries
+                    self._waiting[conn] = None
                 if k != REQUEST.size:
                     raise Broken(f"a request of {k} bytes, expected {REQUEST.size}")
                 try:
@@ -311,6 +333,8 @@ class DataPlane:
         finally:
             with self._lock:
                 self._conns.pop(conn, None)
+                self._waiting.pop(conn, None)
+                self._picked.discard(conn)
             conn.close()
 
     def _redeem(self, head: bytearray) -> tuple[Op, Ticket]:

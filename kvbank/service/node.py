@@ -36,8 +36,9 @@ import os
 import secrets
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
 from operator import attrgetter
@@ -47,7 +48,7 @@ from typing import Any, TypeVar
 from kvbank import fastrows as columns
 from kvbank._version import __version__
 from kvbank.bank.bank import Bank
-from kvbank.errors import InvalidInput, KvbankError
+from kvbank.errors import Busy, InvalidInput, KvbankError
 from kvbank.lender.base import Delivery, HostLocation, Lease, LeaseMode, MemoryKind
 from kvbank.lender.ledger import FetchLedger, PlannedRow
 from kvbank.results import FetchResult, Match
@@ -123,6 +124,45 @@ class _Fetch:
     lent: dict[str, set[bytes]] = field(default_factory=dict)
 
 
+class TenantShares:
+    """Bytes each tenant's put bodies in flight hold (their WRITE reservations), against a
+    share of the host tier: a tenant that trickles its bodies holds at most ``limit``
+    bytes, and the rest stays free for the others (served-node review D9). Over it, a put
+    is ``Busy`` before it reserves anything. Without tenant tokens (tenant None) nothing
+    is counted."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._lock = threading.Lock()
+        self._held: dict[str, int] = {}
+
+    @contextmanager
+    def hold(self, tenant: str | None, nbytes: int) -> Iterator[None]:
+        if tenant is None:
+            yield
+            return
+        with self._lock:
+            now = self._held.get(tenant, 0)
+            if now and now + nbytes > self.limit:
+                raise Busy(f"tenant {tenant!r}: its put bodies in flight hold {now} bytes; "
+                           f"one more of {nbytes} would pass its share of {self.limit} "
+                           "(half the host tier): try again when one has arrived")
+            self._held[tenant] = now + nbytes
+        try:
+            yield
+        finally:
+            with self._lock:
+                left = self._held[tenant] - nbytes
+                if left:
+                    self._held[tenant] = left
+                else:
+                    del self._held[tenant]
+
+    def held(self, tenant: str) -> int:
+        with self._lock:
+            return self._held.get(tenant, 0)
+
+
 class Node:
     """One bank behind a service. See the module docstring."""
 
@@ -137,6 +177,8 @@ class Node:
         self._fetches: OrderedDict[str, _Fetch] = OrderedDict()
         self.identity = host_identity()
         self.traffic = Traffic()  # matches by namespace and tokens served, for the status page
+        self.instance = secrets.token_hex(8)
+        self.put_bodies = TenantShares(max(1, config.bank.host_bytes // 2))
         self.fleet: Fleet | None = None  # set by the server when the node joins a fleet
         self.dataplane: DataPlane | None = None  # set by the server when it serves a data port
         # The host tier's segment, from an ALL lease (which describes the pools, locks
@@ -160,6 +202,9 @@ class Node:
         cfg = self.config.bank
         return {
             "version": __version__,
+            # this process: a client that sees it change knows the node restarted (and
+            # reads the rest of this document again: the data port is a new one)
+            "instance": self.instance,
             "host": {**self.identity, "segment": None if segment is None else segment.segment,
                      "segment_bytes": None if segment is None else segment.size,
                      # kept resident (reserve_host): a same-host client may build its page

@@ -48,6 +48,7 @@ from kvbank.service.dataplane import DataPlane
 from kvbank.service.fleet.fleet import join_fleet
 from kvbank.service.node import Node
 from kvbank.service.sockets import listen
+from kvbank.tiers.datadir import private_dir
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +77,7 @@ def serve(config: ServiceConfig, *, out: TextIO = sys.stdout) -> int:
     config = config.replace(port=port)
     if config.bank.data_dir is not None:
         try:
-            config.bank.data_dir.mkdir(parents=True, exist_ok=True)
+            private_dir(config.bank.data_dir)
         except OSError as exc:
             sock.close()
             raise ConfigError(f"data_dir: cannot create {config.bank.data_dir}: {exc}") from exc

@@ -43,7 +43,7 @@ from kvbank.keys import PAGE_KEY_BYTES
 from kvbank.keys import Scope as KeyScope
 from kvbank.layout import GroupKind
 from kvbank.lender.base import Delivery, Lease, LeaseMode, MemoryKind
-from kvbank.service.admin.tenants import bind_put_header
+from kvbank.service.admin.tenants import bind_put_header, tenant_of
 from kvbank.service.node import Node, OpenFetch
 from kvbank.wire.framing import (
     PREFIX,
@@ -193,6 +193,13 @@ async def _put(node: Node, body: _Body, kind: PutKind, declared: str | None,
     # The lease outlives the body deadline, so it cannot expire (and its slots go to
     # another row) while chunks are still being copied into them outside its lock.
     ttl = min(node.config.bank.max_lease_ttl_s, 2 * node.config.body_timeout_s)
+    with node.put_bodies.hold(tenant_of(request), header.pages * header.page_bytes):
+        return await _put_held(node, body, header, key_bytes, total, ttl)
+
+
+async def _put_held(node: Node, body: _Body, header: PutHeader, key_bytes: bytes | bytearray,
+                    total: int, ttl: float) -> dict[str, Any]:
+    """The rest of :func:`_put`, its bytes counted against the tenant's share."""
     names, lease, fallback = await node.call(lend_put, node, header, key_bytes, ttl)
     pages: list[bytearray] = []
     if lease is None and not fallback:  # every row is stored already: read and drop the pages

@@ -68,6 +68,7 @@ from kvbank.tiers.base import (
     as_out_view,
     check_name,
 )
+from kvbank.tiers.datadir import FILE_MODE, private_dir, tighten
 from kvbank.tiers.diskfile import DirLock, SalvageReport, check_file
 from kvbank.tiers.diskfile import salvage as run_salvage
 from kvbank.tiers.diskmeta import (
@@ -104,6 +105,20 @@ def _free_bytes(path: Path) -> int:
     return st.f_bavail * st.f_frsize
 
 
+# LMDB's answers to a damaged file, which a salvage may get rows out of
+_DAMAGED: tuple[type[Exception], ...] = (lmdb.CorruptedError, lmdb.PageNotFoundError,
+                                         lmdb.InvalidError, lmdb.VersionMismatchError,
+                                         lmdb.PanicError, lmdb.BadRslotError)
+
+
+def _with_salvage_hint(exc: TierUnavailable) -> TierUnavailable:
+    """An open refused for damage names ``disk_salvage``, as the truncation check does."""
+    if "disk_salvage" in str(exc) or not isinstance(exc.__cause__, _DAMAGED):
+        return exc
+    return TierUnavailable(f"{exc}; set disk_salvage (KVBANK_DISK_SALVAGE=1) to copy the rows "
+                           "that can be read into a fresh environment (the damaged files are kept)")
+
+
 class DiskTier(Tier, FrameStoreBase):
     """Rows as codec frames in LMDB; durable commits; exact byte budget. A
     :class:`~kvbank.tiers.base.FrameStore` (for the store) and a :class:`~kvbank.tiers.base.Tier`
@@ -128,21 +143,22 @@ class DiskTier(Tier, FrameStoreBase):
         self._closed = False
         self.corrupt_rows = 0
         self.salvaged: SalvageReport | None = None  # what a salvage at open found
+        self.created = False  # there was no data.mdb at open: a new environment
         size = map_size or budget * MAP_FACTOR + MAP_SLACK
         try:
-            self.path.mkdir(parents=True, exist_ok=True)
+            private_dir(self.path)
         except OSError as exc:
             raise TierUnavailable(f"disk tier: cannot create {self.path}: {exc}") from exc
         self._dirlock = DirLock(Path(path))
         try:
             try:
                 # Before LMDB maps the file: a truncated one would be SIGBUS on first touch.
-                check_file(self.path)
+                self.created = check_file(self.path) is None
                 self._open_env(size, sync)
                 rows, bad, self._used = self._scan_checked()
             except TierUnavailable as exc:
                 if not salvage:
-                    raise
+                    raise _with_salvage_hint(exc) from exc.__cause__
                 if hasattr(self, "_env"):
                     self._env.close()
                 self.salvaged = run_salvage(self.path, str(exc), check_salvaged, map_size=size)
@@ -163,7 +179,9 @@ class DiskTier(Tier, FrameStoreBase):
         try:
             self._env = lmdb.open(str(self.path), map_size=map_size, subdir=True, max_dbs=2,
                                   sync=sync, metasync=sync, readahead=True, writemap=False,
-                                  lock=True, max_readers=254)
+                                  lock=True, max_readers=254, mode=FILE_MODE)
+            # files an older version (or another umask) made readable by others
+            tighten([self.path / "data.mdb", self.path / "lock.mdb"])
             self._frames = self._env.open_db(b"frames")
             self._meta = self._env.open_db(b"meta")
         except LMDB_ERRORS as exc:

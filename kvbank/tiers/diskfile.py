@@ -42,6 +42,7 @@ import lmdb
 from kvbank import progress
 from kvbank.errors import CorruptPage, TierUnavailable
 from kvbank.tiers.base import OS_ERRORS
+from kvbank.tiers.datadir import FILE_MODE, open_private, private_dir
 
 logger = logging.getLogger(__name__)
 
@@ -94,7 +95,7 @@ class DirLock:
     def __init__(self, directory: Path) -> None:
         self.path = directory / LOCK_FILE
         try:
-            self._fd: int | None = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            self._fd: int | None = open_private(self.path, os.O_RDWR | os.O_CREAT)
         except OS_ERRORS as exc:
             raise TierUnavailable(f"disk tier: cannot create the lock {self.path}: {exc}") from exc
         try:
@@ -201,9 +202,9 @@ def salvage(directory: Path, reason: str, check_row: CheckRow, *, map_size: int)
     kept = directory.with_name(f"{directory.name}.damaged-{stamp}-{os.getpid()}")
     try:
         directory.rename(kept)
-        directory.mkdir()
+        private_dir(directory)
         src = _readable_copy(kept)
-        env = lmdb.open(str(directory), map_size=map_size, subdir=True, max_dbs=2)
+        env = lmdb.open(str(directory), map_size=map_size, subdir=True, max_dbs=2, mode=FILE_MODE)
     except _SALVAGE_ERRORS as exc:
         raise TierUnavailable(f"disk tier: salvage of {directory}: {exc}") from exc
     copied = dropped = 0

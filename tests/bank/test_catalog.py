@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import resource
+import signal
+
 import pytest
 
 from kvbank.bank.catalog import Catalog
@@ -123,11 +126,18 @@ def test_catalog_restore_opens_when_its_files_cannot_be_rewritten(tmp_path) -> N
     cat.learn(lid, Scope("t"))
     cat.close()
     before = (tmp_path / LAYOUTS_FILE).read_bytes(), (tmp_path / NAMESPACES_FILE).read_bytes()
-    for name in (LAYOUTS_FILE, NAMESPACES_FILE):  # where the rewrite's copy would go
-        (tmp_path / f"{name}.tmp").mkdir()
 
     again = Catalog(data_dir=tmp_path)
-    restored = again.restore(lambda layout: None, lambda ns: True)
+    # the kernel refuses every write past 16 bytes (EFBIG), as a full disk refuses them
+    # (the rewrite's temp file has an unpredictable name: nothing can be planted there)
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (16, limit[1]))
+    try:
+        restored = again.restore(lambda layout: None, lambda ns: True)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limit)
+        signal.signal(signal.SIGXFSZ, handler)
     assert [x.layout_id for x in restored] == [lid]
     assert again.namespaces_of(lid) == [namespace(lid, Scope("t"))]
     again.learn(lid, Scope("u"))  # not appended after a log it could not tidy

@@ -20,6 +20,7 @@ from kvbank.errors import (
     LeaseExpired,
     LeaseNotFound,
     PageSizeMismatch,
+    TierFull,
 )
 from kvbank.lender.base import (
     Delivery,
@@ -419,3 +420,35 @@ def test_release_and_read_refuse_malformed_ids_and_names_naming_the_field(bank: 
             bank.read(lease.id, bad_name)  # type: ignore[arg-type]
     assert bank.read(lease.id, names[0]) == pages(1)[0].numpy().tobytes()
     assert bank.release(lease.id) is True
+
+
+def test_write_through_commit_stores_all_of_its_rows_or_none(tmp_path: Path,
+                                                             clock: FakeClock) -> None:
+    """Regression (served-node review D2): a write-through WRITE lease's commit wrote
+    one disk transaction per row, so a commit stopped part way (a crash, or here a disk
+    that cannot hold it all) left a prefix of the put on disk. It is one transaction
+    now: a commit the disk cannot hold whole stores none of its rows, and keeps every
+    reservation for a retry or a release."""
+    cfg = BankConfig(host_bytes=4 << 20, device_bytes=0, data_dir=tmp_path, disk_sync=False,
+                     disk_bytes=64 * PAGE, write_policy=WritePolicy.WRITE_THROUGH)
+    with Bank(cfg, clock=clock, reaper=False) as bank:
+        lid = bank.register(LAYOUT)
+        chain = bank.row_names(lid, toks(100), group=0)  # 100 random pages: > the disk
+        lease = bank.lend(chain, mode=LeaseMode.WRITE)
+        for i, name in enumerate(chain):
+            bank.write(lease.id, name, pages(100, 7)[i].numpy().tobytes())
+        with pytest.raises(TierFull):
+            bank.commit(lease.id, chain)
+        assert bank.locate(chain) == [None] * 100
+        bank.check_invariants()
+    with Bank(cfg, clock=clock, reaper=False) as bank:  # and nothing of it on disk
+        assert bank.locate(chain) == [None] * 100
+        assert bank.register(LAYOUT) == lid
+        small = bank.row_names(lid, toks(8, 5000), group=0)
+        lease = bank.lend(small, mode=LeaseMode.WRITE)
+        for i, name in enumerate(small):
+            bank.write(lease.id, name, pages(8, 8)[i].numpy().tobytes())
+        assert bank.commit(lease.id, small).committed == tuple(small)
+    with Bank(cfg, clock=clock, reaper=False) as bank:
+        assert bank.locate(small) == [TierKind.DISK] * 8
+        bank.check_invariants()

@@ -232,6 +232,22 @@ def test_headers_over_the_byte_limit_are_431_and_closed(node: NodeProcess) -> No
         assert _status(_read_all(s)) == 431
 
 
+def test_a_head_over_the_byte_limit_in_one_read_is_431_too(node: NodeProcess) -> None:
+    """Regression (served-node review D5): the head's bytes were counted only while it
+    had not ended, so a whole oversized head arriving in one read was served (200 up to
+    ~120 KiB). Sent in one write, a head of twice the limit, and one just past it."""
+    for extra in (MAX_HEADER_BYTES, 64):
+        head = (b"GET /v1/node HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * (MAX_HEADER_BYTES - 64 + extra)
+                + b"\r\n\r\n")
+        with _connect(node) as s:
+            s.sendall(head)
+            assert _status(_read_all(s)) == 431, extra
+    with _connect(node) as s:  # a head well under the limit is served
+        s.sendall(b"GET /v1/node HTTP/1.1\r\nHost: x\r\nX-Ok: " + b"a" * (MAX_HEADER_BYTES // 2)
+                  + b"\r\nConnection: close\r\n\r\n")
+        assert _status(_read_all(s)) == 200
+
+
 def test_too_many_headers_are_431(node: NodeProcess) -> None:
     headers = {f"x-h{i}": "1" for i in range(100)}
     r = httpx.get(node.url + "/v1/node", headers=headers, timeout=HANG_S)
@@ -241,9 +257,28 @@ def test_too_many_headers_are_431(node: NodeProcess) -> None:
 # ---- many idle connections ---------------------------------------------------------------
 
 
+def test_idle_connections_at_the_limit_make_room_for_a_request(node: NodeProcess) -> None:
+    """Regression (served-node review D9): max_connections connections that say nothing
+    made every further request 503 (an authenticated one too) until the header timeout
+    closed them. A newcomer now closes the connection that has waited longest for its
+    head, and is served."""
+    socks = [_connect(node) for _ in range(MAX_CONNECTIONS)]
+    try:
+        time.sleep(0.2)
+        for _ in range(3):
+            r = httpx.get(node.url + "/v1/node", timeout=HANG_S)
+            assert r.status_code == 200, r.text
+        statuses = [_status(a) for a in map(_read_all, socks) if a]
+        assert 503 in statuses, statuses  # idle ones made room (the rest time out: 408)
+        assert set(statuses) <= {503, 408}
+    finally:
+        for s in socks:
+            s.close()
+
+
 def test_thousands_of_idle_connections_stay_bounded_in_fds_and_rss(node: NodeProcess) -> None:
     """2,000 connections that never send a byte: the node holds at most max_connections
-    of them (the rest are answered 503 at once and closed), so its file descriptors and
+    of them (each newcomer past it closes the one idle longest, 503), so its file descriptors and
     memory stay bounded; every connection ends (503, or 408 at the header timeout) and
     the node serves normally afterwards."""
     fds_before, rss_before = _fds(node.pid), _rss(node.pid)

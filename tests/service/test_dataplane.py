@@ -24,9 +24,9 @@ import pytest
 import torch
 
 from kvbank import Client, Match, full_attention, hybrid_mamba, wire
-from kvbank.client.dataport import DataLink
+from kvbank.client.dataport import DataLink, DataPortUnreachable
 from kvbank.client.io import put_head
-from kvbank.errors import Busy, InvalidInput, LeaseExpired, TierUnavailable
+from kvbank.errors import InvalidInput, LeaseExpired, TierUnavailable
 from kvbank.keys import DEFAULT_SCOPE
 from kvbank.service.config import DATA_PORT_OFF, ServiceConfig
 from kvbank.service.launch import NodeProcess
@@ -316,43 +316,26 @@ def test_dataplane_bad_reused_wrong_way_and_expired_tickets_are_refused(tmp_path
         assert n.stop() == 0
 
 
-def test_dataplane_connections_over_the_bound_are_refused(tmp_path: Path) -> None:
-    """With ``--data-connections 2`` a third connection is answered Busy and closed: a
-    client that requires the data plane gets Busy (nothing stored), one that does not
-    goes over HTTP; once one of the two goes, a transfer gets through again."""
+def test_dataplane_idle_connections_make_room_for_a_transfer(tmp_path: Path) -> None:
+    """Regression (served-node review D9): with ``--data-connections 2``, two idle
+    connections made every further one ``Busy`` until the idle timeout (a client that
+    requires the data plane failed, others fell back to HTTP). A newcomer now closes the
+    connection idle longest and is served; the data plane takes the transfers."""
     n = start_node(tmp_path, "--data-connections", "2")
     try:
         port = data_port(n)
         assert port is not None
         held = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(2)]
         time.sleep(0.2)
-        with socket.create_connection(("127.0.0.1", port), timeout=5) as third:
-            _, status, err_len, _ = REPLY.unpack(third.recv(REPLY.size, socket.MSG_WAITALL))
-            assert status == 1
-            assert json.loads(third.recv(err_len, socket.MSG_WAITALL))["type"] == "Busy"
-            assert third.recv(1) == b""
         with Client(n.url, same_host=False, data_plane=True) as c:
             lid = c.register(LAYOUT)
-            with pytest.raises(Busy):
-                c.put(lid, toks(90, 1), group=0, pages=rand(1, PAGE, 90))
-            assert c.match(lid, [*toks(90, 1), 1]).resume.tokens == 0  # nothing half stored
-        with Client(n.url, same_host=False) as auto:  # not required: HTTP while the port is full
-            lid = auto.register(LAYOUT)
-            data = rand(2, PAGE, 92)
-            tcp_in = moved(n, "in", "tcp")
-            auto.put(lid, toks(92, 2), group=0, pages=data)
-            assert moved(n, "in", "tcp") - tcp_in > 2 * PAGE
-            out = torch.zeros((2, PAGE), dtype=torch.uint8)
-            tcp_out = moved(n, "out", "tcp")
-            assert auto.fetch(auto.match(lid, [*toks(92, 2), 1]), out={0: out}).complete
-            assert torch.equal(out, data) and moved(n, "out", "tcp") - tcp_out > 2 * PAGE
-        with Client(n.url, same_host=False, data_plane=True) as c:
-            held.pop().close()
-            time.sleep(0.2)
             data = rand(2, PAGE, 91)
+            tcp_in = moved(n, "in", "tcp")
             c.put(lid, toks(91, 2), group=0, pages=data)
             out = torch.zeros((2, PAGE), dtype=torch.uint8)
-            assert c.fetch(c.match(lid, [*toks(91, 2), 1]), out={0: out}).complete and torch.equal(out, data)
+            assert c.fetch(c.match(lid, [*toks(91, 2), 1]), out={0: out}).complete
+            assert torch.equal(out, data) and moved(n, "in", "tcp") - tcp_in < PAGE
+        assert held[0].recv(1) == b""  # the one idle longest was closed to make room
         for s in held:
             s.close()
     finally:
@@ -440,24 +423,26 @@ def test_dataplane_settings_from_every_source(tmp_path: Path) -> None:
     assert "--data-port" in out and "--data-connections" in out
 
 
+def _firewalled(c: Client) -> None:
+    """Make every connection from ``c`` to the data port refused, as a firewall would."""
+    def refuse() -> socket.socket:
+        raise DataPortUnreachable(f"data_port: 127.0.0.1:{c._data.port} unreachable: refused")
+    c._data._connect = refuse  # type: ignore[method-assign]
+
+
 def test_dataplane_port_unreachable_from_the_client_falls_back_to_http(node: NodeProcess) -> None:
     """A data port this client cannot connect to (as if firewalled off): a client that
     does not require the data plane releases the lease it took and puts, or streams the
     same fetch id, over HTTP; one that requires it gets TierUnavailable, nothing stored."""
-    closed = socket.socket()
-    closed.bind(("127.0.0.1", 0))
-    nowhere = closed.getsockname()[1]
-    closed.close()  # nothing listens there now
     data = rand(3, PAGE, 101)
     with Client(node.url, same_host=False) as c:
         lid = c.register(LAYOUT)
         assert c._data_on()
-        c._data.port = nowhere
+        _firewalled(c)
         tcp_in = moved(node, "in", "tcp")
         c.put(lid, toks(101, 3), group=0, pages=data)
         assert moved(node, "in", "tcp") - tcp_in > 3 * PAGE and not c._data_on()
         m = c.match(lid, [*toks(101, 3), 1])
-        c._data.port = nowhere
         out = torch.zeros((3, PAGE), dtype=torch.uint8)
         got = c.fetch(m, out={0: out})
         assert got.complete and torch.equal(out, data)
@@ -465,7 +450,33 @@ def test_dataplane_port_unreachable_from_the_client_falls_back_to_http(node: Nod
         assert not held & set(m.needed)  # the put's WRITE lease and the fetch's READ lease are gone
     with Client(node.url, same_host=False, data_plane=True) as c:
         assert c._data_on()
-        c._data.port = nowhere
+        _firewalled(c)
         with pytest.raises(TierUnavailable, match="unreachable"):
             c.put(lid, toks(102, 3), group=0, pages=data)
         assert c.match(lid, [*toks(102, 3), 1]).resume.tokens == 0
+
+
+def test_dataplane_port_that_moved_is_read_again_from_the_node(node: NodeProcess) -> None:
+    """A data port that refuses because the node moved it (a restart: the client holds
+    the old number) is read again from ``/v1/node`` and the same transfer goes on the new
+    one, for a client that requires the data plane and one that does not."""
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))
+    nowhere = closed.getsockname()[1]
+    closed.close()  # nothing listens there now
+    data = rand(3, PAGE, 103)
+    for k, want in enumerate((None, True)):
+        with Client(node.url, same_host=False, data_plane=want) as c:
+            lid = c.register(LAYOUT)
+            assert c._data_on()
+            port = c._data.port
+            c._data.port = nowhere
+            tcp_in = moved(node, "in", "tcp")
+            c.put(lid, toks(103 + k, 3), group=0, pages=data)
+            assert moved(node, "in", "tcp") - tcp_in < PAGE and c._data.port == port
+            m = c.match(lid, [*toks(103 + k, 3), 1])
+            c._data.close()  # its pooled connections would still reach the node
+            c._data.port = nowhere
+            out = torch.zeros((3, PAGE), dtype=torch.uint8)
+            assert c.fetch(m, out={0: out}).complete and torch.equal(out, data)
+            assert c._data.port == port

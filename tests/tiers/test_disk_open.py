@@ -233,3 +233,52 @@ def test_a_new_host_slab_reclaims_segments_of_dead_owners(tmp_path: Path) -> Non
     finally:
         for p in (stale, live):
             p.unlink(missing_ok=True)
+
+
+def _wreck_btree(data_dir: Path) -> None:
+    """Give every page after the two meta pages a page-type field of 0: each B-tree page
+    LMDB then reaches is 'wrong type' (MDB_CORRUPTED), as a flipped header is."""
+    path = data_dir / "lmdb" / "data.mdb"
+    raw = bytearray(path.read_bytes())
+    page = 4096
+    for off in range(2 * page, len(raw), page):
+        raw[off + 10 : off + 12] = b"\0\0"  # mp_flags, after mp_pgno (8) and mp_pad (2)
+    path.write_bytes(raw)
+
+
+def test_a_damaged_btree_refused_at_open_names_disk_salvage(tmp_path: Path) -> None:
+    """Regression (served-node review D8): a corrupt B-tree page refused the open with
+    LMDB's 'Located page was wrong type' alone, without the ``disk_salvage`` hint that
+    the truncation refusal carries (a salvage then starts)."""
+    _fill(tmp_path, 40)
+    _wreck_btree(tmp_path)
+    with pytest.raises(TierUnavailable, match="disk_salvage") as err:
+        DiskTier(tmp_path, 64 << 20, sync=False)
+    assert "MDB_CORRUPTED" in str(err.value) or "MDB_PAGE_NOTFOUND" in str(err.value)
+    tier = DiskTier(tmp_path, 64 << 20, sync=False, salvage=True)
+    try:
+        assert tier.salvaged is not None
+    finally:
+        tier.close()
+
+
+def test_a_deleted_data_file_beside_a_catalog_of_puts_is_a_health_note(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Regression (served-node review D8): ``lmdb/data.mdb`` deleted while the catalog
+    (``namespaces.bin``) records puts started silently empty; it is a health note of the
+    disk tier and a warning now (a new data dir, with no catalog, is neither)."""
+    from kvbank import Bank
+    from kvbank.builders import full_attention
+
+    layout = full_attention("deleted@1", 1, 1, 64, tokens_per_page=16)
+    cfg = BankConfig(host_bytes=4 << 20, device_bytes=0, data_dir=tmp_path, disk_sync=False)
+    with Bank(cfg) as bank:
+        assert not any("missing" in n for n in bank.health().notes)
+        lid = bank.register(layout)
+        bank.put(lid, list(range(32)), group=0, pages=[bytes(layout.group_page_bytes[0])] * 2)
+    (tmp_path / "lmdb" / "data.mdb").unlink()
+    with Bank(cfg) as bank:
+        disk = bank.health().tiers[2]
+        assert disk.kind is TierKind.DISK and "data.mdb was missing" in disk.detail, disk
+        assert any("data.mdb was missing" in n for n in bank.health().notes)
+    assert "data.mdb was missing" in caplog.text

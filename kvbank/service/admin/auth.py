@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import hmac
 import logging
-import os
 import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 from kvbank.errors import ConfigError, Forbidden, Unauthorized
+from kvbank.tiers.datadir import private_dir, replace_file
 
 logger = logging.getLogger(__name__)
 
@@ -51,23 +51,10 @@ def bearer(authorization: str | None) -> str | None:
 
 
 def write_token_file(path: Path, token: str) -> None:
-    """Write ``token`` to ``path`` readable by its owner only (0600 from creation on)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        try:
-            os.fchmod(fd, 0o600)  # an existing file keeps its mode through O_CREAT
-            data = (token + "\n").encode()
-            if os.write(fd, data) != len(data):
-                raise OSError(f"short write to {tmp}")
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    """Write ``token`` to ``path`` readable by its owner only (0600 from creation on),
+    through a temp file no planted symlink can redirect (:mod:`kvbank.tiers.datadir`)."""
+    private_dir(path.parent)
+    replace_file(path, (token + "\n").encode())
 
 
 def read_token_file(path: Path) -> str | None:

@@ -34,10 +34,11 @@ from kvbank.tiers.device import DevicePool
 from kvbank.tiers.host import HostSlab
 from kvbank.tiers.index import DEV, HOST
 from kvbank.tiers.store import staging
+from kvbank.tiers.store.copier import Lanes
 from kvbank.tiers.store.mover import Mover
 from kvbank.tiers.store.placement import alloc_for_stage
 from kvbank.tiers.store.state import MAX_PAGE, StoreState, deadline_after
-from kvbank.tiers.store.writes import commit_locked, publish
+from kvbank.tiers.store.writes import Claimed, commit_locked, commit_through, publish
 
 SlotT = TypeVar("SlotT", HostSlot, DeviceSlot)
 
@@ -45,9 +46,10 @@ SlotT = TypeVar("SlotT", HostSlot, DeviceSlot)
 class MemoryOps(Generic[SlotT], abc.ABC):
     bit: int
 
-    def __init__(self, st: StoreState, mover: Mover) -> None:
+    def __init__(self, st: StoreState, mover: Mover, lanes: Lanes) -> None:
         self._st = st
         self._mover = mover
+        self._lanes = lanes
 
     @property
     def enabled(self) -> bool:
@@ -142,28 +144,47 @@ class MemoryOps(Generic[SlotT], abc.ABC):
     def commit_many(self, rows: Sequence[tuple[bytes, SlotT, str, bytes | None]],
                     published: list[bytes]) -> None:
         """:meth:`commit` of each ``(name, slot, dtype, parent)``, in order, appending each
-        name to ``published`` once it is. A write lease's batch: under write-back the rows
-        are published under one hold of the store lock (a row's own commit takes it three
-        times); with write-through each row is written to disk as :meth:`commit` does.
-        The first refusal raises: the rows before it stay published, it and the rows after
-        it keep their reservations."""
+        name to ``published`` once it is. A write lease's batch, all or nothing: every
+        row's slot is claimed first (a refusal raises with every row still reserved);
+        under write-back they are then published under that one hold of the store lock;
+        with write-through their frames are encoded on the copy lanes and written in ONE
+        disk transaction, then published together, so a crash leaves all of them on disk
+        or none (docs/reliability.md)."""
         check_names([name for name, _, _, _ in rows])
         check_names([parent for _, _, _, parent in rows if parent is not None])
         st, bit = self._st, self.bit
-        if st.config.write_policy is WritePolicy.WRITE_THROUGH and st.has_disk:
-            for name, slot, dtype, parent in rows:
-                self.commit(name, slot, dtype=dtype, parent=parent)
-                published.append(name)
-            return
         st.pool(bit, "commit")
+        through = st.config.write_policy is WritePolicy.WRITE_THROUGH and st.has_disk
+        claimed: list[Claimed] = []
         with st.lock:
             st.check_open()
-            for name, slot, dtype, parent in rows:
-                off, holder, size, code = self._claim_locked(name, slot, dtype)
-                # a refusal in there puts the reservation back (reserve=...)
-                commit_locked(st, name, size, code, parent, bit, off, holder, on_disk=False,
-                              reserve=(holder, size))
-                published.append(name)
+            try:
+                for name, slot, dtype, parent in rows:
+                    off, holder, size, code = self._claim_locked(name, slot, dtype)
+                    claimed.append(Claimed(name, bit, off, size, code, parent, holder))
+            except BaseException:
+                for c in claimed:  # a refusal keeps every reservation
+                    st.res.reserved[(bit, c.off)] = (c.holder, c.size)
+                raise
+            if not through:
+                for c in claimed:  # checked above, under this same hold: no refusal
+                    commit_locked(st, c.name, c.size, c.code, c.parent, bit, c.off, c.holder,
+                                  on_disk=False, reserve=(c.holder, c.size))
+                    published.append(c.name)
+                return
+            for c in claimed:
+                st.res.hold(bit, c.off)
+        try:
+            for c in claimed:
+                c.src = self._source(c.off, c.size)
+            commit_through(st, self._mover, self._lanes, claimed, published)
+        finally:
+            for c in claimed:
+                if c.src is not None:
+                    c.src.release()
+            with st.lock:
+                for c in claimed:
+                    st.release(bit, c.off)
 
     def abort(self, slot: SlotT) -> None:
         st = self._st

@@ -132,6 +132,7 @@ class TieredStore:
             raise InvalidInput(f"event_capacity: expected an integer >= 1, got {event_capacity!r}")
         self.config = config
         notes: list[str] = []
+        disk_created = False
         device: DevicePool | None = None
         host: HostSlab | None = None
         frames: list[FrameStore] = []
@@ -154,6 +155,7 @@ class TieredStore:
                 frames.append(disk)
                 if disk.salvaged is not None:
                     notes.append(disk.salvaged.summary())
+                disk_created = disk.created
                 remote = open_remote(config, notes)  # the coldest frame store, below the disk
                 if remote is not None:
                     frames.append(remote)
@@ -174,11 +176,12 @@ class TieredStore:
             _close_tiers(device, host, frames)
             raise
         self._st = st
+        self.disk_created = disk_created  # the disk tier found no data.mdb at open
         self._lanes = Lanes(threads)  # a batch's copies and codec work
         self._mover = Mover(st, encode_workers)
         self.locks = LockTable(st)
-        self.host = HostOps(st, self._mover)
-        self.device = DeviceOps(st, self._mover)
+        self.host = HostOps(st, self._mover, self._lanes)
+        self.device = DeviceOps(st, self._mover, self._lanes)
         self._mover.start()
 
     def _deadline(self, timeout_s: float | None) -> float:
@@ -361,6 +364,12 @@ class TieredStore:
                               len(st.jobs), sum(st.queued.values()), st.puts, st.gets,
                               st.hits, st.misses, len(st.pins), st.pins.nbytes,
                               st.events.dropped, st.remote_hits)
+
+    def note(self, text: str) -> None:
+        """Add a line to the health notes (a tier's own when it starts with its kind);
+        said until the store closes."""
+        with self._st.lock:
+            self._st.notes.append(text)
 
     def health(self) -> StoreHealth:
         st = self._st

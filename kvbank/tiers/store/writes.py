@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from kvbank.config import WritePolicy
 from kvbank.errors import InvalidInput, RowLocked, TierError, TierFull, TierUnavailable
-from kvbank.tiers.base import Buffer, FrameWrite, as_bytes_view, check_name
+from kvbank.tiers.base import Buffer, FrameStore, FrameWrite, as_bytes_view, check_name
 from kvbank.tiers.index import DEV, DISK, HOST
 from kvbank.tiers.store.copier import Batch, Lanes
 from kvbank.tiers.store.mover import Mover
@@ -232,6 +232,82 @@ def _write_chunk(st: StoreState, mover: Mover, rows: list[_Row], frames: list[by
             if orphans:
                 with contextlib.suppress(TierError):  # closing: nothing more to do
                     disk.delete_many(orphans)
+
+
+@dataclass(slots=True)
+class Claimed:
+    """One row of a write lease's commit, its reserved slot claimed and held."""
+
+    name: bytes
+    bit: int
+    off: int
+    size: int
+    code: int
+    parent: bytes | None
+    holder: str
+    src: memoryview | None = None  # the slot's bytes, set once claimed
+
+
+def commit_through(st: StoreState, mover: Mover, lanes: Lanes, rows: Sequence[Claimed],
+                   published: list[bytes]) -> None:
+    """Write-through commit of a write lease's claimed rows, all or nothing: their frames
+    are encoded on the lanes with no lock held, written in ONE disk transaction (one
+    fsync: a crash leaves every row on disk or none), then published under one hold of
+    the store lock. A refusal before the write puts every slot back in its reservation;
+    a row locked by another holder meanwhile is refused after the write (its frame is
+    deleted) while the others are published."""
+    disk = st.disk()  # write-through only runs with a disk tier
+    try:
+        frames = lanes.map(lambda r: disk.frame(r.src if r.src is not None else memoryview(b""),
+                                                st.ix.dtypes[r.code]), rows)
+        with st.disk_lock:
+            with st.lock:
+                st.check_open()
+                ids = st.ix.ids
+                batch = {r.name for r in rows}
+                todo: list[FrameWrite] = []
+                for r, f in zip(rows, frames, strict=True):
+                    st.check_writable(r.name, r.size, r.holder)
+                    parent = r.parent if r.parent in ids or r.parent in batch else None
+                    todo.append(FrameWrite(r.name, f, r.size, st.ix.dtypes[r.code], parent))
+            mover.make_disk_room(sum(len(f) for f in frames))
+            disk.write_frames(todo, replace=True)  # one transaction on LMDB
+            _publish_through(st, disk, rows, published)
+    except BaseException as exc:
+        with st.lock:
+            if isinstance(exc, TierFull | TierUnavailable) and not st.closed:
+                st.note_disk_error(str(exc))
+            for r in rows:
+                if r.name not in published and not st.res.owned(r.bit, r.off):
+                    st.res.fail_slot(r.bit, r.off, (r.holder, r.size), st.closed)
+        raise
+
+
+def _publish_through(st: StoreState, disk: FrameStore, rows: Sequence[Claimed],
+                     published: list[bytes]) -> None:
+    """Publish rows whose frames are durable (the caller holds the disk lock)."""
+    refused: BaseException | None = None
+    orphans: list[bytes] = []
+    with st.lock:
+        if st.disk_error is not None:
+            logger.warning("store: disk tier writes again")
+        st.disk_error = None
+        for r in rows:
+            try:
+                commit_locked(st, r.name, r.size, r.code, r.parent, r.bit, r.off, r.holder,
+                              on_disk=True, reserve=(r.holder, r.size))
+            except BaseException as exc:  # commit_locked put the slot back
+                refused = refused or exc
+                rid = st.ix.ids.get(r.name)
+                if rid is None or not int(st.ix.where[rid]) & DISK:
+                    orphans.append(r.name)  # a frame the index does not hold must go
+                continue
+            published.append(r.name)
+    if orphans:
+        with contextlib.suppress(TierError):  # closing: nothing more to do
+            disk.delete_many(orphans)
+    if refused is not None:
+        raise refused
 
 
 def publish(st: StoreState, mover: Mover, name: bytes, size: int, code: int,

@@ -5,6 +5,8 @@ acknowledge tenant A's rows or leases, through any route, nor see them listed.""
 from __future__ import annotations
 
 import os
+import socket
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -15,9 +17,11 @@ import torch
 
 from kvbank import LeaseMode, Scope, full_attention
 from kvbank.client.client import Client
+from kvbank.client.io import put_head
 from kvbank.errors import Forbidden, InvalidInput, Unauthorized
 from kvbank.keys import namespace
 from kvbank.service.launch import NodeProcess
+from kvbank.wire.framing import PutKind
 from tests.service.conftest import NODE_ARGS
 
 TA, TB = "token-a-0123456789abcdef", "token-b-0123456789abcdef"
@@ -162,3 +166,49 @@ def test_a_put_by_engine_keys_under_a_token_names_its_tenant(node: NodeProcess) 
         names = a.put(lid, keys=keys, group=0, pages=pages(4), scope=Scope("a"))
         m = a.match(lid, keys=keys)  # the node fills in tenant "a"
         assert list(m.names[0]) == names and m.resume.tokens == 3 * P
+
+
+def _trickled_put(node: NodeProcess, token: str, seed: int, n_pages: int) -> socket.socket:
+    """A put body whose head and first page arrive, and the rest never: its WRITE
+    reservation is held until the body timeout."""
+    toks = list(range(seed * 10**6, seed * 10**6 + n_pages * P))
+    views = [memoryview(bytes(PAGE))] * n_pages
+    head = put_head(PutKind.PAGES, FA.layout_id, toks, None, Scope(), 0, 0, None, None, views, PAGE,
+                    tenant_token=True)
+    host, port = node.url.removeprefix("http://").split(":")
+    s = socket.create_connection((host, int(port)), timeout=30)
+    s.sendall(f"POST /v1/put HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {token}\r\n"
+              f"Content-Type: application/octet-stream\r\n"
+              f"Content-Length: {len(head) + n_pages * PAGE}\r\n\r\n".encode() + head + bytes(PAGE))
+    return s
+
+
+def test_a_tenant_trickling_put_bodies_holds_at_most_half_the_host_tier(node: NodeProcess) -> None:
+    """Regression (served-node review D9): trickled put bodies held their WRITE
+    reservations until the body timeout, so one tenant could hold the whole host tier
+    (another's puts went to disk, or were TierFull without one). A tenant's bodies in
+    flight now hold at most half of it: its next put is 503 Busy, another tenant's goes."""
+    big = (20 << 20) // PAGE  # 20 MiB of pages: two of them hold 40 of the 96 MiB
+    admin = {"Authorization": f"Bearer {ADMIN}"}
+    with Client(node.url, token=TA, same_host=False) as a:
+        a.register(FA)
+    held = [_trickled_put(node, TA, 50 + i, big) for i in range(2)]
+    try:
+        deadline = time.monotonic() + 30
+        while httpx.get(node.url + "/admin/stats", headers=admin).json()["bank"]["store"]["reserved_slots"] < 2 * big:
+            assert time.monotonic() < deadline, "the trickled puts never reserved their slots"
+            time.sleep(0.01)
+        views = [memoryview(bytes(PAGE))] * big
+        for token, seed, want in ((TA, 60, 503), (TB, 61, 200)):
+            toks = list(range(seed * 10**6, seed * 10**6 + big * P))
+            body = put_head(PutKind.PAGES, FA.layout_id, toks, None, Scope(), 0, 0, None, None, views,
+                            PAGE, tenant_token=True) + bytes(big * PAGE)
+            r = httpx.post(node.url + "/v1/put", content=body, timeout=60,
+                           headers={"Authorization": f"Bearer {token}",
+                                    "Content-Type": "application/octet-stream"})
+            assert r.status_code == want, r.text[:300]
+            if want == 503:
+                assert r.json()["type"] == "Busy" and "share" in r.json()["message"]
+    finally:
+        for s in held:
+            s.close()

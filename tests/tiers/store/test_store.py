@@ -336,8 +336,11 @@ def test_store_commit_keeps_reservation_when_refused(make_store: MakeStore) -> N
 
 
 @pytest.mark.parametrize("policy", ["write-back", "write-through"])
-def test_store_commit_many_publishes_in_order_and_stops_at_a_refusal(make_store: MakeStore,
-                                                                     policy: str) -> None:
+def test_store_commit_many_publishes_all_of_its_rows_or_none(make_store: MakeStore,
+                                                             policy: str) -> None:
+    """A write lease's commit is all or nothing (served-node review D2): one row refused
+    publishes none and keeps every reservation; the same commit once the refusal is
+    gone publishes every row (in one disk transaction under write-through)."""
     s = make_store(host_bytes=64 * 1024, disk_bytes=1 << 20, write_policy=policy)
     s.put(name_of(3), page_of(3, P))
     s.locks.lock([name_of(3)], "reader")  # row 3 refuses a new copy while read
@@ -352,15 +355,15 @@ def test_store_commit_many_publishes_in_order_and_stops_at_a_refusal(make_store:
     published: list[bytes] = []
     with pytest.raises(RowLocked):
         s.host.commit_many(rows, published)
-    assert published == [name_of(10), name_of(11)]
-    assert [read(s, i) for i in (10, 11)] == [page_of(10, P), page_of(11, P)]
-    assert read(s, 13) is None and read(s, 3) == page_of(3, P)
-    assert s.stats().reserved_slots == 3  # the refused slot and those after it
+    assert published == []
+    assert [read(s, i) for i in (10, 11, 13, 14)] == [None] * 4 and read(s, 3) == page_of(3, P)
+    assert s.stats().reserved_slots == 5
     s.locks.unlock_all("reader")
-    published.clear()
-    s.host.commit_many(rows[3:], published)
-    assert published == [name_of(13), name_of(14)] and read(s, 14) == page_of(14, P)
     s.host.abort(slots[2])
+    del rows[2]
+    s.host.commit_many(rows, published)
+    assert published == [name_of(i) for i in (10, 11, 13, 14)]
+    assert [read(s, i) for i in (10, 11, 13, 14)] == [page_of(i, P) for i in (10, 11, 13, 14)]
     assert s.stats().reserved_slots == 0
     s.flush()
     if policy == "write-through":

@@ -80,9 +80,13 @@ def test_a_disk_row_is_whole_in_both_databases_or_in_neither(tmp_path: Path) -> 
         tier.close()
 
 
+@pytest.mark.parametrize("segments", [True, False], ids=["segments", "older-layout"])
 def test_a_frame_with_no_meta_record_is_dropped_at_open_and_used_bytes_stay_exact(
-        tmp_path: Path) -> None:
-    tier = DiskTier(tmp_path, 1 << 22, sync=False)
+        tmp_path: Path, segments: bool) -> None:
+    """A frame nothing in the index names is not a row: in a segment it is dead bytes
+    (what a crash between append and index commit leaves); as an older-layout value it
+    is dropped and counted."""
+    tier = DiskTier(tmp_path, 1 << 22, sync=False, segments=segments)
     for i in range(4):
         tier.put(name_of(i), page_of(i, P))
     keep = sum(len(tier.read_frame(name_of(i)) or b"") for i in (0, 1, 3))
@@ -93,7 +97,7 @@ def test_a_frame_with_no_meta_record_is_dropped_at_open_and_used_bytes_stay_exac
     env.close()
     again = DiskTier(tmp_path, 1 << 22, sync=False)
     try:
-        assert again.corrupt_rows == 1
+        assert again.corrupt_rows == (0 if segments else 1)
         assert again.used_bytes == keep
         assert again.contains([name_of(i) for i in range(4)]) == [True, True, False, True]
         again.check()

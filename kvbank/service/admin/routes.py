@@ -19,6 +19,7 @@ route                                  what it does
 ``POST /admin/drain``, ``/undrain``    refuse new puts and turn unready; accept them again
 ``POST /admin/pin``, ``/unpin``        pin rows under the pin budget (409 over it)
 ``POST /admin/check``                  the bank's invariant check, what it found
+``POST /admin/compact``                the disk tier rewritten into segments, what moved
 ``GET  /metrics``                      Prometheus text (admin token with metrics_auth)
 =====================================  ===================================================
 
@@ -304,6 +305,15 @@ def _router(admin: Admin) -> APIRouter:
 
         problems = await node.call(run)
         return M.CheckModel(ok=not problems, problems=problems)
+
+    @r.post("/compact")
+    async def compact() -> M.CompactModel:
+        got = await node.call(bank.admin.compact_disk)
+        if got is None:
+            return M.CompactModel(disk=False, moved=0, written_bytes=0, segments_freed=0,
+                                  legacy_moved=0)
+        return M.CompactModel(disk=True, moved=got.moved, written_bytes=got.written,
+                              segments_freed=got.segments_freed, legacy_moved=got.legacy_moved)
 
     return r
 

@@ -340,6 +340,7 @@ class DiskTier(Tier, FrameStoreBase):
             grow = 0
             dropped: list[tuple[int, int]] = []  # (segment, frame bytes) the batch replaces
             added: list[tuple[int, int]] = []
+            appended = False
             try:
                 with self._env.begin(write=True, buffers=True) as txn:
                     for r in rows:
@@ -361,6 +362,7 @@ class DiskTier(Tier, FrameStoreBase):
                                                                  first + i, r.dtype, r.parent)),
                                     r.frame) for i, r in enumerate(rows)]
                         where = [Where(s, o) for s, o in self._segs.append(entries)]
+                        appended = True
                     for i, (r, w) in enumerate(zip(rows, where, strict=True)):
                         meta = pack_meta(r.name, r.raw_len, len(r.frame), first + i, r.dtype,
                                          r.parent, w)
@@ -370,13 +372,20 @@ class DiskTier(Tier, FrameStoreBase):
                             txn.delete(r.name, db=self._frames)  # an older-layout copy
                             added.append((w.seg, len(r.frame)))
                         txn.put(r.name, meta, db=self._meta)
-            except LMDB_ERRORS as exc:
-                what = rows[0].name.hex()[:16] + "…" + (f" and {len(rows) - 1} more" if len(rows) > 1 else "")
-                raise self._mapped(f"writing {what}", exc) from exc
+            except BaseException as exc:
+                if appended:  # appended, but the index never named it
+                    self._segs.undo_append()
+                if isinstance(exc, LMDB_ERRORS):
+                    what = rows[0].name.hex()[:16] + "…" + (
+                        f" and {len(rows) - 1} more" if len(rows) > 1 else "")
+                    raise self._mapped(f"writing {what}", exc) from exc
+                raise
             self._used += grow
             for seg, n in added:
                 self._segs.add_live(seg, n)
             self._let_go(dropped)
+            for seg in self._segs.empty_sealed():  # sealed by this append's rollover, empty
+                self._segs.retire(seg)
             self.seq = max(self.seq, first + len(rows) - 1)
             self._opened = None
             if bad_old:

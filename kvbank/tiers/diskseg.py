@@ -95,6 +95,7 @@ class Segments:
         self._segs: dict[int, Segment] = {}
         self._active: Segment | None = None
         self._dir_fd: int | None = None
+        self._last: tuple[Segment, int] | None = None  # the last append: (segment, start)
         try:
             self.path.mkdir(mode=0o700, exist_ok=True)
             if self.path.is_symlink():
@@ -189,7 +190,25 @@ class Segments:
             raise
         with self._lock:
             s.size = at
+        self._last = (s, start)
         return where
+
+    def undo_append(self) -> None:
+        """Cut the last append off again (its index commit failed: nothing names those
+        bytes, and on a full file system the space is wanted back). Best effort: a
+        failure leaves them as dead bytes, which compaction reclaims."""
+        last, self._last = self._last, None
+        if last is None:
+            return
+        s, start = last
+        if s is not self._active or s.retired:
+            return
+        try:
+            os.ftruncate(s.fd, start)
+        except OS_ERRORS:
+            return
+        with self._lock:
+            s.size = start
 
     @staticmethod
     def _write_all(fd: int, frames: Sequence[bytes | memoryview], offset: int) -> None:

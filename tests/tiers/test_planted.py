@@ -66,7 +66,7 @@ def test_a_disk_row_is_whole_in_both_databases_or_in_neither(tmp_path: Path) -> 
     tier = DiskTier(tmp_path, 1 << 22, sync=False)
     try:
         tier.put(name_of(0), page_of(0, P))
-        used = tier.used_bytes
+        used, on_disk = tier.used_bytes, tier.file_bytes
         real = tier._env  # the seam: LMDB's own handle, wrapped to fail mid-transaction
         tier._env = _Env(real, tier._meta)  # type: ignore[assignment]
         with pytest.raises(TierUnavailable, match="injected"):
@@ -75,6 +75,7 @@ def test_a_disk_row_is_whole_in_both_databases_or_in_neither(tmp_path: Path) -> 
         assert tier.contains([name_of(0), name_of(1)]) == [True, False]
         assert tier.read_frame(name_of(1)) is None
         assert tier.used_bytes == used
+        assert tier.file_bytes == on_disk  # the frame appended first is cut off again
         tier.check()  # frames and meta hold the same names
     finally:
         tier.close()

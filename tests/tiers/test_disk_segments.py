@@ -18,6 +18,8 @@ from kvbank.testing.tiers import name_of, page_of
 from kvbank.tiers.disk import DiskTier
 from kvbank.tiers.diskseg import SEGMENT_DIR
 
+from .conftest import MakeStore
+
 P = 4096
 SEG = 4 * P + 1000  # four entries of a RAW 4 KiB page (frame + name + record) a segment
 
@@ -284,3 +286,27 @@ def test_disk_rot_is_detected_in_either_layout(tmp_path: Path, segments: bool) -
         again.check()
     finally:
         again.close()
+
+
+def test_store_serves_an_older_layout_data_dir_and_compacts_it(make_store: MakeStore,
+                                                               tmp_path: Path) -> None:
+    """Through the tiered store: rows of a data dir written as frames in LMDB values
+    are found at open and read back; ``compact_disk`` (what ``kvbank admin compact``
+    calls) moves them into segments while the store stays open."""
+    old = DiskTier(tmp_path / "data", 1 << 20, sync=True, segments=False)
+    for i in range(6):
+        old.put(name_of(i), page_of(i, P))
+    old.close()
+    s = make_store(host_bytes=64 * 1024, disk_bytes=1 << 20)
+    out = bytearray(P)
+    for i in range(6):
+        assert s.get_into(name_of(i), out) == P and bytes(out) == page_of(i, P)
+    report = s.compact_disk()
+    assert report is not None and report.legacy_moved == 6
+    s.check_invariants()
+    s.close()
+    assert _legacy_frames(tmp_path / "data") == 0
+    again = make_store(host_bytes=64 * 1024, disk_bytes=1 << 20)
+    for i in range(6):
+        assert again.get_into(name_of(i), out) == P and bytes(out) == page_of(i, P)
+    again.check_invariants()

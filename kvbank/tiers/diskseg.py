@@ -97,7 +97,14 @@ class Segments:
         self._dir_fd: int | None = None
         self._last: tuple[Segment, int] | None = None  # the last append: (segment, start)
         try:
+            made = not self.path.exists()
             self.path.mkdir(mode=0o700, exist_ok=True)
+            if made and sync:  # the directory's own name, durable before a file in it is
+                parent = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+                try:
+                    os.fsync(parent)
+                finally:
+                    os.close(parent)
             if self.path.is_symlink():
                 raise OSError(f"{self.path} is a symbolic link")
             self._dir_fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))

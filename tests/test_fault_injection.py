@@ -106,6 +106,7 @@ DISK_CALLS: dict[str, Callable[[DiskTier], object]] = {
     "put_many": lambda t: t.put_many([(name_of(5), page_of(5, P))]),
     "get_many_into": lambda t: t.get_many_into([name_of(0)], [bytearray(P)]),
     "check": lambda t: t.check(),
+    "compact": lambda t: t.compact(),
     "close": lambda t: t.close(),
 }
 
@@ -229,7 +230,8 @@ def _public(cls: type) -> set[str]:
 
 class _Faults:
     """Arms one library's failure: raw ``lmdb.Error`` or ``OSError(EIO)`` from every LMDB
-    transaction (the latter from ``posix_fallocate`` too), ``zstandard.ZstdError`` from
+    transaction (the latter from ``posix_fallocate`` and the segment files' ``pwritev``,
+    ``preadv`` and ``fdatasync`` too), ``zstandard.ZstdError`` from
     every compress and decompress, a CUDA-style ``RuntimeError`` from every tensor copy."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch, armed: type[_Armed]) -> None:
@@ -245,6 +247,8 @@ class _Faults:
             def fallocate(*_: object) -> None:
                 raise OSError(errno.EIO, "injected")
             self.mp.setattr(os, "posix_fallocate", fallocate)
+            for io in ("pwritev", "preadv", "fdatasync"):  # the disk tier's segment files
+                self.mp.setattr(os, io, fallocate)
         elif library == "zstd":
             def zstd_fails(*_: object, **__: object) -> Any:
                 raise zstandard.ZstdError("injected")
@@ -328,6 +332,7 @@ def _bank_entry_points(c: _Ctx) -> dict[str, Callable[[], object]]:
         "fetches": b.fetches,
         "get_into": lambda: b.get_into(n[0], bytearray(PAGE)),
         "admin.read_frame": lambda: b.admin.read_frame(n[0]),
+        "admin.compact_disk": lambda: b.admin.compact_disk(),
         "admin.rows": lambda: b.admin.rows(c.lid),
         "leases": b.leases,
         "lend": lambda: b.lend(n[:2]),
@@ -372,6 +377,7 @@ def _store_entry_points(s: TieredStore, names: list[bytes]) -> dict[str, Callabl
         "get_into": lambda: s.get_into(names[0], bytearray(PAGE)),
         "get_many_into": lambda: s.get_many_into(names, [bytearray(PAGE) for _ in names]),
         "read_frame": lambda: s.read_frame(names[0]),
+        "compact_disk": lambda: s.compact_disk(),
         "scan": lambda: s.scan(b"", limit=10),
         "put": lambda: s.put(name_of(901), page),
         "put_many": lambda: s.put_many([(name_of(902), memoryview(page), None)]),

@@ -25,12 +25,16 @@ whether the bank is closed (every call then raises
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from kvbank.bank.closing import BankPart, refused_once_closed
 from kvbank.errors import InvalidInput
 from kvbank.keys import ROW_NAME_BYTES, Scope, namespace
 from kvbank.layout import PageLayout
 from kvbank.results import EvictResult, RowEvent, RowInfo
+
+if TYPE_CHECKING:
+    from kvbank.tiers.disk import CompactReport
 
 MAX_PAGE_ROWS = 10_000  # the store's own scan bound
 DEFAULT_PAGE_ROWS = 100
@@ -140,3 +144,8 @@ class BankAdmin(BankPart):
     def read_frame(self, name: bytes) -> bytes | None:
         """A row's encoded codec frame, not decoded; ``None`` on a miss."""
         return self._store.read_frame(name)
+
+    def compact_disk(self) -> CompactReport | None:
+        """Rewrite the disk tier's older-layout rows and sparse segments into fresh
+        segments (``kvbank admin compact``); ``None`` without a disk tier."""
+        return self._store.compact_disk()

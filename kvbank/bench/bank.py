@@ -24,10 +24,11 @@ bank-fetch-host            ``match`` + ``fetch`` of those pages into a ``[64, 2 
                            buffer
 bank-put-disk-durable      ``Bank.put`` with write-through and fsync into a fresh bank and
                            data folder: returns when every page is durable on disk
-bank-fetch-disk            a bank reopened on that folder (rows only on disk, warm page
-                           cache): ``match`` + ``fetch``
-bank-disk-footprint-bf16   bytes on disk / raw bytes after the write-through put (metric
-                           ``x``; the baseline is raw bytes, 1.0)
+bank-fetch-disk            a bank reopened on that folder (rows only on disk, none in
+                           memory; page cache warm): ``match`` + ``fetch``
+bank-disk-footprint-bf16   bytes of the data folder's files (segments and index) / raw
+                           bytes after the write-through put (metric ``x``; the baseline
+                           is raw bytes, 1.0)
 bank-disk-encode-only      the disk tier's codec alone (its level, the layout's dtype:
                            the frames the put wrote, byte for byte) over the same pages
                            on as many lanes as the store's batches (``copy_threads``);
@@ -36,13 +37,29 @@ bank-disk-encode-only      the disk tier's codec alone (its level, the layout's 
 bank-disk-decode-only      ``codec.decode_into`` of those frames into the same
                            preallocated buffer, on the same lanes: the ceiling of
                            ``bank-fetch-disk``
+bank-put-disk              ``Bank.put`` with write-through, no fsync (``disk_sync`` off),
+                           into a fresh bank and data folder; baseline: one ``write`` of
+                           the same raw bytes into a new file in the same file system,
+                           no fsync, timed right after it
+disk-get-warm-vs-raw       the fetch of ``bank-fetch-disk`` (rows only on disk, page
+                           cache warm); baseline: one ``readinto`` of the same pages'
+                           raw bytes from a file in the page cache into the same
+                           preallocated buffer, timed right after it
+disk-put-durable-vs-       the put of ``bank-put-disk-durable`` (write-through, until
+fdatasync                  durable); baseline: ``write`` + ``fdatasync`` of the same raw
+                           bytes into a new file in the same file system, timed right
+                           after it
 =========================  ===========================================================
+
+Each case also runs on real KV (``-real``). The file baselines are single calls of the
+kernel's own copy (no Python loop); a new file each time, as each put gets a fresh folder.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import os
 import shutil
 import statistics
 import tempfile
@@ -57,7 +74,6 @@ from kvbank.bench.common import BenchRow, row
 from kvbank.builders import full_attention
 from kvbank.codec import decode_into, encode
 from kvbank.config import WritePolicy
-from kvbank.tiers.base import TierKind
 from kvbank.tiers.disk import DEFAULT_LEVEL as DISK_LEVEL
 from kvbank.tiers.store.copier import Lanes, default_copy_threads
 
@@ -67,6 +83,44 @@ LAYOUT = full_attention("bench-bank@1", num_layers=32, num_kv_heads=8, head_dim=
                         tokens_per_page=16)
 PAGE = LAYOUT.group_page_bytes[0]  # 2 MiB
 BASELINE = "memcpy of the same bytes, preallocated, 2 torch threads"
+RAW_WRITE = "write of the same raw bytes to a new file on the same file system, no fsync"
+RAW_DURABLE = "write + fdatasync of the same raw bytes to a new file on the same file system"
+RAW_READ = "readinto of the same raw bytes from a file in the page cache"
+_NEW = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+
+
+def _raw_write(folder: Path, pages: torch.Tensor, *, sync: bool) -> float:
+    """Seconds to write the pages' bytes into a new file in ``folder`` (and fdatasync)."""
+    path = folder / "raw-baseline.bin"
+    data = pages.numpy().data.cast("B")
+    fd = os.open(path, _NEW, 0o600)
+    try:
+        t0 = time.perf_counter()
+        done = 0
+        while done < len(data):
+            done += os.write(fd, data[done:])
+        if sync:
+            os.fdatasync(fd)
+        return time.perf_counter() - t0
+    finally:
+        os.close(fd)
+        path.unlink()
+
+
+def _raw_read(path: Path, out: torch.Tensor) -> float:
+    """Seconds to ``readinto`` the file's bytes (in the page cache) into ``out``."""
+    dst = out.numpy().data.cast("B")
+    with open(path, "rb", buffering=0) as f:
+        t0 = time.perf_counter()
+        got = f.readinto(dst)
+        took = time.perf_counter() - t0
+    assert got == len(dst), "bench: the raw file is short"
+    return took
+
+
+def _folder_bytes(folder: Path) -> int:
+    """Bytes of every file under ``folder`` (the data dir's footprint)."""
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
 
 
 def _random_pages(n: int) -> torch.Tensor:
@@ -137,11 +191,8 @@ def _disk(pages: torch.Tensor, tokens: list[int], repeat: int, tail: str) -> Ite
     memcpy = _Memcpy(pages)
     out = torch.empty_like(pages)
     out.zero_()
-    put_t: list[float] = []
-    fetch_t: list[float] = []
-    base_t: list[float] = []
-    enc_t: list[float] = []
-    dec_t: list[float] = []
+    t: dict[str, list[float]] = {k: [] for k in (
+        "put", "base", "fsync", "fetch", "readinto", "put_nosync", "write", "enc", "dec")}
     footprint = 0.0
     root = Path(tempfile.mkdtemp(prefix="kvbank-bench-bank-"))
     try:
@@ -154,12 +205,30 @@ def _disk(pages: torch.Tensor, tokens: list[int], repeat: int, tail: str) -> Ite
                 if r is not None:
                     r.wait(60)
                 lid = b.register(LAYOUT)
-                put_t.append(_timed(functools.partial(b.put, lid, tokens, group=0, pages=pages)))
-                base_t.append(memcpy())
-                disk = next(t for t in b.stats().store.tiers if t.kind is TierKind.DISK)
-                footprint = disk.used_bytes / (n * PAGE)
+                t["put"].append(_timed(functools.partial(b.put, lid, tokens, group=0,
+                                                         pages=pages)))
+                t["fsync"].append(_raw_write(root, pages, sync=True))
+                t["base"].append(memcpy())
+            footprint = _folder_bytes(folder / "lmdb") + _folder_bytes(folder / "segments")
+            footprint /= n * PAGE
             if i:
                 shutil.rmtree(folder, ignore_errors=True)
+        for i in range(repeat):
+            folder = root / f"nosync-{i}"
+            with Bank.open(host_bytes=2 * n * PAGE, device_bytes=0, data_dir=folder,
+                           disk_bytes=4 * n * PAGE, disk_sync=False, reserve_host=True,
+                           write_policy=WritePolicy.WRITE_THROUGH) as b:
+                r = b.reservation
+                if r is not None:
+                    r.wait(60)
+                lid = b.register(LAYOUT)
+                t["put_nosync"].append(_timed(functools.partial(b.put, lid, tokens, group=0,
+                                                                pages=pages)))
+                t["write"].append(_raw_write(root, pages, sync=False))
+            shutil.rmtree(folder, ignore_errors=True)
+        raw = root / "raw-pages.bin"  # the readinto baseline's file, in the page cache
+        raw.write_bytes(pages.numpy().data.cast("B"))
+        _raw_read(raw, out)
         keep = root / "put-0"  # rows only on disk: each reopened bank starts host-empty
         for _ in range(repeat):
             with Bank.open(host_bytes=2 * n * PAGE, device_bytes=0, data_dir=keep,
@@ -170,23 +239,28 @@ def _disk(pages: torch.Tensor, tokens: list[int], repeat: int, tail: str) -> Ite
                 lid = b.register(LAYOUT)
                 t0 = time.perf_counter()
                 got = b.fetch(b.match(lid, tokens), out={0: out})
-                fetch_t.append(time.perf_counter() - t0)
+                t["fetch"].append(time.perf_counter() - t0)
                 assert got.complete, "bench: the disk fetch missed rows"
                 assert torch.equal(out, pages), "bench: the disk fetch returned other bytes"
+                t["readinto"].append(_raw_read(raw, out))
         # Not right after a memcpy: torch's OpenMP workers still spin then (see above).
-        _codec_ceilings(pages, out, repeat, enc_t, dec_t)
+        _codec_ceilings(pages, out, repeat, t["enc"], t["dec"])
     finally:
         shutil.rmtree(root, ignore_errors=True)
     nbytes = n * PAGE
-    v, bv = _rates(nbytes, put_t, base_t)
-    yield row(SUITE, "bank-put-disk-durable" + tail, "GB/s", v, BASELINE, bv)
-    v, bv = _rates(nbytes, fetch_t, base_t)
-    yield row(SUITE, "bank-fetch-disk" + tail, "GB/s", v, BASELINE, bv)
+
+    def rated(case: str, ours: str, base: str, baseline: str) -> BenchRow:
+        v, bv = _rates(nbytes, t[ours], t[base])
+        return row(SUITE, case + tail, "GB/s", v, baseline, bv)
+
+    yield rated("bank-put-disk-durable", "put", "base", BASELINE)
+    yield rated("bank-fetch-disk", "fetch", "base", BASELINE)
     yield row(SUITE, "bank-disk-footprint-bf16" + tail, "x", footprint, "raw bytes", 1.0)
-    v, bv = _rates(nbytes, enc_t, base_t)
-    yield row(SUITE, "bank-disk-encode-only" + tail, "GB/s", v, BASELINE, bv)
-    v, bv = _rates(nbytes, dec_t, base_t)
-    yield row(SUITE, "bank-disk-decode-only" + tail, "GB/s", v, BASELINE, bv)
+    yield rated("bank-disk-encode-only", "enc", "base", BASELINE)
+    yield rated("bank-disk-decode-only", "dec", "base", BASELINE)
+    yield rated("bank-put-disk", "put_nosync", "write", RAW_WRITE)
+    yield rated("disk-get-warm-vs-raw", "fetch", "readinto", RAW_READ)
+    yield rated("disk-put-durable-vs-fdatasync", "put", "fsync", RAW_DURABLE)
 
 
 def _codec_ceilings(pages: torch.Tensor, out: torch.Tensor, repeat: int,

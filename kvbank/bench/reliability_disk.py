@@ -1,10 +1,9 @@
-"""Disk faults for ``kvbank bench reliability``: rotten LMDB values and a small file system.
+"""Disk faults for ``kvbank bench reliability``: rotten frames and a small file system.
 
-- :func:`rot_values` — flips bytes inside a share of the ``frames`` values of a closed
-  data dir: each value is read with the ``lmdb`` package, found in ``data.mdb`` (values
-  are random page bytes, so each occurs once; one that does not is skipped and not
-  counted as damaged) and patched there with plain file writes. LMDB itself never sees
-  the change, exactly like rot under a closed environment.
+- :func:`rot_values` — flips bytes inside a share of the frames of a closed data dir,
+  where each lies (:func:`kvbank.tiers.diskfile.frame_spans`: a segment file, or
+  ``data.mdb`` for a row of the older layout), with plain file writes. Neither LMDB nor
+  the tier sees the change, exactly like rot under a closed data dir.
 - :class:`SmallFs` — a file system of a few MiB at a folder: ``tmpfs`` mounted there,
   or, where tmpfs cannot be mounted, an ext4 image on a loop device. Both need the right
   to mount (root); :func:`SmallFs.mount` raises :class:`CannotMount` saying why not.
@@ -19,7 +18,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-import lmdb
+from kvbank.tiers.diskfile import frame_spans
 
 
 class CannotMount(RuntimeError):
@@ -36,31 +35,20 @@ class Rot:
 
 def rot_values(data_dir: Path, fraction: float, seed: int) -> Rot:
     """Flip 1-4 bytes inside ``fraction`` (at least one) of the frames of a closed data dir."""
-    env_dir = data_dir / "lmdb"
-    env = lmdb.open(str(env_dir), readonly=True, lock=False, max_dbs=2, subdir=True)
-    try:
-        frames = env.open_db(b"frames", create=False)
-        with env.begin(db=frames) as txn:
-            values = [(bytes(k), bytes(v)) for k, v in txn.cursor()]
-    finally:
-        env.close()
+    spans = frame_spans(data_dir)
     rng = random.Random(seed)
-    chosen = rng.sample(values, max(1, round(len(values) * fraction)))
-    path = env_dir / "data.mdb"
-    data = bytearray(path.read_bytes())
-    names: list[bytes] = []
+    chosen = rng.sample(sorted(spans), max(1, round(len(spans) * fraction)))
     flipped = 0
-    for name, value in chosen:
-        at = data.find(value)
-        if at < 0 or data.find(value, at + 1) >= 0:
-            continue  # not one contiguous, unique copy in the file: leave it alone
-        for off in rng.sample(range(len(value)), rng.randint(1, 4)):
-            data[at + off] ^= rng.randint(1, 255)
-            flipped += 1
-        names.append(name)
-    with open(path, "r+b") as f:
-        f.write(data)
-    return Rot(tuple(names), flipped)
+    for name in chosen:
+        span = spans[name]
+        with open(span.path, "r+b") as f:
+            for off in rng.sample(range(span.length), rng.randint(1, 4)):
+                f.seek(span.offset + off)
+                byte = f.read(1)[0]
+                f.seek(span.offset + off)
+                f.write(bytes([byte ^ rng.randint(1, 255)]))
+                flipped += 1
+    return Rot(tuple(chosen), flipped)
 
 
 @dataclass

@@ -2,7 +2,9 @@
 
 Subcommands (:data:`COMMANDS`, a table other parts extend with :func:`register`, e.g.
 the fleet's ``kvbank admin fleet``): health, stats, tiers, layouts, leases (``--release
-ID`` force-releases one), rows, evict, flush, drain, undrain, pin, unpin, check, fleet
+ID`` force-releases one), rows, evict, flush, drain, undrain, pin, unpin, check, compact
+(the disk tier rewritten into segment files: a data dir of the older layout, and sparse
+segments), fleet
 (the nodes of the fleet this node is in: ``*`` marks this one).
 
 The token comes from ``--token``, else ``KVBANK_ADMIN_TOKEN``, else the node's token file
@@ -322,6 +324,19 @@ def _check(api: Api, a: argparse.Namespace, out: TextIO) -> int:
     return 0 if doc["ok"] else 1
 
 
+def _compact(api: Api, a: argparse.Namespace, out: TextIO) -> int:
+    doc = api.call("POST", "/admin/compact")
+    if a.json:
+        print(json.dumps(doc), file=out)
+    elif not doc["disk"]:
+        print("no disk tier: nothing to compact", file=out)
+    else:
+        print(f"compacted {doc['moved']} rows ({doc['written_bytes']} bytes written): "
+              f"{doc['legacy_moved']} from the older layout, {doc['segments_freed']} segments "
+              "freed", file=out)
+    return 0
+
+
 def _fleet(api: Api, a: argparse.Namespace, out: TextIO) -> int:
     doc = api.call("GET", "/admin/fleet")
     if a.json:
@@ -352,6 +367,8 @@ for _name, _help, _fn, _args in (
     ("pin", "pin rows (never evicted) under the pin budget", _pin, _names_arg),
     ("unpin", "unpin rows", _unpin, _names_arg),
     ("check", "run the bank's invariant check", _check, None),
+    ("compact", "rewrite the disk tier into segments (older-layout rows, sparse segments)",
+     _compact, None),
     ("fleet", "the fleet's nodes: state, heartbeat age, rows published", _fleet, None),
 ):
     register(_name, _help, _fn, _args)

@@ -12,7 +12,10 @@ Primitives (the public API other modules code against):
 - ``decode_into(frame, out) -> int`` (into the caller's buffer; the data path) and
   ``decode(frame) -> bytes``. Only ``CorruptPage`` (the frame is bad) or
   ``InvalidInput`` (``out`` too small) come out; wrong bytes never do.
-- ``frame_info(frame) -> FrameHeader``: the validated header alone.
+- ``frame_info(frame, size=None) -> FrameHeader``: the validated header alone (``size``:
+  of a frame of which only the header bytes are at hand).
+- ``check_raw(head, frame_len, payload) -> int``: a RAW frame whose payload was read
+  straight into the caller's buffer, checked (header and checksum).
 - ``HEADER_SIZE``, ``MAGIC``, ``FORMAT_VERSION``, ``Method``.
 - ``DEFAULT_LEVEL`` (the zstd level every encoder uses unless told otherwise),
   ``MAX_PAGE_BYTES`` (the one page-size limit, also ``MAX_RAW_LEN``), ``DTYPE_CODES``
@@ -29,6 +32,7 @@ from __future__ import annotations
 from kvbank.codec.choice import entropy_bits
 from kvbank.codec.core import (
     DEFAULT_LEVEL,
+    check_raw,
     decode,
     decode_into,
     encode,
@@ -57,6 +61,7 @@ __all__ = [
     "MAX_RAW_LEN",
     "FrameHeader",
     "Method",
+    "check_raw",
     "decode",
     "decode_into",
     "encode",

@@ -245,9 +245,30 @@ def _swap_sign_bits(low: U8Array, top: U8Array) -> None:
 # ---- decode ------------------------------------------------------------------------------
 
 
-def frame_info(frame: BytesLike) -> FrameHeader:
-    """Parse and validate a frame's header (not its payload); raises CorruptPage."""
-    return parse_header(_frame_view(frame))
+def frame_info(frame: BytesLike, size: int | None = None) -> FrameHeader:
+    """Parse and validate a frame's header (not its payload); raises CorruptPage. With
+    ``size``, ``frame`` may be only the header bytes of a frame of ``size`` bytes."""
+    return parse_header(_frame_view(frame), size)
+
+
+def check_raw(head: BytesLike, frame_len: int, payload: BytesLike) -> int:
+    """Check a RAW frame read in two parts: its header (``head``, of a frame of
+    ``frame_len`` bytes) and its payload, already where the caller wants it (a reader
+    that reads the payload straight into its destination, no copy in between). Returns
+    the raw length; ``CorruptPage`` if the header is bad, names another method, or the
+    payload's xxh3-64 is not the header's."""
+    header = parse_header(_frame_view(head), frame_len)
+    if header.method is not Method.RAW:
+        raise CorruptPage(f"method: expected a RAW frame, header says {header.method.name}")
+    data = as_u8(payload, "payload")
+    if data.size < header.raw_len:
+        raise InvalidInput(f"payload: the frame holds {header.raw_len} bytes, got {data.size}")
+    got = xxhash.xxh3_64_intdigest(data[: header.raw_len].data)
+    if got != header.checksum:
+        raise CorruptPage(
+            f"checksum: xxh3-64 of the payload is {got:#018x}, header says {header.checksum:#018x}"
+        )
+    return header.raw_len
 
 
 def _frame_view(frame: BytesLike) -> memoryview:

@@ -105,11 +105,13 @@ def pack_header(
     _TAIL.pack_into(out, _CHECKED, header_check(memoryview(out)[:_CHECKED]), 0)
 
 
-def parse_header(frame: bytes | bytearray | memoryview) -> FrameHeader:
-    """Parse and validate the header of ``frame`` (the whole frame, to check its length)."""
-    size = len(frame)
-    if size < HEADER_SIZE:
-        raise CorruptPage(f"frame: {size} bytes is shorter than the {HEADER_SIZE}-byte header")
+def parse_header(frame: bytes | bytearray | memoryview, size: int | None = None) -> FrameHeader:
+    """Parse and validate the header of ``frame`` (the whole frame, to check its length;
+    or its first bytes and the whole frame's ``size``, for a reader that has only those)."""
+    size = len(frame) if size is None else size
+    if size < HEADER_SIZE or len(frame) < HEADER_SIZE:
+        got = min(size, len(frame))
+        raise CorruptPage(f"frame: {got} bytes is shorter than the {HEADER_SIZE}-byte header")
     magic, version, method, code, itemsize, raw_len, payload_len, checksum = _HEAD.unpack_from(
         frame, 0
     )

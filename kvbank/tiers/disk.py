@@ -1,42 +1,53 @@
-"""The disk tier: one LMDB environment per node, rows stored as self-checking codec frames.
+r"""The disk tier: frame bodies in append-only segment files, indexed by one LMDB environment.
 
 Primitives:
 
-- Two named databases in ``<data_dir>/lmdb``: ``frames`` (row name → codec frame, see
-  :mod:`kvbank.codec`) and ``meta`` (row name → raw length, frame length, a logical
-  write clock, dtype, parent row name). Both are written in **one transaction**, so a
-  crash leaves a row either whole in both or absent from both; with ``sync=True`` a
-  commit is on disk before :meth:`DiskTier.write_frame` returns.
+- The index: two named databases in ``<data_dir>/lmdb``. ``meta`` maps a row name to its
+  record (raw length, frame length, a logical write clock, dtype, where the frame lies —
+  segment and offset — and the parent row name, sealed by an xxh3-64; see
+  :mod:`kvbank.tiers.diskmeta`). ``frames`` holds frame bodies as values only for rows of
+  the older layout (a data dir written before segments), which are read from there and
+  served like any other row; a new write of such a row goes to a segment.
+- The bodies: :class:`~kvbank.tiers.diskseg.Segments`, append-only files under
+  ``<data_dir>/segments``. A write (:meth:`DiskTier.write_frames`, the store's group
+  commit) appends the batch's frames with large sequential writes, ``fdatasync``\s them
+  once (``sync=True``), and only then commits the index transaction that names them
+  (write-ahead order: a crash leaves at most bytes nothing names, never an index entry
+  whose bytes are missing or torn). The budget counts live frame bytes.
+- Space comes back by whole segments: a sealed segment whose rows are all deleted,
+  evicted or rewritten is unlinked after the index commit; one that is mostly dead is
+  compacted in the background (:meth:`DiskTier.compact`: its live frames are appended to
+  the active segment, the index repointed, the segment unlinked), at most
+  ``compact_bytes`` written per wake-up. ``compact(legacy=True)`` also moves every
+  older-layout row into segments (``kvbank admin compact``).
 - :meth:`DiskTier.frame` encodes a page (callers do it outside their locks; it is the
-  expensive part), :meth:`DiskTier.write_frame` commits it, :meth:`DiskTier.read_into`
-  decodes straight from LMDB's mapped page (``buffers=True``) into the caller's buffer.
-- A frame that fails its checks raises :class:`~kvbank.errors.CorruptPage` from
-  ``read_into``; :meth:`DiskTier.get_into` (the Tier method) and the store then delete the
-  row, count it in :attr:`DiskTier.corrupt_rows` and report a miss. Wrong bytes are never
-  returned.
-- Each ``meta`` record (packed and checked in :mod:`kvbank.tiers.diskmeta`) carries an
-  xxh3-64 of the row name and the record, and is checked like a frame: on every read
-  (and the frame header's raw length must equal the record's),
-  and at open, where every record is also bounded (sizes, dtype) and compared with its
-  frame's length and header. A row that fails is deleted and counted in ``corrupt_rows``;
-  the open never fails for it, and a read answers a miss.
+  expensive part); :meth:`DiskTier.read_into` reads a frame with ``preadv``: a RAW frame's
+  payload straight into the caller's buffer (checked there), a coded one into per-thread
+  scratch and decoded from it into the caller's buffer; large reads get a readahead hint.
+- A frame that fails its checks (checksum, header, a frame that runs past its segment's
+  end, a missing segment) raises :class:`~kvbank.errors.CorruptPage` from ``read_into``;
+  :meth:`DiskTier.get_into` (the Tier method) and the store then delete the row, count
+  it in :attr:`DiskTier.corrupt_rows` and report a miss. Wrong bytes are never returned.
+- Each ``meta`` record is checked like a frame: on every read (and the frame header's
+  raw length must equal the record's), and at open, where every record is also bounded
+  and compared with its frame's header (read from its segment: 40 bytes a row). A row
+  that fails is deleted and counted in ``corrupt_rows``; the open never fails for it.
 - :meth:`DiskTier.scan` lists the committed rows that passed those checks at open, which
   is how the store rebuilds its index on restart: sizes exact, LRU order by write clock.
 
-Settings: ``writemap=False``, ``readahead=True`` (cold reads of large values are 25x
-slower without it), one transaction per value or per group commit. ``writemap=True`` was
-measured through ``Bank.put`` with group commits: it saves LMDB's per-value allocation and
-copy, yet the durable put was no faster and the disk fetch a little slower, and it would
-make a write on a full file system a SIGBUS (LMDB grows the file to the map size as a
-sparse file) instead of ``TierFull``. The map size is a multiple of the budget so that LMDB's map never
-fills before the budget does; the budget itself is exact and enforced here (``TierFull``),
-and the store evicts before it is reached. ``MapFullError`` and a full file system
-(``ENOSPC``) still map to ``TierFull``; any other LMDB error to ``TierUnavailable``.
+Settings: ``writemap=False``, ``readahead=True``, one index transaction per value or per
+group commit. The map size is a multiple of the budget (older-layout values still live in
+it); the budget itself is exact and enforced here (``TierFull``), and the store evicts
+before it is reached. ``MapFullError`` and a full file system (``ENOSPC`` from a segment
+append, which is cut off again) map to ``TierFull``; any other LMDB or file error to
+``TierUnavailable``. ``segments=False`` writes the older layout (frames as LMDB values):
+kept so that tests can build a data dir as the previous release wrote it.
 
-Lifecycle: ``DiskTier(path, budget)`` opens (or creates) the environment, checks every
-row's meta record against its frame (dropping and counting those that fail) and sums the
-frame bytes → reads from any thread, writes serialised by an internal lock →
-``close()`` (idempotent).
+Lifecycle: ``DiskTier(path, budget)`` takes the data dir's lock, opens the segments and
+the environment, checks every row's record against its frame (dropping and counting
+those that fail), unlinks segments no row is in, starts the compactor → reads from any
+thread, writes serialised by an internal lock → ``close()`` (idempotent; stops the
+compactor).
 """
 
 from __future__ import annotations
@@ -44,21 +55,25 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import threading
 from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import lmdb
 
-from kvbank.codec import DEFAULT_LEVEL, decode_into, encode
+from kvbank.codec import DEFAULT_LEVEL, HEADER_SIZE, check_raw, decode_into, encode
 from kvbank.errors import (
     CorruptPage,
     InvalidInput,
+    KvbankError,
     PageSizeMismatch,
     TierFull,
     TierUnavailable,
 )
 from kvbank.keys import ROW_NAME_BYTES
 from kvbank.tiers.base import (
+    OS_ERRORS,
     Buffer,
     FrameStoreBase,
     FrameWrite,
@@ -73,22 +88,29 @@ from kvbank.tiers.diskfile import DirLock, SalvageReport, check_file
 from kvbank.tiers.diskfile import salvage as run_salvage
 from kvbank.tiers.diskmeta import (
     DiskRow,
+    Where,
     check_dtype,
+    check_header,
     check_row,
     check_salvaged,
     delete_exact,
     pack_meta,
-    unpack_meta,
+    unpack_record,
 )
+from kvbank.tiers.diskseg import SEGMENT_BYTES, Segment, Segments, entry_head
 from kvbank.tiers.lockorder import Rank, make_lock
 
-__all__ = ["DEFAULT_LEVEL", "LMDB_ERRORS", "DiskRow", "DiskTier", "FrameWrite", "check_dtype"]
+__all__ = ["DEFAULT_LEVEL", "LMDB_ERRORS", "CompactReport", "DiskRow", "DiskTier", "FrameWrite",
+           "check_dtype"]
 
 logger = logging.getLogger(__name__)
 
 MAP_FACTOR = 4  # map size = budget x 4 (+ 1 GiB): freed overflow pages fragment
 MAP_SLACK = 1 << 30
 FULL_FREE_BYTES = 1 << 20  # less free than this after a short write: the disk is full
+DEFAULT_COMPACT_BYTES = 64 << 20  # the background compactor's writes per wake-up
+_COMPACT_BATCH = 32  # rows per compaction batch (one append + one index commit)
+_KEEP_SCRATCH = 64 << 20  # a per-thread read buffer larger than this is not kept
 
 # The one table of what LMDB (and the file system under it) raises here: every call into
 # lmdb catches exactly these and maps them through DiskTier._mapped (TierFull for a full
@@ -119,10 +141,42 @@ def _with_salvage_hint(exc: TierUnavailable) -> TierUnavailable:
                            "that can be read into a fresh environment (the damaged files are kept)")
 
 
+class _Scratch(threading.local):
+    """Per-thread room for a coded frame read from a segment before it is decoded."""
+
+    def __init__(self) -> None:
+        self.buf = bytearray()
+
+    def view(self, n: int) -> memoryview:
+        if len(self.buf) < n:
+            if n > _KEEP_SCRATCH:
+                return memoryview(bytearray(n))
+            self.buf = bytearray(n)
+        return memoryview(self.buf)[:n]
+
+
+_scratch = _Scratch()
+
+
+@dataclass(frozen=True, slots=True)
+class CompactReport:
+    """What a compaction did: rows moved, bytes written, segments and older-layout rows
+    it emptied."""
+
+    moved: int
+    written: int
+    segments_freed: int
+    legacy_moved: int
+
+    def summary(self) -> str:
+        return (f"disk: compacted {self.moved} rows ({self.written} bytes written): "
+                f"{self.legacy_moved} from the older layout, {self.segments_freed} segments freed")
+
+
 class DiskTier(Tier, FrameStoreBase):
-    """Rows as codec frames in LMDB; durable commits; exact byte budget. A
-    :class:`~kvbank.tiers.base.FrameStore` (for the store) and a :class:`~kvbank.tiers.base.Tier`
-    (for the conformance suite)."""
+    """Rows as codec frames in segment files, indexed in LMDB; durable commits; exact
+    byte budget. A :class:`~kvbank.tiers.base.FrameStore` (for the store) and a
+    :class:`~kvbank.tiers.base.Tier` (for the conformance suite)."""
 
     kind = TierKind.DISK
 
@@ -135,12 +189,17 @@ class DiskTier(Tier, FrameStoreBase):
         level: int = DEFAULT_LEVEL,
         map_size: int | None = None,
         salvage: bool = False,
+        segments: bool = True,
+        compact_bytes: int = DEFAULT_COMPACT_BYTES,
+        segment_bytes: int = SEGMENT_BYTES,
     ) -> None:
         self.path = Path(path) / "lmdb"
         self._budget = budget
         self._level = level
         self._lock = make_lock(Rank.DISK_TIER, "DiskTier._lock")  # one writer; the counters
         self._closed = False
+        self._to_segments = segments  # False: write the older layout (frames in LMDB)
+        self._compact_bytes = compact_bytes
         self.corrupt_rows = 0
         self.salvaged: SalvageReport | None = None  # what a salvage at open found
         self.created = False  # there was no data.mdb at open: a new environment
@@ -150,7 +209,13 @@ class DiskTier(Tier, FrameStoreBase):
         except OSError as exc:
             raise TierUnavailable(f"disk tier: cannot create {self.path}: {exc}") from exc
         self._dirlock = DirLock(Path(path))
+        self._live: dict[int, int] = {}
         try:
+            try:
+                self._segs = Segments(Path(path), sync=sync, segment_bytes=segment_bytes)
+            except OS_ERRORS as exc:
+                raise TierUnavailable(f"disk tier: cannot open the segments of {path}: "
+                                      f"{exc}") from exc
             try:
                 # Before LMDB maps the file: a truncated one would be SIGBUS on first touch.
                 self.created = check_file(self.path) is None
@@ -161,18 +226,36 @@ class DiskTier(Tier, FrameStoreBase):
                     raise _with_salvage_hint(exc) from exc.__cause__
                 if hasattr(self, "_env"):
                     self._env.close()
-                self.salvaged = run_salvage(self.path, str(exc), check_salvaged, map_size=size)
+                logged = bool(self._segs.ids())
+                self.salvaged = run_salvage(self.path, str(exc), self._salvage_row,
+                                            map_size=size, walk_meta=not logged)
                 self._open_env(size, sync)
+                if logged:
+                    self.salvaged = self._rebuild(self.salvaged)
                 rows, bad, self._used = self._scan_checked()
         except BaseException:
             if hasattr(self, "_env"):
                 self._env.close()
+            if hasattr(self, "_segs"):
+                self._segs.close()
             self._dirlock.release()
             raise
         self.seq = max((r.seq for r in rows), default=0)  # the highest write clock on disk
         self._opened: list[DiskRow] | None = rows  # what scan() answers until a write
         if bad:  # the row cannot be trusted: drop it, never fail the open for it
             self._drop_bad(bad)
+        # Sealed segments no row is in: crash tails, or deleted before a crash let the
+        # unlink happen. Nothing names them; their space goes back now.
+        for seg in self._segs.empty_sealed():
+            self._segs.retire(seg)
+        self._wake = threading.Event()
+        self._compactor: threading.Thread | None = None
+        if compact_bytes > 0:
+            self._compactor = threading.Thread(target=self._compact_loop, daemon=True,
+                                               name=f"kvbank-disk-compact-{self.path}")
+            self._compactor.start()
+            if self._segs.sparse():
+                self._wake.set()
         logger.debug("disk tier %s: opened, %d bytes in rows", self.path, self._used)
 
     def _open_env(self, map_size: int, sync: bool) -> None:
@@ -210,6 +293,11 @@ class DiskTier(Tier, FrameStoreBase):
     def budget_bytes(self) -> int:
         return self._budget
 
+    @property
+    def file_bytes(self) -> int:
+        """Bytes of the segment files, dead bytes not yet compacted away included."""
+        return self._segs.file_bytes()
+
     # -- errors ------------------------------------------------------------------------
 
     def _check_open(self) -> None:
@@ -246,7 +334,7 @@ class DiskTier(Tier, FrameStoreBase):
         seq: int | None = None,
         replace: bool = False,
     ) -> None:
-        """Commit a frame and its metadata in one (durable) transaction.
+        """Commit a frame and its metadata (durably, on a durable tier).
 
         ``replace=True`` overwrites a row of another size under the same name: the store
         uses it because its index, not the disk, says which copy is current (a frame it
@@ -256,48 +344,109 @@ class DiskTier(Tier, FrameStoreBase):
 
     def write_frames(self, rows: Sequence[FrameWrite], *, seq: int | None = None,
                      replace: bool = False) -> None:
-        """Commit several frames in ONE transaction (group commit: one fsync for the
-        batch). All of them are durable when this returns, or none was written."""
+        """Commit several frames at once (group commit: the frames appended to a segment
+        with one ``fdatasync``, then one index transaction). All of them are durable when
+        this returns, or none is indexed."""
         for r in rows:
             check_name(r.name)
+        if not rows:
+            return
         with self._lock:
             self._check_open()
             first = self.seq + 1 if seq is None else seq
-            bad_old: list[CorruptPage] = []
+            bad_old = 0
             grow = 0
+            dropped: list[tuple[int, int]] = []  # (segment, frame bytes) the batch replaces
+            added: list[tuple[int, int]] = []
+            appended = False
             try:
                 with self._env.begin(write=True, buffers=True) as txn:
-                    for i, r in enumerate(rows):
-                        meta = pack_meta(r.name, r.raw_len, len(r.frame), first + i, r.dtype,
-                                          r.parent)
-                        old = txn.get(r.name, db=self._meta)
-                        if old is not None:
-                            try:
-                                prev = unpack_meta(r.name, old)
-                            except CorruptPage as exc:
-                                bad_old.append(exc)  # replaced below, counted once committed
-                            else:
-                                if prev.raw_len != r.raw_len and not replace:
-                                    raise PageSizeMismatch(
-                                        f"data: {r.raw_len} bytes, but row {r.name.hex()[:16]}… "
-                                        f"holds {prev.raw_len}")
-                        old_frame = txn.get(r.name, db=self._frames)
-                        change = len(r.frame) - (0 if old_frame is None else len(old_frame))
+                    for r in rows:
+                        old_len, old_where, bad = self._old_row(txn, r, replace)
+                        bad_old += bad
+                        change = len(r.frame) - old_len
                         if self._used + grow + change > self._budget:
                             raise TierFull(f"disk tier: a {len(r.frame)}-byte frame exceeds the "
                                            f"budget (used {self._used + grow} of {self._budget})")
-                        txn.put(r.name, r.frame, db=self._frames)
-                        txn.put(r.name, meta, db=self._meta)
                         grow += change
-            except LMDB_ERRORS as exc:
-                what = rows[0].name.hex()[:16] + "…" + (f" and {len(rows) - 1} more" if len(rows) > 1 else "")
-                raise self._mapped(f"writing {what}", exc) from exc
+                        if old_where is not None:
+                            dropped.append((old_where.seg, old_len))
+                    # Write-ahead: the frames are on disk (fdatasync) before the index
+                    # transaction that names them commits; a crash in between leaves
+                    # bytes nothing names, never an entry whose bytes are missing.
+                    where: list[Where | None] = [None] * len(rows)
+                    if self._to_segments:
+                        entries = [(entry_head(r.name, pack_meta(r.name, r.raw_len, len(r.frame),
+                                                                 first + i, r.dtype, r.parent)),
+                                    r.frame) for i, r in enumerate(rows)]
+                        where = [Where(s, o) for s, o in self._segs.append(entries)]
+                        appended = True
+                    for i, (r, w) in enumerate(zip(rows, where, strict=True)):
+                        meta = pack_meta(r.name, r.raw_len, len(r.frame), first + i, r.dtype,
+                                         r.parent, w)
+                        if w is None:
+                            txn.put(r.name, r.frame, db=self._frames)
+                        else:
+                            txn.delete(r.name, db=self._frames)  # an older-layout copy
+                            added.append((w.seg, len(r.frame)))
+                        txn.put(r.name, meta, db=self._meta)
+            except BaseException as exc:
+                if appended:  # appended, but the index never named it
+                    self._segs.undo_append()
+                if isinstance(exc, LMDB_ERRORS):
+                    what = rows[0].name.hex()[:16] + "…" + (
+                        f" and {len(rows) - 1} more" if len(rows) > 1 else "")
+                    raise self._mapped(f"writing {what}", exc) from exc
+                raise
             self._used += grow
+            for seg, n in added:
+                self._segs.add_live(seg, n)
+            self._let_go(dropped)
+            for seg in self._segs.empty_sealed():  # sealed by this append's rollover, empty
+                self._segs.retire(seg)
             self.seq = max(self.seq, first + len(rows) - 1)
             self._opened = None
-            self.corrupt_rows += len(bad_old)
-        for bad in bad_old:
-            logger.warning("disk tier: replaced a row whose metadata failed its checks: %s", bad)
+            if bad_old:
+                self.corrupt_rows += bad_old
+                self._recount_locked()
+        if bad_old:
+            logger.warning("disk tier: replaced %d rows whose metadata failed its checks", bad_old)
+
+    def _old_row(self, txn: lmdb.Transaction, r: FrameWrite,
+                 replace: bool) -> tuple[int, Where | None, int]:
+        """What a write replaces: its frame bytes, where they lie, and 1 if its record
+        failed its checks (its bytes are then recounted after the commit)."""
+        old = txn.get(r.name, db=self._meta)
+        legacy = txn.get(r.name, db=self._frames)
+        legacy_len = 0 if legacy is None else len(legacy)
+        if old is None:
+            return legacy_len, None, 0
+        try:
+            prev, where = unpack_record(r.name, old)
+        except CorruptPage:
+            return legacy_len, None, 1
+        if prev.raw_len != r.raw_len and not replace:
+            raise PageSizeMismatch(f"data: {r.raw_len} bytes, but row {r.name.hex()[:16]}… "
+                                   f"holds {prev.raw_len}")
+        if where is None:
+            return legacy_len, None, 0
+        return prev.frame_len, where, 0
+
+    def _let_go(self, dropped: Sequence[tuple[int, int]]) -> int:
+        """Forget live bytes of segments (after the index commit that stopped naming
+        them): unlink a sealed segment left empty, wake the compactor for a sparse one.
+        The segments unlinked."""
+        sparse = False
+        retired = 0
+        for seg, n in dropped:
+            if self._segs.drop_live(seg, n):
+                self._segs.retire(seg)
+                retired += 1
+            else:
+                sparse = sparse or seg in self._segs.sparse()
+        if sparse and self._compactor is not None:
+            self._wake.set()
+        return retired
 
     def read_into(self, name: bytes, out: memoryview | bytearray, *,
                   expect: int | None = None) -> int | None:
@@ -306,42 +455,121 @@ class DiskTier(Tier, FrameStoreBase):
         ``CorruptPage`` if its frame or meta record fails a check or they disagree (the
         caller drops it)."""
         self._check_open()
+        for attempt in range(2):
+            try:
+                with self._env.begin(buffers=True) as txn:
+                    found = self._locate(txn, name)
+                    if found is None:
+                        return None
+                    row, where, legacy = found
+                    if expect is not None and row.raw_len != expect:
+                        return None
+                    if where is None:
+                        assert legacy is not None  # _locate raised otherwise
+                        # LMDB's mapped page, valid only inside this transaction: decode
+                        # straight from it into the caller's memory, no copy in between.
+                        return decode_into(legacy, out)
+            except LMDB_ERRORS as exc:
+                raise TierUnavailable(f"disk tier: reading {name.hex()[:16]}…: {exc}") from exc
+            seg = self._segs.pin(where.seg)
+            if seg is None:
+                if attempt == 0:
+                    continue  # compaction moved the row after we looked: look again
+                raise CorruptPage(f"row {name.hex()[:16]}…: segment {where.seg} is gone")
+            try:
+                return self._read_segment(seg, where, row, out)
+            finally:
+                self._segs.unpin(seg)
+        raise AssertionError("unreachable")  # the loop returns or raises
+
+    def _locate(self, txn: lmdb.Transaction,
+                name: bytes) -> tuple[DiskRow, Where | None, bytes | memoryview | None] | None:
+        """The row's checked record, where its frame lies, and (older layout) the frame."""
+        rec = txn.get(name, db=self._meta)
+        legacy = txn.get(name, db=self._frames)
+        if rec is None:
+            if legacy is None:
+                return None
+            raise CorruptPage(f"row {name.hex()[:16]}…: frame has no meta record")
+        row, where = unpack_record(name, rec)
+        if where is None:
+            check_row(row, legacy)  # the header's raw length is the record's
+        return row, where, legacy
+
+    def _read_segment(self, seg: Segment, where: Where, row: DiskRow,
+                      out: memoryview | bytearray) -> int:
+        what = f"row {row.name.hex()[:16]}…"
+        if where.offset + row.frame_len > seg.size:
+            raise CorruptPage(f"{what}: its frame ends at {where.offset + row.frame_len}, "
+                              f"segment {where.seg} holds {seg.size} bytes (torn or truncated)")
+        dst = as_out_view(out)
+        if len(dst) < row.raw_len:
+            raise InvalidInput(f"out: the frame holds {row.raw_len} bytes, out has {len(dst)}")
         try:
-            with self._env.begin(buffers=True) as txn:
-                buf = txn.get(name, db=self._frames)
-                rec = txn.get(name, db=self._meta)
-                if buf is None and rec is None:
-                    return None
-                if rec is None:
-                    raise CorruptPage(f"row {name.hex()[:16]}…: frame has no meta record")
-                row = unpack_meta(name, rec)
-                check_row(row, buf)  # the header's raw length is the record's
-                assert buf is not None  # _check_row raised otherwise
-                if expect is not None and row.raw_len != expect:
-                    return None
-                # The buffer is LMDB's mapped page, valid only inside this transaction:
-                # decode straight from it into the caller's memory, no copy in between.
-                return decode_into(buf, out)
-        except LMDB_ERRORS as exc:
-            raise TierUnavailable(f"disk tier: reading {name.hex()[:16]}…: {exc}") from exc
+            if row.frame_len == HEADER_SIZE + row.raw_len:
+                # A RAW frame (a coded one is always smaller): header aside, payload
+                # straight into the caller's buffer, checked there.
+                head = bytearray(HEADER_SIZE)
+                got = self._segs.read_into(seg, where.offset,
+                                           [memoryview(head), dst[: row.raw_len]])
+                if got != row.frame_len:
+                    raise CorruptPage(f"{what}: read {got} of {row.frame_len} frame bytes")
+                check_header(row, row.frame_len, head)
+                return check_raw(head, row.frame_len, dst[: row.raw_len])
+            buf = _scratch.view(row.frame_len)
+            got = self._segs.read_into(seg, where.offset, [buf])
+            if got != row.frame_len:
+                raise CorruptPage(f"{what}: read {got} of {row.frame_len} frame bytes")
+            check_header(row, row.frame_len, buf)
+            return decode_into(buf, dst)
+        except OS_ERRORS as exc:
+            raise TierUnavailable(f"disk tier: reading {what} from segment {where.seg}: "
+                                  f"{exc}") from exc
 
     def read_frame(self, name: bytes) -> bytes | None:
         """The row's frame as stored (not decoded), after its meta record and the frame
         header are checked; ``None`` if absent; ``CorruptPage`` if they disagree."""
         self._check_open()
+        for attempt in range(2):
+            try:
+                with self._env.begin(buffers=True) as txn:
+                    found = self._locate(txn, name)
+                    if found is None:
+                        return None
+                    row, where, legacy = found
+                    if where is None:
+                        assert legacy is not None  # _locate raised otherwise
+                        return bytes(legacy)
+            except LMDB_ERRORS as exc:
+                raise TierUnavailable(f"disk tier: reading {name.hex()[:16]}…: {exc}") from exc
+            frame = self._segment_frame(where, row)
+            if frame is not None:
+                return frame
+            if attempt:
+                raise CorruptPage(f"row {name.hex()[:16]}…: segment {where.seg} is gone")
+        raise AssertionError("unreachable")
+
+    def _segment_frame(self, where: Where, row: DiskRow) -> bytes | None:
+        """A segment row's frame bytes, header checked; ``None`` if its segment is gone."""
+        seg = self._segs.pin(where.seg)
+        if seg is None:
+            return None
         try:
-            with self._env.begin(buffers=True) as txn:
-                buf = txn.get(name, db=self._frames)
-                rec = txn.get(name, db=self._meta)
-                if buf is None and rec is None:
-                    return None
-                if rec is None:
-                    raise CorruptPage(f"row {name.hex()[:16]}…: frame has no meta record")
-                check_row(unpack_meta(name, rec), buf)
-                assert buf is not None  # _check_row raised otherwise
-                return bytes(buf)
-        except LMDB_ERRORS as exc:
-            raise TierUnavailable(f"disk tier: reading {name.hex()[:16]}…: {exc}") from exc
+            if where.offset + row.frame_len > seg.size:
+                raise CorruptPage(f"row {row.name.hex()[:16]}…: its frame runs past the end "
+                                  f"of segment {where.seg}")
+            buf = bytearray(row.frame_len)
+            try:
+                got = self._segs.read_into(seg, where.offset, [memoryview(buf)])
+            except OS_ERRORS as exc:
+                raise TierUnavailable(f"disk tier: reading segment {where.seg}: {exc}") from exc
+            if got != row.frame_len:
+                raise CorruptPage(f"row {row.name.hex()[:16]}…: read {got} of "
+                                  f"{row.frame_len} frame bytes")
+            check_row(row, buf)
+            return bytes(buf)
+        finally:
+            self._segs.unpin(seg)
 
     def drop_corrupt(self, name: bytes) -> None:
         """Delete a row whose frame failed its checks, and count it."""
@@ -352,11 +580,14 @@ class DiskTier(Tier, FrameStoreBase):
 
     def _scan_checked(self) -> tuple[list[DiskRow], list[bytes], int]:
         """Every row whose meta record passes its checks and agrees with its frame
-        (length, header raw length and dtype; only header bytes are read); the names
-        that fail (a frame with no record included); the bytes of every frame."""
+        (length, header raw length and dtype; only header bytes are read, a segment
+        row's must lie wholly inside its segment); the names that fail (a frame with no
+        record included); the frame bytes of the rows that pass. Sets the live bytes of
+        every segment."""
         rows: list[DiskRow] = []
         bad: list[bytes] = []
         used = 0
+        live: dict[int, int] = {}
         first: str | None = None
         try:
             with self._env.begin(buffers=True) as txn:
@@ -364,51 +595,163 @@ class DiskTier(Tier, FrameStoreBase):
                 for key, value in txn.cursor(db=self._meta):
                     name, rec = bytes(key), bytes(value)
                     frame = txn.get(name, db=self._frames)
-                    used += 0 if frame is None else len(frame)
                     with_frame += frame is not None
                     try:
                         if len(name) != ROW_NAME_BYTES:
                             raise CorruptPage(f"meta key of {len(name)} bytes is no row name")
-                        row = unpack_meta(name, rec)
-                        check_row(row, frame)
+                        row, where = unpack_record(name, rec)
+                        if where is None:
+                            check_row(row, frame)
+                        else:
+                            self._check_located(row, where)
+                            live[where.seg] = live.get(where.seg, 0) + row.frame_len
                     except CorruptPage as exc:
                         bad.append(name)
                         first = first or str(exc)
                         continue
+                    used += row.frame_len
                     rows.append(row)
                 n_frames = txn.stat(self._frames)["entries"]
                 if n_frames > with_frame:  # frames with no meta record (or a damaged key)
                     known = {r.name for r in rows}.union(bad)
-                    for key, value in txn.cursor(db=self._frames):
+                    for key, _ in txn.cursor(db=self._frames):
                         if bytes(key) not in known:
                             bad.append(bytes(key))
-                            used += len(value)
         except LMDB_ERRORS as exc:
             raise TierUnavailable(f"disk tier: scanning {self.path}: {exc}") from exc
+        for seg in self._segs.ids():
+            self._segs.add_live(seg, live.get(seg, 0) - self._segs.live_of(seg))
         if first is not None:
             logger.warning("disk tier: %d rows failed their metadata checks (first: %s)",
                            len(bad), first)
         return rows, bad, used
 
+    def _check_located(self, row: DiskRow, where: Where) -> None:
+        """A segment row's frame lies inside its segment and its header agrees."""
+        what = f"row {row.name.hex()[:16]}…"
+        seg = self._segs.pin(where.seg)
+        if seg is None:
+            raise CorruptPage(f"{what}: segment {where.seg} is missing")
+        try:
+            if where.offset + row.frame_len > seg.size:
+                raise CorruptPage(f"{what}: its frame ends at {where.offset + row.frame_len}, "
+                                  f"segment {where.seg} holds {seg.size} bytes")
+            head = bytearray(HEADER_SIZE)
+            try:
+                got = self._segs.read_into(seg, where.offset, [memoryview(head)])
+            except OS_ERRORS as exc:
+                raise TierUnavailable(f"disk tier: reading segment {where.seg}: {exc}") from exc
+            if got != HEADER_SIZE:
+                raise CorruptPage(f"{what}: frame header cut short in segment {where.seg}")
+            check_header(row, row.frame_len, head)
+        finally:
+            self._segs.unpin(seg)
+
+    def _salvage_row(self, name: bytes, frame: bytes | None,
+                     meta: bytes | None) -> tuple[bytes, bytes | None]:
+        """A salvage's check (see :func:`~kvbank.tiers.diskmeta.check_salvaged`): a segment
+        row keeps its record when its frame, read from the segment, decodes whole."""
+        if frame is None and meta is not None and len(name) == ROW_NAME_BYTES:
+            row, where = unpack_record(name, meta)
+            if where is not None:
+                got = self._segment_frame(where, row)
+                if got is None:
+                    raise CorruptPage(f"row {name.hex()[:16]}…: segment {where.seg} is gone")
+                check_salvaged(name, got, meta)  # decodes (checksum included)
+                return meta, None
+        return check_salvaged(name, frame, meta), frame
+
+    def _rebuild(self, report: SalvageReport) -> SalvageReport:
+        """Index every row the segment files hold (after a salvage of a damaged index):
+        each entry names its row and carries its record, a later entry supersedes an
+        earlier one, and a frame that does not decode whole is dropped. Newest rows first
+        until the budget is full. Rows deleted but not yet compacted away come back: their
+        bytes are still the row's (equal names, interchangeable bytes)."""
+        def frame_len(name: bytes, record: bytes) -> int | None:
+            try:
+                return unpack_record(name, record)[0].frame_len
+            except CorruptPage:
+                return None
+
+        found: dict[bytes, tuple[DiskRow, Where]] = {}
+        for seg in self._segs.ids():
+            for name, record, off, _ in self._segs.entries(seg, frame_len):
+                found[name] = (unpack_record(name, record)[0], Where(seg, off))
+        kept: list[tuple[DiskRow, Where]] = []
+        dropped = 0
+        first = report.first_error
+        used = 0
+        for row, where in sorted(found.values(), key=lambda rw: -rw[0].seq):
+            try:
+                frame = self._segment_frame(where, row)
+                if frame is None:
+                    raise CorruptPage(f"row {row.name.hex()[:16]}…: segment {where.seg} is gone")
+                check_salvaged(row.name, frame, None)
+            except CorruptPage as exc:
+                dropped += 1
+                first = first or str(exc)
+                continue
+            if used + row.frame_len > self._budget:
+                dropped += 1
+                continue
+            used += row.frame_len
+            kept.append((row, where))
+        try:
+            with self._env.begin(write=True) as txn:
+                for row, where in kept:
+                    txn.delete(row.name, db=self._frames)  # an older copy: the segment's is newer
+                    txn.put(row.name, pack_meta(row.name, row.raw_len, row.frame_len, row.seq,
+                                                row.dtype, row.parent, where), db=self._meta)
+        except LMDB_ERRORS as exc:
+            raise self._mapped("rebuilding the index from the segments", exc) from exc
+        return replace(report, copied=report.copied + len(kept),
+                       dropped=report.dropped + dropped, first_error=first)
+
+    def _recount_locked(self) -> None:
+        """Sum the frame bytes of every row whose record passes its checks, overall and
+        per segment (after a record that failed was replaced or deleted: its own figures
+        could not be trusted)."""
+        used = 0
+        live: dict[int, int] = {}
+        try:
+            with self._env.begin(buffers=True) as txn:
+                for key, value in txn.cursor(db=self._meta):
+                    name = bytes(key)
+                    try:
+                        row, where = unpack_record(name, value)
+                    except CorruptPage:
+                        continue
+                    if where is None:
+                        frame = txn.get(name, db=self._frames)
+                        used += 0 if frame is None else len(frame)
+                    else:
+                        used += row.frame_len
+                        live[where.seg] = live.get(where.seg, 0) + row.frame_len
+        except LMDB_ERRORS as exc:
+            raise TierUnavailable(f"disk tier: counting {self.path}: {exc}") from exc
+        self._used = used
+        for seg in self._segs.ids():
+            self._segs.add_live(seg, live.get(seg, 0) - self._segs.live_of(seg))
+        for seg in self._segs.empty_sealed():
+            self._segs.retire(seg)
+
     def _drop_bad(self, names: list[bytes]) -> None:
         """Delete rows that failed their checks at a scan, and count them. A key whose
         stored bytes are damaged sits out of B-tree order, where a lookup by key never
         finds it: such an entry is found by walking the database and deleted through the
-        cursor, and ``used_bytes`` drops by the frame bytes really freed."""
+        cursor. ``used_bytes`` and the segments' live bytes are recounted after."""
         with self._lock:
             self._check_open()
-            freed = 0
             try:
                 with self._env.begin(write=True, buffers=True) as txn:
                     for name in names:
                         for db in (self._frames, self._meta):
-                            n = delete_exact(txn, db, name)
-                            freed += n if db is self._frames else 0
+                            delete_exact(txn, db, name)
             except LMDB_ERRORS as exc:
                 raise self._mapped("deleting damaged rows", exc) from exc
-            self._used -= freed
             self._opened = None
             self.corrupt_rows += len(names)
+            self._recount_locked()
         logger.warning("disk tier: dropped %d rows whose metadata failed its checks", len(names))
 
     def scan(self, prefix: bytes = b"") -> Iterator[DiskRow]:
@@ -435,30 +778,162 @@ class DiskTier(Tier, FrameStoreBase):
             raise TierUnavailable(f"disk tier: listing names: {exc}") from exc
 
     def check(self) -> None:
-        """``frames`` and ``meta`` hold the same names and ``used_bytes`` is their sum."""
+        """Every record passes its checks; an older-layout row has its ``frames`` value
+        (of the recorded length) and a segment row none, its frame inside its segment;
+        no ``frames`` value lacks a record; ``used_bytes`` and each segment's live bytes
+        are the sums of the rows'."""
         self._check_open()
         try:
             with self._lock, self._env.begin(buffers=True) as txn:
                 frames = {bytes(k): len(v) for k, v in txn.cursor(db=self._frames)}
                 try:
-                    metas = {bytes(k): unpack_meta(bytes(k), v)
+                    metas = {bytes(k): unpack_record(bytes(k), v)
                              for k, v in txn.cursor(db=self._meta)}
                 except CorruptPage as exc:
                     raise AssertionError(f"disk tier: {exc}") from exc
+                live = {seg: self._segs.live_of(seg) for seg in self._segs.ids()}
+                sizes = {seg: self._segs.size_of(seg) for seg in self._segs.ids()}
+                used = self._used
         except LMDB_ERRORS as exc:
             raise TierUnavailable(f"disk tier: checking {self.path}: {exc}") from exc
-        if frames.keys() != metas.keys():
-            diff = frames.keys() ^ metas.keys()
-            raise AssertionError(f"disk tier: {len(diff)} names in only one of frames/meta")
-        for name, row in metas.items():
-            if frames[name] != row.frame_len:
-                raise AssertionError(f"disk tier: {name.hex()[:16]}… frame is {frames[name]} "
-                                     f"bytes, meta says {row.frame_len}")
-        total = sum(frames.values())
-        if total != self._used:
-            raise AssertionError(f"disk tier: used_bytes {self._used} != frames {total}")
+        if frames.keys() - metas.keys():
+            raise AssertionError(f"disk tier: {len(frames.keys() - metas.keys())} frames "
+                                 "have no meta record")
+        total = 0
+        counted: dict[int, int] = {}
+        for name, (row, where) in metas.items():
+            tag = name.hex()[:16]
+            if where is None:
+                if frames.get(name) != row.frame_len:
+                    raise AssertionError(f"disk tier: {tag}… frame is {frames.get(name)} "
+                                         f"bytes, meta says {row.frame_len}")
+            else:
+                if name in frames:
+                    raise AssertionError(f"disk tier: {tag}… is in a segment and in frames")
+                size = sizes.get(where.seg)
+                if size is None or where.offset + row.frame_len > size:
+                    raise AssertionError(f"disk tier: {tag}… lies outside segment {where.seg}")
+                counted[where.seg] = counted.get(where.seg, 0) + row.frame_len
+            total += row.frame_len
+        if total != used:
+            raise AssertionError(f"disk tier: used_bytes {used} != frames {total}")
+        for seg, n in live.items():
+            if counted.get(seg, 0) != n:
+                raise AssertionError(f"disk tier: segment {seg} live bytes {n} != its rows' "
+                                     f"{counted.get(seg, 0)}")
         if total > self._budget:
             raise AssertionError(f"disk tier: {total} bytes over the budget {self._budget}")
+
+    # -- compaction --------------------------------------------------------------------
+
+    def compact(self, *, legacy: bool = True, budget: int | None = None) -> CompactReport:
+        """Rewrite live rows into the active segment: every older-layout row (with
+        ``legacy``), then the rows of sparse sealed segments (emptiest first), which are
+        then unlinked. Stops after ``budget`` bytes written (``None``: no limit). Rows are
+        moved a batch at a time, each batch durable before its index commit, with the
+        tier's lock let go between batches so that puts and reads go on."""
+        self._check_open()
+        moved = written = freed = legacy_moved = 0
+        limit = budget if budget is not None else 1 << 62
+        for names, from_legacy in self._compact_plan(legacy):
+            for i in range(0, len(names), _COMPACT_BATCH):
+                if written >= limit:
+                    break
+                n, nbytes, gone = self._move(names[i : i + _COMPACT_BATCH])
+                moved += n
+                written += nbytes
+                freed += gone
+                legacy_moved += n if from_legacy else 0
+        report = CompactReport(moved, written, freed, legacy_moved)
+        if moved:
+            logger.debug("%s", report.summary())
+        return report
+
+    def _compact_plan(self, legacy: bool) -> list[tuple[list[bytes], bool]]:
+        """The names to move: the older-layout rows, then each sparse segment's rows."""
+        sparse = self._segs.sparse()
+        rank = {seg: i for i, seg in enumerate(sparse)}
+        old: list[bytes] = []
+        by_seg: list[list[bytes]] = [[] for _ in sparse]
+        try:
+            with self._env.begin(buffers=True) as txn:
+                for key, value in txn.cursor(db=self._meta):
+                    name = bytes(key)
+                    try:
+                        _, where = unpack_record(name, value)
+                    except CorruptPage:
+                        continue  # a read drops it
+                    if where is None:
+                        old.append(name)
+                    elif where.seg in rank:
+                        by_seg[rank[where.seg]].append(name)
+        except LMDB_ERRORS as exc:
+            raise TierUnavailable(f"disk tier: planning a compaction: {exc}") from exc
+        plan = [(old, True)] if legacy and old else []
+        return plan + [(names, False) for names in by_seg]
+
+    def _move(self, names: Sequence[bytes]) -> tuple[int, int, int]:
+        """Rewrite these rows (as they are now) into the active segment; rows moved,
+        bytes written, segments freed."""
+        with self._lock:
+            self._check_open()
+            batch: list[tuple[DiskRow, Where | None, bytes]] = []
+            try:
+                with self._env.begin(write=True, buffers=True) as txn:
+                    for name in names:
+                        try:
+                            found = self._locate(txn, name)
+                        except CorruptPage:
+                            continue  # left for a read to drop and count
+                        if found is None:
+                            continue  # deleted since the plan
+                        row, where, legacy = found
+                        if where is None:
+                            assert legacy is not None
+                            frame = bytes(legacy)
+                        else:
+                            if where.seg == self._segs.active:
+                                continue
+                            try:
+                                got = self._segment_frame(where, row)
+                            except CorruptPage:
+                                continue
+                            if got is None:
+                                continue
+                            frame = got
+                        batch.append((row, where, frame))
+                    if not batch:
+                        return 0, 0, 0
+                    at = self._segs.append([
+                        (entry_head(r.name, pack_meta(r.name, r.raw_len, len(f), r.seq, r.dtype,
+                                                      r.parent)), f) for r, _, f in batch])
+                    for (row, _, frame), (seg, off) in zip(batch, at, strict=True):
+                        txn.put(row.name, pack_meta(row.name, row.raw_len, len(frame), row.seq,
+                                                    row.dtype, row.parent, Where(seg, off)),
+                                db=self._meta)
+                        txn.delete(row.name, db=self._frames)
+            except LMDB_ERRORS as exc:
+                raise self._mapped("compacting", exc) from exc
+            for (_, _, frame), (seg, _) in zip(batch, at, strict=True):
+                self._segs.add_live(seg, len(frame))
+            freed = self._let_go([(w.seg, row.frame_len) for row, w, _ in batch if w is not None])
+            self._opened = None
+            return len(batch), sum(len(f) for _, _, f in batch), freed
+
+    def _compact_loop(self) -> None:
+        """The background compactor: woken when a delete leaves a sealed segment sparse,
+        it moves at most ``compact_bytes`` per wake-up (the write budget)."""
+        while True:
+            self._wake.wait()
+            self._wake.clear()
+            if self._closed:
+                return
+            try:
+                self.compact(legacy=False, budget=self._compact_bytes)
+            except KvbankError as exc:  # a degraded disk: the next delete tries again
+                if self._closed:
+                    return
+                logger.warning("disk tier: background compaction failed: %s", exc)
 
     # -- the Tier methods --------------------------------------------------------------
 
@@ -494,10 +969,13 @@ class DiskTier(Tier, FrameStoreBase):
             return self._delete_locked(names)
 
     def _delete_locked(self, names: Sequence[bytes]) -> list[bool]:
-        """Delete in one transaction (caller holds ``_lock``); ``used_bytes`` drops by the
-        frames' real lengths, never by what a (possibly damaged) meta record says."""
+        """Delete in one transaction (caller holds ``_lock``). ``used_bytes`` drops by the
+        rows' frame bytes; a record that fails its checks cannot say how many, so the
+        bytes are recounted after such a delete. A segment left empty is unlinked."""
         found: list[bool] = []
         freed = 0
+        dropped: list[tuple[int, int]] = []
+        recount = False
         try:
             with self._env.begin(write=True, buffers=True) as txn:
                 for name in names:
@@ -505,12 +983,25 @@ class DiskTier(Tier, FrameStoreBase):
                     if frame is not None:
                         freed += len(frame)
                         txn.delete(name, db=self._frames)
+                    rec = txn.get(name, db=self._meta)
+                    if rec is not None:
+                        try:
+                            row, where = unpack_record(name, rec)
+                        except CorruptPage:
+                            recount = True
+                        else:
+                            if where is not None:
+                                freed += row.frame_len
+                                dropped.append((where.seg, row.frame_len))
                     meta_gone = txn.delete(name, db=self._meta)
                     found.append(meta_gone or frame is not None)
         except LMDB_ERRORS as exc:
             raise self._mapped("deleting rows", exc) from exc
         self._used -= freed
+        self._let_go(dropped)
         self._opened = None
+        if recount:
+            self._recount_locked()
         return found
 
     def contains(self, names: Sequence[bytes]) -> list[bool]:
@@ -530,6 +1021,11 @@ class DiskTier(Tier, FrameStoreBase):
             if self._closed:
                 return
             self._closed = True
+        if self._compactor is not None:
+            self._wake.set()
+            self._compactor.join()
+        with self._lock:
             self._env.close()
+            self._segs.close()
             self._dirlock.release()
             logger.debug("disk tier %s: closed", self.path)

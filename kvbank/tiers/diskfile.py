@@ -13,6 +13,9 @@ Primitives:
   shorter than its meta says, a 0-byte file, or one with no valid meta page is
   :class:`~kvbank.errors.TierUnavailable` naming the file and what was found, before any
   mapping exists.
+- :func:`frame_spans` — where each row's frame lies in a closed data dir's files (its
+  segment file, or its one copy in ``data.mdb`` for a row of the older layout): what the
+  reliability bench and the tests damage to play bit rot.
 - :func:`salvage` — the operator's way back from a damaged environment
   (``BankConfig.disk_salvage``): the old directory is renamed aside (kept, never wiped),
   every row that can still be read from it — a checksummed frame that decodes, with a
@@ -43,6 +46,8 @@ from kvbank import progress
 from kvbank.errors import CorruptPage, TierUnavailable
 from kvbank.tiers.base import OS_ERRORS
 from kvbank.tiers.datadir import FILE_MODE, open_private, private_dir
+from kvbank.tiers.diskmeta import unpack_record
+from kvbank.tiers.diskseg import SEGMENT_DIR, segment_file
 
 logger = logging.getLogger(__name__)
 
@@ -183,21 +188,65 @@ def _meta_at(head: bytes, offset: int) -> tuple[int, int, int] | None:
     return txnid, page_size, last_pg
 
 
+@dataclass(frozen=True, slots=True)
+class Span:
+    """A frame's bytes: the file, the offset of its first byte, its length."""
+
+    path: Path
+    offset: int
+    length: int
+
+
+def frame_spans(data_dir: Path) -> dict[bytes, Span]:
+    """Where each row's frame in the files of a closed data dir (rows whose frame cannot be
+    placed — an older-layout value with no unique copy in ``data.mdb`` — left out)."""
+    env_dir = data_dir / "lmdb"
+    env = lmdb.open(str(env_dir), readonly=True, lock=False, max_dbs=2, subdir=True)
+    spans: dict[bytes, Span] = {}
+    legacy: list[tuple[bytes, bytes]] = []
+    try:
+        meta = env.open_db(b"meta", create=False)
+        frames = env.open_db(b"frames", create=False)
+        with env.begin() as txn:
+            for key, value in txn.cursor(db=meta):
+                name = bytes(key)
+                row, where = unpack_record(name, value)
+                if where is not None:
+                    seg = data_dir / SEGMENT_DIR / segment_file(where.seg)
+                    spans[name] = Span(seg, where.offset, row.frame_len)
+            legacy = [(bytes(k), bytes(v)) for k, v in txn.cursor(db=frames)]
+    finally:
+        env.close()
+    if legacy:
+        data = (env_dir / "data.mdb").read_bytes()
+        for name, value in legacy:
+            at = data.find(value)
+            if at >= 0 and data.find(value, at + 1) < 0:
+                spans[name] = Span(env_dir / "data.mdb", at, len(value))
+    return spans
+
+
 # -- salvage -----------------------------------------------------------------------------
 
-CheckRow = Callable[[bytes, "bytes | None", "bytes | None"], bytes]
+# (name, frame, meta) -> (the meta record to keep, the frame to keep in ``frames`` or
+# None for a row whose frame lies in a segment, which a salvage leaves where it is).
+CheckRow = Callable[[bytes, "bytes | None", "bytes | None"], "tuple[bytes, bytes | None]"]
 Found = tuple[bytes, "bytes | None", "bytes | None", str]  # name, frame, meta, why not
 _BATCH = 256  # rows per salvage transaction
 # A salvage reads old files and writes a new environment: the OS table and LMDB's.
 _SALVAGE_ERRORS: tuple[type[Exception], ...] = (*OS_ERRORS, lmdb.Error)
 
 
-def salvage(directory: Path, reason: str, check_row: CheckRow, *, map_size: int) -> SalvageReport:
+def salvage(directory: Path, reason: str, check_row: CheckRow, *, map_size: int,
+            walk_meta: bool = True) -> SalvageReport:
     """Rename ``directory`` aside, recreate it empty, and copy into a fresh environment
     there every row of the old one that ``check_row(name, frame, meta)`` accepts (it
     returns the meta record to write, or raises :class:`CorruptPage` to drop the row). The
     old files are kept; the caller holds
-    the data dir's lock."""
+    the data dir's lock. ``walk_meta=False`` reads only the ``frames`` database (each
+    frame checks itself; its record is rebuilt from its header): the disk tier asks for
+    that when segment files hold the rows' entries, because LMDB aborts the process on
+    some damaged B-tree pages, and the records are then rebuilt from the segments."""
     stamp = time.strftime("%Y%m%dT%H%M%S")
     kept = directory.with_name(f"{directory.name}.damaged-{stamp}-{os.getpid()}")
     try:
@@ -213,16 +262,15 @@ def salvage(directory: Path, reason: str, check_row: CheckRow, *, map_size: int)
     shown = progress.bar(None, f"salvaging {directory}", unit="row")
     try:
         frames_db, meta_db = env.open_db(b"frames"), env.open_db(b"meta")
-        batch: list[tuple[bytes, bytes, bytes]] = []
-        for name, frame, meta, error in _rows(src, entries):
+        batch: list[tuple[bytes, bytes | None, bytes]] = []
+        for name, frame, meta, error in _rows(src, entries, walk_meta):
             if shown.total is None and entries[0]:
                 shown.total = entries[0]  # the old frame count, read as the walk starts
             shown.update(1)
             if not error:
                 try:
-                    meta = check_row(name, frame, meta)
-                    assert frame is not None  # check_row raised
-                    batch.append((name, frame, meta))
+                    meta, keep = check_row(name, frame, meta)
+                    batch.append((name, keep, meta))
                     copied += 1
                     if len(batch) >= _BATCH:
                         _put(env, frames_db, meta_db, batch)
@@ -248,10 +296,11 @@ def salvage(directory: Path, reason: str, check_row: CheckRow, *, map_size: int)
 
 
 def _put(env: lmdb.Environment, frames_db: Any, meta_db: Any,
-         batch: list[tuple[bytes, bytes, bytes]]) -> None:
+         batch: list[tuple[bytes, bytes | None, bytes]]) -> None:
     with env.begin(write=True) as txn:
         for name, frame, meta in batch:
-            txn.put(name, frame, db=frames_db)
+            if frame is not None:
+                txn.put(name, frame, db=frames_db)
             txn.put(name, meta, db=meta_db)
     batch.clear()
 
@@ -281,7 +330,7 @@ def _readable_copy(kept: Path) -> Path:
     return padded
 
 
-def _rows(src: Path, entries: list[int]) -> Iterator[Found]:
+def _rows(src: Path, entries: list[int], walk_meta: bool) -> Iterator[Found]:
     """Each row reachable through ``src``'s ``meta`` database; a damaged B-tree page
     ends a walk, which resumes past it at coarser and coarser successors of the last key
     read. ``entries[0]`` is set to the old frame count."""
@@ -306,8 +355,9 @@ def _rows(src: Path, entries: list[int]) -> Iterator[Found]:
         seen: set[bytes] = set()
         # Meta first (its records carry parents and write clocks), then frames whose
         # meta record is gone: a frame checks itself, so it alone can be trusted.
-        for walked, other, frames_first in ((meta_db, frames_db, False),
-                                            (frames_db, meta_db, True)):
+        walks = ((meta_db, frames_db, False), (frames_db, meta_db, True)) if walk_meta else (
+            (frames_db, None, True),)
+        for walked, other, frames_first in walks:
             for found in _walk_all(env, walked, other, frames_first):
                 if found[0] not in seen:
                     seen.add(found[0])
@@ -351,7 +401,7 @@ def _walk(env: lmdb.Environment, walked: Any, other: Any, start: bytes | None,
                 value = bytes(cur.value())
                 last = key
                 try:
-                    got = txn.get(key, db=other)
+                    got = None if other is None else txn.get(key, db=other)
                     twin = None if got is None else bytes(got)
                 except lmdb.Error:
                     twin = None  # the row may still be whole from the other side

@@ -2,12 +2,16 @@
 
 Primitives:
 
-- :func:`pack_meta` / :func:`unpack_meta` — a row's meta record: raw length, frame
-  length, write clock, dtype, parent row name, then an xxh3-64 of the row name and all
-  of that. ``unpack_meta`` checks the sum and bounds every field (``CorruptPage`` naming
-  the fault).
-- :func:`check_row` — a frame agrees with its record (length, header raw length, dtype),
-  reading only the header; what every read and the scan at open check.
+- :func:`pack_meta` / :func:`unpack_meta` / :func:`unpack_record` — a row's meta record:
+  raw length, frame length, write clock, dtype, where the frame lies (segment and offset,
+  :class:`Where`; absent for a row of the older layout, whose frame is the ``frames``
+  value), parent row name, then an xxh3-64 of the row name and all of that.
+  ``unpack_record`` checks the sum and bounds every field (``CorruptPage`` naming the
+  fault). The two layouts tell apart by length alone: after the dtype come 0 or 54
+  bytes (older) or 12 or 66 (a segment row).
+- :func:`check_row` / :func:`check_header` — a frame agrees with its record (length,
+  header raw length, dtype), reading only the header; what every read and the scan at
+  open check.
 - :func:`check_salvaged` — the record to keep for a row a salvage copies (its own, or one
   rebuilt from the frame's header); see :func:`kvbank.tiers.diskfile.salvage`.
 - :func:`delete_exact` — delete a key from an LMDB database even when its stored bytes
@@ -20,6 +24,7 @@ Pure functions over bytes (``delete_exact`` over an open write transaction); the
 from __future__ import annotations
 
 import struct
+from dataclasses import dataclass
 
 import lmdb
 import xxhash
@@ -33,20 +38,36 @@ _META = struct.Struct("<QQQB")  # raw_len, frame_len, seq, len(dtype); then dtyp
 _SUM = struct.Struct("<Q")  # last: xxh3-64 of (row name + everything before it)
 _MAX_RAW = MAX_PAGE_BYTES  # the one page limit (the codec's, and the store's uint32 sizes)
 _MAX_SEQ = 2**62  # write clocks are counters; a larger one is damage
+_WHERE = struct.Struct("<IQ")  # segment id, offset of the frame in it
+
+
+@dataclass(frozen=True, slots=True)
+class Where:
+    """Where a segment row's frame lies: segment id and byte offset."""
+
+    seg: int
+    offset: int
 
 DiskRow = FrameRow  # one committed row as its meta record says
 
 
 def pack_meta(name: bytes, raw_len: int, frame_len: int, seq: int, dtype: str,
-              parent: bytes | None) -> bytes:
+              parent: bytes | None, where: Where | None = None) -> bytes:
     d = dtype.encode()
-    body = _META.pack(raw_len, frame_len, seq, len(d)) + d + (parent or b"")
+    loc = b"" if where is None else _WHERE.pack(where.seg, where.offset)
+    body = _META.pack(raw_len, frame_len, seq, len(d)) + d + loc + (parent or b"")
     return body + _SUM.pack(xxhash.xxh3_64_intdigest(name + body))
 
 
 def unpack_meta(name: bytes, value: bytes | memoryview) -> DiskRow:
-    """Parse and check one meta record; ``CorruptPage`` naming the fault if it is damaged
-    (checksum, lengths, or a field outside what the tier can have written)."""
+    """Parse and check one meta record (either layout); see :func:`unpack_record`."""
+    return unpack_record(name, value)[0]
+
+
+def unpack_record(name: bytes, value: bytes | memoryview) -> tuple[DiskRow, Where | None]:
+    """Parse and check one meta record: the row, and where its frame lies (``None``: in
+    the ``frames`` database, the older layout); ``CorruptPage`` naming the fault if it is
+    damaged (checksum, lengths, or a field outside what the tier can have written)."""
     raw = bytes(value)
     what = f"meta of {name.hex()[:16]}…"
     if len(raw) < _META.size + _SUM.size:
@@ -58,9 +79,14 @@ def unpack_meta(name: bytes, value: bytes | memoryview) -> DiskRow:
         raise CorruptPage(f"{what}: checksum: xxh3-64 is {got:#018x}, record says {want:#018x}")
     raw_len, frame_len, seq, dlen = _META.unpack_from(body)
     rest = body[_META.size :]
-    if len(rest) not in (dlen, dlen + ROW_NAME_BYTES):
+    extra = len(rest) - dlen
+    if extra not in (0, ROW_NAME_BYTES, _WHERE.size, _WHERE.size + ROW_NAME_BYTES):
         raise CorruptPage(f"{what}: {len(rest)} trailing bytes for a {dlen}-byte dtype")
     dtype = rest[:dlen].decode("ascii", "replace")
+    where: Where | None = None
+    if extra in (_WHERE.size, _WHERE.size + ROW_NAME_BYTES):
+        where = Where(*_WHERE.unpack_from(rest, dlen))
+        rest = rest[:dlen] + rest[dlen + _WHERE.size :]
     if dtype not in DTYPE_CODES:
         raise CorruptPage(f"{what}: dtype {dtype!r} is not a codec dtype")
     if not 1 <= raw_len <= _MAX_RAW:
@@ -71,18 +97,24 @@ def unpack_meta(name: bytes, value: bytes | memoryview) -> DiskRow:
     if seq > _MAX_SEQ:
         raise CorruptPage(f"{what}: write clock {seq} exceeds {_MAX_SEQ}")
     parent = rest[dlen:] or None
-    return DiskRow(name, raw_len, frame_len, seq, dtype, parent)
+    return DiskRow(name, raw_len, frame_len, seq, dtype, parent), where
 
 
-def check_row(row: DiskRow, frame: memoryview | bytes | None) -> None:
+def check_row(row: DiskRow, frame: memoryview | bytes | bytearray | None) -> None:
     """The frame agrees with its meta record: present, the recorded length, a valid
     header naming the same raw length and dtype. Reads only the header bytes."""
-    what = f"row {row.name.hex()[:16]}…"
     if frame is None:
-        raise CorruptPage(f"{what}: meta has no frame")
-    if len(frame) != row.frame_len:
-        raise CorruptPage(f"{what}: frame is {len(frame)} bytes, meta says {row.frame_len}")
-    header = frame_info(frame)
+        raise CorruptPage(f"row {row.name.hex()[:16]}…: meta has no frame")
+    check_header(row, len(frame), frame)
+
+
+def check_header(row: DiskRow, frame_len: int, head: memoryview | bytes | bytearray) -> None:
+    """:func:`check_row` from the frame's length and its first bytes (at least the
+    header: what a segment read fetches first)."""
+    what = f"row {row.name.hex()[:16]}…"
+    if frame_len != row.frame_len:
+        raise CorruptPage(f"{what}: frame is {frame_len} bytes, meta says {row.frame_len}")
+    header = frame_info(head, frame_len)
     if header.raw_len != row.raw_len or header.dtype != row.dtype:
         raise CorruptPage(f"{what}: frame header holds {header.raw_len} bytes of "
                           f"{header.dtype}, meta says {row.raw_len} of {row.dtype}")

@@ -8,7 +8,8 @@ from kvbank.bench import SUITES
 from kvbank.bench.bank import run
 
 CASES = ("bank-put-host", "bank-fetch-host", "bank-put-disk-durable", "bank-fetch-disk",
-         "bank-disk-footprint-bf16", "bank-disk-encode-only", "bank-disk-decode-only")
+         "bank-disk-footprint-bf16", "bank-disk-encode-only", "bank-disk-decode-only",
+         "bank-put-disk", "disk-get-warm-vs-raw", "disk-put-durable-vs-fdatasync")
 
 
 def test_bench_bank_quick_rows() -> None:

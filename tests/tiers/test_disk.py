@@ -17,6 +17,8 @@ from kvbank.testing.frames import FrameStoreTests
 from kvbank.testing.tiers import TierTests, name_of, page_of, stored
 from kvbank.tiers.base import FrameStore, Tier, TierKind
 from kvbank.tiers.disk import DiskTier
+from kvbank.tiers.diskmeta import unpack_record
+from kvbank.tiers.diskseg import SEGMENT_DIR, segment_file
 
 from .conftest import MakeStore
 
@@ -48,26 +50,40 @@ class TestDiskTier(TierTests):
 
 
 def _flip_frame_byte(data_dir: Path, name: bytes, at: int) -> None:
-    """Corrupt one byte of a stored frame through a raw LMDB handle."""
+    """Corrupt one byte of a stored frame: in its segment file (found through the
+    row's record), or through a raw LMDB handle for a row of the older layout."""
     env = lmdb.open(str(data_dir / "lmdb"), max_dbs=2, subdir=True)
     try:
-        frames = env.open_db(b"frames")
-        with env.begin(write=True, db=frames) as txn:
-            frame = txn.get(name)
+        frames, meta = env.open_db(b"frames"), env.open_db(b"meta")
+        with env.begin(write=True) as txn:
+            rec = txn.get(name, db=meta)
+            assert rec is not None
+            _, where = unpack_record(name, rec)
+            if where is not None:
+                seg = data_dir / SEGMENT_DIR / segment_file(where.seg)
+                with open(seg, "r+b") as f:
+                    f.seek(where.offset + at)
+                    byte = f.read(1)[0]
+                    f.seek(where.offset + at)
+                    f.write(bytes([byte ^ 0x5A]))
+                return
+            frame = txn.get(name, db=frames)
             assert frame is not None
             raw = bytearray(frame)
             raw[at] ^= 0x5A
-            txn.put(name, bytes(raw))
+            txn.put(name, bytes(raw), db=frames)
     finally:
         env.close()
 
 
+@pytest.mark.parametrize("segments", [True, False], ids=["segments", "older-layout"])
 @pytest.mark.parametrize("where", ["payload", "header"])
-def test_disk_corrupt_frame_is_a_counted_miss_and_is_deleted(tmp_path: Path, where: str) -> None:
+def test_disk_corrupt_frame_is_a_counted_miss_and_is_deleted(tmp_path: Path, where: str,
+                                                             segments: bool) -> None:
     """A frame whose bytes changed on disk is never returned: miss, row gone, counted."""
     rng = np.random.default_rng(1)
     page = rng.standard_normal(4096, dtype=np.float32).astype(np.float16).tobytes()
-    tier = DiskTier(tmp_path, 1 << 20, sync=False)
+    tier = DiskTier(tmp_path, 1 << 20, sync=False, segments=segments)
     tier.put(name_of(1), page, dtype="float16")
     tier.put(name_of(2), page, dtype="float16")
     tier.close()
@@ -111,14 +127,15 @@ def test_disk_budget_is_exact_and_map_never_fills_first(tmp_path: Path) -> None:
 
 
 def test_disk_map_full_is_tier_full(tmp_path: Path) -> None:
-    """LMDB's own MapFullError (a tiny map) maps to TierFull, never escapes as lmdb.Error."""
-    tier = DiskTier(tmp_path, 1 << 30, sync=False, map_size=256 * 1024)
+    """LMDB's own MapFullError (a tiny map: the index's records fill it) maps to
+    TierFull, never escapes as lmdb.Error."""
+    tier = DiskTier(tmp_path, 1 << 30, sync=False, map_size=64 * 1024)
     try:
         with pytest.raises(TierFull, match="map"):
-            for i in range(200):
-                tier.put(name_of(i), page_of(i, 4096), dtype="uint8")
-        out = bytearray(4096)
-        assert tier.get_into(name_of(0), out) == 4096  # still serving
+            for i in range(2000):
+                tier.put(name_of(i), page_of(i, 64), dtype="uint8")
+        out = bytearray(64)
+        assert tier.get_into(name_of(0), out) == 64  # still serving
     finally:
         tier.close()
 

@@ -171,6 +171,14 @@ class CheckModel(BaseModel):
     problems: list[str]
 
 
+class CompactModel(BaseModel):
+    disk: bool  # False: the node has no disk tier (nothing to compact)
+    moved: int
+    written_bytes: int
+    segments_freed: int
+    legacy_moved: int  # rows moved out of the older layout (frames as LMDB values)
+
+
 class ErrorModel(BaseModel):
     type: str
     field: str | None

@@ -21,6 +21,7 @@ route                                  what it does
 ``POST /admin/check``                  the bank's invariant check, what it found
 ``GET  /admin/series``, ``/usage``      the status page's samples and usage table (:mod:`.ui`)
 ``GET  /admin/ui``                     the status page (no token to load; it asks for one)
+``POST /admin/compact``                the disk tier rewritten into segments, what moved
 ``GET  /metrics``                      Prometheus text (admin token with metrics_auth)
 =====================================  ===================================================
 
@@ -315,6 +316,15 @@ def _router(admin: Admin) -> APIRouter:
 
         problems = await node.call(run)
         return M.CheckModel(ok=not problems, problems=problems)
+
+    @r.post("/compact")
+    async def compact() -> M.CompactModel:
+        got = await node.call(bank.admin.compact_disk)
+        if got is None:
+            return M.CompactModel(disk=False, moved=0, written_bytes=0, segments_freed=0,
+                                  legacy_moved=0)
+        return M.CompactModel(disk=True, moved=got.moved, written_bytes=got.written,
+                              segments_freed=got.segments_freed, legacy_moved=got.legacy_moved)
 
     return r
 

@@ -10,11 +10,15 @@
 - :func:`touch` — record recency without reading.
 - :func:`read_frame` — a row's encoded codec frame without decoding it: a disk row's
   frame as stored, a memory-only row encoded on demand with its dtype.
+- :func:`compact_disk` — the disk tier's compaction (older-layout rows and sparse
+  segments into fresh segments); rows stay where the index says (on disk), so no store
+  lock is taken.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -26,6 +30,9 @@ from kvbank.tiers.base import check_name
 from kvbank.tiers.index import DEV, DISK, HOST, KIND_OF_BIT
 from kvbank.tiers.store.reads import drop_corrupt
 from kvbank.tiers.store.state import StoreState
+
+if TYPE_CHECKING:
+    from kvbank.tiers.disk import CompactReport
 
 MAX_SCAN_LIMIT = 10_000
 
@@ -151,3 +158,15 @@ def read_frame(st: StoreState, name: bytes) -> bytes | None:
     finally:
         with st.lock:
             st.release(bit, off)
+
+
+def compact_disk(st: StoreState) -> CompactReport | None:
+    """Compact the disk tier (see :meth:`~kvbank.tiers.disk.DiskTier.compact`); ``None``
+    when the store has no disk tier of segments."""
+    from kvbank.tiers.disk import DiskTier  # the store opens it lazily too (no LMDB otherwise)
+
+    st.check_open()
+    if not st.has_disk:
+        return None
+    disk = st.disk()
+    return disk.compact() if isinstance(disk, DiskTier) else None

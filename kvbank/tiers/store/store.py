@@ -61,6 +61,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from itertools import repeat
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -92,6 +93,9 @@ from kvbank.tiers.store.locktable import LockTable
 from kvbank.tiers.store.mover import Mover, default_encode_workers
 from kvbank.tiers.store.reserve import Reservation, start_reservation
 from kvbank.tiers.store.state import StoreState, deadline_after
+
+if TYPE_CHECKING:
+    from kvbank.tiers.disk import CompactReport
 
 logger = logging.getLogger("kvbank.tiers.store.store")
 # locate's tier codes: 0 = absent, then the fastest tier holding the row
@@ -318,6 +322,10 @@ class TieredStore:
     def read_frame(self, name: bytes) -> bytes | None:
         """A row's encoded codec frame, not decoded; ``None`` on a miss."""
         return admin.read_frame(self._st, name)
+
+    def compact_disk(self) -> CompactReport | None:
+        """Compact the disk tier now; what it did, or ``None`` without a disk tier."""
+        return admin.compact_disk(self._st)
 
     # -- the mover, introspection ------------------------------------------------------
 

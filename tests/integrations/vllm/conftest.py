@@ -189,24 +189,16 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
 
 def rot_disk(data: Path) -> int:
     """Flip a byte in every frame of a closed node's disk tier; how many were flipped."""
-    import lmdb
+    from kvbank.tiers.diskfile import frame_spans
 
-    env = lmdb.open(str(data / "lmdb"), readonly=True, lock=False, max_dbs=2, subdir=True)
-    try:
-        frames = env.open_db(b"frames", create=False)
-        with env.begin(db=frames) as txn:
-            values = [bytes(v) for _, v in txn.cursor()]
-    finally:
-        env.close()
-    path = data / "lmdb" / "data.mdb"
-    raw = bytearray(path.read_bytes())
     flipped = 0
-    for v in values:
-        at = raw.find(v)
-        if at >= 0:
-            raw[at + len(v) // 2] ^= 0x5A
-            flipped += 1
-    path.write_bytes(bytes(raw))
+    for span in frame_spans(data).values():
+        with open(span.path, "r+b") as f:
+            f.seek(span.offset + span.length // 2)
+            byte = f.read(1)[0]
+            f.seek(span.offset + span.length // 2)
+            f.write(bytes([byte ^ 0x5A]))
+        flipped += 1
     return flipped
 
 

@@ -30,7 +30,7 @@ ROUTES: list[tuple[str, str, Any]] = [
     ("POST", "/admin/evict", {"prefix": "ff"}), ("POST", "/admin/flush", {"timeout_s": 10}),
     ("POST", "/admin/drain", {"wait": False}), ("POST", "/admin/undrain", None),
     ("POST", "/admin/pin", {"names": ["00" * 54]}), ("POST", "/admin/unpin", {"names": ["00" * 54]}),
-    ("POST", "/admin/check", None), ("GET", "/admin/fleet", None),
+    ("POST", "/admin/check", None), ("POST", "/admin/compact", None), ("GET", "/admin/fleet", None),
     ("GET", "/admin/series", None), ("GET", "/admin/usage", None),
 ]
 

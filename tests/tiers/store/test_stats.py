@@ -10,9 +10,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import lmdb
-
 from kvbank.results import StoreStats
+from kvbank.testing.diskrot import flip_frame_byte
 from kvbank.testing.tiers import name_of, page_of
 from kvbank.tiers.base import TierKind
 from kvbank.tiers.store.store import TieredStore
@@ -39,17 +38,8 @@ def assert_counters_agree(st: StoreStats) -> None:
 
 def _corrupt_frames(data_dir: Path, rows: list[int]) -> None:
     """Flip the last byte of each row's stored frame (bit rot in the payload)."""
-    env = lmdb.open(str(data_dir / "lmdb"), max_dbs=2)
-    try:
-        with env.begin(write=True, db=env.open_db(b"frames")) as txn:
-            for i in rows:
-                frame = txn.get(name_of(i))
-                assert frame is not None
-                raw = bytearray(frame)
-                raw[-1] ^= 0xFF
-                txn.put(name_of(i), bytes(raw))
-    finally:
-        env.close()
+    for i in rows:
+        flip_frame_byte(data_dir, name_of(i), -1, 0xFF)
 
 
 def _store_on_disk(make_store: MakeStore, tmp_path: Path, corrupt: list[int]) -> TieredStore:

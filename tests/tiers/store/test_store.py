@@ -20,6 +20,7 @@ from kvbank.errors import (
     TierUnavailable,
 )
 from kvbank.results import HealthState
+from kvbank.testing.diskrot import flip_frame_byte
 from kvbank.testing.tiers import name_of, page_of, size_of, stored
 from kvbank.tiers.base import HostSlot, TierKind
 from kvbank.tiers.device import DevicePool, gpu_memory
@@ -243,20 +244,11 @@ def test_store_write_back_restart_keeps_demoted_rows(make_store: MakeStore) -> N
 
 
 def test_store_corrupt_disk_row_is_a_miss_and_counted(make_store: MakeStore, tmp_path: Path) -> None:
-    import lmdb
-
     s = make_store(host_bytes=32 * 1024, disk_bytes=1 << 20, write_policy="write-through")
     s.put(name_of(1), page_of(1, P))
     s.put(name_of(2), page_of(2, P))
     s.close()
-    env = lmdb.open(str(tmp_path / "data" / "lmdb"), max_dbs=2)
-    with env.begin(write=True, db=env.open_db(b"frames")) as txn:
-        frame = txn.get(name_of(1))
-        assert frame is not None
-        raw = bytearray(frame)
-        raw[-1] ^= 0xFF
-        txn.put(name_of(1), bytes(raw))
-    env.close()
+    flip_frame_byte(tmp_path / "data", name_of(1), -1, 0xFF)
     again = make_store(host_bytes=32 * 1024, disk_bytes=1 << 20)
     assert read(again, 1) is None
     assert stored(again, [name_of(1)]) == [False]
@@ -661,20 +653,11 @@ def test_store_stage_host_many_is_all_or_nothing_when_host_is_too_small(
 def test_store_stage_host_many_corrupt_disk_row_is_a_miss(
     make_store: MakeStore, tmp_path: Path
 ) -> None:
-    import lmdb
-
     first = make_store(host_bytes=32 * 1024, disk_bytes=1 << 20, write_policy="write-through")
     for i in range(3):
         first.put(name_of(i), page_of(i, P))
     first.close()
-    env = lmdb.open(str(tmp_path / "data" / "lmdb"), max_dbs=2)
-    with env.begin(write=True, db=env.open_db(b"frames")) as txn:
-        frame = txn.get(name_of(1))
-        assert frame is not None
-        raw = bytearray(frame)
-        raw[-1] ^= 0xFF
-        txn.put(name_of(1), bytes(raw))
-    env.close()
+    flip_frame_byte(tmp_path / "data", name_of(1), -1, 0xFF)
     s = make_store(host_bytes=32 * 1024, disk_bytes=1 << 20)
     names = [name_of(i) for i in range(3)]
     s.locks.lock(names, "lease")

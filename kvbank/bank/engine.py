@@ -335,7 +335,8 @@ class EngineOps:
         """Load ``match`` (or the match a handle names) into the engine's paged ``pool``
         (``(layer, role)`` → a ``[blocks, tokens_per_page, *shape]`` view, any strides):
         page ``j`` of group ``g`` goes to block ``block_ids[g][j]``, for the bound's pages
-        from ``start_page`` on (default: a handle's ``have_pages``, else 0). One copy
+        from ``start_page`` on (default: a handle's ``have_pages``, else 0); a page whose
+        block is None is not moved (the engine does not need it) and counts as missing. One copy
         from the lent rows into the pool; the rows are checked live after it, and a row
         that did not arrive whole is missing (its block must not be used). ``shard``: the
         caller's rank; a match of another shard's rows is translated to the caller's.
@@ -345,6 +346,7 @@ class EngineOps:
         layout = self.layout(m.layout_id)
         plan = Load(m, start, load_rows(m, start))
         targets = _targets(layout, plan, pool, block_ids)  # everything checked before a lease
+        plan = Load(m, start, [r for r in plan.rows if block_ids[r[0]][r[1]] is not None])
         if not plan.rows:
             return load_result(layout, m, start, "", (), 0)
         self._catalog.learn(m.layout_id, m.scope)
@@ -360,7 +362,7 @@ class EngineOps:
                 if not isinstance(loc, HostLocation) or loc.size < size:
                     continue
                 page = _pages_view(self._lender.view(lease.id, name), size)
-                scatter_strided(layout, g, page, targets[g], [targets_ids(block_ids, g, j)])
+                scatter_strided(layout, g, page, targets[g], [int(block_ids[g][j])])  # type: ignore[arg-type]
                 arrived.add((g, j))
                 nbytes += size
             try:
@@ -449,16 +451,10 @@ class EngineOps:
         return names
 
 
-def targets_ids(block_ids: BlockIds, g: int, j: int) -> int:
-    b = block_ids[g][j]
-    if b is None:
-        raise InvalidInput(f"block_ids[{g}][{j}]: the load moves page {j} of group {g}; give its block")
-    return b
-
-
 def _targets(layout: PageLayout, plan: Load, pool: PoolViews,
              block_ids: BlockIds) -> dict[int, PoolViews]:
-    """The pool of each group the plan loads into, checked, and every block id named."""
+    """The pool of each group the plan loads into, checked, and a block (or None: the
+    engine does not need the page) for every page it moves, no block twice."""
     check_block_ids(layout, block_ids)
     out: dict[int, PoolViews] = {}
     used: dict[int, set[int]] = {}
@@ -469,7 +465,9 @@ def _targets(layout: PageLayout, plan: Load, pool: PoolViews,
         if ids is None or j >= len(ids):
             raise InvalidInput(f"block_ids[{g}]: no block for page {j} (the load moves pages "
                                f"from {plan.start_page} on)")
-        b = targets_ids(block_ids, g, j)
+        b = ids[j]
+        if b is None:
+            continue
         if b in used.setdefault(g, set()):
             raise InvalidInput(f"block_ids[{g}]: block {b} appears twice (two pages into one block)")
         used[g].add(b)

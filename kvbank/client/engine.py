@@ -95,12 +95,13 @@ def _check_ids(layout: PageLayout, block_ids: BlockIds) -> None:
             raise InvalidInput(f"block_ids[{g}]: expected a sequence of block ids")
 
 
-def _block(block_ids: BlockIds, g: int, j: int) -> int:
+def _block(block_ids: BlockIds, g: int, j: int) -> int | None:
+    """Page ``j``'s block in group ``g`` (None: the engine does not need the page)."""
     ids = block_ids.get(g)
-    b = None if ids is None or j >= len(ids) else ids[j]
-    if b is None:
+    if ids is None or j >= len(ids):
         raise InvalidInput(f"block_ids[{g}]: no block for page {j}, which the load moves")
-    return int(b)
+    b = ids[j]
+    return None if b is None else int(b)
 
 
 def _runs(entries: list[tuple[int, int, str, int, int]]) -> list[Run]:
@@ -250,13 +251,14 @@ def _load_lent(c: Client, body: dict[str, Any], pool: PoolViews, block_ids: Bloc
         for g, j, _ in rows:
             if g not in blocks:
                 check_pool(layout, g, pool)
-            blocks.setdefault(g, []).append(_block(block_ids, g, j))
+            b = _block(block_ids, g, j)
+            blocks.setdefault(g, []).extend(() if b is None else (b,))
         for g, ids in blocks.items():
             if len(set(ids)) != len(ids):
                 raise InvalidInput(f"block_ids[{g}]: a block id appears twice (two pages into one block)")
         segments = lease["segments"]
         entries = [(int(i), rows[i][0], str(segments[seg]), int(off), int(size))
-                   for i, seg, off, size in lease["slots"]]
+                   for i, seg, off, size in lease["slots"] if _block(block_ids, rows[i][0], rows[i][1]) is not None]
         borrower = c._shm.borrower(writable=True)
         whole: dict[str, torch.Tensor] = {}
         try:
@@ -271,7 +273,7 @@ def _load_lent(c: Client, body: dict[str, Any], pool: PoolViews, block_ids: Bloc
                 if off + size * len(idx) > t.numel():
                     raise TierUnavailable(f"node: a slot at {off} is beyond segment {seg}")
                 src = t[off : off + size * len(idx)].view(len(idx), size)
-                scatter_strided(layout, g, src, pool, [_block(block_ids, g, rows[i][1]) for i in idx])
+                scatter_strided(layout, g, src, pool, [int(block_ids[g][rows[i][1]]) for i in idx])
                 arrived.extend([g, rows[i][1]] for i in idx)
         finally:
             whole.clear()  # no tensor may keep the mapping exported
@@ -289,11 +291,17 @@ def _load_staged(c: Client, body: dict[str, Any], pool: PoolViews, block_ids: Bl
     start = int(doc["start_page"])
     layout = c.layout(m.layout_id)
     _check_ids(layout, block_ids)
+    used: dict[int, list[int]] = {}
     for g, j, _ in load_rows(m, start):
         check_pool(layout, g, pool)
-        _block(block_ids, g, j)
+        b = _block(block_ids, g, j)
+        used.setdefault(g, []).extend(() if b is None else (b,))
+    for g, ids in used.items():
+        if len(set(ids)) != len(ids):
+            raise InvalidInput(f"block_ids[{g}]: a block id appears twice (two pages into one block)")
     res = m.resume
-    keep = [[k for k, j in enumerate(pages) if j >= start] for pages in res.pages]
+    keep = [[k for k, j in enumerate(pages) if j >= start and _block(block_ids, g, j) is not None]
+            for g, pages in enumerate(res.pages)]
     trimmed = dataclasses.replace(m, resume=dataclasses.replace(
         res, pages=tuple(tuple(res.pages[g][k] for k in ks) for g, ks in enumerate(keep)),
         rows=tuple(picked(res.rows[g], ks) for g, ks in enumerate(keep))))
@@ -307,7 +315,7 @@ def _load_staged(c: Client, body: dict[str, Any], pool: PoolViews, block_ids: Bl
         ok = set(got.delivered[g])
         ks = [k for k, j in enumerate(pages) if j in ok]
         if ks:
-            scatter_strided(layout, g, out[g][ks], pool, [_block(block_ids, g, pages[k]) for k in ks])
+            scatter_strided(layout, g, out[g][ks], pool, [int(block_ids[g][pages[k]]) for k in ks])  # type: ignore[arg-type]
             arrived += [(g, pages[k]) for k in ks]
             nbytes += len(ks) * layout.group_page_bytes[g]
     return load_result(layout, m, start, got.fetch_id, arrived, nbytes)

@@ -20,7 +20,9 @@ Primitives:
   bytes between regions are zeroed, so equal pages are equal rows.
 
 A pool on another device than the rows (a CUDA pool, host slots): each buffer's bytes
-cross once as a contiguous tensor, then move by index on the pool's device.
+cross once as a contiguous tensor, then move by index on the pool's device. On the CPU a
+large move is split by rows over :mod:`kvbank.kernels.pages`' lanes (serial torch ops on
+threads of that module), as its own gathers and scatters are: one indexed copy per core.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import torch
 
 from kvbank.errors import InvalidInput, PageSizeMismatch
 from kvbank.kernels.faults import TORCH_ERRORS, torch_fault
+from kvbank.kernels.pages import _cpu_parts
 from kvbank.layout import GroupKind, PageLayout, Role
 
 __all__ = ["PoolViews", "check_pool", "gather_strided", "scatter_strided"]
@@ -99,9 +102,16 @@ def scatter_strided(layout: PageLayout, group: int, rows: torch.Tensor, pool: Po
     blocks = next(iter(tensors.values())).shape[0] if tensors else 0
     idx = _ids(block_ids, blocks, True, "block_ids")
     views = _rows(layout, group, rows, len(block_ids))
+    pairs = [(views[key], dst) for key, dst in tensors.items()]
     try:
-        for key, dst in tensors.items():
-            src = views[key]
+        if all(dst.device.type == "cpu" and src.device.type == "cpu" for src, dst in pairs):
+            def part(sl: slice) -> None:
+                for src, dst in pairs:
+                    dst.index_put_((idx[sl],), src[sl])
+
+            _cpu_parts(part, len(block_ids), len(block_ids) * rows.shape[1])
+            return
+        for src, dst in pairs:
             if src.device != dst.device:
                 src = src.to(dst.device)
             dst.index_put_((idx.to(dst.device),), src)
@@ -122,8 +132,15 @@ def gather_strided(layout: PageLayout, group: int, pool: PoolViews, block_ids: S
     try:
         for start, end in layout.padding(group):
             rows[:, start:end].zero_()
-        for key, src in tensors.items():
-            dst = views[key]
+        pairs = [(src, views[key]) for key, src in tensors.items()]
+        if all(src.device.type == "cpu" and dst.device.type == "cpu" for src, dst in pairs):
+            def part(sl: slice) -> None:
+                for src, dst in pairs:
+                    torch.index_select(src, 0, idx[sl], out=dst[sl])
+
+            _cpu_parts(part, len(block_ids), len(block_ids) * rows.shape[1])
+            return
+        for src, dst in pairs:
             if src.device != dst.device:
                 dst.copy_(src.index_select(0, idx.to(src.device)))
             else:

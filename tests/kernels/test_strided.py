@@ -12,6 +12,7 @@ import torch
 
 from kvbank import full_attention
 from kvbank.errors import InvalidInput, PageSizeMismatch
+from kvbank.kernels.pages import PARALLEL_BYTES
 from kvbank.kernels.strided import gather_strided, scatter_strided
 from kvbank.layout import Role
 
@@ -83,3 +84,23 @@ def test_bad_input_is_refused_before_anything_moves() -> None:
         scatter_strided(LAYOUT, 0, pages, short, [1, 2])
     for k, t in src.items():
         assert torch.equal(t, before[k])
+
+
+def test_a_large_move_split_over_lanes_moves_every_row() -> None:
+    """Past PARALLEL_BYTES the rows are split over the kernel lanes: every row still lands."""
+    big = full_attention("strided-big@1", num_layers=2, num_kv_heads=8, head_dim=128, tokens_per_page=16,
+                         dtype="float32")
+    n, blocks = 72, 80
+    assert n * big.group_page_bytes[0] >= 2 * PARALLEL_BYTES  # two lanes where there are two threads
+    g = torch.Generator().manual_seed(7)
+    src = {(i, r): torch.randn(blocks, 8, 16, 128, generator=g).transpose(1, 2)
+           for i in range(2) for r in (Role.KEY, Role.VALUE)}
+    dst = {k: torch.zeros_like(t) for k, t in src.items()}
+    ids = torch.randperm(blocks, generator=g)[:n].tolist()
+    pages = torch.empty((n, big.group_page_bytes[0]), dtype=torch.uint8)
+    gather_strided(big, 0, src, ids, pages)
+    scatter_strided(big, 0, pages, dst, ids)
+    for k in src:
+        assert torch.equal(dst[k][ids], src[k][ids])
+        rest = [i for i in range(blocks) if i not in ids]
+        assert not dst[k][rest].any()

@@ -287,3 +287,19 @@ def test_on_the_nodes_host_a_load_and_a_put_are_two_control_calls_each(node: Nod
         del calls[:]
         got = c.fetch_into(b.handle, pool=pool_of(cache([0, 1], 0)), block_ids={0: [0, 1, 2, 3], 1: [4, 5, 6, 7]})
         assert got.complete and calls == ["/v1/engine/load", "/v1/engine/loaded"], calls
+
+
+def test_a_page_without_a_block_is_not_moved_and_counts_missing(api: Any) -> None:
+    """None for a page the load would move: the engine does not need it (a block vLLM left
+    null); nothing is written for it, it is missing, and the bound stops before it."""
+    lid = api.register(LAYOUT)
+    keys = fresh_keys(4)
+    src = cache(list(range(L)), 12)
+    api.put_from(lid, pool=pool_of(src), block_ids={0: [0, 1, 2, 3]}, keys=keys)
+    (b,) = api.match_many(lid, [keys], prompt_tokens=[4 * P + 1], hold=True)
+    dst = {i: torch.zeros(BLOCKS, H, 2 * P, D) for i in range(L)}
+    got = api.fetch_into(b.handle, pool=pool_of(dst), block_ids={0: [10, 11, None, 13]})
+    assert not got.complete and got.delivered == ((0, 1, 3),) and got.missing == ((2,),)
+    assert got.resume.tokens == 2 * P and got.nbytes == 3 * PAGE
+    assert not dst[0][12].any() and torch.equal(dst[0][13], src[0][3])
+    api.release_match(b.handle)

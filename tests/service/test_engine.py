@@ -303,3 +303,18 @@ def test_a_page_without_a_block_is_not_moved_and_counts_missing(api: Any) -> Non
     assert got.resume.tokens == 2 * P and got.nbytes == 3 * PAGE
     assert not dst[0][12].any() and torch.equal(dst[0][13], src[0][3])
     api.release_match(b.handle)
+
+
+def test_presence_answers_for_every_shard_by_engine_keys(api: Any) -> None:
+    """What a scheduler asks before it offers a hit to every rank: each shard's bound, in
+    one call, by the engine's own keys (Client too)."""
+    layouts = [full_attention("engine-presence@1", num_layers=L, num_kv_heads=2 * H, head_dim=D,
+                              tokens_per_page=P, dtype="float32", shard_count=2, shard_index=s) for s in range(2)]
+    lid = api.register(layouts[0])
+    api.register(layouts[1])
+    keys = fresh_keys(4)
+    api.put_from(lid, pool=pool_of(cache(list(range(L)), 13)), block_ids={0: [0, 1, 2, 3]}, keys=keys, shard=0)
+    api.put_from(lid, pool=pool_of(cache(list(range(L)), 14)), block_ids={0: [0, 1]}, keys=keys[:2], shard=1)
+    seen = api.presence(lid, keys=keys, prompt_tokens=4 * P + 1)
+    assert seen.shards == (0, 1) and seen.shard_tokens == (4 * P, 2 * P) and seen.tokens == 2 * P
+    assert seen.held(1, 0, 1) and not seen.held(1, 0, 2)

@@ -62,7 +62,9 @@ Where Bank and Client differ, and why (``tests/test_api.py`` keeps the same list
    ``check_invariants`` (tests of an embedded bank), the
    ``reservation`` and ``clock`` properties, the node's routes of a paged engine's calls
    (``held``, ``load_match``, ``lend_load``, ``lend_put_groups``: a handle's match, a
-   load's match on a shard, a load's or a multi-group put's plan and lease in one call);
+   load's match on a shard, a load's or a multi-group put's plan and lease in one call;
+   ``match_with``: the node's own match, from its remote tier and fleet, for
+   ``match_many``);
    and the Client's own ``same_host`` and ``map_host`` (its page path) and ``breaker``
    (``match_many``'s circuit breaker).
 3. **Deadlines** (``timeout=`` of ``put``, ``fetch``, ``lend``, ``fetch_into``,

@@ -198,6 +198,12 @@ class EngineOps:
     put: Callable[..., list[bytes]]
     release: Callable[[str], bool]
 
+    def match_with(self, matcher: Callable[..., Match] | None) -> None:
+        """Match ``match_many``'s prompts with ``matcher`` (``Bank.match``'s parameters)
+        instead of :meth:`match`: a served node's, which completes a match from its remote
+        tier and its fleet. None: :meth:`match` again."""
+        self.__dict__["_engine_matcher"] = matcher
+
     @property
     def _handles(self) -> Handles:
         h: Handles | None = self.__dict__.get("_engine_handles")
@@ -236,8 +242,9 @@ class EngineOps:
             if deadline is not None and self._clock() >= deadline:
                 raise Busy(f"timeout: {i} of {len(prompts)} prompts matched before the {timeout} s "
                            "deadline", field="timeout")
-            m = self.match(layout_id, keys=_sequence(chain, f"keys[{i}]"), scope=scope, shard=shard,
-                           prompt_tokens=tokens[i])
+            matcher: Callable[..., Match] = self.__dict__.get("_engine_matcher") or self.match
+            m = matcher(layout_id, keys=_sequence(chain, f"keys[{i}]"), scope=scope, shard=shard,
+                        prompt_tokens=tokens[i])
             h = check_pages(have[i] or 0, f"have_pages[{i}]", m.resume.keyed_pages)
             bound, boundaries = held_bound(layout, m, h)
             handle, pinned = None, False

@@ -107,6 +107,9 @@ def install_engine(app: FastAPI, node: Node, admin: Any, json: Any) -> None:
     drain state); ``json`` builds a JSON response."""
     bank = node.bank
     guard: TenantGuard = admin.guard
+    # a scheduler's matches see what the node's own match sees: rows the remote tier still
+    # holds are recalled, rows a fleet peer holds are sent for
+    bank.match_with(lambda layout_id, **args: node.match(layout_id, dict(args, tokens=None)))
     lock = threading.Lock()
     loads: OrderedDict[str, Load] = OrderedDict()
 

@@ -16,6 +16,13 @@ Lifecycle::
     got = w.fetch(m, out=w.out_buffers(m))                      # resume at got.resume.tokens
     got = w.fetch_prefix(lid, prompt)                           # match + fetch, one call
 
+or, for a paged engine (a scheduler deciding, workers loading into their block pools)::
+
+    bounds = w.match_many(lid, [keys, ...], have_pages=[c, ...], hold=True)  # one call
+    got = w.fetch_into(bounds[i].handle, pool=pool, block_ids={g: ids}, shard=rank)
+    w.release_match(bounds[i].handle)                           # finished or preempted
+    w.put_from(lid, pool=pool, block_ids={0: ids0, 1: ids1}, keys=keys)  # every group
+
 or, reading and filling rows in place under a lease::
 
     lease = w.lend(m)                  # READ (or mode=WRITE) on the rows m's bound needs
@@ -30,7 +37,9 @@ Calls, by step: layouts and names (:meth:`~WorkerAPI.register`, :meth:`~WorkerAP
 queries that change nothing (:meth:`~WorkerAPI.match`, :meth:`~WorkerAPI.resume_at`,
 :meth:`~WorkerAPI.presence`, :meth:`~WorkerAPI.locate`); fetching
 (:meth:`~WorkerAPI.fetch`, :meth:`~WorkerAPI.fetch_prefix`,
-:meth:`~WorkerAPI.out_buffers`); leases (:meth:`~WorkerAPI.lend`,
+:meth:`~WorkerAPI.out_buffers`); a paged engine's (:meth:`~WorkerAPI.match_many`,
+:meth:`~WorkerAPI.release_match`, :meth:`~WorkerAPI.fetch_into`,
+:meth:`~WorkerAPI.put_from`); leases (:meth:`~WorkerAPI.lend`,
 :meth:`~WorkerAPI.lend_all`, :meth:`~WorkerAPI.renew`, :meth:`~WorkerAPI.release`,
 :meth:`~WorkerAPI.commit`, :meth:`~WorkerAPI.check_live`, :meth:`~WorkerAPI.leases`); the
 rest (:meth:`~WorkerAPI.stats`, :meth:`~WorkerAPI.health`, :meth:`~WorkerAPI.flush`,
@@ -51,9 +60,15 @@ Where Bank and Client differ, and why (``tests/test_api.py`` keeps the same list
    it before serving a fetch), ``lend_put`` (the node's put route: a put planned and its
    WRITE lease taken in one call; a Client's ``put`` makes it on the node),
    ``check_invariants`` (tests of an embedded bank), the
-   ``reservation`` and ``clock`` properties; and the Client's own ``same_host`` and
-   ``map_host`` (its page path).
-3. **Deadlines** (``timeout=`` of ``put``, ``fetch``, ``lend``): the same parameter, but
+   ``reservation`` and ``clock`` properties, the node's routes of a paged engine's calls
+   (``held``, ``load_match``, ``lend_load``, ``lend_put_groups``: a handle's match, a
+   load's match on a shard, a load's or a multi-group put's plan and lease in one call;
+   ``match_with``: the node's own match, from its remote tier and fleet, for
+   ``match_many``);
+   and the Client's own ``same_host`` and ``map_host`` (its page path) and ``breaker``
+   (``match_many``'s circuit breaker).
+3. **Deadlines** (``timeout=`` of ``put``, ``fetch``, ``lend``, ``fetch_into``,
+   ``put_from``): the same parameter, but
    a Client bounds them on its own side, the node taking no deadline on these routes:
    ``timeout`` caps each wait for the node's control answers and HTTP streams, and the
    retries (page bodies over the data port keep that port's own ``timeout_s``). ``fetch``
@@ -73,6 +88,15 @@ Where Bank and Client differ, and why (``tests/test_api.py`` keeps the same list
 6. **``put_states`` on a Client** is one ``put_state`` call to the node per snapshot (every
    snapshot and boundary is checked first, as a Bank does); a Bank stores them in one
    batch.
+7. **A scheduler's match** (``match_many``): a Client bounds it by ``timeout`` or, when
+   none is given, by ``kvbank.client.engine.MATCH_TIMEOUT_S`` (a Bank by nothing), never
+   retries it, and after a call that failed (the node unreachable or too slow) raises
+   :class:`~kvbank.errors.TierUnavailable` at once, without a network call, until its
+   breaker's cool-down ends (``Client.breaker``); then the next call probes the node.
+8. **Paged pools off the node's host** (``fetch_into``, ``put_from``): a Bank and a
+   Client on the node's host move each page once between the lent slots and the pool;
+   a Client on another host goes through staging buffers (its fetch and put paths:
+   the data port or an HTTP stream), a second copy, with the same answers.
 """
 
 from __future__ import annotations
@@ -86,12 +110,14 @@ if TYPE_CHECKING:
     import torch
 
     from kvbank.bank.bank import Bank
+    from kvbank.bank.engine import BlockIds
     from kvbank.buffers import OutBuffers, Pages
     from kvbank.client.client import Client
+    from kvbank.kernels.strided import PoolViews
     from kvbank.keys import Scope, TokenIds
     from kvbank.layout import PageLayout
     from kvbank.lender.base import CommitResult, Lease, LeaseMode, MemoryKind
-    from kvbank.results import BankStats, Fetched, FetchResult, Match, Presence, StoreHealth
+    from kvbank.results import BankStats, Bound, Fetched, FetchResult, Match, Presence, StoreHealth
     from kvbank.tiers.base import TierKind
 
 __all__ = ["WorkerAPI"]
@@ -181,6 +207,34 @@ class WorkerAPI(Protocol):
 
     def out_buffers(self, match: Match) -> dict[int, torch.Tensor]:
         """New buffers for :meth:`fetch`, sized from the layout."""
+        ...
+
+    # ---- a paged engine's calls
+
+    def match_many(self, layout_id: bytes, keys: Sequence[Sequence[bytes]], *,
+                   prompt_tokens: Sequence[int | None] | None = ...,
+                   have_pages: Sequence[int] | None = ..., scope: Scope = ...,
+                   shard: int | None = ..., hold: bool = ..., pin: bool = ...,
+                   ttl_s: float | None = ..., timeout: float | None = ...) -> list[Bound]:
+        """Many prompts' bounds in one call (a scheduler's); ``hold``: a handle each to load
+        by, ``pin``: its rows of every shard held in place until released or expired."""
+        ...
+
+    def release_match(self, handle: str) -> bool:
+        """Drop a held match and its pin (a request finished or preempted)."""
+        ...
+
+    def fetch_into(self, match: Match | str, *, pool: PoolViews, block_ids: BlockIds,
+                   start_page: int | None = ..., shard: int | None = ...,
+                   timeout: float | None = ...) -> FetchResult:
+        """Load a match (or a handle) into a paged pool of strided views, from
+        ``start_page`` on; another shard's match is translated to ``shard``'s rows."""
+        ...
+
+    def put_from(self, layout_id: bytes, *, pool: PoolViews, block_ids: BlockIds,
+                 keys: Sequence[bytes], first_page: int = ..., scope: Scope = ...,
+                 shard: int | None = ..., timeout: float | None = ...) -> dict[int, list[bytes]]:
+        """Store pages of several groups of one key range straight from a paged pool."""
         ...
 
     # ---- leases

@@ -254,3 +254,21 @@ class BankStats:
     # read in place by a same-host client), which never enter the bank's ledger. 0 for an
     # embedded bank; ``Client.stats()`` reports the node's.
     served_fetches: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Bound:
+    """A scheduler's answer for one prompt of ``match_many``: only what it decides by.
+
+    ``tokens`` is the resume bound ``r`` counting the engine's own first ``have_pages``
+    pages as held; ``boundaries`` every usable ``r > 0``; ``missing`` per group the keyed
+    pages from ``have_pages`` on that the node lacks. With ``hold=True`` and rows to load,
+    ``handle`` names the match the node keeps (until its ttl, or ``release_match``) for a
+    worker to load by (``fetch_into(handle, ...)``, from any shard); ``pinned``: with
+    ``pin=True``, the rows of every shard the load needs are held in place until then."""
+
+    tokens: int
+    boundaries: tuple[int, ...]
+    missing: tuple[tuple[int, ...], ...]
+    handle: str | None = None
+    pinned: bool = False

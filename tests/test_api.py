@@ -27,6 +27,9 @@ DIFFERENCES: dict[tuple[str, str | None], int] = {
     ("lend", None): 3,  # timeout: a lease whose answer never came ends at its ttl
     ("row_names", None): 5,  # computed on the client: shard default from the layout
     ("put_states", None): 6,  # one put_state call per snapshot
+    ("fetch_into", None): 8,  # off the node's host: through staging (timeout: as item 3)
+    ("put_from", None): 3,  # timeout: bounded on the client's side
+    ("match_many", None): 7,  # a default deadline, no retries, a circuit breaker
 }
 
 # Public calls outside the contract, by the docstring's item: in-place calls (1), an
@@ -36,6 +39,7 @@ NOT_IN_CONTRACT: dict[str, int] = {
     "open": 2, "fetches": 2, "reshard_rows": 2, "lend_put": 2, "check_invariants": 2,
     "reservation": 2,
     "clock": 2, "same_host": 2, "map_host": 2,
+    "held": 2, "load_match": 2, "match_with": 2, "lend_load": 2, "lend_put_groups": 2, "breaker": 2,
 }
 
 Diff = tuple[str, str | None, str]  # (method, parameter or None for the return, what differs)

@@ -85,6 +85,7 @@ from kvbank.bank.admin import BankAdmin
 from kvbank.bank.catalog import Catalog
 from kvbank.bank.closing import refused_once_closed
 from kvbank.bank.cross_shard import CrossLocate, ReshardReader, ShardCounts
+from kvbank.bank.engine import EngineOps
 from kvbank.bank.fetch import GetMany, fetch_rows, one_by_one
 from kvbank.bank.fleet import BankFleet
 from kvbank.bank.leases import LeaseOps
@@ -126,7 +127,7 @@ PUT_BATCH_PAGES = 64  # pages per store batch (and disk transaction) of a put
 
 
 @refused_once_closed("bank")
-class Bank(LeaseOps):
+class Bank(LeaseOps, EngineOps):
     """A worker's KV-cache bank over a tiered store. See the module docstring."""
 
     def __init__(self, config: BankConfig | None = None, *, clock: Clock = time.monotonic,

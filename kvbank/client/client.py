@@ -60,6 +60,7 @@ from kvbank.buffers import (
     snapshot_boundaries,
 )
 from kvbank.client.dataport import DataLink
+from kvbank.client.engine import EngineCalls
 from kvbank.client.http import Pool
 from kvbank.client.io import (
     Deadline,
@@ -100,7 +101,7 @@ DEFAULT_RETRY_S = 5.0
 _MATCH_DOCS = 64  # matches whose documents a client keeps for their fetches
 
 
-class Client:
+class Client(EngineCalls):
     """A served node, called like a :class:`~kvbank.bank.bank.Bank`. See the module docstring."""
 
     def __init__(

@@ -27,6 +27,7 @@ route                                    what it does
 ``POST /v1/leases/{id}/check``           the completion check (``check_live``)
 ``DELETE /v1/leases/{id}``               release → ``{"released": bool}``
 ``GET  /v1/stats``                       BankStats
+``/v1/engine/...``                       an engine's calls (:mod:`kvbank.service.engine_routes`)
 =======================================  ==================================================
 
 The admin API (``/admin/``), ``/metrics`` and the tenant and drain gates are installed by
@@ -80,6 +81,7 @@ from kvbank.service.admin.auth import Forbidden, Unauthorized
 from kvbank.service.admin.routes import install_admin
 from kvbank.service.connections import RequestLimits
 from kvbank.service.dataplane import DataPlane, Op, slot_names
+from kvbank.service.engine_routes import install_engine
 from kvbank.service.fast_routes import NodeAPI
 from kvbank.service.node import Node, slots_doc
 from kvbank.service.stream import BodyTooLarge, RowStream, receive_put, receive_put_lease
@@ -466,6 +468,8 @@ def create_app(node: Node) -> FastAPI:
         # the bank's counters, with the node's own ledger of served fetches beside its own
         got = dataclasses.replace(await node.call(bank.stats), served_fetches=len(node.ledger))
         return _json(wire.to_dict(got))
+
+    install_engine(app, node, admin, _json)
 
     for method, path, handler, model in (
         ("POST", "/v1/match", match_core, MatchBody),

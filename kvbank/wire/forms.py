@@ -60,6 +60,7 @@ from kvbank.lender.ledger import FetchInfo
 from kvbank.lender.resume import ResumeBound
 from kvbank.results import (
     BankStats,
+    Bound,
     EvictResult,
     FetchResult,
     Match,
@@ -83,7 +84,7 @@ LAYOUT_ID_BYTES = 32
 WIRE_TYPES: tuple[type, ...] = (
     PageLayout, Scope, Match, Presence, ResumeBound, FetchResult, FetchInfo, Lease, LeaseRow,
     HostLocation, DeviceLocation, Region, CommitResult, BankStats, StoreStats, TierStats,
-    StoreHealth, TierHealth, RowInfo, EvictResult, RowEvent,
+    StoreHealth, TierHealth, RowInfo, EvictResult, RowEvent, Bound,
 )
 
 # Byte fields with a fixed length, by (class, field): row names and layout ids. Other byte

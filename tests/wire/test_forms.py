@@ -34,6 +34,7 @@ from kvbank.lender.ledger import FetchInfo
 from kvbank.lender.resume import ResumeBound, resume_bound, resume_boundaries
 from kvbank.results import (
     BankStats,
+    Bound,
     EventKind,
     EvictResult,
     FetchResult,
@@ -173,6 +174,9 @@ EXAMPLES: dict[type, st.SearchStrategy[Any]] = {
     RowInfo: row_infos,
     EvictResult: evict_results,
     RowEvent: row_events,
+    Bound: st.builds(Bound, counts, st.lists(small, max_size=4).map(tuple),
+                     st.lists(st.lists(small, max_size=3).map(tuple), max_size=3).map(tuple),
+                     st.none() | st.text(min_size=1, max_size=32), st.booleans()),
 }
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -12,11 +12,13 @@ the content axis depends on the backend:
 - ``SPLIT_C`` (FlashAttention-style GPU backends): ``C = D_k + D_v``, K first.
 
 A kvbank page region is token-major: ``[P, H, D]`` per layer and role. An adapter gives
-K and V of every block as ``[B, N, H, D]`` views sharing the cache's memory, so a save
-is an index-select plus a permuting copy into the page views and a load the inverse
-(``index_put_`` through the view). An order or a tensor whose strides disagree with
-the declared order is refused (:class:`~kvbank.integrations.vllm.layout.UnsupportedCache`)
-when the caches are registered, naming it.
+K and V of every block as ``[B, N, H, D]`` views sharing the cache's memory:
+:func:`pool_views` hands them to kvbank's paged-pool calls (``fetch_into``,
+``put_from``), which copy between the node's slots and those views once; and
+:func:`gather_group` / :func:`scatter_group` copy between them and canonical pages here.
+An order or a tensor whose strides disagree with the declared order is refused
+(:class:`~kvbank.integrations.vllm.layout.UnsupportedCache`) when the caches are
+registered, naming it.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import torch
 from kvbank.integrations.vllm.layout import UnsupportedCache, VllmLayout
 from kvbank.layout import Role
 
-__all__ = ["KNOWN_ORDERS", "BlockAdapter", "Interior", "gather_group", "scatter_group"]
+__all__ = ["KNOWN_ORDERS", "BlockAdapter", "Interior", "gather_group", "pool_views", "scatter_group"]
 
 # vLLM's KVCacheLayout members (v1/kv_cache_layout.py): stride permutations of
 # [L, B, H, N, C]. Kept here so adapters can be checked without importing vLLM.
@@ -103,6 +105,19 @@ class BlockAdapter:
 
 
 Adapters = Mapping[str, BlockAdapter]  # vLLM layer name -> its adapter
+
+
+def pool_views(vl: VllmLayout, adapters: Adapters) -> dict[tuple[int, Role], torch.Tensor]:
+    """The engine's paged pool as kvbank's calls take it: ``(layer, role)`` → the
+    ``[B, N, H, D]`` view of that layer's K or V (strided, the cache's own memory)."""
+    out: dict[tuple[int, Role], torch.Tensor] = {}
+    for names in vl.group_layers:
+        for name in names:
+            ad = adapters[name]
+            i = vl.layer_index[name]
+            out[(i, Role.KEY)] = ad.key
+            out[(i, Role.VALUE)] = ad.value
+    return out
 
 
 def _ids(block_ids: Sequence[int], device: torch.device) -> torch.Tensor:

@@ -10,6 +10,10 @@ Keys of ``kv_connector_extra_config`` (all optional):
 | ``timeout_s`` | 5 | one kvbank call's socket timeout (the scheduler waits on lookups) |
 | ``retry_s`` | 0.5 | how long idempotent calls are retried |
 | ``breaker_s`` | 10 | after a node failure, kvbank is skipped (every lookup a miss) this long |
+| ``lookup_timeout_s`` | 2 | the deadline of one batched lookup (``match_many``), never retried |
+| ``lookup_batch`` | 64 | waiting requests a lookup answers at once (the one asked, and those queued) |
+| ``pin`` | true | a lookup that offers rows pins them (every rank's) until the load or ``hold_s`` |
+| ``hold_s`` | 60 | how long the node keeps a lookup's match (and its pin) for the workers |
 | ``load_async`` | ``"auto"`` | ``true``: every load async; ``false``: sync; ``auto``: async |
 |  |  | when the model has more than one KV-cache group (vLLM can only recover a failed |
 |  |  | load of such a model asynchronously) |
@@ -40,6 +44,13 @@ DEFAULT_URL = "http://127.0.0.1:7410"
 DEFAULT_TIMEOUT_S = 5.0
 DEFAULT_RETRY_S = 0.5
 DEFAULT_BREAKER_S = 10.0
+# A batched lookup's deadline: far under Client's 120 s, yet above what a busy 2-core host
+# answers a 64-prompt match in (a timed-out lookup trips the breaker: misses for breaker_s).
+DEFAULT_LOOKUP_TIMEOUT_S = 2.0
+DEFAULT_LOOKUP_BATCH = 64
+# Longer than a request usually waits for blocks between its lookup and its load; a load
+# after it falls back to matching by keys (the rows may have gone: a miss).
+DEFAULT_HOLD_S = 60.0
 
 T = TypeVar("T")
 
@@ -53,12 +64,16 @@ class ConnectorConfig:
     retry_s: float = DEFAULT_RETRY_S
     breaker_s: float = DEFAULT_BREAKER_S
     load_async: bool | None = None  # None = auto
+    lookup_timeout_s: float = DEFAULT_LOOKUP_TIMEOUT_S
+    lookup_batch: int = DEFAULT_LOOKUP_BATCH
+    pin: bool = True
+    hold_s: float = DEFAULT_HOLD_S
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
         doc = dict(extra or {})
         known = {"url", "tenant", "token", "timeout_s", "retry_s", "breaker_s", "load_async",
-                 "kvbank_url"}
+                 "kvbank_url", "lookup_timeout_s", "lookup_batch", "pin", "hold_s"}
         unknown = sorted(set(doc) - known)
         if unknown:
             raise InvalidInput(f"kv_connector_extra_config: unknown keys {unknown} "
@@ -68,10 +83,17 @@ class ConnectorConfig:
         if la not in ("auto", True, False, None):
             raise InvalidInput(f"kv_connector_extra_config.load_async: true, false or 'auto', "
                                f"got {la!r}")
+        pin = doc.get("pin", True)
+        if not isinstance(pin, bool):
+            raise InvalidInput(f"kv_connector_extra_config.pin: true or false, got {pin!r}")
+        batch = doc.get("lookup_batch", DEFAULT_LOOKUP_BATCH)
+        if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+            raise InvalidInput(f"kv_connector_extra_config.lookup_batch: an integer >= 1, got {batch!r}")
         out = cls(url=url, tenant=str(doc.get("tenant", "")), token=doc.get("token"),
-                  load_async=None if la in ("auto", None) else bool(la))
+                  load_async=None if la in ("auto", None) else bool(la), pin=pin, lookup_batch=batch)
         defaults = {"timeout_s": DEFAULT_TIMEOUT_S, "retry_s": DEFAULT_RETRY_S,
-                    "breaker_s": DEFAULT_BREAKER_S}
+                    "breaker_s": DEFAULT_BREAKER_S, "lookup_timeout_s": DEFAULT_LOOKUP_TIMEOUT_S,
+                    "hold_s": DEFAULT_HOLD_S}
         for name, default in defaults.items():
             v = doc.get(name, default)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:

@@ -1,8 +1,9 @@
 """What crosses from the scheduler half to the worker half, and back (both picklable).
 
-- :class:`LoadSpec` — one request's load: its page keys up to the bound ``tokens``, the
-  engine's local hit, and vLLM's block ids per group. The worker matches and fetches for
-  its *own* shard from the keys (a scheduler ``Match`` names shard 0's rows only).
+- :class:`LoadSpec` — one request's load: the handle of the scheduler's lookup on the
+  node (each rank loads by it, for its *own* shard: the node translates the shard-0 match),
+  its page keys up to the bound ``tokens`` (to match again where the handle has ended),
+  the engine's local hit, and vLLM's block ids per group.
 - :class:`SaveSpec` — one request's newly completed pages: the key chain up to them, the
   first page, and the block ids of those pages per group (0 = vLLM's null block: skip).
 - :class:`KvbankMetadata` — the step's loads and saves.
@@ -30,6 +31,7 @@ class LoadSpec:
     local_tokens: int  # the engine's own block-aligned hit: pages below it are not written
     block_ids: tuple[tuple[int, ...], ...]  # per group, vLLM's block ids of the request
     is_async: bool
+    handle: str | None = None  # the node's kept match of the lookup (None: match by keys)
 
 
 @dataclass(frozen=True, slots=True)

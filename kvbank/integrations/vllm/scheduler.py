@@ -2,12 +2,17 @@
 
 Lifecycle of a request, as vLLM's scheduler drives it:
 
-1. ``get_num_new_matched_tokens`` — one kvbank ``match`` by vLLM's block hashes as page
-   keys (shard 0: the scheduler speaks for every rank; each rank checks its own shard
-   when it loads). Side-effect free: nothing is leased. Answers ``r - local`` tokens,
-   async when the model has more than one KV-cache group (see :mod:`.config`).
-2. ``update_state_after_alloc`` — with external tokens, a :class:`LoadSpec` (keys up to
-   ``r``, the local hit, vLLM's block ids) goes into the next step's metadata.
+1. ``get_num_new_matched_tokens`` — answered from one batched lookup (``match_many``, by
+   vLLM's block hashes as page keys, the engine's block-aligned local hit counted as
+   held): the request asked and up to ``lookup_batch - 1`` others that arrived since
+   (``on_new_request``) in one call, under a short deadline; the others' answers wait
+   for their turn (asked again only if the local hit then covers a page the node lacks).
+   Shard 0: the scheduler speaks for every rank. A lookup that offers rows leaves a
+   *handle* on the node (and, with ``pin``, every rank's rows held in place) for the
+   workers to load by; vLLM sees no side effect. Answers ``r - local`` tokens, async
+   when the model has more than one KV-cache group (see :mod:`.config`).
+2. ``update_state_after_alloc`` — with external tokens, a :class:`LoadSpec` (the handle,
+   keys up to ``r``, the local hit, vLLM's block ids) goes into the next step's metadata.
 3. ``build_connector_meta`` — the loads, and a :class:`SaveSpec` for every prompt page a
    scheduled request completes in this step (block ids tracked from the scheduler output:
    new requests' lists, appended blocks, resumed requests' replaced lists).
@@ -17,6 +22,11 @@ Lifecycle of a request, as vLLM's scheduler drives it:
 5. ``request_finished`` — forget the request; blocks are never held (saves copy the pages
    out inside the step that computed them).
 
+Handles are released (on a thread of their own, off the scheduler loop) once their load
+is over — a sync load by the next step, an async one when vLLM reports it done or failed
+— and when their request finishes, is preempted or is looked up again; the node ends any
+other at ``hold_s``.
+
 Opt-out per request: ``SamplingParams(extra_args={"kv_transfer_params": {"kvbank": False}})``
 (neither load nor save), or ``{"kvbank_load": False}`` / ``{"kvbank_save": False}``.
 """
@@ -25,7 +35,11 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from kvbank import Client, Scope
@@ -38,6 +52,7 @@ from kvbank.integrations.vllm.metadata import (
     SaveSpec,
 )
 from kvbank.keys import engine_keys
+from kvbank.results import Bound
 
 __all__ = ["KvbankScheduler", "wants"]
 
@@ -63,6 +78,27 @@ class _Req:
 class _Lookup:
     local: int  # the block-aligned local hit the answer was for
     tokens: int  # r
+    handle: str | None = None  # the node's kept match (the workers load by it)
+    at: float = 0.0  # time.monotonic() of the answer
+
+
+@dataclass(frozen=True, slots=True)
+class _Answer:
+    """A batched lookup's answer for one request, kept until vLLM asks about it."""
+
+    bound: Bound
+    have_pages: int  # the local hit (pages) it counted as held
+    at: float  # time.monotonic() of the lookup
+
+    def serves(self, have_pages: int, now: float, max_age: float) -> bool:
+        """Whether it answers a lookup with ``have_pages`` held now: the same hit, or a
+        larger one covering no page the node lacks (then the bound is the same)."""
+        if now - self.at > max_age:
+            return False
+        if have_pages == self.have_pages:
+            return True
+        return have_pages > self.have_pages and not any(
+            j < have_pages for pages in self.bound.missing for j in pages)
 
 
 class KvbankScheduler:
@@ -90,7 +126,14 @@ class KvbankScheduler:
         self._lookups: dict[str, _Lookup] = {}
         self._loads: list[LoadSpec] = []
         self._failed: set[str] = set()
-        self.stats = {"lookups": 0, "hit_tokens": 0, "loads_failed": 0, "saves": 0}
+        self._answers: dict[str, _Answer] = {}  # looked up in a batch, not asked about yet
+        self._queued: dict[str, Any] = {}  # arrived, not looked up yet (batch candidates)
+        self._loading: dict[str, str] = {}  # request -> the handle its load is using
+        self._sync_done: list[str] = []  # handles of sync loads sent last step
+        self._releaser: ThreadPoolExecutor | None = None
+        self._release_client = threading.local()
+        self.stats = {"lookups": 0, "hit_tokens": 0, "loads_failed": 0, "saves": 0,
+                      "match_calls": 0}
 
     # ---- kvbank --------------------------------------------------------------------
 
@@ -98,6 +141,7 @@ class KvbankScheduler:
         if self._client is None:
             self._client = Client(self.cfg.url, timeout_s=self.cfg.timeout_s,
                                   retry_s=self.cfg.retry_s, token=self.cfg.token)
+            self._client.breaker.cool_s = self.cfg.breaker_s
         if not self._registered:
             self._client.register(self.vl.layout)
             self._registered = True
@@ -108,23 +152,95 @@ class KvbankScheduler:
         raw = page_keys_of(request.block_hashes, self.vl, pages)
         return engine_keys(raw, self.vl.layout_id, self.scope) if raw else []
 
-    def _match(self, request: Any) -> int:
-        """r for ``request``: the bound kvbank can resume it at (shard 0)."""
+    def _prompt(self, request: Any) -> tuple[list[bytes], int] | None:
+        """The request's kvbank keys and prompt length for a lookup (None: no full page)."""
         t = int(request.num_tokens)
         p = self.vl.tokens_per_page
         keys = self.keys(request, t // p)
         if not keys:
-            return 0
-        prompt = min(t, len(keys) * p + p - 1)
+            return None
+        return keys, min(t, len(keys) * p + p - 1)
+
+    def _lookup(self, request: Any, have_pages: int) -> None:
+        """One ``match_many`` for ``request`` (with its local hit) and the queued others
+        (with none); their answers go to ``_answers``. Keeps a handle only where a load
+        may follow."""
+        batch: list[tuple[str, Any, int]] = [(request.request_id, request, have_pages)]
+        for rid, other in list(self._queued.items()):
+            if len(batch) >= self.cfg.lookup_batch:
+                break
+            if rid != request.request_id and rid not in self._failed and wants(other, "load"):
+                batch.append((rid, other, 0))
+        asks: list[tuple[str, list[bytes], int, int]] = []
+        for rid, req, have in batch:
+            self._queued.pop(rid, None)
+            prompt = safe("page keys", partial(self._prompt, req), None)
+            if prompt is not None:
+                asks.append((rid, prompt[0], prompt[1], have))
+        if not asks:
+            return
         client = self._ready()
-        m = registered(client, self.vl.layout, lambda: client.match(
-            self.vl.layout_id, keys=keys, prompt_tokens=prompt, scope=self.scope, shard=0))
-        return int(m.resume.tokens)
+        self.stats["match_calls"] += 1
+        bounds = registered(client, self.vl.layout, lambda: client.match_many(
+            self.vl.layout_id, [k for _, k, _, _ in asks], prompt_tokens=[t for _, _, t, _ in asks],
+            have_pages=[h for _, _, _, h in asks], scope=self.scope, shard=0, hold=True,
+            pin=self.cfg.pin, ttl_s=self.cfg.hold_s, timeout=self.cfg.lookup_timeout_s))
+        now = time.monotonic()
+        for (rid, _, _, have), b in zip(asks, bounds, strict=True):
+            self._forget_answer(rid)
+            self._answers[rid] = _Answer(b, have, now)
+
+    def _answer(self, request: Any, have_pages: int) -> Bound | None:
+        """The lookup's answer for ``request`` with ``have_pages`` held (batched)."""
+        rid = request.request_id
+        got = self._answers.get(rid)
+        if got is None or not got.serves(have_pages, time.monotonic(), self.cfg.hold_s / 2):
+            self.guard.call("match", lambda: self._lookup(request, have_pages), None)
+            got = self._answers.get(rid)
+        return None if got is None else got.bound
+
+    # ---- handles ----------------------------------------------------------------------
+
+    def _release(self, handle: str | None) -> None:
+        """Release a handle on the releaser thread (never on the scheduler loop)."""
+        if handle is None or self.guard.down:
+            return  # a down node ends it at its ttl
+        if self._releaser is None:
+            self._releaser = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvbank-release")
+        self._releaser.submit(self.guard.call, "release", lambda: self._release_now(handle), None)
+
+    def _release_now(self, handle: str) -> None:
+        c: Client | None = getattr(self._release_client, "client", None)
+        if c is None:
+            c = self._release_client.client = Client(self.cfg.url, timeout_s=self.cfg.timeout_s,
+                                                     retry_s=self.cfg.retry_s, token=self.cfg.token)
+        c.release_match(handle)
+
+    def _close_release_client(self) -> None:
+        c: Client | None = getattr(self._release_client, "client", None)
+        if c is not None:
+            safe("close", c.close, None)
+
+    def _forget_answer(self, rid: str) -> None:
+        old = self._answers.pop(rid, None)
+        if old is not None:
+            self._release(old.bound.handle)
+
+    def _forget(self, rid: str) -> None:
+        """Everything held for ``rid`` (finished or preempted)."""
+        self._forget_answer(rid)
+        self._queued.pop(rid, None)
+        found = self._lookups.pop(rid, None)
+        if found is not None:
+            self._release(found.handle)
+        self._release(self._loading.pop(rid, None))
 
     # ---- vLLM scheduler calls ------------------------------------------------------
 
     def on_new_request(self, request: Any) -> None:
         self._reqs.setdefault(request.request_id, _Req(request))
+        if wants(request, "load"):
+            self._queued[request.request_id] = request  # looked up with the next batch
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         rid = request.request_id
@@ -132,11 +248,23 @@ class KvbankScheduler:
         if rid in self._failed or not wants(request, "load"):
             return 0, False
         self.stats["lookups"] += 1
-        r = self.guard.call("match", lambda: self._match(request), 0)
+        old = self._lookups.get(rid)
+        if old is not None and old.local == num_computed_tokens \
+                and time.monotonic() - old.at < self.cfg.hold_s / 2:
+            return old.tokens - num_computed_tokens, self.load_async  # asked again: not scheduled yet
+        p = self.vl.tokens_per_page
+        bound = self._answer(request, num_computed_tokens // p)
+        old = self._lookups.pop(rid, None)
+        if old is not None and (bound is None or old.handle != bound.handle):
+            self._release(old.handle)
+        r = 0 if bound is None else bound.tokens
+        if bound is not None:
+            self._answers.pop(rid, None)  # taken: its handle goes with the lookup now
         if r <= num_computed_tokens:
-            self._lookups.pop(rid, None)
+            self._release(None if bound is None else bound.handle)
             return 0, False
-        self._lookups[rid] = _Lookup(num_computed_tokens, r)
+        self._lookups[rid] = _Lookup(num_computed_tokens, r, None if bound is None else bound.handle,
+                                     time.monotonic())
         return r - num_computed_tokens, self.load_async
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
@@ -146,6 +274,8 @@ class KvbankScheduler:
         rid = request.request_id
         found = self._lookups.pop(rid, None)
         if num_external_tokens <= 0:
+            if found is not None:
+                self._release(found.handle)
             return
         p = self.vl.tokens_per_page
         local = found.local if found is not None else 0
@@ -162,7 +292,13 @@ class KvbankScheduler:
         except Exception as exc:  # never into vLLM; an empty plan fails on the worker
             logger.warning("kvbank: request %s: block ids unreadable: %s", rid, exc)
             ids = ()
-        self._loads.append(LoadSpec(rid, keys, r, local, ids, self.load_async))
+        handle = found.handle if found is not None and keys else None
+        self._loads.append(LoadSpec(rid, keys, r, local, ids, self.load_async, handle))
+        if handle is not None:
+            self._release(self._loading.pop(rid, None))
+            self._loading[rid] = handle
+            if not self.load_async:
+                self._sync_done.append(rid)
         req = self._reqs.setdefault(rid, _Req(request))
         req.saved_pages = max(req.saved_pages, r // p)  # those pages are in kvbank already
         self.stats["hit_tokens"] += r - local
@@ -173,6 +309,13 @@ class KvbankScheduler:
         return out
 
     def build_connector_meta(self, out: Any) -> KvbankMetadata:
+        # the sync loads sent with the last step are over (the worker ran them before its
+        # forward): their handles can go. Preempted requests give theirs up too.
+        done, self._sync_done = self._sync_done, []
+        for rid in done:
+            self._release(self._loading.pop(rid, None))
+        for rid in getattr(out, "preempted_req_ids", None) or ():
+            self._forget(rid)
         meta = KvbankMetadata(loads=self.take_loads())
         # the loads are promised to vLLM: whatever goes wrong in planning saves, they go out
         safe("planning saves", lambda: self._plan_saves(meta, out), None)
@@ -219,6 +362,8 @@ class KvbankScheduler:
         self.stats["saves"] += 1
 
     def update_connector_output(self, output: Any) -> None:
+        for rid in getattr(output, "finished_recving", None) or ():  # async loads over
+            self._release(self._loading.pop(rid, None))
         failed = set(getattr(output, "failed_recving", None) or ())
         wm = getattr(output, "kv_connector_worker_meta", None)
         if isinstance(wm, KvbankWorkerMetadata):
@@ -236,11 +381,17 @@ class KvbankScheduler:
     def request_finished(self, request: Any) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
         self._reqs.pop(rid, None)
-        self._lookups.pop(rid, None)
+        self._forget(rid)
         self._failed.discard(rid)
         return False, None
 
     def shutdown(self) -> None:
+        for rid in list(self._answers) + list(self._lookups) + list(self._loading):
+            self._forget(rid)
+        if self._releaser is not None:
+            self._releaser.submit(self._close_release_client)
+            self._releaser.shutdown(wait=True)
+            self._releaser = None
         if self._client is not None:
             safe("close", self._client.close, None)
             self._client = None

@@ -1,10 +1,14 @@
 """The connector's worker half: loads into and saves out of one TP rank's paged cache.
 
-Each TP rank is one kvbank shard (``shard_count`` = TP, ``shard_index`` = rank). A
-scheduler ``Match`` names shard 0's rows, so a rank never fetches by it: it runs its own
-``fetch_prefix`` by the load's page keys with ``shard=rank`` (match and lend in one call
-on the node's host) and scatters only what *its* shard holds. A rank whose rows are
-missing or short fails the load; vLLM unions the ranks' failures and recomputes.
+Each TP rank is one kvbank shard (``shard_count`` = TP, ``shard_index`` = rank). A load
+redeems the scheduler's lookup by its handle with ``fetch_into(handle, shard=rank)``:
+the node translates the shard-0 match to this rank's rows (never loading rank 0's heads),
+and the rows from the engine's local hit on are copied once, from the node's segment
+straight into this rank's paged cache (:func:`~.blocks.pool_views`). Where the handle
+has ended (its ``hold_s``, a node restart), the rank matches and fetches by the load's
+page keys with ``fetch_prefix(shard=rank)`` and scatters what *its* shard holds. A rank
+whose rows are missing or short fails the load; vLLM unions the ranks' failures and
+recomputes.
 
 Lifecycle per step (the metadata is bound by vLLM):
 
@@ -15,8 +19,9 @@ Lifecycle per step (the metadata is bound by vLLM):
   ``build_connector_worker_meta``.
 - ``wait_for_save`` — the pages this step completed are copied out of the cache now
   (vLLM may reuse the blocks after the step) and put on a saver thread, off the
-  critical path. ``shutdown`` drains the saver (a put still running when vLLM kills the
-  worker is lost: a future miss, never a wrong row).
+  critical path: one ``put_from`` a request, every KV-cache group in it. ``shutdown``
+  drains the saver (a put still running when vLLM kills the worker is lost: a future
+  miss, never a wrong row).
 
 Loads write only blocks vLLM allocated for them: non-null blocks of pages between the
 engine's local hit and ``r``. A page vLLM expects that kvbank did not deliver fails the load.
@@ -26,7 +31,6 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
 from typing import Any
@@ -34,7 +38,14 @@ from typing import Any
 import torch
 
 from kvbank import Client, Scope
-from kvbank.integrations.vllm.blocks import BlockAdapter, Interior, gather_group, scatter_group
+from kvbank.errors import FetchNotFound
+from kvbank.integrations.vllm.blocks import (
+    BlockAdapter,
+    Interior,
+    gather_group,
+    pool_views,
+    scatter_group,
+)
 from kvbank.integrations.vllm.config import ConnectorConfig, Guard, registered, safe
 from kvbank.integrations.vllm.layout import UnsupportedCache, VllmLayout, layout_for, scope_for
 from kvbank.integrations.vllm.metadata import (
@@ -43,6 +54,7 @@ from kvbank.integrations.vllm.metadata import (
     LoadSpec,
     SaveSpec,
 )
+from kvbank.layout import Role
 
 __all__ = ["KvbankWorker", "tp_rank"]
 
@@ -105,6 +117,7 @@ class KvbankWorker:
         self._specs = {name: gs.kv_cache_spec for gs in kv_cache_config.kv_cache_groups
                        for name in gs.layer_names}
         self.adapters: dict[str, BlockAdapter] = {}
+        self.pool: dict[tuple[int, Role], torch.Tensor] = {}
         self.guard = Guard(cfg.breaker_s)
         self.clients = _Clients(cfg, self.vl)
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="kvbank-load")
@@ -129,6 +142,7 @@ class KvbankWorker:
                 adapters[name] = BlockAdapter.of(name, cache, self.order, self.interior,
                                                  int(spec.head_size), int(hv))
         self.adapters = adapters
+        self.pool = pool_views(self.vl, adapters)
 
     # ---- loads ---------------------------------------------------------------------
 
@@ -155,7 +169,35 @@ class KvbankWorker:
                 if ids[k] != 0]
 
     def _load(self, spec: LoadSpec) -> bool:
-        """Fetch this rank's rows for ``spec`` and scatter them; False = the load failed."""
+        """This rank's rows for ``spec`` into its cache; False = the load failed."""
+        if spec.handle is not None:
+            ok = self._load_by_handle(spec, spec.handle)
+            if ok is not None:
+                return ok
+        return self._load_by_keys(spec)
+
+    def _load_by_handle(self, spec: LoadSpec, handle: str) -> bool | None:
+        """``fetch_into`` by the lookup's handle, from the local hit on; None where the
+        node no longer keeps it (match by keys instead)."""
+        p = self.vl.tokens_per_page
+        n = spec.tokens // p
+        if n == 0 or not spec.block_ids:
+            return False
+        ids = {g: [b if b != 0 else None for b in blocks[:n]] for g, blocks in enumerate(spec.block_ids)}
+        client = self.clients.get()
+        try:
+            got = registered(client, self.vl.layout, lambda: client.fetch_into(
+                handle, pool=self.pool, block_ids=ids, start_page=spec.local_tokens // p, shard=self.rank))
+        except FetchNotFound:
+            return None
+        for g in range(len(self.vl.layout.groups)):
+            delivered = {ids[g][j] for j in got.delivered[g]} if g in ids else set()
+            if not set(self._target_blocks(spec, g)) <= delivered:
+                return False  # vLLM expects a block kvbank did not deliver
+        return True
+
+    def _load_by_keys(self, spec: LoadSpec) -> bool:
+        """Fetch this rank's rows for ``spec`` by its keys and scatter them."""
         p = self.vl.tokens_per_page
         n = spec.tokens // p
         if n == 0 or len(spec.keys) < n or not spec.block_ids:
@@ -216,26 +258,35 @@ class KvbankWorker:
     def wait_for_save(self, meta: KvbankMetadata) -> None:
         self._saves = [f for f in self._saves if not f.done()]
         for spec in meta.saves:
-            none: list[tuple[int, int, torch.Tensor]] = []
-            jobs = self.guard.call(f"save of {spec.req_id}", partial(self._gather, spec), none)
-            for g, first, pages in jobs:
-                self._saves.append(self._saver.submit(self._put, spec, g, first, pages))
+            none: tuple[dict[tuple[int, Role], torch.Tensor], dict[int, list[int | None]]] | None = None
+            job = self.guard.call(f"save of {spec.req_id}", partial(self._gather, spec), none)
+            if job is not None:
+                self._saves.append(self._saver.submit(self._put, spec, *job))
 
-    def _gather(self, spec: SaveSpec) -> list[tuple[int, int, torch.Tensor]]:
-        """Per group, runs of consecutive non-null blocks as (group, first page, pages)."""
-        out = []
+    def _gather(self, spec: SaveSpec) -> tuple[dict[tuple[int, Role], torch.Tensor],
+                                               dict[int, list[int | None]]] | None:
+        """The step's pages of every group copied out of the cache (vLLM may reuse the
+        blocks after the step), as a pool ``put_from`` takes: per group, canonical pages
+        viewed per buffer, and the page's row in them (None: vLLM's null block, skipped)."""
+        pool: dict[tuple[int, Role], torch.Tensor] = {}
+        rows: dict[int, list[int | None]] = {}
         for g, ids in enumerate(spec.block_ids):
-            for start, run in _runs(ids):
-                out.append((g, spec.first_page + start, gather_group(self.vl, self.adapters, g, run)))
-        return out
+            real = [b for b in ids if b != 0]
+            if not real:
+                continue
+            pages = gather_group(self.vl, self.adapters, g, real)
+            pool.update(self.vl.layout.views(pages, g))
+            k = iter(range(len(real)))
+            rows[g] = [None if b == 0 else next(k) for b in ids]
+        return (pool, rows) if rows else None
 
-    def _put(self, spec: SaveSpec, group: int, first: int, pages: torch.Tensor) -> None:
-        n = pages.shape[0]
+    def _put(self, spec: SaveSpec, pool: dict[tuple[int, Role], torch.Tensor],
+             rows: dict[int, list[int | None]]) -> None:
         def put() -> None:
             client = self.clients.get()
-            registered(client, self.vl.layout, lambda: client.put(
-                self.vl.layout_id, group=group, pages=pages, keys=list(spec.keys[: first + n]),
-                first_page=first, scope=self.scope, shard=self.rank))
+            registered(client, self.vl.layout, lambda: client.put_from(
+                self.vl.layout_id, pool=pool, block_ids=rows, keys=list(spec.keys),
+                first_page=spec.first_page, scope=self.scope, shard=self.rank))
 
         self.guard.call(f"save of {spec.req_id}", put, None)
 
@@ -253,16 +304,3 @@ class KvbankWorker:
         self._saver.shutdown(wait=False)
         self._loader.shutdown(wait=False)
         safe("close", self.clients.close, None)
-
-
-def _runs(ids: Sequence[int]) -> list[tuple[int, list[int]]]:
-    """Runs of non-null block ids: (offset of the run's first page, its block ids)."""
-    runs: list[tuple[int, list[int]]] = []
-    for k, b in enumerate(ids):
-        if b == 0:
-            continue
-        if runs and runs[-1][0] + len(runs[-1][1]) == k:
-            runs[-1][1].append(b)
-        else:
-            runs.append((k, [b]))
-    return runs

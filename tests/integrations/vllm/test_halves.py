@@ -365,3 +365,101 @@ def test_connector_never_raises_into_vllm_and_planned_loads_still_go_out(node: N
     c.update_connector_output(object())
     assert c.request_finished_all_groups(req, ([1, 2, 3, 4],)) == (False, None)
     c.shutdown()
+
+
+# ---- the engine calls: batched lookups, handles, pins --------------------------------
+
+
+def flush_releases(sched: KvbankScheduler) -> None:
+    """Wait for the handle releases the scheduler queued (they run off its loop)."""
+    if sched._releaser is not None:
+        sched._releaser.submit(lambda: None).result(30)
+
+
+def node_leases(node: Node) -> int:
+    with Client(node.url) as c:
+        return len(c.leases())
+
+
+def test_scheduler_looks_up_the_waiting_requests_in_one_call(node: Node, make_sched: Any) -> None:
+    sched = make_sched()
+    reqs = [request(f"b{i}", 100, f"b{i}") for i in range(5)]
+    for i, r in enumerate(reqs):
+        store(node, sched, r, i % 4)
+        sched.on_new_request(r)
+    answers = [sched.get_num_new_matched_tokens(r, 0) for r in reqs]
+    assert answers == [(0, False), (32, False), (64, False), (96, False), (0, False)]
+    assert sched.stats["match_calls"] == 1  # the first ask answered all five
+    # a local hit covering a page kvbank lacks asks again, for that request alone
+    assert sched.get_num_new_matched_tokens(reqs[0], 32) == (0, False)
+    assert sched.stats["match_calls"] == 2
+    for r in reqs:
+        sched.request_finished(r)
+    flush_releases(sched)
+
+
+def test_scheduler_handle_loads_each_tp_rank_its_own_shard_then_is_released(node: Node) -> None:
+    """The scheduler's lookup (shard 0) goes to the workers as a handle; rank 1 loads by it
+    its own heads (the node translates), the pin holds every rank's rows until the load is
+    over, and the next step releases it."""
+    (w0, c0), (w1, c1) = workers(node)
+    req = request("t", 100, "tp-handle")
+    keys = tuple(engine_keys(req.block_hashes, w0.vl.layout_id, w0.scope))
+    save = KvbankMetadata(saves=[SaveSpec("t", keys, 0, ((1, 2, 3),))])
+    for w in (w0, w1):
+        w.wait_for_save(save)
+        w.drain()
+    sched = KvbankScheduler(vllm_config(tp=2), kv_config(tp=2), cfg(node))
+    try:
+        before = node_leases(node)
+        sched.on_new_request(req)
+        assert sched.get_num_new_matched_tokens(req, 0) == (96, False)
+        assert node_leases(node) == before + 1  # the pin: both ranks' rows
+        sched.update_state_after_alloc(req, blocks([4, 5, 6, 7]), 96)
+        meta = sched.build_connector_meta(sched_out([("t", [[4, 5, 6, 7]], 0)], {"t": 100}))
+        [load] = meta.loads
+        assert load.handle is not None
+        fresh = {name: torch.zeros_like(t) for name, t in c1.items()}
+        w1.register_kv_caches(fresh)
+        w1.start_load_kv(KvbankMetadata(loads=[load]))
+        assert w1.get_block_ids_with_load_errors() == set()
+        for name in LAYERS:
+            assert torch.equal(kv_of(fresh[name], [4, 5, 6]), kv_of(c1[name], [1, 2, 3]))
+            assert not torch.equal(kv_of(fresh[name], [4, 5, 6]), kv_of(c0[name], [1, 2, 3]))
+        sched.build_connector_meta(sched_out([], {}))  # the next step: the sync load is over
+        flush_releases(sched)
+        assert node_leases(node) == before
+    finally:
+        sched.shutdown()
+        for w in (w0, w1):
+            w.shutdown()
+
+
+def test_scheduler_releases_the_handle_of_a_preempted_request(node: Node, make_sched: Any) -> None:
+    sched = make_sched()
+    req = request("pre", 100, "pre")
+    store(node, sched, req, 3)
+    before = node_leases(node)
+    assert sched.get_num_new_matched_tokens(req, 0) == (96, False)
+    assert node_leases(node) == before + 1
+    out = sched_out([], {})
+    out.preempted_req_ids = {"pre"}
+    sched.build_connector_meta(out)
+    flush_releases(sched)
+    assert node_leases(node) == before
+
+
+def test_worker_a_handle_gone_falls_back_to_the_keys(node: Node) -> None:
+    """A load whose handle the node no longer keeps (a restart, its hold_s) matches by the
+    page keys instead: the same rows, loaded."""
+    (w0, c0), _ = workers(node)
+    keys = tuple(engine_keys(hashes(3, "gone"), w0.vl.layout_id, w0.scope))
+    w0.wait_for_save(KvbankMetadata(saves=[SaveSpec("g", keys, 0, ((1, 2, 3),))]))
+    w0.drain()
+    fresh = {name: torch.zeros_like(t) for name, t in c0.items()}
+    w0.register_kv_caches(fresh)
+    w0.start_load_kv(KvbankMetadata(loads=[LoadSpec("g", keys, 96, 0, ((4, 5, 6, 7),), False, "0" * 32)]))
+    assert w0.get_block_ids_with_load_errors() == set()
+    for name in LAYERS:
+        assert torch.equal(kv_of(fresh[name], [4, 5, 6]), kv_of(c0[name], [1, 2, 3]))
+    w0.shutdown()

@@ -54,6 +54,8 @@ def _post(node: NodeProcess, path: str, body: Any, token: str | None) -> httpx.R
     ("GET", "/v1/node"), ("GET", "/v1/stats"), ("GET", "/v1/leases"), ("POST", "/v1/match"),
     ("POST", "/v1/put"), ("POST", "/v1/fetch"), ("POST", "/v1/locate"), ("DELETE", "/v1/leases/x"),
     ("POST", "/v1/presence"), ("POST", "/v1/layouts/x/scopes"),
+    ("POST", "/v1/engine/match"), ("POST", "/v1/engine/load"), ("POST", "/v1/engine/loaded"),
+    ("POST", "/v1/engine/release"), ("POST", "/v1/engine/put"),
 ])
 def test_every_data_route_needs_a_tenant_token(node: NodeProcess, method: str, path: str) -> None:
     assert httpx.request(method, node.url + path).status_code == 401
@@ -212,3 +214,28 @@ def test_a_tenant_trickling_put_bodies_holds_at_most_half_the_host_tier(node: No
     finally:
         for s in held:
             s.close()
+
+
+def test_tenant_b_never_redeems_tenant_a_s_handle_or_rows(node: NodeProcess) -> None:
+    """The engine calls: a's handle, a's match and a's scope are a's alone."""
+    from kvbank.layout import Role
+
+    pool = {(0, r): torch.randn(8, 2, P, 64).to(torch.bfloat16).transpose(1, 2) for r in (Role.KEY, Role.VALUE)}
+    keys = [bytes([9, i]) * 8 for i in range(3)]
+    with Client(node.url, token=TA) as a, Client(node.url, token=TB) as b:
+        lid = a.register(FA)
+        a.put_from(lid, pool=pool, block_ids={0: [0, 1, 2]}, keys=keys, scope=Scope("a"))
+        (ha,) = a.match_many(lid, [keys], prompt_tokens=[3 * P + 1], hold=True, pin=True, scope=Scope("a"))
+        assert ha.tokens == 3 * P and ha.handle is not None
+        assert b.match_many(lid, [keys], prompt_tokens=[3 * P + 1])[0].tokens == 0  # b's own scope
+        with pytest.raises(Forbidden):
+            b.match_many(lid, [keys], scope=Scope("a"))
+        with pytest.raises(Forbidden):
+            b.fetch_into(ha.handle, pool=pool, block_ids={0: [3, 4, 5]})
+        with pytest.raises(Forbidden):
+            b.fetch_into(a.match(lid, keys=keys, prompt_tokens=3 * P + 1, scope=Scope("a")), pool=pool,
+                         block_ids={0: [3, 4, 5]})
+        with pytest.raises(Forbidden):
+            b.release_match(ha.handle)
+        assert a.fetch_into(ha.handle, pool=pool, block_ids={0: [3, 4, 5]}).complete
+        assert a.release_match(ha.handle)

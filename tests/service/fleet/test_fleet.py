@@ -176,6 +176,22 @@ def test_fleet_prefix_from_a_is_fetched_bit_exact_through_b(nodes: list[NodeProc
     assert len(listed) == 2 and all(n["state"] == "live" for n in listed.values())
 
 
+def test_fleet_a_scheduler_s_match_many_sees_a_peer_s_rows(nodes: list[NodeProcess]) -> None:
+    """match_many on B answers from the fleet as B's match does: A's rows count, and B
+    has them by the time a worker loads by the handle."""
+    a, b = nodes
+    keys = [bytes([7, i]) * 8 for i in range(4)]  # an engine's 16-byte keys
+    before = int(health(a)["fleet"]["published"])
+    with Client(a.url, same_host=False) as ca:
+        lid = ca.register(LAYOUT)
+        ca.put(lid, group=0, pages=pages(4, 9), keys=keys)
+    wait_for(lambda: _published(a, before + 4), 10, "A to publish its rows")
+    with Client(b.url, same_host=False) as cb:
+        assert cb.register(LAYOUT) == lid
+        (bound,) = cb.match_many(lid, [keys], prompt_tokens=[4 * P + 1], hold=True, timeout=30)
+        assert bound.tokens == 4 * P and bound.missing == ((),) and bound.handle is not None
+        assert cb.release_match(bound.handle)
+
 def test_fleet_admin_cli_lists_nodes_state_age_and_rows(
         nodes: list[NodeProcess], capsys: pytest.CaptureFixture[str]) -> None:
     a, b = nodes
@@ -390,3 +406,4 @@ def test_served_match_recalls_rows_only_the_remote_tier_holds(
             assert got.complete and torch.equal(out, a)
     finally:
         assert node.stop() == 0
+

@@ -1,0 +1,389 @@
+"""A client's engine-facing calls: :mod:`kvbank.bank.engine`'s calls made on a served node.
+
+:class:`EngineCalls` is a base of :class:`~kvbank.client.client.Client`:
+
+- :meth:`~EngineCalls.match_many` — one control call for many prompts, made for a
+  scheduler: a short deadline (``timeout``, default :data:`MATCH_TIMEOUT_S`), no retries,
+  and a circuit breaker (:class:`Breaker`): a call that finds the node unreachable or too
+  slow opens it, and for :data:`BREAKER_S` every call raises
+  :class:`~kvbank.errors.TierUnavailable` at once, without touching the network; the
+  first call after that probes the node again. A dead node costs a scheduler one
+  deadline, then nothing.
+- :meth:`~EngineCalls.fetch_into` — on the node's host: one control call (the load's
+  plan and a READ lease, from a handle or a match), one copy from the node's segment into
+  the engine's pool per run of back-to-back slots and buffer
+  (:func:`~kvbank.kernels.strided.scatter_strided`), one call that releases the lease and
+  answers what counted. Elsewhere: the load's match for the caller's shard, trimmed to
+  the pages from ``start_page`` on, fetched into staging buffers (its page path: the data
+  port or the HTTP stream), then scattered into the pool.
+- :meth:`~EngineCalls.put_from` — on the node's host: one control call plans every
+  group's pages and takes one WRITE lease, the pages are gathered from the pool straight
+  into the slots (:func:`~kvbank.kernels.strided.gather_strided`), one commit. Elsewhere:
+  gathered into staging, one ``put`` a group and run of pages.
+- :meth:`~EngineCalls.release_match` — drop a held match (and its pin).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any, cast
+
+import torch
+
+from kvbank import wire
+from kvbank.client.io import Deadline, deadline_of, scope_doc
+from kvbank.errors import Busy, InvalidInput, TierFull, TierUnavailable
+from kvbank.kernels.strided import PoolViews, check_pool, gather_strided, scatter_strided
+from kvbank.keys import DEFAULT_SCOPE, Scope
+from kvbank.layout import PageLayout
+from kvbank.lender.loads import load_result, load_rows
+from kvbank.lender.resume import picked
+from kvbank.results import Bound, FetchResult, Match
+
+if TYPE_CHECKING:
+    from kvbank.client.client import Client
+
+__all__ = ["BREAKER_S", "MATCH_TIMEOUT_S", "Breaker", "EngineCalls"]
+
+MATCH_TIMEOUT_S = 0.5  # match_many's deadline when none is given: a scheduler step's budget
+BREAKER_S = 5.0  # how long a failed match_many keeps the breaker open before a probe
+
+BlockIds = Mapping[int, Sequence[int | None]]  # group -> block id of page j (None: skip)
+Run = tuple[int, str, int, int, list[int]]  # (group, segment, offset, row size, entries)
+
+
+class Breaker:
+    """A circuit breaker: open for ``cool_s`` after a failure, then one probe."""
+
+    def __init__(self, cool_s: float = BREAKER_S) -> None:
+        self.cool_s = cool_s
+        self._lock = threading.Lock()
+        self._open_until = 0.0
+        self._why = ""
+
+    def check(self, url: str) -> None:
+        with self._lock:
+            left, why = self._open_until - time.monotonic(), self._why
+        if left > 0:
+            raise TierUnavailable(f"node: {url} did not answer a scheduler call ({why}); not asked "
+                                  f"again for {left:.1f} s", field="node")
+
+    def trip(self, why: str) -> None:
+        with self._lock:
+            self._open_until = time.monotonic() + self.cool_s
+            self._why = why
+
+    def close(self) -> None:
+        with self._lock:
+            self._open_until = 0.0
+
+    @property
+    def open(self) -> bool:
+        return time.monotonic() < self._open_until
+
+
+def _check_ids(layout: PageLayout, block_ids: BlockIds) -> None:
+    if not isinstance(block_ids, Mapping):
+        raise InvalidInput(f"block_ids: expected a mapping group -> block ids, got {type(block_ids).__name__}")
+    for g, ids in block_ids.items():
+        if isinstance(g, bool) or not isinstance(g, int) or not 0 <= g < len(layout.groups):
+            raise InvalidInput(f"block_ids: group {g!r} is not a group of the layout")
+        if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence):
+            raise InvalidInput(f"block_ids[{g}]: expected a sequence of block ids")
+
+
+def _block(block_ids: BlockIds, g: int, j: int) -> int | None:
+    """Page ``j``'s block in group ``g`` (None: the engine does not need the page)."""
+    ids = block_ids.get(g)
+    if ids is None or j >= len(ids):
+        raise InvalidInput(f"block_ids[{g}]: no block for page {j}, which the load moves")
+    b = ids[j]
+    return None if b is None else int(b)
+
+
+def _runs(entries: list[tuple[int, int, str, int, int]]) -> list[Run]:
+    """``(entry, group, segment, offset, size)`` → runs of entries of one group lying back
+    to back in one segment, in order."""
+    runs: list[Run] = []
+    for i, g, seg, off, size in entries:
+        if runs:
+            rg, rseg, roff, rsize, ris = runs[-1]
+            if rg == g and rseg == seg and rsize == size and off == roff + size * len(ris) \
+                    and i == ris[-1] + 1:
+                ris.append(i)
+                continue
+        runs.append((g, seg, off, size, [i]))
+    return runs
+
+
+class EngineCalls:
+    """The engine-facing calls of a client (mixed into :class:`~kvbank.client.client.Client`)."""
+
+    url: str
+
+    def _me(self) -> Client:
+        return cast("Client", self)
+
+    @property
+    def breaker(self) -> Breaker:
+        """This client's circuit breaker for :meth:`match_many`."""
+        b: Breaker | None = self.__dict__.get("_engine_breaker")
+        if b is None:
+            b = self.__dict__.setdefault("_engine_breaker", Breaker())
+        return b
+
+    # ---- the scheduler's calls -------------------------------------------------------
+
+    def match_many(self, layout_id: bytes, keys: Sequence[Sequence[bytes]], *,
+                   prompt_tokens: Sequence[int | None] | None = None,
+                   have_pages: Sequence[int] | None = None, scope: Scope = DEFAULT_SCOPE,
+                   shard: int | None = None, hold: bool = False, pin: bool = False,
+                   ttl_s: float | None = None, timeout: float | None = None) -> list[Bound]:
+        """:meth:`Bank.match_many` on the node, in one call, for a scheduler: ``timeout``
+        (default :data:`MATCH_TIMEOUT_S`) bounds it, it is never retried, and a node that
+        did not answer in time is not asked again for :data:`BREAKER_S` (each call raises
+        :class:`TierUnavailable` at once meanwhile)."""
+        self.breaker.check(self.url)
+        deadline = deadline_of(MATCH_TIMEOUT_S if timeout is None else timeout)
+        if not isinstance(layout_id, bytes):
+            raise InvalidInput(f"layout_id: expected bytes, got {type(layout_id).__name__}")
+        if isinstance(keys, (str, bytes)) or not isinstance(keys, Sequence):
+            raise InvalidInput(f"keys: expected a sequence of key chains, got {type(keys).__name__}")
+        hexed = []
+        for i, chain in enumerate(keys):
+            if isinstance(chain, (str, bytes)) or not isinstance(chain, Sequence):
+                raise InvalidInput(f"keys[{i}]: expected a sequence of page keys")
+            row = []
+            for j, k in enumerate(chain):
+                if type(k) is not bytes:
+                    raise InvalidInput(f"keys[{i}][{j}]: expected bytes, got {type(k).__name__}")
+                row.append(k.hex())
+            hexed.append(row)
+        body = {"layout_id": layout_id.hex(), "keys": hexed, "scope": scope_doc(scope), "shard": shard,
+                "prompt_tokens": None if prompt_tokens is None else list(prompt_tokens),
+                "have_pages": None if have_pages is None else list(have_pages),
+                "hold": hold, "pin": pin, "ttl_s": ttl_s}
+        try:
+            doc = self._me()._call("POST", "/v1/engine/match", body=body, deadline=deadline)
+        except (TierUnavailable, Busy) as exc:
+            self.breaker.trip(type(exc).__name__)
+            raise
+        self.breaker.close()
+        return [wire.from_dict(Bound, d) for d in doc["bounds"]]
+
+    def release_match(self, handle: str) -> bool:
+        """:meth:`Bank.release_match` on the node."""
+        if not isinstance(handle, str):
+            raise InvalidInput(f"handle: expected a string, got {type(handle).__name__}")
+        return bool(self._me()._call("POST", "/v1/engine/release", body={"handle": handle})["released"])
+
+    # ---- the worker's calls ----------------------------------------------------------
+
+    def fetch_into(self, match: Match | str, *, pool: PoolViews,
+                   block_ids: BlockIds, start_page: int | None = None, shard: int | None = None,
+                   timeout: float | None = None) -> FetchResult:
+        """:meth:`Bank.fetch_into` on the node: one copy from its segment into ``pool`` on
+        its host; elsewhere through staging buffers (module docstring)."""
+        c = self._me()
+        deadline = deadline_of(timeout)
+        body: dict[str, Any] = {"shard": shard, "start_page": start_page}
+        if isinstance(match, Match):
+            body["match"] = c._match_doc(match)
+        elif isinstance(match, str) and match:
+            body["handle"] = match
+        else:
+            raise InvalidInput(f"match: expected a Match or a handle, got {type(match).__name__}")
+        if c.same_host:
+            try:
+                return _load_lent(c, body, pool, block_ids, deadline)
+            except TierUnavailable:
+                if c._shm.required:
+                    raise
+                c._local = False  # the segment cannot be mapped here after all
+            except TierFull:
+                pass  # the host tier cannot lend every row at once: through staging
+        return _load_staged(c, body, pool, block_ids, deadline)
+
+    def put_from(self, layout_id: bytes, *, pool: PoolViews,
+                 block_ids: BlockIds, keys: Sequence[bytes], first_page: int = 0,
+                 scope: Scope = DEFAULT_SCOPE, shard: int | None = None,
+                 timeout: float | None = None) -> dict[int, list[bytes]]:
+        """:meth:`Bank.put_from` on the node: every group's pages in one control call, one
+        copy into its slots and one commit on its host; elsewhere a ``put`` a run."""
+        c = self._me()
+        deadline = deadline_of(timeout)
+        layout = c.layout(layout_id)
+        _check_ids(layout, block_ids)
+        for g in block_ids:
+            check_pool(layout, g, pool)
+        if isinstance(keys, (str, bytes)) or not isinstance(keys, Sequence) or any(type(k) is not bytes for k in keys):
+            raise InvalidInput("keys: expected a sequence of page keys (bytes)")
+        if isinstance(first_page, bool) or not isinstance(first_page, int) or first_page < 0:
+            raise InvalidInput(f"first_page: expected a page index, got {first_page!r}")
+        if c.same_host:
+            try:
+                return _put_lent(c, layout, layout_id, pool, block_ids, keys, first_page, scope, shard,
+                                 deadline)
+            except TierUnavailable:
+                if c._shm.required:
+                    raise
+                c._local = False
+            except TierFull:
+                pass
+        return _put_staged(c, layout, layout_id, pool, block_ids, keys, first_page, scope, shard, deadline)
+
+
+def _load_lent(c: Client, body: dict[str, Any], pool: PoolViews, block_ids: BlockIds,
+               deadline: Deadline | None) -> FetchResult:
+    doc = c._call("POST", "/v1/engine/load", body={**body, "via": "lease"}, deadline=deadline)
+    lease = doc["lease"]
+    if lease is None:
+        return wire.from_dict(FetchResult, doc["result"])
+    arrived: list[list[int]] = []
+    try:
+        layout = c.layout(bytes.fromhex(doc["layout_id"]))
+        rows = doc["rows"]
+        _check_ids(layout, block_ids)
+        blocks: dict[int, list[int]] = {}
+        for g, j, _ in rows:
+            if g not in blocks:
+                check_pool(layout, g, pool)
+            b = _block(block_ids, g, j)
+            blocks.setdefault(g, []).extend(() if b is None else (b,))
+        for g, ids in blocks.items():
+            if len(set(ids)) != len(ids):
+                raise InvalidInput(f"block_ids[{g}]: a block id appears twice (two pages into one block)")
+        segments = lease["segments"]
+        entries = [(int(i), rows[i][0], str(segments[seg]), int(off), int(size))
+                   for i, seg, off, size in lease["slots"] if _block(block_ids, rows[i][0], rows[i][1]) is not None]
+        borrower = c._shm.borrower(writable=True)
+        whole: dict[str, torch.Tensor] = {}
+        try:
+            for g, seg, off, size, idx in _runs(entries):
+                if deadline is not None and deadline.passed():
+                    break
+                if size != layout.group_page_bytes[g]:
+                    continue  # not a whole page: a miss
+                t = whole.get(seg)
+                if t is None:
+                    t = whole[seg] = torch.frombuffer(borrower.segment(seg), dtype=torch.uint8)
+                if off + size * len(idx) > t.numel():
+                    raise TierUnavailable(f"node: a slot at {off} is beyond segment {seg}")
+                src = t[off : off + size * len(idx)].view(len(idx), size)
+                scatter_strided(layout, g, src, pool, [int(block_ids[g][rows[i][1]]) for i in idx])
+                arrived.extend([g, rows[i][1]] for i in idx)
+        finally:
+            whole.clear()  # no tensor may keep the mapping exported
+    except BaseException:
+        c.release(lease["id"])
+        raise
+    done = c._call("POST", "/v1/engine/loaded", body={"lease_id": lease["id"], "arrived": arrived})
+    return wire.from_dict(FetchResult, done)
+
+
+def _load_staged(c: Client, body: dict[str, Any], pool: PoolViews, block_ids: BlockIds,
+                 deadline: Deadline | None) -> FetchResult:
+    doc = c._call("POST", "/v1/engine/load", body={**body, "via": "match"}, deadline=deadline, idempotent=True)
+    m = wire.from_dict(Match, doc["match"])
+    start = int(doc["start_page"])
+    layout = c.layout(m.layout_id)
+    _check_ids(layout, block_ids)
+    used: dict[int, list[int]] = {}
+    for g, j, _ in load_rows(m, start):
+        check_pool(layout, g, pool)
+        b = _block(block_ids, g, j)
+        used.setdefault(g, []).extend(() if b is None else (b,))
+    for g, ids in used.items():
+        if len(set(ids)) != len(ids):
+            raise InvalidInput(f"block_ids[{g}]: a block id appears twice (two pages into one block)")
+    res = m.resume
+    keep = [[k for k, j in enumerate(pages) if j >= start and _block(block_ids, g, j) is not None]
+            for g, pages in enumerate(res.pages)]
+    trimmed = dataclasses.replace(m, resume=dataclasses.replace(
+        res, pages=tuple(tuple(res.pages[g][k] for k in ks) for g, ks in enumerate(keep)),
+        rows=tuple(picked(res.rows[g], ks) for g, ks in enumerate(keep))))
+    if not any(trimmed.resume.pages):
+        return load_result(layout, m, start, "", (), 0)
+    out = c.out_buffers(trimmed)
+    got = c.fetch(trimmed, out=out, timeout=None if deadline is None else max(deadline.left(), 1e-3))
+    arrived = []
+    nbytes = 0
+    for g, pages in enumerate(trimmed.resume.pages):
+        ok = set(got.delivered[g])
+        ks = [k for k, j in enumerate(pages) if j in ok]
+        if ks:
+            scatter_strided(layout, g, out[g][ks], pool, [int(block_ids[g][pages[k]]) for k in ks])  # type: ignore[arg-type]
+            arrived += [(g, pages[k]) for k in ks]
+            nbytes += len(ks) * layout.group_page_bytes[g]
+    return load_result(layout, m, start, got.fetch_id, arrived, nbytes)
+
+
+def _put_lent(c: Client, layout: PageLayout, layout_id: bytes, pool: PoolViews, block_ids: BlockIds,
+              keys: Sequence[bytes], first_page: int, scope: Scope, shard: int | None,
+              deadline: Deadline | None) -> dict[int, list[bytes]]:
+    pages = {g: [first_page + k for k, b in enumerate(ids) if b is not None] for g, ids in block_ids.items()}
+    doc = c._call("POST", "/v1/engine/put", deadline=deadline, body={
+        "layout_id": layout_id.hex(), "keys": [k.hex() for k in keys], "first_page": first_page,
+        "scope": scope_doc(scope), "shard": shard, "pages": {str(g): p for g, p in pages.items()}})
+    names = {int(g): [bytes.fromhex(n) for n in ns] for g, ns in doc["names"].items()}
+    lease = doc["lease"]
+    if lease is None:
+        return names
+    # the node's flat order: its groups in its answer's order, each group's pages in order
+    flat = [(g, name, int(block_ids[g][p - first_page]))  # type: ignore[arg-type]
+            for g, ns in names.items() for name, p in zip(ns, pages[g], strict=True)]
+    arrived: list[bytes] = []
+    try:
+        segments = lease["segments"]
+        entries = [(int(i), flat[i][0], str(segments[seg]), int(off), int(size))
+                   for i, seg, off, size in lease["slots"]]
+        borrower = c._shm.borrower(writable=True)
+        whole: dict[str, torch.Tensor] = {}
+        try:
+            for g, seg, off, size, idx in _runs(entries):
+                if deadline is not None and deadline.passed():
+                    raise deadline.busy("the pages were not all copied (nothing was stored)")
+                if size != layout.group_page_bytes[g]:
+                    raise TierUnavailable(f"node: a slot of {size} bytes for a page of {layout.group_page_bytes[g]}")
+                t = whole.get(seg)
+                if t is None:
+                    t = whole[seg] = torch.frombuffer(borrower.segment(seg), dtype=torch.uint8)
+                if off + size * len(idx) > t.numel():
+                    raise TierUnavailable(f"node: a slot at {off} is beyond segment {seg}")
+                dst = t[off : off + size * len(idx)].view(len(idx), size)
+                gather_strided(layout, g, pool, [flat[i][2] for i in idx], dst)
+                arrived.extend(flat[i][1] for i in idx)
+        finally:
+            whole.clear()
+    except BaseException:
+        c.release(lease["id"])
+        raise
+    c._commit_or_release(lease["id"], arrived, deadline)
+    return names
+
+
+def _put_staged(c: Client, layout: PageLayout, layout_id: bytes, pool: PoolViews, block_ids: BlockIds,
+                keys: Sequence[bytes], first_page: int, scope: Scope, shard: int | None,
+                deadline: Deadline | None) -> dict[int, list[bytes]]:
+    names: dict[int, list[bytes]] = {}
+    for g, ids in block_ids.items():
+        names[g] = []
+        k = 0
+        while k < len(ids):
+            if ids[k] is None:
+                k += 1
+                continue
+            end = k
+            while end < len(ids) and ids[end] is not None:
+                end += 1
+            run = [int(b) for b in ids[k:end]]  # type: ignore[arg-type]
+            staging = torch.empty((len(run), layout.group_page_bytes[g]), dtype=torch.uint8)
+            gather_strided(layout, g, pool, run, staging)
+            names[g] += c.put(layout_id, group=g, pages=staging, keys=list(keys), first_page=first_page + k,
+                              scope=scope, shard=shard,
+                              timeout=None if deadline is None else max(deadline.left(), 1e-3))
+            k = end
+    return names

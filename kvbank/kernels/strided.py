@@ -1,0 +1,149 @@
+"""Move canonical pages straight between rows in memory and an engine's paged pool, whose
+tensors may be any strided view (a backend's stride order).
+
+An engine describes its cache per ``(layer, role)`` as a *logical* ``[blocks,
+tokens_per_page, *shape]`` tensor of the buffer's dtype — for vLLM, the per-layer
+``[B, N, H, D]`` K or V view of a ``[B, H, N, C]`` cache whose physical axis order its
+backend chose (``LBHNC``, ``LBNHC``, ...). The strides are whatever that view has: no
+axis needs to be contiguous, so the caller never makes a copy of its own to reach
+canonical order. (:mod:`kvbank.kernels.pages` needs each block contiguous.)
+
+Primitives:
+
+- :func:`check_pool` — the pool's tensors for a group, checked against the layout
+  (every transferred buffer present, dtype, logical shape), before anything moves.
+- :func:`scatter_strided` — canonical rows ``uint8 [n, page bytes]`` (rows may be
+  strided: slots of a segment lying back to back, or a staging buffer) into pool blocks:
+  one indexed copy per buffer (``index_put_`` through the strided view).
+- :func:`gather_strided` — pool blocks into canonical rows: one ``index_select(out=)``
+  per buffer, written through the rows' region views (no intermediate tensor). Padding
+  bytes between regions are zeroed, so equal pages are equal rows.
+
+A pool on another device than the rows (a CUDA pool, host slots): each buffer's bytes
+cross once as a contiguous tensor, then move by index on the pool's device. On the CPU a
+large move is split by rows over :mod:`kvbank.kernels.pages`' lanes (serial torch ops on
+threads of that module), as its own gathers and scatters are: one indexed copy per core.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from kvbank.errors import InvalidInput, PageSizeMismatch
+from kvbank.kernels.faults import TORCH_ERRORS, torch_fault
+from kvbank.kernels.pages import _cpu_parts
+from kvbank.layout import GroupKind, PageLayout, Role
+
+__all__ = ["PoolViews", "check_pool", "gather_strided", "scatter_strided"]
+
+PoolViews = Mapping[tuple[int, Role], torch.Tensor]  # (layer, role) -> [blocks, P, *shape], any strides
+
+
+def check_pool(layout: PageLayout, group: int, pool: PoolViews,
+               field: str = "pool") -> dict[tuple[int, Role], torch.Tensor]:
+    """The pool tensors of ``group``'s transferred buffers, each checked: its dtype and a
+    logical shape ``[blocks, tokens_per_page, *shape]``. Extra entries (other groups'
+    layers) are ignored."""
+    if not isinstance(pool, Mapping):
+        raise InvalidInput(f"{field}: expected a mapping (layer, role) -> tensor, got {type(pool).__name__}")
+    if layout.groups[group].kind is not GroupKind.ATTENTION:
+        raise InvalidInput(f"group: {group} is a STATE group; a paged pool holds ATTENTION groups only")
+    out: dict[tuple[int, Role], torch.Tensor] = {}
+    blocks: int | None = None
+    for r in layout.regions[group]:
+        b = r.buffer
+        key = (b.layer, b.role)
+        t = pool.get(key)
+        if t is None:
+            raise InvalidInput(f"{field}: no tensor for layer {b.layer} {b.role.name} of group {group}")
+        if not isinstance(t, torch.Tensor):
+            raise InvalidInput(f"{field}[{b.layer}, {b.role.name}]: expected a tensor, got {type(t).__name__}")
+        want = getattr(torch, b.dtype, None)
+        if t.dtype != want:
+            raise InvalidInput(f"{field}[{b.layer}, {b.role.name}]: dtype {t.dtype}, the layout "
+                               f"declares {b.dtype}")
+        shape = (layout.tokens_per_page, *b.shape)
+        if t.dim() != 1 + len(shape) or tuple(t.shape[1:]) != shape:
+            raise PageSizeMismatch(f"{field}[{b.layer}, {b.role.name}]: shape {tuple(t.shape)}, "
+                                   f"expected [blocks, {', '.join(map(str, shape))}]")
+        if blocks is not None and t.shape[0] != blocks:
+            raise InvalidInput(f"{field}[{b.layer}, {b.role.name}]: {t.shape[0]} blocks, other "
+                               f"buffers of group {group} have {blocks}")
+        blocks = int(t.shape[0])
+        out[key] = t
+    return out
+
+
+def _ids(block_ids: Sequence[int], blocks: int, unique: bool, field: str) -> torch.Tensor:
+    for i, b in enumerate(block_ids):
+        if isinstance(b, bool) or not isinstance(b, int) or not 0 <= b < blocks:
+            raise InvalidInput(f"{field}[{i}]: expected a block id in [0, {blocks}), got {b!r}")
+    if unique and len(set(block_ids)) != len(block_ids):
+        raise InvalidInput(f"{field}: a block id appears twice (two pages into one block)")
+    return torch.tensor(list(block_ids), dtype=torch.long)
+
+
+def _rows(layout: PageLayout, group: int, rows: torch.Tensor, n: int) -> dict[tuple[int, Role], torch.Tensor]:
+    if not isinstance(rows, torch.Tensor) or rows.dtype != torch.uint8 or rows.dim() != 2 or rows.shape[0] != n:
+        raise InvalidInput(f"pages: expected uint8 [{n}, {layout.group_page_bytes[group]}], got "
+                           f"{getattr(rows, 'dtype', type(rows).__name__)} {tuple(getattr(rows, 'shape', ()))}")
+    return layout.views(rows, group)
+
+
+def scatter_strided(layout: PageLayout, group: int, rows: torch.Tensor, pool: PoolViews,
+                    block_ids: Sequence[int]) -> None:
+    """Write canonical ``rows`` (row ``k`` is the page for block ``block_ids[k]``) into
+    ``group``'s blocks of ``pool``. Everything is checked before anything moves."""
+    tensors = check_pool(layout, group, pool)
+    if not block_ids:
+        return
+    blocks = next(iter(tensors.values())).shape[0] if tensors else 0
+    idx = _ids(block_ids, blocks, True, "block_ids")
+    views = _rows(layout, group, rows, len(block_ids))
+    pairs = [(views[key], dst) for key, dst in tensors.items()]
+    try:
+        if all(dst.device.type == "cpu" and src.device.type == "cpu" for src, dst in pairs):
+            def part(sl: slice) -> None:
+                for src, dst in pairs:
+                    dst.index_put_((idx[sl],), src[sl])
+
+            _cpu_parts(part, len(block_ids), len(block_ids) * rows.shape[1])
+            return
+        for src, dst in pairs:
+            if src.device != dst.device:
+                src = src.to(dst.device)
+            dst.index_put_((idx.to(dst.device),), src)
+    except TORCH_ERRORS as exc:
+        raise torch_fault("scattering pages into the pool", exc) from exc
+
+
+def gather_strided(layout: PageLayout, group: int, pool: PoolViews, block_ids: Sequence[int],
+                   rows: torch.Tensor) -> None:
+    """Fill canonical ``rows`` (row ``k`` from block ``block_ids[k]``) from ``group``'s
+    blocks of ``pool``; padding bytes between regions are zeroed."""
+    tensors = check_pool(layout, group, pool)
+    if not block_ids:
+        return
+    blocks = next(iter(tensors.values())).shape[0] if tensors else 0
+    idx = _ids(block_ids, blocks, False, "block_ids")
+    views = _rows(layout, group, rows, len(block_ids))
+    try:
+        for start, end in layout.padding(group):
+            rows[:, start:end].zero_()
+        pairs = [(src, views[key]) for key, src in tensors.items()]
+        if all(src.device.type == "cpu" and dst.device.type == "cpu" for src, dst in pairs):
+            def part(sl: slice) -> None:
+                for src, dst in pairs:
+                    torch.index_select(src, 0, idx[sl], out=dst[sl])
+
+            _cpu_parts(part, len(block_ids), len(block_ids) * rows.shape[1])
+            return
+        for src, dst in pairs:
+            if src.device != dst.device:
+                dst.copy_(src.index_select(0, idx.to(src.device)))
+            else:
+                torch.index_select(src, 0, idx, out=dst)
+    except TORCH_ERRORS as exc:
+        raise torch_fault("gathering pages from the pool", exc) from exc

@@ -1,0 +1,204 @@
+"""The node's engine-facing routes under ``/v1/engine/`` (:mod:`kvbank.bank.engine` served).
+
+=======================================  ==================================================
+route                                    what it does
+=======================================  ==================================================
+``POST /v1/engine/match``                many key chains → ``{"bounds": [Bound, ...]}``
+                                         (``hold``/``pin``: handles, pinned rows)
+``POST /v1/engine/release``              a handle → ``{"released": bool}`` (its pin too)
+``POST /v1/engine/load``                 a handle (or a Match), ``shard``, ``start_page``
+                                         → a READ lease on the rows from that page in
+                                         slots form and ``rows`` ``[group, page, size]``
+                                         (``via="match"``: the match for ``shard``
+                                         instead, for a client off the node's host)
+``POST /v1/engine/loaded``               that lease and the ``[group, page]`` that
+                                         arrived whole → released, the FetchResult
+``POST /v1/engine/put``                  a key range, ``pages`` per group → names per
+                                         group and one WRITE lease (slots form) on the
+                                         rows not stored; commit it as any lease
+=======================================  ==================================================
+
+A load's plan is remembered by its lease id until ``/loaded`` (bounded: the oldest go
+first; an unacknowledged load's lease ends at its ttl). With tenant tokens, a handle is
+its tenant's (as a fetch id), and a load's match is checked as a fetch's.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from typing import Any, Literal
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+from pydantic import BaseModel, Field
+
+from kvbank import wire
+from kvbank.bank.engine import Load
+from kvbank.errors import InvalidInput, LeaseError
+from kvbank.keys import Scope
+from kvbank.lender.base import Delivery
+from kvbank.lender.loads import load_result
+from kvbank.results import Match
+from kvbank.service.admin.tenants import TenantGuard
+from kvbank.service.node import Node, slots_doc
+
+__all__ = ["install_engine"]
+
+_LOADS = 4096  # load plans remembered until their acknowledgement
+
+
+class ScopeDoc(BaseModel):
+    tenant: str = ""
+    cache_salt: str = ""
+    lora: str = ""
+
+
+class MatchManyBody(BaseModel):
+    layout_id: str = Field(description="hex of the 32-byte layout id")
+    keys: list[list[str]] = Field(description="one engine page-key chain (hex) a prompt")
+    prompt_tokens: list[int | None] | None = None
+    have_pages: list[int] | None = None
+    scope: ScopeDoc = ScopeDoc()
+    shard: int | None = None
+    hold: bool = False
+    pin: bool = False
+    ttl_s: float | None = Field(None, gt=0)
+
+
+class HandleBody(BaseModel):
+    handle: str
+
+
+class LoadBody(BaseModel):
+    handle: str | None = None
+    match: dict[str, Any] | None = Field(None, description="a Match in its wire form, instead of a handle")
+    shard: int | None = Field(None, ge=0)
+    start_page: int | None = Field(None, ge=0)
+    via: Literal["lease", "match"] = "lease"
+
+
+class LoadedBody(BaseModel):
+    lease_id: str
+    arrived: list[tuple[int, int]] = Field(description="[group, page] of each row that arrived whole")
+
+
+class PutGroupsBody(BaseModel):
+    layout_id: str
+    keys: list[str]
+    first_page: int = Field(0, ge=0)
+    scope: ScopeDoc = ScopeDoc()
+    shard: int | None = None
+    pages: dict[int, list[int]] = Field(description="group -> page indices to store")
+
+
+def _hex(value: str, field: str, nbytes: int | None = None) -> bytes:
+    try:
+        out = bytes.fromhex(value)
+    except ValueError:
+        raise InvalidInput(f"{field}: not hex: {value[:80]!r}") from None
+    if nbytes is not None and len(out) != nbytes:
+        raise InvalidInput(f"{field}: expected {nbytes} bytes, got {len(out)}")
+    return out
+
+
+def install_engine(app: FastAPI, node: Node, admin: Any, json: Any) -> None:
+    """Add the ``/v1/engine/`` routes to ``app`` (``admin``: the admin install's guard and
+    drain state); ``json`` builds a JSON response."""
+    bank = node.bank
+    guard: TenantGuard = admin.guard
+    # a scheduler's matches see what the node's own match sees: rows the remote tier still
+    # holds are recalled, rows a fleet peer holds are sent for
+    bank.match_with(lambda layout_id, **args: node.match(layout_id, dict(args, tokens=None)))
+    lock = threading.Lock()
+    loads: OrderedDict[str, Load] = OrderedDict()
+
+    @app.post("/v1/engine/match")
+    async def match_many(body: MatchManyBody, request: Request) -> Response:
+        lid = _hex(body.layout_id, "layout_id", 32)
+        scope = guard.scope(request, lid, Scope(body.scope.tenant, body.scope.cache_salt, body.scope.lora))
+        keys = [[_hex(k, f"keys[{i}][{j}]") for j, k in enumerate(chain)] for i, chain in enumerate(body.keys)]
+        bounds = await node.call(bank.match_many, lid, keys, prompt_tokens=body.prompt_tokens,
+                                 have_pages=body.have_pages, scope=scope, shard=body.shard,
+                                 hold=body.hold, pin=body.pin, ttl_s=body.ttl_s)
+        for b in bounds:
+            if b.handle is not None:
+                guard.own_fetch(request, b.handle)
+        response: Response = json({"bounds": [wire.to_dict(b) for b in bounds]})
+        return response
+
+    @app.post("/v1/engine/release")
+    async def release_match(body: HandleBody, request: Request) -> Response:
+        guard.fetch(request, body.handle)
+        response: Response = json({"released": await node.call(bank.release_match, body.handle)})
+        return response
+
+    @app.post("/v1/engine/load")
+    async def load(body: LoadBody, request: Request) -> Response:
+        if (body.handle is None) == (body.match is None):
+            raise InvalidInput("match: give either handle or match, not both or neither")
+        target: Match | str
+        if body.handle is not None:
+            guard.fetch(request, body.handle)
+            guard.match(request, await node.call(bank.held, body.handle))
+            target = body.handle
+        else:
+            target = guard.match(request, wire.from_dict(Match, body.match))
+        if body.via == "match":
+            m, start = await node.call(bank.load_match, target, shard=body.shard, start_page=body.start_page)
+            response: Response = json({"match": wire.to_dict(m), "start_page": start})
+            return response
+        plan, lease = await node.call(bank.lend_load, target, shard=body.shard, start_page=body.start_page)
+        layout = bank.layout(plan.match.layout_id)
+        doc: dict[str, Any] = {"layout_id": plan.match.layout_id.hex(), "start_page": plan.start_page,
+                               "lease": None,
+                               "rows": [[g, j, layout.group_page_bytes[g]] for g, j, _ in plan.rows]}
+        if lease is None:
+            doc["result"] = wire.to_dict(load_result(layout, plan.match, plan.start_page, "", (), 0))
+        else:
+            guard.own_lease(request, lease)
+            doc["lease"] = slots_doc(lease, [n for _, _, n in plan.rows], Delivery.READY, bank.clock())
+            with lock:
+                loads[lease.id] = plan
+                while len(loads) > _LOADS:
+                    loads.popitem(last=False)
+        response = json(doc)
+        return response
+
+    @app.post("/v1/engine/loaded")
+    async def loaded(body: LoadedBody, request: Request) -> Response:
+        guard.lease(request, body.lease_id)
+        with lock:
+            plan = loads.pop(body.lease_id, None)
+        if plan is None:
+            raise InvalidInput(f"lease_id: {body.lease_id} is not an open load")
+        layout = bank.layout(plan.match.layout_id)
+        planned = {(g, j) for g, j, _ in plan.rows}
+        arrived = {(g, j) for g, j in body.arrived if (g, j) in planned}
+        try:
+            live = await node.call(bank.release, body.lease_id)
+        except LeaseError:
+            live = False
+        if not live:  # the lease ended before the copies did: nothing read under it counts
+            arrived = set()
+        nbytes = sum(layout.group_page_bytes[g] for g, _ in arrived)
+        result = load_result(layout, plan.match, plan.start_page, body.lease_id, arrived, nbytes)
+        response: Response = json(wire.to_dict(result))
+        return response
+
+    @app.post("/v1/engine/put")
+    async def put_groups(body: PutGroupsBody, request: Request) -> Response:
+        admin.state.check_writable()
+        lid = _hex(body.layout_id, "layout_id", 32)
+        scope = guard.scope(request, lid, Scope(body.scope.tenant, body.scope.cache_salt, body.scope.lora))
+        keys = [_hex(k, f"keys[{i}]") for i, k in enumerate(body.keys)]
+        names, lease = await node.call(bank.lend_put_groups, lid, pages=body.pages, keys=keys,
+                                       first_page=body.first_page, scope=scope, shard=body.shard)
+        guard.own_lease(request, lease)
+        flat = [n for g in names.values() for n in g]
+        doc: dict[str, Any] = {"names": {str(g): [n.hex() for n in ns] for g, ns in names.items()},
+                               "lease": None}
+        if lease is not None:
+            doc["lease"] = slots_doc(lease, flat, Delivery.RESERVED, bank.clock())
+        response: Response = json(doc)
+        return response

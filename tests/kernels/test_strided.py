@@ -1,0 +1,106 @@
+"""``scatter_strided`` / ``gather_strided``: canonical pages to and from a pool whose
+tensors are permuted views, for every axis order of a ``[B, H, N, D]`` block; moved
+blocks equal, untouched blocks unchanged, the source unchanged, padding zero, and bad
+input refused before anything moves."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from kvbank import full_attention
+from kvbank.errors import InvalidInput, PageSizeMismatch
+from kvbank.kernels.pages import PARALLEL_BYTES
+from kvbank.kernels.strided import gather_strided, scatter_strided
+from kvbank.layout import Role
+
+P, H, D, B = 4, 2, 3, 10  # head_dim 3 of fp16: regions of 24 bytes, padded to the alignment
+LAYOUT = full_attention("strided@1", num_layers=2, num_kv_heads=H, head_dim=D, tokens_per_page=P, dtype="float16")
+ORDERS = list(itertools.permutations(range(4)))  # physical order of the logical [B, N, H, D]
+
+
+def pool(order: tuple[int, ...], seed: int) -> dict[tuple[int, Role], torch.Tensor]:
+    """Each buffer a [B, N, H, D] view of storage laid out in ``order``."""
+    g = torch.Generator().manual_seed(seed)
+    shape = (B, P, H, D)
+    out = {}
+    for layer, role in itertools.product(range(2), (Role.KEY, Role.VALUE)):
+        phys = torch.randn([shape[a] for a in order], generator=g).to(torch.float16)
+        out[(layer, role)] = phys.permute([order.index(a) for a in range(4)])
+    return out
+
+
+@pytest.mark.parametrize("order", ORDERS, ids=lambda o: "".join("BNHD"[a] for a in o))
+def test_gather_then_scatter_moves_blocks_through_any_stride_order(order: tuple[int, ...]) -> None:
+    assert LAYOUT.padding(0)  # the page has gaps between regions
+    src, dst = pool(order, 1), pool(order, 2)
+    src_before = {k: t.clone() for k, t in src.items()}
+    dst_before = {k: t.clone() for k, t in dst.items()}
+    pages = torch.full((3, LAYOUT.group_page_bytes[0]), 0xAB, dtype=torch.uint8)
+    gather_strided(LAYOUT, 0, src, [7, 2, 5], pages)
+    for a, b in LAYOUT.padding(0):
+        assert not pages[:, a:b].any()  # padding zeroed: equal pages are equal rows
+    views = LAYOUT.views(pages, 0)
+    for k, t in src.items():
+        assert torch.equal(views[k], t[[7, 2, 5]]) and torch.equal(t, src_before[k])
+    scatter_strided(LAYOUT, 0, pages, dst, [0, 9, 4])
+    for k, t in dst.items():
+        assert torch.equal(t[[0, 9, 4]], src[k][[7, 2, 5]])
+        rest = [i for i in range(B) if i not in (0, 9, 4)]
+        assert torch.equal(t[rest], dst_before[k][rest])
+
+
+def test_rows_may_be_strided_like_slots_of_a_segment() -> None:
+    size = LAYOUT.group_page_bytes[0]
+    seg = torch.zeros(4 * size * 2, dtype=torch.uint8)
+    rows = seg.view(4, 2 * size)[:, :size]  # every other slot
+    src, dst = pool((0, 1, 2, 3), 3), pool((0, 2, 1, 3), 4)
+    gather_strided(LAYOUT, 0, src, [1, 2, 3, 4], rows)
+    assert not seg.view(4, 2 * size)[:, size:].any()  # nothing written between the rows
+    scatter_strided(LAYOUT, 0, rows, dst, [5, 6, 7, 8])
+    for k in src:
+        assert torch.equal(dst[k][5:9], src[k][1:5])
+
+
+def test_bad_input_is_refused_before_anything_moves() -> None:
+    src = pool((0, 1, 2, 3), 5)
+    before = {k: t.clone() for k, t in src.items()}
+    pages = torch.zeros((2, LAYOUT.group_page_bytes[0]), dtype=torch.uint8)
+    with pytest.raises(InvalidInput, match="twice"):
+        scatter_strided(LAYOUT, 0, pages, src, [1, 1])
+    with pytest.raises(InvalidInput, match=r"block_ids\[1\]"):
+        scatter_strided(LAYOUT, 0, pages, src, [1, B])
+    missing = dict(src)
+    del missing[(1, Role.KEY)]
+    with pytest.raises(InvalidInput, match="layer 1 KEY"):
+        scatter_strided(LAYOUT, 0, pages, missing, [1, 2])
+    wrong = {**src, (0, Role.KEY): src[(0, Role.KEY)].float()}
+    with pytest.raises(InvalidInput, match="dtype"):
+        gather_strided(LAYOUT, 0, wrong, [1, 2], pages)
+    short = {**src, (0, Role.VALUE): src[(0, Role.VALUE)][:, :2]}
+    with pytest.raises(PageSizeMismatch):
+        scatter_strided(LAYOUT, 0, pages, short, [1, 2])
+    for k, t in src.items():
+        assert torch.equal(t, before[k])
+
+
+def test_a_large_move_split_over_lanes_moves_every_row() -> None:
+    """Past PARALLEL_BYTES the rows are split over the kernel lanes: every row still lands."""
+    big = full_attention("strided-big@1", num_layers=2, num_kv_heads=8, head_dim=128, tokens_per_page=16,
+                         dtype="float32")
+    n, blocks = 72, 80
+    assert n * big.group_page_bytes[0] >= 2 * PARALLEL_BYTES  # two lanes where there are two threads
+    g = torch.Generator().manual_seed(7)
+    src = {(i, r): torch.randn(blocks, 8, 16, 128, generator=g).transpose(1, 2)
+           for i in range(2) for r in (Role.KEY, Role.VALUE)}
+    dst = {k: torch.zeros_like(t) for k, t in src.items()}
+    ids = torch.randperm(blocks, generator=g)[:n].tolist()
+    pages = torch.empty((n, big.group_page_bytes[0]), dtype=torch.uint8)
+    gather_strided(big, 0, src, ids, pages)
+    scatter_strided(big, 0, pages, dst, ids)
+    for k in src:
+        assert torch.equal(dst[k][ids], src[k][ids])
+        rest = [i for i in range(blocks) if i not in ids]
+        assert not dst[k][rest].any()

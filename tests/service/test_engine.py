@@ -1,0 +1,320 @@
+"""The engine-facing calls (``match_many``, ``fetch_into``, ``put_from``,
+``release_match``) on an embedded Bank and on a Client against a real ``kvbank serve``
+(its shared-memory path, and off its host through staging), with the same assertions:
+the pool is a *permuted* view (vLLM's CPU order, ``[B, H, N, D]`` read as ``[B, N, H, D]``),
+moved blocks hold the stored pages, untouched blocks stay as they were, the source pool
+is unchanged; pages the engine holds move no bytes; a handle loads on any shard, with that
+shard's bytes; a pin holds rows until released; the breaker answers a dead node at once."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from kvbank import Bank, Client, full_attention, sliding_window
+from kvbank.config import BankConfig
+from kvbank.errors import FetchNotFound, InvalidInput, TierUnavailable
+from kvbank.layout import PageLayout, Role
+from kvbank.service.launch import NodeProcess
+from kvbank.testing.servers import free_port
+
+P, H, D, L = 4, 2, 8, 2
+LAYOUT = full_attention("engine-calls@1", num_layers=L, num_kv_heads=H, head_dim=D, tokens_per_page=P,
+                        dtype="float32")
+PAGE = LAYOUT.group_page_bytes[0]
+BLOCKS = 24
+_seq = itertools.count(1)
+
+
+def fresh_keys(n: int) -> list[bytes]:
+    """An engine's key chain (16-byte keys, as vLLM's xxhash) no other test uses."""
+    base = next(_seq)
+    return [base.to_bytes(8, "big") + i.to_bytes(8, "big") for i in range(n)]
+
+
+def cache(layers: list[int], seed: int, heads: int = H) -> dict[int, torch.Tensor]:
+    """vLLM CPU-style per-layer caches ``[B, H, 2N, D]`` (K rows then V rows a head)."""
+    g = torch.Generator().manual_seed(seed)
+    return {i: torch.randn(BLOCKS, heads, 2 * P, D, generator=g) for i in layers}
+
+
+def pool_of(caches: dict[int, torch.Tensor]) -> dict[tuple[int, Role], torch.Tensor]:
+    """Each layer's K and V as ``[B, N, H, D]`` views of its cache (strided, not contiguous)."""
+    out = {}
+    for i, t in caches.items():
+        kv = t.view(t.shape[0], t.shape[1], 2, P, D)
+        out[(i, Role.KEY)] = kv[:, :, 0].transpose(1, 2)
+        out[(i, Role.VALUE)] = kv[:, :, 1].transpose(1, 2)
+    return out
+
+
+def counting(client: Client) -> list[str]:
+    """The control calls' paths ``client`` makes from now on (less the one-time
+    ``/v1/node`` a first use of the node's segment asks)."""
+    calls: list[str] = []
+    inner = client._call
+
+    def call(method: str, path: str, **kw: Any) -> Any:
+        if path != "/v1/node":
+            calls.append(path)
+        return inner(method, path, **kw)
+
+    client._call = call  # type: ignore[method-assign]
+    return calls
+
+
+@pytest.fixture(scope="module")
+def bank() -> Iterator[Bank]:
+    with Bank.open(host_bytes="64M", device_bytes=0) as b:
+        yield b
+
+
+@pytest.fixture(params=["bank", "shm", "staged"])
+def api(request: pytest.FixtureRequest, bank: Bank) -> Iterator[Any]:
+    if request.param == "bank":
+        yield bank
+        return
+    node: NodeProcess = request.getfixturevalue("node")
+    with Client(node.url, same_host=request.param == "shm", data_plane=False) as c:
+        yield c
+
+
+def test_put_from_then_fetch_into_a_permuted_pool(api: Any) -> None:
+    lid = api.register(LAYOUT)
+    keys = fresh_keys(6)
+    src = cache(list(range(L)), 1)
+    before = {i: t.clone() for i, t in src.items()}
+    names = api.put_from(lid, pool=pool_of(src), block_ids={0: [3, 5, 7, 9, 11, 13]}, keys=keys)
+    assert len(names[0]) == 6 and all(isinstance(n, bytes) for n in names[0])
+    assert all(torch.equal(src[i], before[i]) for i in src)  # the source is unchanged
+    (b,) = api.match_many(lid, [keys], prompt_tokens=[6 * P + 1], hold=True)
+    assert b.tokens == 6 * P and b.missing == ((),) and b.handle is not None
+    dst = {i: torch.zeros(BLOCKS, H, 2 * P, D) for i in range(L)}
+    got = api.fetch_into(b.handle, pool=pool_of(dst), block_ids={0: [20, 2, 4, 6, 8, 10]})
+    assert got.complete and got.resume.tokens == 6 * P and got.nbytes == 6 * PAGE
+    assert got.delivered == ((0, 1, 2, 3, 4, 5),)
+    moved = dict(zip([3, 5, 7, 9, 11, 13], [20, 2, 4, 6, 8, 10], strict=True))
+    for i in range(L):
+        for s, d in moved.items():
+            assert torch.equal(dst[i][d], src[i][s])
+        untouched = [k for k in range(BLOCKS) if k not in moved.values()]
+        assert not dst[i][untouched].any()  # blocks the load did not name stay as they were
+    assert api.release_match(b.handle) is True
+    assert api.release_match(b.handle) is False
+
+
+def test_fetch_into_skips_the_pages_the_engine_holds(api: Any) -> None:
+    lid = api.register(LAYOUT)
+    keys = fresh_keys(8)
+    src = cache(list(range(L)), 2)
+    api.put_from(lid, pool=pool_of(src), block_ids={0: list(range(8))}, keys=keys)
+    (b,) = api.match_many(lid, [keys], prompt_tokens=[8 * P + 1], have_pages=[5], hold=True)
+    assert b.tokens == 8 * P and b.handle is not None
+    dst = {i: torch.full((BLOCKS, H, 2 * P, D), 7.0) for i in range(L)}
+    got = api.fetch_into(b.handle, pool=pool_of(dst), block_ids={0: [None] * 5 + [15, 16, 17]})
+    assert got.complete and got.nbytes == 3 * PAGE and got.delivered == ((5, 6, 7),)
+    for i in range(L):
+        assert torch.equal(dst[i][15:18], src[i][5:8])
+        assert bool((dst[i][:15] == 7.0).all())  # the held pages' blocks were not written
+    # an explicit start page on a plain match does the same
+    m = api.match(LAYOUT.layout_id, keys=keys, prompt_tokens=8 * P + 1)
+    got = api.fetch_into(m, pool=pool_of(dst), block_ids={0: [None] * 6 + [15, 16]}, start_page=6)
+    assert got.complete and got.nbytes == 2 * PAGE
+    api.release_match(b.handle)
+
+
+def test_match_many_answers_bounds_boundaries_and_missing_pages(api: Any) -> None:
+    lid = api.register(LAYOUT)
+    keys = fresh_keys(6)
+    api.put_from(lid, pool=pool_of(cache(list(range(L)), 3)), block_ids={0: [0, 1, 2, None, 4]},
+                 keys=keys[:5])
+    bounds = api.match_many(lid, [keys, keys[:2], fresh_keys(3)], prompt_tokens=[6 * P + 1, None, None],
+                            have_pages=[0, 0, 0])
+    full, short, miss = bounds
+    assert (full.tokens, full.boundaries, full.missing) == (3 * P, (P, 2 * P, 3 * P), ((3, 5),))
+    assert short.tokens == P  # two keyed pages, no more prompt: the last page is computed
+    assert (miss.tokens, miss.missing) == (0, ((0, 1, 2),))
+    assert all(b.handle is None for b in bounds)  # a pure query without hold
+    # the engine holds page 3 itself: the bound goes past the page kvbank lacks
+    (held,) = api.match_many(lid, [keys], prompt_tokens=[6 * P + 1], have_pages=[4])
+    assert held.tokens == 5 * P and held.missing == ((5,),)
+
+
+def test_handles_and_matches_load_the_callers_shard(api: Any) -> None:
+    """A handle (or a Match) taken for shard 0 loads shard 1's own rows on rank 1, never
+    shard 0's bytes (the TP hole: the rows are the same size)."""
+    layouts = [full_attention("engine-tp@1", num_layers=L, num_kv_heads=2 * H, head_dim=D, tokens_per_page=P,
+                              dtype="float32", shard_count=2, shard_index=s) for s in range(2)]
+    lid = api.register(layouts[0])
+    assert api.register(layouts[1]) == lid
+    keys = fresh_keys(4)
+    per_shard = [cache(list(range(L)), 10 + s) for s in range(2)]
+    for s in range(2):
+        api.put_from(lid, pool=pool_of(per_shard[s]), block_ids={0: [0, 1, 2, 3]}, keys=keys, shard=s)
+    (b,) = api.match_many(lid, [keys], prompt_tokens=[4 * P + 1], shard=0, hold=True, pin=True)
+    assert b.pinned
+    m = api.match(lid, keys=keys, prompt_tokens=4 * P + 1, shard=0)
+    for target in (b.handle, m):
+        dst = {i: torch.zeros(BLOCKS, H, 2 * P, D) for i in range(L)}
+        got = api.fetch_into(target, pool=pool_of(dst), block_ids={0: [4, 5, 6, 7]}, shard=1)
+        assert got.complete and got.resume.tokens == 4 * P
+        for i in range(L):
+            assert torch.equal(dst[i][4:8], per_shard[1][i][0:4])
+            assert not torch.equal(dst[i][4:8], per_shard[0][i][0:4])
+    assert api.release_match(b.handle)
+
+
+def test_a_pin_holds_the_rows_of_every_shard_until_released(api: Any) -> None:
+    lid = api.register(LAYOUT)
+    keys = fresh_keys(3)
+    api.put_from(lid, pool=pool_of(cache(list(range(L)), 4)), block_ids={0: [0, 1, 2]}, keys=keys)
+    before = {x.id for x in api.leases()}
+    (b,) = api.match_many(lid, [keys], prompt_tokens=[3 * P + 1], hold=True, pin=True, ttl_s=60)
+    pins = [x for x in api.leases() if x.id not in before]
+    assert b.pinned and len(pins) == 1 and len(pins[0].rows) == 3
+    assert api.release_match(b.handle) is True
+    assert not [x for x in api.leases() if x.id not in before]
+    with pytest.raises(FetchNotFound):
+        api.fetch_into(b.handle, pool=pool_of(cache(list(range(L)), 0)), block_ids={0: [0, 1, 2]})
+
+
+def test_put_from_covers_several_groups_of_one_key_range(api: Any) -> None:
+    """A sliding-window + full model: one put_from stores both groups; pages outside the
+    window (None) are not stored, and the load needs only the window's."""
+    layout: PageLayout = sliding_window("engine-swa@1", num_layers=2, num_kv_heads=H, head_dim=D, window=2 * P,
+                                        full_layers=[1], tokens_per_page=P, dtype="float32")
+    lid = api.register(layout)
+    keys = fresh_keys(6)
+    src = cache([0, 1], 5)
+    names = api.put_from(lid, pool=pool_of(src), block_ids={0: [None, None, None, 3, 4, 5], 1: [0, 1, 2, 3, 4, 5]},
+                         keys=keys)
+    assert [len(names[0]), len(names[1])] == [3, 6]
+    (b,) = api.match_many(lid, [keys], prompt_tokens=[6 * P + 1], hold=True)
+    assert b.tokens == 6 * P and b.missing == ((0, 1, 2), ())
+    dst = cache([0, 1], 6)
+    got = api.fetch_into(b.handle, pool=pool_of(dst), block_ids={0: [None] * 4 + [14, 15], 1: list(range(10, 16))})
+    assert got.complete and got.delivered == ((4, 5), (0, 1, 2, 3, 4, 5))
+    assert torch.equal(dst[0][14:16], src[0][4:6]) and torch.equal(dst[1][10:16], src[1][0:6])
+    api.release_match(b.handle)
+
+
+def test_fetch_into_refuses_a_pool_that_cannot_take_the_load(api: Any) -> None:
+    lid = api.register(LAYOUT)
+    keys = fresh_keys(2)
+    api.put_from(lid, pool=pool_of(cache(list(range(L)), 7)), block_ids={0: [0, 1]}, keys=keys)
+    (b,) = api.match_many(lid, [keys], prompt_tokens=[2 * P + 1], hold=True)
+    assert b.handle is not None
+    before = {x.id for x in api.leases()}
+    dst = {i: torch.zeros(BLOCKS, H, 2 * P, D) for i in range(L)}
+    with pytest.raises(InvalidInput, match="block_ids"):
+        api.fetch_into(b.handle, pool=pool_of(dst), block_ids={0: [3]})  # no block for page 1
+    with pytest.raises(InvalidInput, match="twice"):
+        api.fetch_into(b.handle, pool=pool_of(dst), block_ids={0: [3, 3]})
+    half = pool_of(dst)
+    del half[(1, Role.VALUE)]
+    with pytest.raises(InvalidInput, match="layer 1 VALUE"):
+        api.fetch_into(b.handle, pool=half, block_ids={0: [3, 4]})
+    assert not dst[0].any() and not dst[1].any()  # nothing moved
+    assert {x.id for x in api.leases()} == before  # and nothing is held
+    api.release_match(b.handle)
+
+
+def test_the_breaker_answers_a_dead_node_at_once_then_probes_again(node: NodeProcess) -> None:
+    dead = Client(f"http://127.0.0.1:{free_port()}", retry_s=0)
+    with dead:
+        with pytest.raises(TierUnavailable):
+            dead.match_many(b"\0" * 32, [[b"k"]])
+        assert dead.breaker.open
+        calls = counting(dead)
+        for _ in range(100):  # a scheduler step each: none touches the network
+            with pytest.raises(TierUnavailable, match="not asked again"):
+                dead.match_many(b"\0" * 32, [[b"k"]])
+        assert calls == []
+    with Client(node.url) as live:
+        lid = live.register(LAYOUT)
+        live.breaker.trip("test")
+        with pytest.raises(TierUnavailable, match="not asked again"):
+            live.match_many(lid, [fresh_keys(1)])
+        live.breaker.cool_s = 0.0
+        live.breaker.trip("test")  # a cool-down of 0: the next call probes the node
+        assert live.match_many(lid, [fresh_keys(1)])[0].tokens == 0
+        assert not live.breaker.open
+
+
+def test_a_handle_and_its_pin_expire_at_their_ttl() -> None:
+    now = [1000.0]
+    config = BankConfig().replace(host_bytes="16M", device_bytes=0)
+    with Bank(config, clock=lambda: now[0], reaper=False) as b:
+        lid = b.register(LAYOUT)
+        keys = fresh_keys(2)
+        b.put_from(lid, pool=pool_of(cache(list(range(L)), 8)), block_ids={0: [0, 1]}, keys=keys)
+        (h,) = b.match_many(lid, [keys], prompt_tokens=[2 * P + 1], hold=True, pin=True, ttl_s=5)
+        assert h.pinned and h.handle is not None and len(b.leases()) == 1
+        now[0] += 6
+        assert b.leases() == ()  # the pin ended at its ttl
+        with pytest.raises(FetchNotFound):
+            b.fetch_into(h.handle, pool=pool_of(cache(list(range(L)), 0)), block_ids={0: [0, 1]})
+        assert b.release_match(h.handle) is False
+        b.check_invariants()
+
+
+def test_match_many_is_one_call_for_many_prompts(node: NodeProcess) -> None:
+    with Client(node.url) as c:
+        lid = c.register(LAYOUT)
+        calls = counting(c)
+        bounds = c.match_many(lid, [fresh_keys(4) for _ in range(32)])
+        assert len(bounds) == 32 and calls == ["/v1/engine/match"]
+
+
+def test_on_the_nodes_host_a_load_and_a_put_are_two_control_calls_each(node: NodeProcess) -> None:
+    """fetch_into: the plan and its lease, then the release with what arrived; put_from of
+    two groups: the plan and one WRITE lease, then the commit (the copies go through the
+    node's segment, not the socket)."""
+    layout = sliding_window("engine-calls-swa@1", num_layers=2, num_kv_heads=H, head_dim=D, window=2 * P,
+                            full_layers=[1], tokens_per_page=P, dtype="float32")
+    with Client(node.url, same_host=True) as c:
+        lid = c.register(layout)
+        keys = fresh_keys(4)
+        calls = counting(c)
+        c.put_from(lid, pool=pool_of(cache([0, 1], 9)), block_ids={0: [None, 1, 2, 3], 1: [0, 1, 2, 3]}, keys=keys)
+        assert calls[0] == "/v1/engine/put" and calls[1].endswith("/commit") and len(calls) == 2, calls
+        (b,) = c.match_many(lid, [keys], prompt_tokens=[4 * P + 1], hold=True)
+        assert b.handle is not None
+        del calls[:]
+        got = c.fetch_into(b.handle, pool=pool_of(cache([0, 1], 0)), block_ids={0: [0, 1, 2, 3], 1: [4, 5, 6, 7]})
+        assert got.complete and calls == ["/v1/engine/load", "/v1/engine/loaded"], calls
+
+
+def test_a_page_without_a_block_is_not_moved_and_counts_missing(api: Any) -> None:
+    """None for a page the load would move: the engine does not need it (a block vLLM left
+    null); nothing is written for it, it is missing, and the bound stops before it."""
+    lid = api.register(LAYOUT)
+    keys = fresh_keys(4)
+    src = cache(list(range(L)), 12)
+    api.put_from(lid, pool=pool_of(src), block_ids={0: [0, 1, 2, 3]}, keys=keys)
+    (b,) = api.match_many(lid, [keys], prompt_tokens=[4 * P + 1], hold=True)
+    dst = {i: torch.zeros(BLOCKS, H, 2 * P, D) for i in range(L)}
+    got = api.fetch_into(b.handle, pool=pool_of(dst), block_ids={0: [10, 11, None, 13]})
+    assert not got.complete and got.delivered == ((0, 1, 3),) and got.missing == ((2,),)
+    assert got.resume.tokens == 2 * P and got.nbytes == 3 * PAGE
+    assert not dst[0][12].any() and torch.equal(dst[0][13], src[0][3])
+    api.release_match(b.handle)
+
+
+def test_presence_answers_for_every_shard_by_engine_keys(api: Any) -> None:
+    """What a scheduler asks before it offers a hit to every rank: each shard's bound, in
+    one call, by the engine's own keys (Client too)."""
+    layouts = [full_attention("engine-presence@1", num_layers=L, num_kv_heads=2 * H, head_dim=D,
+                              tokens_per_page=P, dtype="float32", shard_count=2, shard_index=s) for s in range(2)]
+    lid = api.register(layouts[0])
+    api.register(layouts[1])
+    keys = fresh_keys(4)
+    api.put_from(lid, pool=pool_of(cache(list(range(L)), 13)), block_ids={0: [0, 1, 2, 3]}, keys=keys, shard=0)
+    api.put_from(lid, pool=pool_of(cache(list(range(L)), 14)), block_ids={0: [0, 1]}, keys=keys[:2], shard=1)
+    seen = api.presence(lid, keys=keys, prompt_tokens=4 * P + 1)
+    assert seen.shards == (0, 1) and seen.shard_tokens == (4 * P, 2 * P) and seen.tokens == 2 * P
+    assert seen.held(1, 0, 1) and not seen.held(1, 0, 2)

@@ -17,6 +17,8 @@ Lifecycle of a request, as vLLM's scheduler drives it:
 5. ``request_finished`` — forget the request; blocks are never held (saves copy the pages
    out inside the step that computed them).
 
+A sampled share of hits is declined and audited instead (``audit_fraction``, :mod:`.audit`).
+
 Opt-out per request: ``SamplingParams(extra_args={"kv_transfer_params": {"kvbank": False}})``
 (neither load nor save), or ``{"kvbank_load": False}`` / ``{"kvbank_save": False}``.
 """
@@ -29,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvbank import Client, Scope
+from kvbank.integrations.vllm.audit import SchedulerAudit
 from kvbank.integrations.vllm.config import ConnectorConfig, Guard, registered, safe
 from kvbank.integrations.vllm.layout import VllmLayout, layout_for, page_keys_of, scope_for
 from kvbank.integrations.vllm.metadata import (
@@ -91,6 +94,7 @@ class KvbankScheduler:
         self._loads: list[LoadSpec] = []
         self._failed: set[str] = set()
         self.stats = {"lookups": 0, "hit_tokens": 0, "loads_failed": 0, "saves": 0}
+        self.audit = SchedulerAudit(cfg.audit_fraction, self.vl.tokens_per_page)
 
     # ---- kvbank --------------------------------------------------------------------
 
@@ -133,8 +137,8 @@ class KvbankScheduler:
             return 0, False
         self.stats["lookups"] += 1
         r = self.guard.call("match", lambda: self._match(request), 0)
-        if r <= num_computed_tokens:
-            self._lookups.pop(rid, None)
+        if r <= num_computed_tokens or self.audit.declines(request, r):
+            self._lookups.pop(rid, None)  # a miss, or a hit declined for an audit (.audit)
             return 0, False
         self._lookups[rid] = _Lookup(num_computed_tokens, r)
         return r - num_computed_tokens, self.load_async
@@ -176,6 +180,7 @@ class KvbankScheduler:
         meta = KvbankMetadata(loads=self.take_loads())
         # the loads are promised to vLLM: whatever goes wrong in planning saves, they go out
         safe("planning saves", lambda: self._plan_saves(meta, out), None)
+        meta.audits = safe("audit marks", lambda: self.audit.marks(meta.saves), {})
         return meta
 
     def _plan_saves(self, meta: KvbankMetadata, out: Any) -> None:
@@ -238,6 +243,7 @@ class KvbankScheduler:
         self._reqs.pop(rid, None)
         self._lookups.pop(rid, None)
         self._failed.discard(rid)
+        self.audit.forget(rid)
         return False, None
 
     def shutdown(self) -> None:

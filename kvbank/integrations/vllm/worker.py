@@ -16,7 +16,8 @@ Lifecycle per step (the metadata is bound by vLLM):
 - ``wait_for_save`` — the pages this step completed are copied out of the cache now
   (vLLM may reuse the blocks after the step) and put on a saver thread, off the
   critical path. ``shutdown`` drains the saver (a put still running when vLLM kills the
-  worker is lost: a future miss, never a wrong row).
+  worker is lost: a future miss, never a wrong row). Pages an audit marks are compared
+  with the stored rows first, on the same thread (:mod:`.audit`).
 
 Loads write only blocks vLLM allocated for them: non-null blocks of pages between the
 engine's local hit and ``r``. A page vLLM expects that kvbank did not deliver fails the load.
@@ -34,7 +35,14 @@ from typing import Any
 import torch
 
 from kvbank import Client, Scope
-from kvbank.integrations.vllm.blocks import BlockAdapter, Interior, gather_group, scatter_group
+from kvbank.integrations.vllm.audit import WorkerAudit
+from kvbank.integrations.vllm.blocks import (
+    BlockAdapter,
+    Interior,
+    PagePool,
+    gather_group,
+    scatter_group,
+)
 from kvbank.integrations.vllm.config import ConnectorConfig, Guard, registered, safe
 from kvbank.integrations.vllm.layout import UnsupportedCache, VllmLayout, layout_for, scope_for
 from kvbank.integrations.vllm.metadata import (
@@ -105,8 +113,10 @@ class KvbankWorker:
         self._specs = {name: gs.kv_cache_spec for gs in kv_cache_config.kv_cache_groups
                        for name in gs.layer_names}
         self.adapters: dict[str, BlockAdapter] = {}
+        self.pool = PagePool()  # staging for fetches and saves, reused (see PagePool)
         self.guard = Guard(cfg.breaker_s)
         self.clients = _Clients(cfg, self.vl)
+        self.audit = WorkerAudit(self.vl, self.scope, self.rank, self.clients, self.guard)
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="kvbank-load")
         self._saver = ThreadPoolExecutor(1, thread_name_prefix="kvbank-save")
         self._loading: dict[str, Future[bool]] = {}
@@ -161,9 +171,20 @@ class KvbankWorker:
         if n == 0 or len(spec.keys) < n or not spec.block_ids:
             return False  # the scheduler could not plan this load
         client = self.clients.get()
+        sizes = self.vl.layout.group_page_bytes
+        out = {g: self.pool.take(n, size) for g, size in enumerate(sizes)}
+        try:
+            return self._fetch_scatter(spec, client, out)
+        finally:
+            for buf in out.values():
+                self.pool.give(buf)
+
+    def _fetch_scatter(self, spec: LoadSpec, client: Client, out: dict[int, torch.Tensor]) -> bool:
+        p = self.vl.tokens_per_page
+        n = spec.tokens // p
         got = registered(client, self.vl.layout, lambda: client.fetch_prefix(
             self.vl.layout_id, keys=list(spec.keys[:n]), prompt_tokens=spec.tokens + 1,
-            scope=self.scope, shard=self.rank))
+            scope=self.scope, shard=self.rank, out=out))
         if got.tokens < spec.tokens or got.result is None:
             return False
         lo = spec.local_tokens // p
@@ -185,9 +206,7 @@ class KvbankWorker:
             plans.append((g, rows, blocks))
         for g, rows, blocks in plans:
             if blocks:
-                pages = got.pages[g]
-                pages_t = pages if isinstance(pages, torch.Tensor) else torch.as_tensor(pages)
-                scatter_group(self.vl, self.adapters, g, pages_t[rows], blocks)
+                scatter_group(self.vl, self.adapters, g, out[g], blocks, rows)
         return True
 
     def get_transfer_results(self) -> tuple[set[str], set[str]]:
@@ -216,20 +235,26 @@ class KvbankWorker:
     def wait_for_save(self, meta: KvbankMetadata) -> None:
         self._saves = [f for f in self._saves if not f.done()]
         for spec in meta.saves:
-            none: list[tuple[int, int, torch.Tensor]] = []
+            none: list[tuple[int, int, torch.Tensor, torch.Tensor]] = []
             jobs = self.guard.call(f"save of {spec.req_id}", partial(self._gather, spec), none)
-            for g, first, pages in jobs:
-                self._saves.append(self._saver.submit(self._put, spec, g, first, pages))
+            bound = meta.audits.get(spec.req_id, 0)
+            for g, first, pages, buf in jobs:
+                if bound > first:  # compared with the stored rows before the put (.audit)
+                    self._saves.append(self._saver.submit(self.audit.check, spec, g, first, pages, bound))
+                self._saves.append(self._saver.submit(self._put, spec, g, first, pages, buf))
 
-    def _gather(self, spec: SaveSpec) -> list[tuple[int, int, torch.Tensor]]:
-        """Per group, runs of consecutive non-null blocks as (group, first page, pages)."""
+    def _gather(self, spec: SaveSpec) -> list[tuple[int, int, torch.Tensor, torch.Tensor]]:
+        """Per group, runs of consecutive non-null blocks as (group, first page, pages, the
+        pool buffer the pages are a view of: given back after their put)."""
         out = []
+        sizes = self.vl.layout.group_page_bytes
         for g, ids in enumerate(spec.block_ids):
             for start, run in _runs(ids):
-                out.append((g, spec.first_page + start, gather_group(self.vl, self.adapters, g, run)))
+                buf = self.pool.take(len(run), sizes[g])
+                out.append((g, spec.first_page + start, gather_group(self.vl, self.adapters, g, run, buf), buf))
         return out
 
-    def _put(self, spec: SaveSpec, group: int, first: int, pages: torch.Tensor) -> None:
+    def _put(self, spec: SaveSpec, group: int, first: int, pages: torch.Tensor, buf: torch.Tensor) -> None:
         n = pages.shape[0]
         def put() -> None:
             client = self.clients.get()
@@ -237,7 +262,10 @@ class KvbankWorker:
                 self.vl.layout_id, group=group, pages=pages, keys=list(spec.keys[: first + n]),
                 first_page=first, scope=self.scope, shard=self.rank))
 
-        self.guard.call(f"save of {spec.req_id}", put, None)
+        try:
+            self.guard.call(f"save of {spec.req_id}", put, None)
+        finally:
+            self.pool.give(buf)
 
     def drain(self, timeout_s: float = SHUTDOWN_DRAIN_S) -> None:
         """Wait (bounded) for the saves still running."""

@@ -168,7 +168,7 @@ class KvbankWorker:
         """Fetch this rank's rows for ``spec`` and scatter them; False = the load failed."""
         p = self.vl.tokens_per_page
         n = spec.tokens // p
-        if n == 0 or len(spec.keys) < n or not spec.block_ids:
+        if n == 0 or len(spec.keys) < n or not spec.block_ids or spec.local_tokens >= spec.tokens:
             return False  # the scheduler could not plan this load
         client = self.clients.get()
         sizes = self.vl.layout.group_page_bytes
@@ -182,19 +182,24 @@ class KvbankWorker:
     def _fetch_scatter(self, spec: LoadSpec, client: Client, out: dict[int, torch.Tensor]) -> bool:
         p = self.vl.tokens_per_page
         n = spec.tokens // p
-        got = registered(client, self.vl.layout, lambda: client.fetch_prefix(
-            self.vl.layout_id, keys=list(spec.keys[:n]), prompt_tokens=spec.tokens + 1,
-            scope=self.scope, shard=self.rank, out=out))
-        if got.tokens < spec.tokens or got.result is None:
-            return False
+        # Only the pages past vLLM's own hit: a row's name is its page key's (the key chains
+        # the whole prefix), so keys [lo, n) matched as a prompt of their own name exactly
+        # those rows; its page k is page lo + k here. A window group's pages before lo are
+        # vLLM's own, never planned for a load.
         lo = spec.local_tokens // p
+        got = registered(client, self.vl.layout, lambda: client.fetch_prefix(
+            self.vl.layout_id, keys=list(spec.keys[lo:n]), prompt_tokens=spec.tokens - lo * p + 1,
+            scope=self.scope, shard=self.rank, out=out))
+        if got.tokens + lo * p < spec.tokens or got.result is None:
+            return False
         plans: list[tuple[int, list[int], list[int]]] = []
         for g, planned in enumerate(got.match.resume.pages):
             ids = spec.block_ids[g] if g < len(spec.block_ids) else ()
-            delivered = set(got.result.delivered[g])
+            delivered = {lo + k for k in got.result.delivered[g]}
             rows, blocks, covered = [], [], set()
-            for pos, k in enumerate(planned):
-                if k < lo or k >= n or k >= len(ids) or ids[k] == 0:
+            for pos, rel in enumerate(planned):
+                k = lo + rel
+                if k >= n or k >= len(ids) or ids[k] == 0:
                     continue
                 if k not in delivered:
                     return False

@@ -21,4 +21,5 @@ SUITES: dict[str, str] = {
     "bank": "kvbank.bench.bank",
     "fleet": "kvbank.bench.fleet",
     "reliability": "kvbank.bench.reliability",
+    "vllm": "kvbank.bench.vllm",
 }

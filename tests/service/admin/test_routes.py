@@ -31,6 +31,7 @@ ROUTES: list[tuple[str, str, Any]] = [
     ("POST", "/admin/drain", {"wait": False}), ("POST", "/admin/undrain", None),
     ("POST", "/admin/pin", {"names": ["00" * 54]}), ("POST", "/admin/unpin", {"names": ["00" * 54]}),
     ("POST", "/admin/check", None), ("GET", "/admin/fleet", None),
+    ("GET", "/admin/quarantine", None), ("DELETE", "/admin/quarantine/" + "00" * 32, None),
 ]
 
 
@@ -45,7 +46,8 @@ def test_every_admin_route_is_listed_here(app) -> None:
     spec = client.get("/openapi.json").json()
     served_routes = {(m.upper(), p) for p, ops in spec["paths"].items() if p.startswith("/admin/")
                      for m in ops}
-    listed = {(m, p.replace("no-such-lease", "{lease_id}")) for m, p, _ in ROUTES}
+    listed = {(m, p.replace("no-such-lease", "{lease_id}").replace("00" * 32, "{layout_id}"))
+              for m, p, _ in ROUTES}
     assert served_routes == listed
 
 

@@ -68,7 +68,7 @@ ONLY: dict[str, tuple[str, ...]] = {
     "prometheus_client": ("service",),
     "httpx": ("service", "cli", "bench"),
     "transformers": ("integrations", "bench", "cli"),
-    "vllm": ("integrations",),
+    "vllm": ("integrations", "bench"),
     "sglang": ("integrations",),
     "lmcache": ("integrations",),
 }

@@ -89,6 +89,7 @@ from kvbank.bank.engine import EngineOps
 from kvbank.bank.fetch import GetMany, fetch_rows, one_by_one
 from kvbank.bank.fleet import BankFleet
 from kvbank.bank.leases import LeaseOps
+from kvbank.bank.quarantine import BankAudit
 from kvbank.buffers import (
     OutBuffers,
     Pages,
@@ -153,6 +154,8 @@ class Bank(LeaseOps, EngineOps):
                         "layout pairs: the rows it held are lost; the disk tier starts empty")
                 logger.warning("%s", lost)
                 self._store.note(lost)
+            # the reuse audit's quarantine, kept beside the layouts (kvbank.bank.quarantine)
+            self.audit = BankAudit(keep, known=self._catalog.layout, closed=lambda: self._closed)
             self._lender = Lender(self._store, self.config, clock=clock, wall_clock=wall_clock,
                                   describe=self._catalog.describe, reaper=reaper)
         except BaseException:
@@ -402,8 +405,12 @@ class Bank(LeaseOps, EngineOps):
         layout, chain, index = self._chain(layout_id, tokens, keys, scope, shard)
         t = lookup.prompt_length(layout, tokens, chain, prompt_tokens)
         # Rows missing under the caller's shard may be stored under another shard count.
-        locate = CrossLocate(self._store.locate, layout, index, scope, self._counts.others(layout))
+        locate = CrossLocate(self._located(layout_id), layout, index, scope, self._counts.others(layout))
         return locate.annotate(lookup.build_match(layout, scope, t, chain, index, locate, self._any_stored))
+
+    def _located(self, layout_id: bytes) -> lookup.Locate:
+        """The store's locate, or, for a quarantined layout, one that finds nothing."""
+        return _nowhere if self.audit.holds(layout_id) else self._store.locate
 
     def _any_stored(self, prefix: bytes) -> bool:
         """Some row's name starts with ``prefix`` (a namespace: the layout and scope)."""
@@ -425,7 +432,7 @@ class Bank(LeaseOps, EngineOps):
         layout = self.layout(layout_id)
         chain = lookup.chain_keys(layout, tokens, keys, scope)
         t = lookup.prompt_length(layout, tokens, chain, prompt_tokens)
-        return lookup.build_presence(layout, scope, t, chain, shards, self._store.locate)
+        return lookup.build_presence(layout, scope, t, chain, shards, self._located(layout_id))
 
     def locate(self, names: Sequence[bytes]) -> list[TierKind | None]:
         """The fastest tier holding each row (None = a miss). A pure query."""
@@ -458,6 +465,8 @@ class Bank(LeaseOps, EngineOps):
         if fetch_id is not None and (not isinstance(fetch_id, str) or not fetch_id):
             raise InvalidInput(f"fetch_id: must be a non-empty string, got {fetch_id!r}")
         views = out_views(layout, match.resume.pages, out)
+        if self.audit.holds(match.layout_id):
+            max_rows = 0  # quarantined since the match: its rows are not served
         get_many: GetMany = self._store.get_many_into
         if any(any(v) for v in match.via):
             self._catalog.learn(match.layout_id, match.scope)
@@ -555,6 +564,10 @@ class Bank(LeaseOps, EngineOps):
                 self._store.close()
             finally:
                 self._catalog.close()
+
+
+def _nowhere(names: Sequence[bytes]) -> list[TierKind | None]:
+    return [None] * len(names)
 
 
 def _host_pages(pages: Pages, field: str) -> Pages:

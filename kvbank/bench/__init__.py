@@ -22,4 +22,5 @@ SUITES: dict[str, str] = {
     "fleet": "kvbank.bench.fleet",
     "reliability": "kvbank.bench.reliability",
     "trace": "kvbank.bench.trace",
+    "vllm": "kvbank.bench.vllm",
 }

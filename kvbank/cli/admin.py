@@ -4,8 +4,8 @@ Subcommands (:data:`COMMANDS`, a table other parts extend with :func:`register`,
 the fleet's ``kvbank admin fleet``): health, stats, tiers, layouts, leases (``--release
 ID`` force-releases one), rows, evict, flush, drain, undrain, pin, unpin, check, compact
 (the disk tier rewritten into segment files: a data dir of the older layout, and sparse
-segments), fleet
-(the nodes of the fleet this node is in: ``*`` marks this one).
+segments), fleet (the nodes of the fleet this node is in: ``*`` marks this one),
+quarantine (layouts a reuse audit quarantined; ``--clear LAYOUT_ID`` serves one again).
 
 The token comes from ``--token``, else ``KVBANK_ADMIN_TOKEN``, else the node's token file
 (``DATA_DIR/admin.token``, ``--data-dir`` or the embedded default's data dir). Output is a
@@ -337,6 +337,29 @@ def _compact(api: Api, a: argparse.Namespace, out: TextIO) -> int:
     return 0
 
 
+def _quarantine(api: Api, a: argparse.Namespace, out: TextIO) -> int:
+    if a.clear:
+        doc = api.call("DELETE", f"/admin/quarantine/{a.clear}")
+        if a.json:
+            print(json.dumps(doc), file=out)
+        else:
+            print(f"cleared {_cell(doc['cleared'])}" + ("" if doc["cleared"] else " (it was not quarantined)"),
+                  file=out)
+        return 0 if doc["cleared"] else 1
+    doc = api.call("GET", "/admin/quarantine")
+    if a.json:
+        print(json.dumps(doc), file=out)
+        return 0
+    print(f"audits: {doc['audits_ok']} ok, {doc['audits_mismatched']} mismatched", file=out)
+    table([[x["layout_id"], time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(x["since"])), x["mismatches"],
+            x["detail"][:80]] for x in doc["layouts"]], ["layout_id", "since (UTC)", "mismatches", "detail"], out)
+    return 0
+
+
+def _quarantine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--clear", metavar="LAYOUT_ID", help="serve this layout's rows again (hex layout id)")
+
+
 def _fleet(api: Api, a: argparse.Namespace, out: TextIO) -> int:
     doc = api.call("GET", "/admin/fleet")
     if a.json:
@@ -370,6 +393,8 @@ for _name, _help, _fn, _args in (
     ("compact", "rewrite the disk tier into segments (older-layout rows, sparse segments)",
      _compact, None),
     ("fleet", "the fleet's nodes: state, heartbeat age, rows published", _fleet, None),
+    ("quarantine", "layouts a reuse audit quarantined (--clear LAYOUT_ID serves one again)",
+     _quarantine, _quarantine_args),
 ):
     register(_name, _help, _fn, _args)
 

@@ -59,6 +59,7 @@ from kvbank.buffers import (
     page_views,
     snapshot_boundaries,
 )
+from kvbank.client.audit import ClientAudit
 from kvbank.client.dataport import DataLink
 from kvbank.client.engine import EngineCalls
 from kvbank.client.http import Pool
@@ -139,6 +140,8 @@ class Client(EngineCalls):
         self._shm = SharedMemory(self, required=same_host is True)
         self._dataport = DataPort(self, self._data, required=data_plane is True)
         self._stream = Stream(self)
+        # the reuse audit's report (kvbank.client.audit), as a bank's ``bank.audit``
+        self.audit = ClientAudit(self._call)
 
     # ---- plumbing --------------------------------------------------------------------
 

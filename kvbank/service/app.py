@@ -28,6 +28,7 @@ route                                    what it does
 ``DELETE /v1/leases/{id}``               release → ``{"released": bool}``
 ``GET  /v1/stats``                       BankStats
 ``/v1/engine/...``                       an engine's calls (:mod:`kvbank.service.engine_routes`)
+``POST /v1/audit``                       a reuse audit's verdict (:mod:`~kvbank.service.admin.quarantine`)
 =======================================  ==================================================
 
 The admin API (``/admin/``), ``/metrics`` and the tenant and drain gates are installed by
@@ -78,6 +79,7 @@ from kvbank.layout import PageLayout
 from kvbank.lender.base import Delivery, Lease, LeaseMode, MemoryKind
 from kvbank.results import Match
 from kvbank.service.admin.auth import Forbidden, Unauthorized
+from kvbank.service.admin.quarantine import install_audit
 from kvbank.service.admin.routes import install_admin
 from kvbank.service.connections import RequestLimits
 from kvbank.service.dataplane import DataPlane, Op, slot_names
@@ -204,6 +206,7 @@ def create_app(node: Node) -> FastAPI:
                   description="Data API of one kvbank node: layouts, pages, matches, fetches, leases.")
     bank = node.bank
     admin = install_admin(app, node)
+    install_audit(app, admin)  # the reuse audit's report route and quarantine
     # outermost: header and body bounds hold before any gate, token check or route runs
     app.add_middleware(RequestLimits, config=node.config, streamed=STREAMED_PATHS)
     guard, metrics = admin.guard, admin.metrics

@@ -225,6 +225,8 @@ class Node:
         layout = self.bank.layout(match.layout_id)
         if max_rows is not None and (isinstance(max_rows, bool) or max_rows < 0):
             raise InvalidInput(f"max_rows: must be a non-negative integer, got {max_rows!r}")
+        if self.bank.audit.holds(match.layout_id):
+            max_rows = 0  # quarantined since the match (kvbank.bank.quarantine): nothing served
         self.ledger.expire()
         if fetch_id is not None and fetch_id in self.ledger:
             want = [(g, n) for g, rows in enumerate(match.resume.rows) for n in rows]

@@ -52,7 +52,7 @@ def test_every_subcommand_answers(node, capsys: pytest.CaptureFixture[str]) -> N
     hexed = [n.hex() for n in names]
     runs = [("health",), ("stats",), ("tiers",), ("layouts",), ("leases",), ("rows", "--limit", "1"),
             ("pin", *hexed), ("unpin", *hexed), ("evict", hexed[1]), ("flush",), ("drain", "--timeout", "5"),
-            ("undrain",), ("check",), ("compact",)]
+            ("undrain",), ("check",), ("compact",), ("quarantine",)]
     # fleet needs a node in a fleet: tests/service/fleet/test_fleet.py runs it against one
     assert {r[0] for r in runs} == set(COMMANDS) - {"fleet"}
     for argv in runs:

@@ -8,9 +8,9 @@ Start vLLM with::
 
 Modules: :mod:`.layout` (vLLM's groups as a kvbank layout, the engine fingerprint),
 :mod:`.blocks` (paged cache <-> canonical pages), :mod:`.scheduler` and :mod:`.worker`
-(the two halves), :mod:`.metadata` (what crosses between them), :mod:`.config`
-(``kv_connector_extra_config`` and the failure guard), :mod:`.connector` (the class vLLM
-loads). Importing this package imports vLLM; :mod:`.layout`'s and :mod:`.blocks`'s
+(the two halves), :mod:`.audit` (the sampled reuse audit), :mod:`.metadata` (what crosses
+between them), :mod:`.config` (``kv_connector_extra_config`` and the failure guard),
+:mod:`.connector` (the class vLLM loads). Importing this package imports vLLM; :mod:`.layout`'s and :mod:`.blocks`'s
 functions import it only where they need it.
 """
 

@@ -17,6 +17,10 @@ Keys of ``kv_connector_extra_config`` (all optional):
 | ``load_async`` | ``"auto"`` | ``true``: every load async; ``false``: sync; ``auto``: async |
 |  |  | when the model has more than one KV-cache group (vLLM can only recover a failed |
 |  |  | load of such a model asynchronously) |
+| ``audit_fraction`` | 0 | the share of hits audited (:mod:`.audit`): declined, recomputed, and |
+|  |  | the recomputed pages compared with the stored rows; a mismatch quarantines the |
+|  |  | layout on the node. A request's ``kv_transfer_params`` ``{"kvbank_audit": true}`` |
+|  |  | audits it whatever the fraction (``false``: never) |
 
 Every kvbank error, a dead node or a timeout is a miss for vLLM: :class:`Guard` logs it at
 warning and answers the caller's fallback; only a transport failure trips the breaker.
@@ -68,12 +72,13 @@ class ConnectorConfig:
     lookup_batch: int = DEFAULT_LOOKUP_BATCH
     pin: bool = True
     hold_s: float = DEFAULT_HOLD_S
+    audit_fraction: float = 0.0
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
         doc = dict(extra or {})
         known = {"url", "tenant", "token", "timeout_s", "retry_s", "breaker_s", "load_async",
-                 "kvbank_url", "lookup_timeout_s", "lookup_batch", "pin", "hold_s"}
+                 "kvbank_url", "lookup_timeout_s", "lookup_batch", "pin", "hold_s", "audit_fraction"}
         unknown = sorted(set(doc) - known)
         if unknown:
             raise InvalidInput(f"kv_connector_extra_config: unknown keys {unknown} "
@@ -99,6 +104,11 @@ class ConnectorConfig:
             if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
                 raise InvalidInput(f"kv_connector_extra_config.{name}: a number >= 0, got {v!r}")
             object.__setattr__(out, name, float(v))
+        fraction = doc.get("audit_fraction", 0.0)
+        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 <= fraction <= 1:
+            raise InvalidInput("kv_connector_extra_config.audit_fraction: a number in [0, 1], "
+                               f"got {fraction!r}")
+        object.__setattr__(out, "audit_fraction", float(fraction))
         return out
 
 

@@ -6,7 +6,7 @@
   the engine's local hit, and vLLM's block ids per group.
 - :class:`SaveSpec` — one request's newly completed pages: the key chain up to them, the
   first page, and the block ids of those pages per group (0 = vLLM's null block: skip).
-- :class:`KvbankMetadata` — the step's loads and saves.
+- :class:`KvbankMetadata` — the step's loads and saves (and which saves are audited).
 - :class:`KvbankWorkerMetadata` — requests whose load failed on some rank (sync or
   async), unioned over ranks: the scheduler never offers them again.
 """
@@ -46,6 +46,8 @@ class SaveSpec:
 class KvbankMetadata(KVConnectorMetadata):  # type: ignore[misc,unused-ignore]
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
+    # requests whose saves this step are audited (.audit): req id -> pages [0, n) to compare
+    audits: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass

@@ -27,6 +27,8 @@ is over — a sync load by the next step, an async one when vLLM reports it done
 — and when their request finishes, is preempted or is looked up again; the node ends any
 other at ``hold_s``.
 
+A sampled share of hits is declined and audited instead (``audit_fraction``, :mod:`.audit`).
+
 Opt-out per request: ``SamplingParams(extra_args={"kv_transfer_params": {"kvbank": False}})``
 (neither load nor save), or ``{"kvbank_load": False}`` / ``{"kvbank_save": False}``.
 """
@@ -43,6 +45,7 @@ from functools import partial
 from typing import Any
 
 from kvbank import Client, Scope
+from kvbank.integrations.vllm.audit import SchedulerAudit
 from kvbank.integrations.vllm.config import ConnectorConfig, Guard, registered, safe
 from kvbank.integrations.vllm.layout import VllmLayout, layout_for, page_keys_of, scope_for
 from kvbank.integrations.vllm.metadata import (
@@ -134,6 +137,7 @@ class KvbankScheduler:
         self._release_client = threading.local()
         self.stats = {"lookups": 0, "hit_tokens": 0, "loads_failed": 0, "saves": 0,
                       "match_calls": 0}
+        self.audit = SchedulerAudit(cfg.audit_fraction, self.vl.tokens_per_page)
 
     # ---- kvbank --------------------------------------------------------------------
 
@@ -260,7 +264,8 @@ class KvbankScheduler:
         r = 0 if bound is None else bound.tokens
         if bound is not None:
             self._answers.pop(rid, None)  # taken: its handle goes with the lookup now
-        if r <= num_computed_tokens:
+        if r <= num_computed_tokens or self.audit.declines(request, r):
+            # a miss, or a hit declined for an audit (.audit)
             self._release(None if bound is None else bound.handle)
             return 0, False
         self._lookups[rid] = _Lookup(num_computed_tokens, r, None if bound is None else bound.handle,
@@ -319,6 +324,7 @@ class KvbankScheduler:
         meta = KvbankMetadata(loads=self.take_loads())
         # the loads are promised to vLLM: whatever goes wrong in planning saves, they go out
         safe("planning saves", lambda: self._plan_saves(meta, out), None)
+        meta.audits = safe("audit marks", lambda: self.audit.marks(meta.saves), {})
         return meta
 
     def _plan_saves(self, meta: KvbankMetadata, out: Any) -> None:
@@ -383,6 +389,7 @@ class KvbankScheduler:
         self._reqs.pop(rid, None)
         self._forget(rid)
         self._failed.discard(rid)
+        self.audit.forget(rid)
         return False, None
 
     def shutdown(self) -> None:

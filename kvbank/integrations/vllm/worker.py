@@ -21,7 +21,8 @@ Lifecycle per step (the metadata is bound by vLLM):
   (vLLM may reuse the blocks after the step) and put on a saver thread, off the
   critical path: one ``put_from`` a request, every KV-cache group in it. ``shutdown``
   drains the saver (a put still running when vLLM kills the worker is lost: a future
-  miss, never a wrong row).
+  miss, never a wrong row). Pages an audit marks are compared with the stored rows
+  first, on the same thread (:mod:`.audit`).
 
 Loads write only blocks vLLM allocated for them: non-null blocks of pages between the
 engine's local hit and ``r``. A page vLLM expects that kvbank did not deliver fails the load.
@@ -31,7 +32,9 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -39,9 +42,11 @@ import torch
 
 from kvbank import Client, Scope
 from kvbank.errors import FetchNotFound
+from kvbank.integrations.vllm.audit import WorkerAudit
 from kvbank.integrations.vllm.blocks import (
     BlockAdapter,
     Interior,
+    PagePool,
     gather_group,
     pool_views,
     scatter_group,
@@ -117,9 +122,11 @@ class KvbankWorker:
         self._specs = {name: gs.kv_cache_spec for gs in kv_cache_config.kv_cache_groups
                        for name in gs.layer_names}
         self.adapters: dict[str, BlockAdapter] = {}
-        self.pool: dict[tuple[int, Role], torch.Tensor] = {}
+        self.cache_views: dict[tuple[int, Role], torch.Tensor] = {}  # fetch_into's pool
+        self.pool = PagePool()  # staging for fallback fetches and saves, reused (see PagePool)
         self.guard = Guard(cfg.breaker_s)
         self.clients = _Clients(cfg, self.vl)
+        self.audit = WorkerAudit(self.vl, self.scope, self.rank, self.clients, self.guard)
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="kvbank-load")
         self._saver = ThreadPoolExecutor(1, thread_name_prefix="kvbank-save")
         self._loading: dict[str, Future[bool]] = {}
@@ -142,7 +149,7 @@ class KvbankWorker:
                 adapters[name] = BlockAdapter.of(name, cache, self.order, self.interior,
                                                  int(spec.head_size), int(hv))
         self.adapters = adapters
-        self.pool = pool_views(self.vl, adapters)
+        self.cache_views = pool_views(self.vl, adapters)
 
     # ---- loads ---------------------------------------------------------------------
 
@@ -187,7 +194,7 @@ class KvbankWorker:
         client = self.clients.get()
         try:
             got = registered(client, self.vl.layout, lambda: client.fetch_into(
-                handle, pool=self.pool, block_ids=ids, start_page=spec.local_tokens // p, shard=self.rank))
+                handle, pool=self.cache_views, block_ids=ids, start_page=spec.local_tokens // p, shard=self.rank))
         except FetchNotFound:
             return None
         for g in range(len(self.vl.layout.groups)):
@@ -200,22 +207,38 @@ class KvbankWorker:
         """Fetch this rank's rows for ``spec`` by its keys and scatter them."""
         p = self.vl.tokens_per_page
         n = spec.tokens // p
-        if n == 0 or len(spec.keys) < n or not spec.block_ids:
+        if n == 0 or len(spec.keys) < n or not spec.block_ids or spec.local_tokens >= spec.tokens:
             return False  # the scheduler could not plan this load
         client = self.clients.get()
-        got = registered(client, self.vl.layout, lambda: client.fetch_prefix(
-            self.vl.layout_id, keys=list(spec.keys[:n]), prompt_tokens=spec.tokens + 1,
-            scope=self.scope, shard=self.rank))
-        if got.tokens < spec.tokens or got.result is None:
-            return False
+        sizes = self.vl.layout.group_page_bytes
+        out = {g: self.pool.take(n, size) for g, size in enumerate(sizes)}
+        try:
+            return self._fetch_scatter(spec, client, out)
+        finally:
+            for buf in out.values():
+                self.pool.give(buf)
+
+    def _fetch_scatter(self, spec: LoadSpec, client: Client, out: dict[int, torch.Tensor]) -> bool:
+        p = self.vl.tokens_per_page
+        n = spec.tokens // p
+        # Only the pages past vLLM's own hit: a row's name is its page key's (the key chains
+        # the whole prefix), so keys [lo, n) matched as a prompt of their own name exactly
+        # those rows; its page k is page lo + k here. A window group's pages before lo are
+        # vLLM's own, never planned for a load.
         lo = spec.local_tokens // p
+        got = registered(client, self.vl.layout, lambda: client.fetch_prefix(
+            self.vl.layout_id, keys=list(spec.keys[lo:n]), prompt_tokens=spec.tokens - lo * p + 1,
+            scope=self.scope, shard=self.rank, out=out))
+        if got.tokens + lo * p < spec.tokens or got.result is None:
+            return False
         plans: list[tuple[int, list[int], list[int]]] = []
         for g, planned in enumerate(got.match.resume.pages):
             ids = spec.block_ids[g] if g < len(spec.block_ids) else ()
-            delivered = set(got.result.delivered[g])
+            delivered = {lo + k for k in got.result.delivered[g]}
             rows, blocks, covered = [], [], set()
-            for pos, k in enumerate(planned):
-                if k < lo or k >= n or k >= len(ids) or ids[k] == 0:
+            for pos, rel in enumerate(planned):
+                k = lo + rel
+                if k >= n or k >= len(ids) or ids[k] == 0:
                     continue
                 if k not in delivered:
                     return False
@@ -227,9 +250,7 @@ class KvbankWorker:
             plans.append((g, rows, blocks))
         for g, rows, blocks in plans:
             if blocks:
-                pages = got.pages[g]
-                pages_t = pages if isinstance(pages, torch.Tensor) else torch.as_tensor(pages)
-                scatter_group(self.vl, self.adapters, g, pages_t[rows], blocks)
+                scatter_group(self.vl, self.adapters, g, out[g], blocks, rows)
         return True
 
     def get_transfer_results(self) -> tuple[set[str], set[str]]:
@@ -258,37 +279,61 @@ class KvbankWorker:
     def wait_for_save(self, meta: KvbankMetadata) -> None:
         self._saves = [f for f in self._saves if not f.done()]
         for spec in meta.saves:
-            none: tuple[dict[tuple[int, Role], torch.Tensor], dict[int, list[int | None]]] | None = None
-            job = self.guard.call(f"save of {spec.req_id}", partial(self._gather, spec), none)
-            if job is not None:
-                self._saves.append(self._saver.submit(self._put, spec, *job))
-
-    def _gather(self, spec: SaveSpec) -> tuple[dict[tuple[int, Role], torch.Tensor],
-                                               dict[int, list[int | None]]] | None:
-        """The step's pages of every group copied out of the cache (vLLM may reuse the
-        blocks after the step), as a pool ``put_from`` takes: per group, canonical pages
-        viewed per buffer, and the page's row in them (None: vLLM's null block, skipped)."""
-        pool: dict[tuple[int, Role], torch.Tensor] = {}
-        rows: dict[int, list[int | None]] = {}
-        for g, ids in enumerate(spec.block_ids):
-            real = [b for b in ids if b != 0]
-            if not real:
+            job = self.guard.call(f"save of {spec.req_id}", partial(self._gather, spec), None)
+            if job is None:
                 continue
-            pages = gather_group(self.vl, self.adapters, g, real)
-            pool.update(self.vl.layout.views(pages, g))
-            k = iter(range(len(real)))
-            rows[g] = [None if b == 0 else next(k) for b in ids]
-        return (pool, rows) if rows else None
+            bound = meta.audits.get(spec.req_id, 0)
+            for g, first, pages in job.runs:
+                if bound > first:  # compared with the stored rows before the put (.audit)
+                    self._saves.append(self._saver.submit(self.audit.check, spec, g, first, pages, bound))
+            self._saves.append(self._saver.submit(self._put, spec, job))
 
-    def _put(self, spec: SaveSpec, pool: dict[tuple[int, Role], torch.Tensor],
-             rows: dict[int, list[int | None]]) -> None:
+    def _gather(self, spec: SaveSpec) -> _Gathered | None:
+        """The step's pages of every group copied out of the cache (vLLM may reuse the
+        blocks after the step) into reused buffers, as a pool ``put_from`` takes: per group,
+        canonical pages viewed per buffer, and the page's row in them (None: vLLM's null
+        block, skipped); plus the runs of consecutive pages an audit compares."""
+        out = _Gathered({}, {}, [], [])
+        sizes = self.vl.layout.group_page_bytes
+        try:
+            for g, ids in enumerate(spec.block_ids):
+                real = [b for b in ids if b != 0]
+                if not real:
+                    continue
+                buf = self.pool.take(len(real), sizes[g])
+                out.bufs.append(buf)
+                pages = gather_group(self.vl, self.adapters, g, real, buf)
+                out.views.update(self.vl.layout.views(pages, g))
+                k = iter(range(len(real)))
+                out.rows[g] = [None if b == 0 else next(k) for b in ids]
+                row = 0
+                for start, run in _runs(ids):
+                    out.runs.append((g, spec.first_page + start, pages[row : row + len(run)]))
+                    row += len(run)
+        except BaseException:
+            self._give(out)
+            raise
+        if not out.rows:
+            self._give(out)
+            return None
+        return out
+
+    def _give(self, job: _Gathered) -> None:
+        for buf in job.bufs:
+            self.pool.give(buf)
+        job.bufs.clear()
+
+    def _put(self, spec: SaveSpec, job: _Gathered) -> None:
         def put() -> None:
             client = self.clients.get()
             registered(client, self.vl.layout, lambda: client.put_from(
-                self.vl.layout_id, pool=pool, block_ids=rows, keys=list(spec.keys),
+                self.vl.layout_id, pool=job.views, block_ids=job.rows, keys=list(spec.keys),
                 first_page=spec.first_page, scope=self.scope, shard=self.rank))
 
-        self.guard.call(f"save of {spec.req_id}", put, None)
+        try:
+            self.guard.call(f"save of {spec.req_id}", put, None)
+        finally:
+            self._give(job)
 
     def drain(self, timeout_s: float = SHUTDOWN_DRAIN_S) -> None:
         """Wait (bounded) for the saves still running."""
@@ -304,3 +349,28 @@ class KvbankWorker:
         self._saver.shutdown(wait=False)
         self._loader.shutdown(wait=False)
         safe("close", self.clients.close, None)
+
+
+@dataclass
+class _Gathered:
+    """A save's pages copied out of the cache: the pool ``put_from`` takes (``views``,
+    ``rows``), the runs an audit compares (group, first page, pages) and the reused
+    buffers they live in (given back after the put)."""
+
+    views: dict[tuple[int, Role], torch.Tensor]
+    rows: dict[int, list[int | None]]
+    runs: list[tuple[int, int, torch.Tensor]]
+    bufs: list[torch.Tensor]
+
+
+def _runs(ids: Sequence[int]) -> list[tuple[int, list[int]]]:
+    """Runs of non-null block ids: (offset of the run's first page, its block ids)."""
+    runs: list[tuple[int, list[int]]] = []
+    for k, b in enumerate(ids):
+        if b == 0:
+            continue
+        if runs and runs[-1][0] + len(runs[-1][1]) == k:
+            runs[-1][1].append(b)
+        else:
+            runs.append((k, [b]))
+    return runs

@@ -109,8 +109,9 @@ class Engine:
     """A vLLM engine child process (:mod:`engine_driver`)."""
 
     def __init__(self, model: Path, url: str, log: Path, engine: dict[str, Any] | None = None,
-                 env: dict[str, str] | None = None) -> None:
-        arg = json.dumps({"model": str(model), "url": url, "engine": engine or {}})
+                 env: dict[str, str] | None = None, extra: dict[str, Any] | None = None) -> None:
+        # extra: more kv_connector_extra_config keys
+        arg = json.dumps({"model": str(model), "url": url, "engine": engine or {}, "extra": extra or {}})
         self.log = log
         self.out: list[str] = []  # the engine's stdout (vLLM logs there)
         self._err = open(log, "w")  # noqa: SIM115 - closed in close()

@@ -29,6 +29,7 @@ from kvbank.integrations.vllm.blocks import (  # noqa: E402
     KNOWN_ORDERS,
     BlockAdapter,
     Interior,
+    PagePool,
     gather_group,
     scatter_group,
 )
@@ -97,6 +98,34 @@ def test_blocks_save_and_load_move_exactly_the_chosen_blocks(order: str, interio
     untouched = [1, 3, 5]
     assert torch.equal(dst[untouched], before[untouched])
     assert torch.equal(pages, kept)  # the source pages are unchanged
+
+
+@pytest.mark.parametrize(("order", "interior"), [("LBHNC", Interior.SPLIT_N), ("BLHNC", Interior.SPLIT_C)])
+def test_blocks_runs_of_ids_rows_and_a_reused_buffer(order: str, interior: Interior) -> None:
+    """Consecutive block ids move as one slice copy, a reused pool buffer (dirty from its
+    last use) holds exactly the gathered pages, and ``rows`` picks which page each block gets."""
+    vl = vl_for()
+    src = make_cache(order, seed=3)
+    ad = BlockAdapter.of(NAME, src, order, interior, D, D)
+    pool = PagePool()
+    buf = pool.take(4, vl.layout.group_page_bytes[0])
+    buf.fill_(0x7F)  # what an earlier use left behind
+    ids = [1, 2, 3, 5]
+    pages = gather_group(vl, {NAME: ad}, 0, ids, buf)
+    assert pages.data_ptr() == buf.data_ptr() and pages.shape[0] == 4
+    k_ref, v_ref = reference_kv(src, interior)
+    views = vl.layout.views(pages, 0)
+    assert torch.equal(views[(0, Role.KEY)], k_ref[ids])
+    assert torch.equal(views[(0, Role.VALUE)], v_ref[ids])
+    dst = make_cache(order, seed=4)
+    before = dst.clone()
+    dst_ad = BlockAdapter.of(NAME, dst, order, interior, D, D)
+    scatter_group(vl, {NAME: dst_ad}, 0, pages, [0, 1, 4], rows=[1, 2, 0])  # pages of ids 2, 3, 1
+    k_dst, _ = reference_kv(dst, interior)
+    assert torch.equal(k_dst[[0, 1, 4]], k_ref[[2, 3, 1]])
+    assert torch.equal(dst[[2, 3, 5]], before[[2, 3, 5]])
+    pool.give(buf)
+    assert pool.take(2, vl.layout.group_page_bytes[0]) is buf  # reused, not reallocated
 
 
 def test_blocks_unknown_order_is_refused_naming_it() -> None:

@@ -273,6 +273,35 @@ def test_worker_each_tp_rank_loads_its_own_shard(node: Node) -> None:
         w.shutdown()
 
 
+def moved_out(node: Node) -> float:
+    import httpx
+
+    text = httpx.get(f"{node.url}/metrics").text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("kvbank_moved_bytes_total{") and 'direction="out"' in line)
+
+
+def test_worker_load_past_vllms_own_hit_fetches_only_those_pages(node: Node) -> None:
+    """vLLM holds pages 0-1 itself (local_tokens = 64): the load fetches pages 2-3 only
+    (the node sends two pages' bytes), writes exactly their blocks, and leaves the blocks
+    of vLLM's own pages alone."""
+    (w0, c0), (w1, _) = workers(node)
+    keys = tuple(engine_keys(hashes(4, "partial"), w0.vl.layout_id, w0.scope))
+    w0.wait_for_save(KvbankMetadata(saves=[SaveSpec("p", keys, 0, ((1, 2, 3, 4),))]))
+    w0.drain()
+    fresh = {name: torch.zeros_like(t) for name, t in c0.items()}
+    w0.register_kv_caches(fresh)
+    before = moved_out(node)
+    w0.start_load_kv(KvbankMetadata(loads=[LoadSpec("p", keys, 128, 64, ((5, 6, 7, 8, 9),), False)]))
+    assert w0.get_block_ids_with_load_errors() == set()
+    assert moved_out(node) - before == 2 * w0.vl.layout.group_page_bytes[0]
+    for name in LAYERS:
+        assert torch.equal(kv_of(fresh[name], [7, 8]), kv_of(c0[name], [3, 4]))
+        assert not fresh[name][[5, 6, 9]].any()  # vLLM's own pages, and the block past r
+    for w in (w0, w1):
+        w.shutdown()
+
+
 def test_worker_rank_whose_shard_is_missing_fails_its_load(node: Node) -> None:
     """Only rank 0 stored: rank 1's load fails (its blocks reported, the request sent to
     the scheduler's failure memory) instead of loading rank 0's heads."""

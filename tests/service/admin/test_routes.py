@@ -32,6 +32,7 @@ ROUTES: list[tuple[str, str, Any]] = [
     ("POST", "/admin/pin", {"names": ["00" * 54]}), ("POST", "/admin/unpin", {"names": ["00" * 54]}),
     ("POST", "/admin/check", None), ("POST", "/admin/compact", None), ("GET", "/admin/fleet", None),
     ("GET", "/admin/series", None), ("GET", "/admin/usage", None),
+    ("GET", "/admin/quarantine", None), ("DELETE", "/admin/quarantine/" + "00" * 32, None),
 ]
 
 
@@ -46,7 +47,8 @@ def test_every_admin_route_is_listed_here(app) -> None:
     spec = client.get("/openapi.json").json()
     served_routes = {(m.upper(), p) for p, ops in spec["paths"].items() if p.startswith("/admin/")
                      for m in ops}
-    listed = {(m, p.replace("no-such-lease", "{lease_id}")) for m, p, _ in ROUTES}
+    listed = {(m, p.replace("no-such-lease", "{lease_id}").replace("00" * 32, "{layout_id}"))
+              for m, p, _ in ROUTES}
     assert served_routes == listed
 
 

@@ -58,6 +58,19 @@ class TierStats:
     victims_reused: int = 0  # ... reused ones that aged out
     admitted_bytes: int = 0  # page bytes of puts stored into the tier
     rejected_bytes: int = 0  # page bytes of puts refused for want of room
+    # Page bytes of the moves ``demotions`` and ``promotions`` count, by the other tier of
+    # each: the tier a demotion went to, the tier a promotion came from. One count per
+    # tier, in TierKind order (device, host, disk): see :meth:`demoted_to`.
+    demoted_bytes: tuple[int, ...] = (0, 0, 0)
+    promoted_bytes: tuple[int, ...] = (0, 0, 0)
+
+    def demoted_to(self, kind: TierKind) -> int:
+        """Page bytes this tier's demotions moved to tier ``kind``."""
+        return self.demoted_bytes[kind.rank]
+
+    def promoted_from(self, kind: TierKind) -> int:
+        """Page bytes this tier's promotions copied in from tier ``kind``."""
+        return self.promoted_bytes[kind.rank]
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +99,14 @@ class StoreStats:
 
     def tier(self, kind: TierKind) -> TierStats:
         return next(t for t in self.tiers if t.kind is kind)
+
+    def moved_bytes(self) -> dict[tuple[TierKind, TierKind], int]:
+        """Page bytes moved from one tier to another, for every ordered pair of enabled
+        tiers (zero where none moved): the first's demotions to the second and the
+        second's promotions from the first."""
+        on = [t for t in self.tiers if t.enabled]
+        return {(a.kind, b.kind): a.demoted_to(b.kind) + b.promoted_from(a.kind)
+                for a in on for b in on if a is not b}
 
 
 @dataclass(frozen=True, slots=True)

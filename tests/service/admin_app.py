@@ -25,8 +25,8 @@ P = FA.tokens_per_page
 
 
 @contextmanager
-def served(data: Path | None, **service: Any) -> Iterator[tuple[TestClient, Node]]:
-    bank_cfg = BankConfig(host_bytes=16 << 20, device_bytes=0, pin_bytes=4 * PAGE,
+def served(data: Path | None, host_bytes: int = 16 << 20, **service: Any) -> Iterator[tuple[TestClient, Node]]:
+    bank_cfg = BankConfig(host_bytes=host_bytes, device_bytes=0, pin_bytes=4 * PAGE,
                           data_dir=data, disk_bytes=(64 << 20) if data else 0)
     service.setdefault("admin_token", TOKEN)
     config = ServiceConfig(bank=bank_cfg, threads=4, **service)

@@ -86,7 +86,8 @@ def test_status_page_shows_the_node_under_traffic(browser: Chromium, node: NodeP
     """Logged in with the admin token, the page renders without a console error while
     traffic runs, and once it stops its plots and tables hold the figures /admin/stats
     and /admin/series give: reads and hits, every tier's bytes, the tokens the client was
-    served, the tenant's rows, the routes' latencies. The token stays out of the URL."""
+    served, the bytes moved between tiers, the tenant's rows, the routes' latencies. The
+    token stays out of the URL."""
     tab = browser.page()
     try:
         tab.open(node.url + "/admin/ui")
@@ -113,6 +114,8 @@ def test_status_page_shows_the_node_under_traffic(browser: Chromium, node: NodeP
               served: served.map(c => Number(c.dataset.total)),
               tiers: Object.fromEntries([...document.querySelectorAll('#p-tiers tr[data-tier]')].map(
                 r => [r.dataset.tier, [Number(r.dataset.used), Number(r.dataset.budget)]])),
+              moved: Object.fromEntries([...document.querySelectorAll('svg[data-plot=tier_moves] g[data-line]')].map(
+                g => [g.dataset.line, [...g.querySelectorAll('circle')].map(c => Number(c.dataset.total))])),
               usage: [...document.querySelectorAll('#p-usage tr')].map(r => r.innerText),
               latency: [...document.querySelectorAll('#p-latency td:first-child')].map(td => td.innerText),
               url: location.href, saved: sessionStorage.getItem(KEY_),
@@ -126,6 +129,9 @@ def test_status_page_shows_the_node_under_traffic(browser: Chromium, node: NodeP
         assert page["served"] == [p["tokens_served"] for p in points[1:]][-len(page["served"]):]
         assert page["tiers"] == {t["kind"].lower(): [t["used_bytes"], t["budget_bytes"]]
                                  for t in stats["tiers"] if t["enabled"]}
+        # one line of page bytes moved per pair of tiers, ending at the last sample's totals
+        assert set(page["moved"]) == {"host/disk", "disk/host"}
+        assert {k: v[-1] for k, v in page["moved"].items()} == points[-1]["tier_moved"]
         assert any("status-page-model@1" in r and "acme" in r for r in page["usage"]), page["usage"]
         assert any("other-model@2" in r and "globex" in r for r in page["usage"]), page["usage"]
         assert "POST /v1/fetch" in page["latency"]

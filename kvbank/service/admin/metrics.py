@@ -8,9 +8,9 @@ Primitives:
   (the route's template, never the raw path: a lease id in a path would make a series
   per lease), bytes moved per direction and path — and a collector that reads the bank's
   own counters at scrape time (per tier budget, bytes used, rows, hits, misses,
-  evictions, demotions, promotions, corrupt frames; live leases, pins, the mover's
-  queue, readiness), so a scrape costs one ``bank.stats()`` and the data path pays only
-  for the request histogram.
+  evictions, demotions, promotions, corrupt frames; page bytes moved between each pair
+  of tiers; live leases, pins, the mover's queue, readiness), so a scrape costs one
+  ``bank.stats()`` and the data path pays only for the request histogram.
 - :class:`MetricsMiddleware` — the ASGI wrapper that times every request and counts the
   body bytes of page routes (TCP in on a put, TCP out on a fetch stream).
 
@@ -87,6 +87,11 @@ class _BankCollector(Collector):
                 victims.add_metric([t.kind.value, "first_time"], float(t.victims_first))
                 victims.add_metric([t.kind.value, "reused"], float(t.victims_reused))
         yield victims
+        moved = CounterMetricFamily("kvbank_tier_moved_bytes", "page bytes moved from one tier to "
+                                    "another (demotions and promotions)", labels=["from", "to"])
+        for (src, dst), nbytes in st.moved_bytes().items():
+            moved.add_metric([src.value, dst.value], float(nbytes))
+        yield moved
         for name, doc, value in (
             ("kvbank_puts", "rows stored", st.puts), ("kvbank_gets", "row reads", st.gets),
             ("kvbank_hits", "row reads that hit", st.hits), ("kvbank_misses", "row reads that missed", st.misses),

@@ -75,6 +75,10 @@ class TierModel(BaseModel):
     victims_reused: int = Field(0, ge=0, description="rows the eviction rule took out, reused but aged out")
     admitted_bytes: int = Field(0, ge=0, description="page bytes of puts stored into the tier")
     rejected_bytes: int = Field(0, ge=0, description="page bytes of puts refused for want of room")
+    demoted_bytes: dict[str, int] = Field(default_factory=dict, description="page bytes of the tier's "
+                                          "demotions, by the enabled tier below it they went to")
+    promoted_bytes: dict[str, int] = Field(default_factory=dict, description="page bytes of the tier's "
+                                           "promotions, by the enabled tier they came from (none into the disk)")
 
 
 class FleetNodeModel(BaseModel):

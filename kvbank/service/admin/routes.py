@@ -81,6 +81,7 @@ def _names(names: list[str]) -> list[bytes]:
 
 def _tiers(bank: Bank, stats: StoreStats) -> list[M.TierModel]:
     cfg = bank.config
+    on = [t.kind for t in stats.tiers if t.enabled]
     return [M.TierModel(kind=t.kind.name, enabled=t.enabled, budget_bytes=t.budget_bytes,
                         used_bytes=t.used_bytes, allocated_bytes=t.allocated_bytes, rows=t.rows,
                         high_watermark=cfg.high_watermark, low_watermark=cfg.low_watermark,
@@ -88,7 +89,10 @@ def _tiers(bank: Bank, stats: StoreStats) -> list[M.TierModel]:
                         promotions=t.promotions, corrupt_frames=t.corrupt_rows,
                         raw_bytes=t.raw_bytes, codec_ratio=_codec_ratio(t),
                         victims_first_time=t.victims_first, victims_reused=t.victims_reused,
-                        admitted_bytes=t.admitted_bytes, rejected_bytes=t.rejected_bytes)
+                        admitted_bytes=t.admitted_bytes, rejected_bytes=t.rejected_bytes,
+                        demoted_bytes={k.name: t.demoted_to(k) for k in on if k.rank > t.kind.rank},
+                        promoted_bytes={k.name: t.promoted_from(k) for k in on
+                                        if k is not t.kind and t.kind is not TierKind.DISK})
             for t in stats.tiers]
 
 

@@ -210,6 +210,7 @@ class Series:
                                      "hits": t.hits, "demotions": t.demotions, "promotions": t.promotions,
                                      "evictions": t.evictions}
                       for t in st.tiers if t.enabled},
+            "tier_moved": {f"{a.value}/{b.value}": n for (a, b), n in st.moved_bytes().items()},
             **self.traffic.totals(),
         }
         if self.extra is not None:

@@ -294,7 +294,7 @@ class Mover:
                 res.free_slot(DEV, job.off)
                 ix.set_off(rid, job.dst_off)
                 ix.where[rid] = (int(ix.where[rid]) & ~DEV) | HOST
-                st.counters[DEV].demotions += 1
+                st.counters[DEV].demoted(HOST, job.size)
             else:
                 res.free_slot(HOST, job.dst_off)
                 moved = False
@@ -302,7 +302,7 @@ class Mover:
             ix.where[rid] = int(ix.where[rid]) | DISK
             if job.name not in st.locks and job.name not in st.pins:  # taken meanwhile: keep it
                 res.drop_copy(rid, job.bit)
-                st.counters[job.bit].demotions += 1
+                st.counters[job.bit].demoted(DISK, job.size)
         return moved
 
     def _copy_down(self, job: Job) -> None:

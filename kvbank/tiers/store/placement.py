@@ -36,14 +36,14 @@ def take_out(st: StoreState, bit: int, rid: int) -> bool:
     False when a job was queued (the slot is freed when the mover settles it)."""
     ix, res = st.ix, st.res
     where = int(ix.where[rid])
+    size = int(ix.size[rid])
     st.counters[bit].victim(ix, rid)
     if bit == DEV and where & HOST:  # a host copy exists (staged): drop the device one
         res.drop_copy(rid, DEV)
-        st.counters[DEV].demotions += 1
+        st.counters[DEV].demoted(HOST, size)
         return True
     name = ix.names[rid]
     assert name is not None  # a live id has a name
-    size = int(ix.size[rid])
     if bit == DEV and st.host is not None:
         host_off = st.host.alloc(size)
         if host_off is not None:  # copied by the mover, outside the store lock
@@ -58,7 +58,7 @@ def take_out(st: StoreState, bit: int, rid: int) -> bool:
             return False
     if where & DISK:  # clean: the disk holds the same bytes
         res.drop_copy(rid, bit)
-        st.counters[bit].demotions += 1
+        st.counters[bit].demoted(DISK, size)
         return True
     if not st.has_disk or st.disk_degraded():
         # Nothing below, or a disk that refuses writes (full): the row leaves the store,

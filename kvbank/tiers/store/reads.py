@@ -241,6 +241,6 @@ def _promote(st: StoreState, name: bytes, rid: int, stamp: int, size: int,
                     and int(ix.where[rid]) == DISK and not st.closed):
                 ix.set_off(rid, off)
                 ix.where[rid] = DISK | HOST
-                st.counters[HOST].promotions += 1
+                st.counters[HOST].promoted(DISK, size)
             elif not st.closed:
                 host.free(off)

@@ -117,13 +117,13 @@ def stage(st: StoreState, name: bytes, bit: int, deadline: float) -> HostSlot | 
                 else:
                     res.host_copy[rid] = off
                 ix.where[rid] = where | bit
-                st.counters[bit].promotions += 1
+                st.counters[bit].promoted(other, size)
                 return pool.slot(off, size)
         elif (n == size and where == DISK and int(ix.atime[rid]) == stamp
               and not st.closed):
             ix.set_off(rid, off)
             ix.where[rid] = DISK | bit
-            st.counters[bit].promotions += 1
+            st.counters[bit].promoted(DISK, size)
             return pool.slot(off, size)
         res.free_slot(bit, off)
         if src == DISK and n is None:
@@ -310,5 +310,5 @@ def _publish(st: StoreState, s: Staging) -> bool:
             return False
         ix.set_off(rid, s.off)
     ix.where[rid] = where | HOST
-    st.counters[HOST].promotions += 1
+    st.counters[HOST].promoted(s.src, s.size)
     return True

@@ -40,8 +40,8 @@ DISK_RETRY_S = 5.0  # after a failed disk write, memory tiers run host-only this
 
 
 class Counters:
-    __slots__ = ("admitted_bytes", "demotions", "evictions", "hits", "misses", "promotions",
-                 "rejected_bytes", "victims_first", "victims_reused")
+    __slots__ = ("admitted_bytes", "demoted_bytes", "demotions", "evictions", "hits", "misses",
+                 "promoted_bytes", "promotions", "rejected_bytes", "victims_first", "victims_reused")
 
     def __init__(self) -> None:
         self.hits = self.misses = self.evictions = self.demotions = self.promotions = 0
@@ -50,6 +50,20 @@ class Counters:
         self.victims_first = self.victims_reused = 0
         self.admitted_bytes = 0  # page bytes of puts stored into the tier
         self.rejected_bytes = 0  # page bytes of puts refused for want of room
+        # Page bytes of the demotions by the tier they went to, of the promotions by the
+        # tier they came from (indexed by TierKind rank).
+        self.demoted_bytes = [0] * len(KIND_OF_BIT)
+        self.promoted_bytes = [0] * len(KIND_OF_BIT)
+
+    def demoted(self, to: int, size: int) -> None:
+        """Count a row of ``size`` page bytes moved (or copied, then dropped) to tier ``to``."""
+        self.demotions += 1
+        self.demoted_bytes[KIND_OF_BIT[to].rank] += size
+
+    def promoted(self, src: int, size: int) -> None:
+        """Count a row of ``size`` page bytes copied into the tier from tier ``src``."""
+        self.promotions += 1
+        self.promoted_bytes[KIND_OF_BIT[src].rank] += size
 
     def victim(self, ix: RowIndex, rid: int) -> None:
         """Count a row the eviction rule chose, by reason."""

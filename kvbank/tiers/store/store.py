@@ -367,7 +367,9 @@ class TieredStore:
                                        c.promotions, corrupt, raw, victims_first=c.victims_first,
                                        victims_reused=c.victims_reused,
                                        admitted_bytes=c.admitted_bytes,
-                                       rejected_bytes=c.rejected_bytes))
+                                       rejected_bytes=c.rejected_bytes,
+                                       demoted_bytes=tuple(c.demoted_bytes),
+                                       promoted_bytes=tuple(c.promoted_bytes)))
             return StoreStats(tuple(tiers), len(ix), len(st.locks), len(st.res.reserved),
                               len(st.jobs), sum(st.queued.values()), st.puts, st.gets,
                               st.hits, st.misses, len(st.pins), st.pins.nbytes,

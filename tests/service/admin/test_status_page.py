@@ -9,6 +9,7 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 
 from kvbank import Scope
 from kvbank.service.admin.routes import admin_of
@@ -64,6 +65,22 @@ def test_series_samples_agree_with_admin_stats() -> None:
         assert point["matches"] == 4 and point["tokens_matched"] == sum(got) == 2 * P + 4 * P + 6 * P
         assert point["tokens_asked"] == sum(k * P + 1 for k in (2, 4, 6)) + 3 * P
         assert point["leases"] == stats["bank"]["live_leases"]
+        assert point["tier_moved"] == {}  # one tier: nothing moves
+
+
+def test_series_samples_the_page_bytes_moved_between_tiers(tmp_path: Path) -> None:
+    """A host of a few pages demotes to disk and a read promotes back: a sample holds
+    the page bytes moved per pair of tiers as /admin/tiers gives them."""
+    with served(tmp_path, host_bytes=16 * PAGE, series_interval_s=QUIET) as (client, node):
+        fill(node.bank, 40, seed=6)
+        assert client.post("/admin/flush", json={"timeout_s": 30}, headers=auth()).status_code == 200
+        m = node.bank.match(FA.layout_id, list(range(60_000, 60_000 + P + 1)))  # the first row: on disk
+        assert node.bank.fetch(m, out={0: torch.zeros((1, PAGE), dtype=torch.uint8)}).complete
+        admin_of(client.app).series.sample()  # type: ignore[union-attr]
+        point = client.get("/admin/series", headers=auth()).json()["points"][-1]
+        host = {t["kind"]: t for t in client.get("/admin/tiers", headers=auth()).json()["tiers"]}["HOST"]
+    assert host["demotions"] > 0
+    assert point["tier_moved"] == {"host/disk": host["demotions"] * PAGE, "disk/host": PAGE}
 
 
 def test_series_ring_keeps_its_last_points_and_answers_after_since() -> None:
@@ -144,13 +161,13 @@ def _queried_metrics(doc: dict) -> set[str]:
     return names
 
 
-def test_grafana_dashboard_queries_only_metrics_the_node_exports() -> None:
+def test_grafana_dashboard_queries_only_metrics_the_node_exports(tmp_path: Path) -> None:
     """Every series docs/grafana-kvbank.json queries is one /metrics serves (after a put,
-    a match and a fetch, so the labelled series exist)."""
+    a match and a fetch on a node with a disk, so the labelled series exist)."""
     doc = json.loads(GRAFANA.read_text())
     wanted = _queried_metrics(doc)
     assert len(wanted) >= 20
-    with served(None, series_interval_s=QUIET) as (client, node):
+    with served(tmp_path, series_interval_s=QUIET) as (client, node):
         fill(node.bank, 2, seed=5)
         m = _match(client, [*range(50_000, 50_000 + 2 * P), 1])
         assert client.post("/v1/fetch", json={"match": m}).status_code == 200

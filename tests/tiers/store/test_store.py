@@ -202,6 +202,47 @@ def test_store_write_back_demotes_to_disk_and_promotes_on_read(make_store: MakeS
     s.check_invariants()
 
 
+S = 4000  # a page size that is not a slot size: moves count page bytes, not slot bytes
+
+
+def test_store_counts_the_page_bytes_moved_between_each_pair_of_tiers(make_store: MakeStore) -> None:
+    """Every demotion counts its row's page bytes on (its tier, the tier it went to), every
+    promotion on (its tier, the tier it came from): N rows of S bytes count N x S."""
+    s = make_store(host_bytes=64 * 1024, disk_bytes=1 << 20)
+    for i in range(40):
+        s.put(name_of(i), page_of(i, S))
+    s.flush()
+    host = s.stats().tier(H)
+    assert host.demotions > 0
+    assert host.demoted_to(D) == host.demotions * S and host.demoted_bytes == (0, 0, host.demotions * S)
+    assert host.promoted_bytes == (0, 0, 0) and s.stats().tier(D).demoted_bytes == (0, 0, 0)
+    assert s.locate([name_of(0)]) == [D]
+    assert read(s, 0, S) == page_of(0, S)
+    assert s.locate([name_of(0)]) == [H]  # promoted
+    host = s.stats().tier(H)
+    assert host.promotions == 1 and host.promoted_bytes == (0, 0, S)
+
+
+def test_store_counts_the_page_bytes_moved_to_and_from_the_device(make_store: MakeStore) -> None:
+    """Device rows demoted count on (device, the tier they went to); a row staged into
+    the device counts on (device, the tier it came from)."""
+    s = make_store(device="cpu", device_bytes=32 * 1024, host_bytes=64 * 1024, disk_bytes=1 << 20)
+    for i in range(30):
+        s.put(name_of(i), page_of(i, S))
+    s.flush()
+    dev = s.stats().tier(K)
+    assert dev.demotions > 0 and dev.demoted_to(H) > 0
+    assert dev.demoted_to(H) + dev.demoted_to(D) == dev.demotions * S and dev.demoted_to(K) == 0
+    assert dev.promoted_bytes == (0, 0, 0)
+    (src,) = s.locate([name_of(0)])
+    assert src in (H, D)
+    s.locks.lock([name_of(0)], "d")
+    assert s.device.stage(name_of(0)) is not None
+    s.locks.unlock_all("d")
+    dev = s.stats().tier(K)
+    assert dev.promotions == 1 and dev.promoted_from(src) == S and sum(dev.promoted_bytes) == S
+
+
 def test_store_disk_eviction_keeps_disk_budget(make_store: MakeStore) -> None:
     pages = [np.random.default_rng(i).bytes(P) for i in range(80)]  # incompressible
     s = make_store(host_bytes=32 * 1024, disk_bytes=96 * 1024)

@@ -80,7 +80,7 @@ from kvbank.results import (
 from kvbank.tiers.base import Buffer, FrameStore, TierKind, as_bytes_view, check_name, check_names
 from kvbank.tiers.device import DevicePool, device_budget
 from kvbank.tiers.host import HostSlab
-from kvbank.tiers.index import DEV, DISK, HOST, KIND_OF_BIT
+from kvbank.tiers.index import DEV, DISK, HOST, KIND_OF_BIT, tier_bit
 from kvbank.tiers.schemes import open_remote
 from kvbank.tiers.store import admin, placement, reads, writes
 from kvbank.tiers.store import persist as persistence
@@ -213,6 +213,16 @@ class TieredStore:
         """Copy a row into ``out``; its size, or ``None`` on a miss. Touches LRU and
         promotes a disk row to host."""
         return reads.get_into(self._st, name, out)
+
+    def recall_into(self, name: bytes, out: memoryview | bytearray) -> int | None:
+        """Copy a row from the remote tiers only (counted nowhere: see
+        :func:`~kvbank.tiers.store.reads.recall_into`); its size, or ``None``."""
+        return reads.recall_into(self._st, name, out)
+
+    def count_reads(self, tiers: Sequence[TierKind | None]) -> None:
+        """Count reads served in place (a READ lease's rows): per row the tier that served
+        it, or ``None`` for a miss, as :meth:`get_into` counts its own reads."""
+        reads.count_reads(self._st, [0 if t is None else tier_bit(t) for t in tiers])
 
     def delete(self, name: bytes) -> bool:
         """Remove a row from every tier; ``False`` if absent, ``RowLocked`` if locked."""

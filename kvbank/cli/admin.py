@@ -2,7 +2,7 @@
 
 Subcommands (:data:`COMMANDS`, a table other parts extend with :func:`register`, e.g.
 the fleet's ``kvbank admin fleet``): health, stats, tiers, layouts, leases (``--release
-ID`` force-releases one), fetches, rows, evict, flush, drain, undrain, pin, unpin, check,
+ID`` force-releases one), unregister, fetches, rows, evict, flush, drain, undrain, pin, unpin, check,
 fleet (the nodes of the fleet this node is in: ``*`` marks this one).
 
 ``--url`` is the node's root (``http://HOST:PORT``, no path). The token comes from
@@ -227,6 +227,13 @@ def _layout_id(api: Api, given: str | None) -> str | None:
     return str(ids[0])
 
 
+def _unregister(api: Api, a: argparse.Namespace, out: TextIO) -> int:
+    lid = _layout_id(api, a.layout)
+    doc = api.call("DELETE", f"/admin/layouts/{lid}")
+    print(json.dumps(doc) if a.json else f"unregistered {lid} ({doc['unregistered']} shards)", file=out)
+    return 0
+
+
 def _leases(api: Api, a: argparse.Namespace, out: TextIO) -> int:
     doc = api.call("DELETE", f"/admin/leases/{a.release}") if a.release else api.call("GET", "/admin/leases")
     if a.json:
@@ -408,6 +415,8 @@ for _name, _help, _fn, _args in (
     ("stats", "the bank's counters and each tier's", _stats, None),
     ("tiers", "per tier: budget, used, rows, counters", _tiers, None),
     ("layouts", "registered layouts", _layouts, None),
+    ("unregister", "forget a layout that holds no rows (evict them first)", _unregister,
+     lambda p: p.add_argument("layout", help="layout id (hex), or a prefix naming one")),
     ("leases", "live leases (--release ID ends one)",
      _leases, lambda p: p.add_argument("--release", metavar="ID", help="force-release this lease")),
     ("rows", "one page of rows by layout, scope or prefix", _rows, _rows_args),

@@ -58,7 +58,8 @@ def test_every_subcommand_answers(node, capsys: pytest.CaptureFixture[str]) -> N
             ("pin", *hexed), ("unpin", *hexed), ("evict", hexed[1]), ("flush",), ("drain", "--timeout", "5"),
             ("undrain",), ("check",)]
     # fleet needs a node in a fleet: tests/service/fleet/test_fleet.py runs it against one
-    assert {r[0] for r in runs} == set(COMMANDS) - {"fleet"}
+    # unregister: test_unregister_forgets_a_layout_without_rows
+    assert {r[0] for r in runs} == set(COMMANDS) - {"fleet", "unregister"}
     for argv in runs:
         assert main(admin(node, *argv)) == 0, argv
         out = capsys.readouterr()
@@ -169,3 +170,19 @@ def test_flush_help_says_what_admin_md_says() -> None:
     doc = (Path(__file__).parents[2] / "docs" / "admin.md").read_text()
     assert "wait until the mover is idle" in COMMANDS["flush"].help
     assert "wait until the mover is idle" in doc
+
+
+def test_unregister_forgets_a_layout_without_rows(node, capsys: pytest.CaptureFixture[str]) -> None:
+    """W14: ``kvbank admin unregister ID`` (a prefix works): refused while rows remain."""
+    proc, _ = node
+    gone = full_attention("admin-cli-gone@1", num_layers=1, num_kv_heads=2, head_dim=64)
+    with Client(proc.url) as c:
+        lid = c.register(gone)
+        c.put(lid, list(range(16)), group=0, pages=torch.zeros((1, gone.group_page_bytes[0]), dtype=torch.uint8))
+    assert main(admin(node, "unregister", lid.hex()[:12])) == 1
+    assert "evict them first" in capsys.readouterr().err
+    assert main(admin(node, "evict", "--layout", lid.hex())) == 0
+    assert main(admin(node, "unregister", lid.hex()[:12])) == 0
+    assert "unregistered" in capsys.readouterr().out
+    assert main(admin(node, "layouts")) == 0
+    assert lid.hex() not in capsys.readouterr().out

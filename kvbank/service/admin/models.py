@@ -115,6 +115,10 @@ class ReleasedModel(BaseModel):
     released: bool
 
 
+class UnregisteredModel(BaseModel):
+    unregistered: int = Field(ge=0, description="registrations removed (one per shard)")
+
+
 class FetchesModel(BaseModel):
     fetches: list[dict[str, Any]] = Field(description="open fetch-ledger entries (FetchInfo)")
 

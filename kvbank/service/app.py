@@ -50,7 +50,7 @@ from typing import Any, Literal
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvbank import wire
@@ -115,7 +115,14 @@ def _error(exc: KvbankError) -> Response:
     return _json(wire.error_to_dict(exc), status_of(exc))
 
 
-class ScopeBody(BaseModel):
+class _Body(BaseModel):
+    """A JSON request body, checked as strictly as the binary put header (wire.md): ``true``
+    is not an integer, ``"30"`` is not a number, and a missing or unknown key is refused."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
+class ScopeBody(_Body):
     tenant: str = ""
     cache_salt: str = ""
     lora: str = ""
@@ -124,7 +131,7 @@ class ScopeBody(BaseModel):
         return KeyScope(self.tenant, self.cache_salt, self.lora)
 
 
-class MatchBody(BaseModel):
+class MatchBody(_Body):
     layout_id: str = Field(description="hex of the 32-byte layout id")
     tokens: list[int] | None = Field(None, description="token ids")
     tokens_b64: str | None = Field(None, description="token ids as base64 of little-endian int32")
@@ -134,7 +141,7 @@ class MatchBody(BaseModel):
     shard: int | None = None
 
 
-class PresenceBody(BaseModel):
+class PresenceBody(_Body):
     layout_id: str = Field(description="hex of the 32-byte layout id")
     tokens: list[int] | None = Field(None, description="token ids")
     tokens_b64: str | None = Field(None, description="token ids as base64 of little-endian int32")
@@ -144,12 +151,12 @@ class PresenceBody(BaseModel):
     shards: list[int] | None = Field(None, description="shard indices (default: every shard of the layout)")
 
 
-class FlushBody(BaseModel):
+class FlushBody(_Body):
     timeout_s: float | None = Field(
         None, ge=0, description="Busy after this long (default: the store's wait_timeout_s)")
 
 
-class FetchBody(BaseModel):
+class FetchBody(_Body):
     match: dict[str, Any] | None = Field(None, description="a Match in its wire form")
     prompt: MatchBody | None = Field(
         None, description="instead of match: the prompt to match (a /v1/match body), matched and "
@@ -159,13 +166,13 @@ class FetchBody(BaseModel):
     via: Literal["stream", "lease", "data"] = "stream"
 
 
-class AckBody(BaseModel):
+class AckBody(_Body):
     rows: list[int] = Field(description="plan positions of the rows that arrived whole")
     lease_id: str | None = Field(None, description="the READ lease a same-host fetch read through")
     stream: str | None = Field(None, description="the stream (its header's id) the rows came in")
 
 
-class LendBody(BaseModel):
+class LendBody(_Body):
     names: list[str] | None = Field(None, description="row names (hex); omit with all=true")
     all: bool = False
     mode: Literal["READ", "WRITE"] = "READ"
@@ -173,15 +180,15 @@ class LendBody(BaseModel):
     ttl_s: float | None = Field(None, gt=0)
 
 
-class NamesBody(BaseModel):
+class NamesBody(_Body):
     names: list[str] = Field(description="row names (hex)")
 
 
-class RenewBody(BaseModel):
+class RenewBody(_Body):
     ttl_s: float | None = Field(None, gt=0)
 
 
-class CommitBody(BaseModel):
+class CommitBody(_Body):
     arrived: list[str] | list[bool] = Field(description="row names (hex) or one bool per row")
 
 
@@ -263,6 +270,9 @@ def create_app(node: Node) -> FastAPI:
     @app.post("/v1/layouts", responses=_links(get_layout=("get_layout_v1_layouts__layout_id__get",
                                                           {"layout_id": "$response.body#/layout_id"})))
     async def register(doc: dict[str, Any]) -> Response:
+        if "layout" in doc and len(doc) != 1:  # {"layout": {...}} and nothing else
+            extra = sorted(k for k in doc if k != "layout")[0]
+            raise InvalidInput(f"{extra}: unknown key of a registration (only 'layout')", field=extra)
         layout = wire.from_dict(PageLayout, doc.get("layout", doc))
         lid = await node.call(bank.register, layout)
         return _json({"layout_id": lid.hex()})

@@ -14,7 +14,8 @@ from typing import Any
 import pytest
 import torch
 
-from kvbank import LeaseMode, Scope, full_attention
+from kvbank import LeaseMode, Scope, full_attention, wire
+from kvbank.errors import InvalidInput
 from kvbank.keys import namespace
 from kvbank.service.admin.auth import TOKEN_FILE
 from kvbank.service.admin.routes import admin_of
@@ -263,8 +264,6 @@ def test_layout_with_a_lone_surrogate_is_refused_and_layouts_stay_listable(app) 
     client, _ = app
     import json
 
-    from kvbank import wire
-
     doc = wire.to_dict(FA)
     doc["model"] = "x\ud800y"
     body = json.dumps({"layout": doc}).encode()  # valid JSON: the surrogate is escaped
@@ -289,3 +288,45 @@ def test_unregister_a_layout_only_once_its_rows_are_gone(app) -> None:
     assert lid.hex() not in ids and FA.layout_id.hex() in ids
     assert client.delete(f"/admin/layouts/{lid.hex()}", headers=auth()).status_code == 404
     assert node.bank.register(other) == lid  # and it can be registered again
+
+
+@pytest.mark.parametrize(("path", "body", "field"), [
+    ("/v1/match", {"layout_id": FA.layout_id.hex(), "tokens": [True, False]}, "tokens.0"),
+    ("/v1/match", {"layout_id": FA.layout_id.hex(), "tokens": [1, 2], "scope": {"evil": 1}}, "scope.evil"),
+    ("/v1/match", {"layout_id": FA.layout_id.hex(), "tokens": [1, 2], "shard": "0"}, "shard"),
+    ("/v1/match", {"layout_id": FA.layout_id.hex(), "tokens": [1, 2], "evil": 1}, "evil"),
+    ("/v1/leases", {"names": [], "ttl_s": "30"}, "ttl_s"),
+    ("/v1/fetch/x/ack", {"rows": [True]}, "rows.0"),
+    ("/v1/layouts", {"layout": {}, "evil": 1}, "evil"),
+    ("/admin/drain", {"wait": "yes"}, "wait"),
+    ("/admin/evict", {"scope": {"tenant": 1}}, "scope.tenant"),
+])
+def test_json_bodies_are_as_strict_as_the_binary_header(app, path: str, body: Any, field: str) -> None:
+    """W13: wire.md's rules ("``true`` is not an integer", "a missing or unknown key is
+    refused") held on the binary put header but not on the JSON routes, which coerced
+    ``[true, false]`` to tokens, ``"0"`` to a shard, ``"30"`` to a TTL and ``"yes"`` to
+    a drain (which then drained the node)."""
+    client, node = app
+    node.bank.register(FA)
+    got = client.post(path, json=body, headers=auth())
+    assert got.status_code in (400, 422), got.text
+    assert field in got.json()["field"] + got.json()["message"], got.text
+    assert client.get("/admin/health", headers=auth()).json()["draining"] is False
+
+
+@pytest.mark.parametrize("fetch_id", ["фетч", "a\r\nx-evil: 1", "a b", "", "x" * 129, "a/b"])
+def test_a_fetch_id_that_cannot_travel_is_400_and_opens_nothing(app, fetch_id: str) -> None:
+    """W11: a non-Latin-1 fetch_id answered 500 (the stream's header could not be built)
+    and left an open remote fetch behind each time; CR LF dropped the connection without
+    an answer. Refused now, before anything is opened, on every path."""
+    client, node = app
+    fill(node.bank, 2, 3)
+    m = node.bank.match(FA.layout_id, list(range(30_000, 30_040)))
+    assert m.resume.tokens == 32
+    before = len(node.ledger)
+    for via in ("stream", "lease"):
+        got = client.post("/v1/fetch", json={"match": wire.to_dict(m), "via": via, "fetch_id": fetch_id})
+        assert got.status_code == 400 and got.json()["field"] == "fetch_id", got.text
+    assert len(node.ledger) == before
+    with pytest.raises(InvalidInput, match="fetch_id"):
+        node.bank.fetch(m, out=node.bank.out_buffers(m), fetch_id=fetch_id)

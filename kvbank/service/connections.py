@@ -71,6 +71,7 @@ def protocol(config: ServiceConfig) -> type[asyncio.Protocol]:
         _in_head = False  # between a request's first byte (or the accept) and its headers' end
         _in_message = False  # the parser is inside a request (its head or its body)
         _head_bytes = 0
+        _head_tail = b""  # the last bytes of the head so far (a CR LF CR LF may straddle reads)
 
         def connection_made(self, transport: Any) -> None:  # uvicorn's own signature
             super().connection_made(transport)
@@ -89,7 +90,17 @@ def protocol(config: ServiceConfig) -> type[asyncio.Protocol]:
             if not self._in_head and not self._in_message:
                 self._start_head()  # the first bytes of the next request (even bare CRLFs)
             if self._in_head:
-                self._head_bytes += len(data)
+                # Counted up to the head's end, before the parser sees the chunk: a head
+                # that arrives whole in one read would otherwise complete (and escape the
+                # limit) before it was counted.
+                seen = self._head_bytes
+                end = (self._head_tail + data[:max_header_bytes + 4]).find(b"\r\n\r\n")
+                head = len(data) if end < 0 else end + 4 - len(self._head_tail)
+                self._head_bytes += head
+                self._head_tail = data[-3:] if len(data) >= 3 else (self._head_tail + data)[-3:]
+                if self._head_bytes > max_header_bytes and seen <= max_header_bytes:
+                    self._refuse(too_big)
+                    return
             super().data_received(data)
             if self._in_head and self._head_bytes > max_header_bytes and not self.transport.is_closing():
                 self._refuse(too_big)
@@ -112,6 +123,7 @@ def protocol(config: ServiceConfig) -> type[asyncio.Protocol]:
         def _start_head(self) -> None:
             self._in_head = True
             self._head_bytes = 0
+            self._head_tail = b""
             if self._head_timer is None:
                 self._head_timer = self.loop.call_later(header_timeout, self._head_timed_out)
 

@@ -106,6 +106,12 @@ __all__ = [
 ]
 
 
+def _has_cuda() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_available())
+
+
 class TieredStore:
     """Rows of one node across device, host and disk tiers. Thread-safe.
 
@@ -141,8 +147,11 @@ class TieredStore:
                 device = DevicePool(dev_budget, config.device)
             else:
                 notes.append(why_off)
-                # Switched off on purpose is a state change; off for want of a GPU is degraded.
-                log = logger.info if config.device_bytes == 0 else logger.warning
+                # Off on purpose (device_bytes 0), or by default on a machine with no GPU
+                # (no budget was asked for): a state, said at info. Off although a budget
+                # was asked for, or a GPU is there: degraded, a warning.
+                asked = config.device_bytes is not None and config.device_bytes > 0
+                log = logger.warning if asked or (config.device_bytes is None and _has_cuda()) else logger.info
                 log("%s", why_off)
             if config.host_bytes > 0:
                 host = HostSlab(config.host_bytes)

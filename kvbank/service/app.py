@@ -4,6 +4,8 @@ describes them) and binary page bodies (:mod:`kvbank.service.stream`).
 =======================================  ==================================================
 route                                    what it does
 =======================================  ==================================================
+``GET  /live``                           ``alive``: a liveness probe, open to anyone (no
+                                         token, even with tenant tokens; says nothing else)
 ``GET  /v1/node``                        version, budgets, what identifies the host
 ``GET  /v1/health``                      the store's health (each tier, the mover)
 ``POST /v1/locate``                      row names → the tier holding each (or null)
@@ -49,7 +51,7 @@ from typing import Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import Response
+from fastapi.responses import PlainTextResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -237,6 +239,12 @@ def create_app(node: Node) -> FastAPI:
             str(p) for p in errs[0]["loc"][1:])
         msg = errs[0]["msg"] if errs else "invalid request"
         return _error(InvalidInput(f"{loc or 'body'}: {msg}", field=loc or "body"))
+
+    @app.get("/live", response_class=PlainTextResponse)
+    async def live() -> PlainTextResponse:
+        """A liveness probe for orchestrators: no token even on a tenant node, and nothing
+        in the answer but that the process serves."""
+        return PlainTextResponse("alive\n")
 
     @app.get("/v1/node")
     async def node_info() -> Response:

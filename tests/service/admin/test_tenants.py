@@ -162,3 +162,14 @@ def test_a_put_by_engine_keys_under_a_token_names_its_tenant(node: NodeProcess) 
         names = a.put(lid, keys=keys, group=0, pages=pages(4), scope=Scope("a"))
         m = a.match(lid, keys=keys)  # the node fills in tenant "a"
         assert list(m.names[0]) == names and m.resume.tokens == 3 * P
+
+
+def test_a_tenant_node_has_a_liveness_probe_that_needs_no_token_and_says_only_alive(
+        node: NodeProcess) -> None:
+    """With tenant tokens, /v1/health needs a tenant's token and /admin/health/live the
+    admin's: an orchestrator's probe had nothing to call. ``GET /live`` needs none and
+    answers nothing but ``alive``."""
+    got = httpx.get(node.url + "/live")
+    assert got.status_code == 200 and got.text == "alive\n"
+    assert httpx.get(node.url + "/v1/health").status_code == 401
+    assert httpx.get(node.url + "/admin/health/live").status_code == 401

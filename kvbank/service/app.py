@@ -424,10 +424,14 @@ def create_app(node: Node) -> FastAPI:
     async def ack_core(request: Request, body: AckBody, fetch_id: str) -> Response:
         guard.fetch(request, fetch_id)
         result = await node.call(node.acknowledge, fetch_id, body.rows, body.lease_id, body.stream)
+        # Bytes served count once, on every path, as the page bytes of the rows the client
+        # acknowledged whole (a stream's padding for a missing row is not served bytes).
         if metrics is not None and body.lease_id is not None:
             plane = node.dataplane
             metrics.add_moved("out", "data" if plane is not None and plane.took(body.lease_id) else "shm",
                               result.nbytes)
+        elif metrics is not None and body.stream is not None:
+            metrics.add_moved("out", "tcp", result.nbytes)
         return _json(wire.to_dict(result))
 
     @app.post("/v1/leases", responses=_lease_links("$response.body#/id"))

@@ -38,6 +38,9 @@ def out_buffers(layout: PageLayout, pages: tuple[tuple[int, ...], ...]) -> dict[
 def page_views(pages: Pages, size: int, field: str) -> list[memoryview]:
     """Flat byte views of the pages, each checked against the layout's page size."""
     if isinstance(pages, torch.Tensor):
+        if pages.device.type not in ("cpu", "cuda"):  # a meta tensor has no storage to copy
+            raise InvalidInput(f"{field}: a tensor on {pages.device} has no bytes to store; "
+                               "give a CPU or CUDA tensor", field=field)
         if pages.dtype != torch.uint8 or pages.dim() != 2:
             raise InvalidInput(f"{field}: expected a uint8 tensor [n, page_bytes], got "
                                f"{pages.dtype} {tuple(pages.shape)}")
@@ -93,8 +96,11 @@ def out_views(
                 raise InvalidInput(
                     f"out[{g}]: expected uint8 [>= {len(planned)}, {size}], got {buf.dtype} {tuple(buf.shape)}"
                 )
-            if buf.device.type != "cpu" or not buf.is_contiguous():
-                raise InvalidInput(f"out[{g}]: expected a contiguous CPU tensor, got {buf.device}")
+            if buf.device.type != "cpu":
+                raise InvalidInput(f"out[{g}]: expected a contiguous CPU tensor, got one on {buf.device}")
+            if not buf.is_contiguous():
+                raise InvalidInput(f"out[{g}]: expected a contiguous CPU tensor, got a non-contiguous "
+                                   f"view (strides {tuple(buf.stride())}); pass .contiguous() or a new one")
             arr = buf.numpy()
             views[g] = [memoryview(arr[i]) for i in range(len(planned))]
             continue

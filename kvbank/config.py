@@ -1,7 +1,9 @@
 """Frozen, validated settings for a bank (the embedded core, and the bank ``kvbank serve`` owns).
 
 Every field has a ``DEFAULT_*`` constant and an environment override under the ``KVBANK_``
-prefix; :meth:`BankConfig.from_env` reads them and CLI flags map onto the same names.
+prefix; :meth:`BankConfig.from_env` reads them and CLI flags map onto the same names. A
+``KVBANK_*`` variable that misspells a setting (``KVBANK_HOST_BYTE``) is ``ConfigError``
+naming it and the setting meant, never silently ignored.
 
 ==========================  =========================  =====================================
 field                       environment                meaning
@@ -262,6 +264,7 @@ class BankConfig:
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> BankConfig:
         """Defaults, then ``KVBANK_*`` variables, then ``overrides`` (CLI flags)."""
         env = os.environ if env is None else env
+        check_env_names(env, {f.name for f in dataclasses.fields(cls)})
         values: dict[str, Any] = {}
         for f in dataclasses.fields(cls):
             raw = env.get(ENV_PREFIX + f.name.upper())
@@ -271,6 +274,23 @@ class BankConfig:
         values.update({k: v for k, v in overrides.items() if v is not None})
         check_settings(values)
         return cls(**values)
+
+
+def check_env_names(env: Mapping[str, str], names: set[str]) -> None:
+    """``ConfigError`` naming a ``KVBANK_*`` variable that is a misspelling of a setting
+    in ``names`` (``KVBANK_HOST_BYTE``): ignored, it would leave the default in force
+    unnoticed. Other ``KVBANK_*`` variables (a client's ``KVBANK_URL``, a node's own
+    settings) are not this config's to judge, and no setting is that close to them."""
+    for key in env:
+        if not key.startswith(ENV_PREFIX):
+            continue
+        name = key[len(ENV_PREFIX):].lower()
+        if name in names:
+            continue
+        near = difflib.get_close_matches(name, sorted(names), n=1, cutoff=0.8)
+        if near:
+            raise ConfigError(f"{key}: not a setting; did you mean {ENV_PREFIX}{near[0].upper()}?",
+                              field=key)
 
 
 def check_settings(keys: Mapping[str, object]) -> None:

@@ -262,6 +262,10 @@ class BufferRegion:
     nbytes: int
 
 
+MAX_MODEL_BYTES = 4096  # a fingerprint: name, revision and what changes the KV values
+MAX_BUFFERS = 1 << 16  # buffers of one layout (a model's layers x roles)
+
+
 @dataclass(frozen=True, slots=True)
 class PageLayout:
     """The declaration of a cache's pages. ``layout_id`` is derived, 32 bytes."""
@@ -285,6 +289,12 @@ class PageLayout:
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
             raise LayoutError(f"model: must be a non-empty fingerprint string, got {self.model!r}")
+        try:  # the layout is persisted and listed as JSON: a lone surrogate has no UTF-8 form
+            model_bytes = len(self.model.encode("utf-8"))
+        except UnicodeEncodeError as exc:
+            raise LayoutError(f"model: not encodable as UTF-8: {exc}") from None
+        if model_bytes > MAX_MODEL_BYTES:
+            raise LayoutError(f"model: at most {MAX_MODEL_BYTES} bytes of UTF-8, got {model_bytes}")
         _count(self.tokens_per_page, "tokens_per_page", 1)
         groups = tuple(self.groups) if isinstance(self.groups, (list, tuple)) else self.groups
         buffers = tuple(self.buffers) if isinstance(self.buffers, (list, tuple)) else self.buffers
@@ -301,6 +311,8 @@ class PageLayout:
                 raise LayoutError(f"buffers: expected BufferSpec items, got {b!r}")
         if len(groups) > 0xFFFF:
             raise LayoutError(f"groups: at most 65535 groups, got {len(groups)}")
+        if len(buffers) > MAX_BUFFERS:
+            raise LayoutError(f"buffers: at most {MAX_BUFFERS} buffers, got {len(buffers)}")
         object.__setattr__(self, "groups", groups)
         object.__setattr__(self, "buffers", buffers)
         if not isinstance(self.quant, QuantMode):

@@ -67,3 +67,17 @@ def test_config_is_frozen_and_replace_revalidates() -> None:
     assert cfg.replace(host_bytes="1G").host_bytes == 1 << 30
     with pytest.raises(ConfigError):
         cfg.replace(high_watermark=0.5, low_watermark=0.6)
+
+
+@pytest.mark.parametrize(("var", "meant"), [("KVBANK_HOST_BYTE", "KVBANK_HOST_BYTES"),
+                                            ("KVBANK_DATA_DIRS", "KVBANK_DATA_DIR"),
+                                            ("KVBANK_RESERVE_HOSTS", "KVBANK_RESERVE_HOST")])
+def test_config_from_env_refuses_a_misspelt_setting(var: str, meant: str) -> None:
+    """W7: ``KVBANK_HOST_BYTE=1G`` was ignored (the default stayed in force, unnoticed);
+    it is ``ConfigError`` naming the variable and the setting meant. Variables of other
+    parts (``KVBANK_URL``, a node's ``KVBANK_DATA_PORT``) are left alone."""
+    with pytest.raises(ConfigError, match=f"{var}: not a setting; did you mean {meant}"):
+        BankConfig.from_env({var: "1G"})
+    others = {"KVBANK_URL": "http://x:1", "KVBANK_DATA_PORT": "0", "KVBANK_ADMIN_TOKEN": "t",
+              "KVBANK_CHECK_LOCKS": "1", "KVBANK_METRICS_AUTH": "true", "KVBANK_REDIS_CLUSTER": "a:1"}
+    assert BankConfig.from_env(others) == BankConfig.from_env({})

@@ -326,6 +326,7 @@ def _bank_entry_points(c: _Ctx) -> dict[str, Callable[[], object]]:
         "reshard_rows": lambda: b.reshard_rows(c.match),
         "fleet.as_if_held": lambda: b.fleet.as_if_held(c.match),
         "fleet.recall_remote": lambda: b.fleet.recall_remote(c.match),
+        "fleet.count_served": lambda: b.fleet.count_served(b.locate(n)),
         "fleet.layout_ids": b.fleet.layout_ids,
         "fleet.held_names": lambda: list(b.fleet.held_names()),
         "fleet.put_rows": lambda: b.fleet.put_rows(c.lid, [(n[0], bytes(PAGE))]),
@@ -365,6 +366,7 @@ def _bank_entry_points(c: _Ctx) -> dict[str, Callable[[], object]]:
         "check_invariants": b.check_invariants,
         "admin.evict": lambda: b.admin.evict(n[:1]),
         "admin.evict_rows": lambda: b.admin.evict_rows(c.lid),
+        "admin.unregister": lambda: b.admin.unregister(c.lid),
         "close": b.close,
     }
 
@@ -376,6 +378,8 @@ def _store_entry_points(s: TieredStore, names: list[bytes]) -> dict[str, Callabl
         "remote_has": lambda: s.remote_has(names),
         "residency": lambda: s.residency(names),
         "get_into": lambda: s.get_into(names[0], bytearray(PAGE)),
+        "recall_into": lambda: s.recall_into(names[0], bytearray(PAGE)),
+        "count_reads": lambda: s.count_reads(s.locate(names)),
         "get_many_into": lambda: s.get_many_into(names, [bytearray(PAGE) for _ in names]),
         "read_frame": lambda: s.read_frame(names[0]),
         "compact_disk": lambda: s.compact_disk(),

@@ -20,6 +20,7 @@ whether the bank is closed (every call then raises
   ``bank.fleet``'s node follows), :meth:`~BankAdmin.read_frame` (a row's encoded frame),
   :meth:`~BankAdmin.layouts`, :meth:`~BankAdmin.prefixes`, :meth:`~BankAdmin.count` (rows
   under a name prefix, from the ordered index: what the status page's usage table reads).
+- :meth:`~BankAdmin.unregister` — forget a layout that holds no rows.
 """
 
 from __future__ import annotations
@@ -72,6 +73,18 @@ class BankAdmin(BankPart):
     def layouts(self) -> list[PageLayout]:
         """Every registered layout."""
         return [self._catalog.layout(i) for i in self._catalog.layout_ids()]
+
+    def unregister(self, layout_id: bytes) -> int:
+        """Forget a registered layout (every shard of it: its registration, its file in the
+        data dir, the namespaces learnt under it); how many registrations were removed.
+        Refused while any of its namespaces holds rows (evict them first): a row whose
+        layout is gone could be neither fetched nor described."""
+        self._catalog.layout(layout_id)  # UnknownLayout when never registered
+        held = [ns for ns in self._catalog.namespaces_of(layout_id) if self._store.scan(ns, limit=1)]
+        if held:
+            raise InvalidInput(f"layout_id: {len(held)} scopes of layout {layout_id.hex()} still hold "
+                               "rows; evict them first (kvbank admin evict --layout ID)", field="layout_id")
+        return self._catalog.unregister(layout_id)
 
     def rows(self, layout_id: bytes | None = None, *, scope: Scope | None = None,
              prefix: bytes = b"", after: bytes | None = None,

@@ -3,7 +3,9 @@
 Primitives of :class:`Catalog` (thread-safe, one lock):
 
 - :meth:`~Catalog.register` / :meth:`~Catalog.layout` / :meth:`~Catalog.shard` — layouts
-  by id, and which tensor-parallel shards of each were registered.
+  by id, and which tensor-parallel shards of each were registered; at most
+  :data:`MAX_LAYOUTS` registrations of at most :data:`MAX_LAYOUT_BYTES` each (its JSON
+  form). :meth:`~Catalog.unregister` forgets every shard of a layout id.
 - :meth:`~Catalog.learn` — record a (scope, layout) namespace; :meth:`~Catalog.describe`
   — a row name's page size and buffer regions, for names under a namespace learnt.
 
@@ -17,23 +19,28 @@ those restored at open (pairs that still had rows) and those learnt since, about
 bytes a pair.
 
 Persistence (``Catalog(data_dir=...)``, when the bank has a disk tier, whose rows outlive
-the process). Two files beside the disk tier's ``lmdb/``:
+the process). Beside the disk tier's ``lmdb/``:
 
-- ``layouts.json`` — every registered (layout, shard), rewritten atomically (a temporary
-  file, fsync, rename, fsync of the folder) before a new registration is visible, so a
-  registration that returned survives a crash;
+- ``layouts/`` — one file per registered (layout, shard), ``<layout id>-<shard>.json``,
+  written atomically (a temporary file, fsync, rename, fsync of the folder) before a new
+  registration is visible, so a registration that returned survives a crash; a
+  registration writes its own file only, an unregistration deletes its files. (The
+  ``layouts.json`` of earlier versions, every layout in one file, is read at open, split
+  into ``layouts/`` and kept as ``layouts.json.old``.)
 - ``namespaces.bin`` — an append-only log of (namespace, layout id) records, each with a
   CRC-32, appended when a pair is first seen (not fsync'd: a crash can lose the last
   pairs, whose rows then list by scope or name prefix until the pair is learnt again).
 
 :meth:`~Catalog.restore` (at open, after the store rebuilt its index) registers the layouts
 again and keeps the pairs under them that still have rows, rewriting the log compacted.
-A damaged ``layouts.json`` is moved aside (``.damaged``) with a warning, never fatal: the
-rows stay, and workers register their layouts again; a torn log record ends the log.
+A damaged layout file is moved aside (``.damaged``) with a warning, never fatal: the
+others load, the rows stay, and workers register their layouts again; a torn log record
+ends the log.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -44,7 +51,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from kvbank.errors import InvalidInput, KvbankError, TierUnavailable, UnknownLayout
+from kvbank.errors import InvalidInput, KvbankError, LayoutError, TierUnavailable, UnknownLayout
 from kvbank.keys import NAMESPACE_BYTES, Scope, group_of, namespace, namespace_of
 from kvbank.layout import PageLayout
 from kvbank.lender.base import PageShape
@@ -53,7 +60,10 @@ from kvbank.tiers.datadir import open_private, private_dir, replace_file
 logger = logging.getLogger(__name__)
 
 MAX_NAMESPACES = 65_536  # (scope, layout) pairs whose rows a lease can describe
-LAYOUTS_FILE = "layouts.json"
+MAX_LAYOUTS = 4096  # registered (layout, shard) pairs: a model and TP size each
+MAX_LAYOUT_BYTES = 1 << 20  # a layout's JSON form (a 128-layer hybrid model is ~60 KiB)
+LAYOUTS_FILE = "layouts.json"  # every layout in one file (read at open, then split)
+LAYOUTS_DIR = "layouts"
 NAMESPACES_FILE = "namespaces.bin"
 _FORMAT = 1
 _LID = 32
@@ -88,12 +98,37 @@ class Catalog:
         with self._lock:
             key = (lid, layout.shard_index)
             if key not in self._registered:
+                if len(self._registered) >= MAX_LAYOUTS:
+                    raise LayoutError(f"layout: {MAX_LAYOUTS} layouts (and shards) are registered, "
+                                      "the most a bank keeps; unregister one first", field="layout")
+                size = len(_layout_json(layout))
+                if size > MAX_LAYOUT_BYTES:
+                    raise LayoutError(f"layout: {size} bytes as JSON, over the {MAX_LAYOUT_BYTES}-byte "
+                                      "limit", field="layout")
                 if self._files is not None:  # on disk before the registration is visible
-                    self._files.save_layouts([*self._registered.values(), layout])
+                    self._files.save_layout(layout)
                 self._registered[key] = layout
             self._layouts.setdefault(lid, layout)
             self._shards.setdefault(lid, set()).add(layout.shard_index)
         return lid
+
+    def unregister(self, layout_id: bytes) -> int:
+        """Forget every shard of ``layout_id`` (and the namespaces learnt under it); how
+        many registrations were removed (0: it was not registered)."""
+        with self._lock:
+            keys = [k for k in self._registered if k[0] == layout_id]
+            for key in keys:
+                if self._files is not None:  # off disk before the registration is gone
+                    self._files.remove_layout(*key)
+                del self._registered[key]
+            self._layouts.pop(layout_id, None)
+            self._shards.pop(layout_id, None)
+            for key in [k for k in self._shapes if k[0] == layout_id]:
+                del self._shapes[key]
+            for ns in self._by_layout.pop(layout_id, set()):
+                self._known.pop(ns, None)
+                self._namespaces.pop(ns, None)
+        return len(keys)
 
     def __len__(self) -> int:
         with self._lock:
@@ -195,8 +230,8 @@ class Catalog:
             # old files stay valid when that fails (a full disk must not stop the start):
             # only appending stops, since a record after a torn one would not be read.
             try:
-                if len(restored) != len(loaded):
-                    files.save_layouts(list(self._registered.values()))
+                if len(restored) != len(loaded) or files.legacy():
+                    files.save_all(list(self._registered.values()))
                 files.rewrite_namespaces(kept.items())
             except TierUnavailable as exc:
                 files.stop_appending()
@@ -227,12 +262,29 @@ class Catalog:
             return shape
 
 
+def _read_entry(entry: dict[str, object], what: str) -> PageLayout:
+    doc = entry["layout"]
+    if not isinstance(doc, dict):
+        raise ValueError(f"{what}.layout: expected an object")
+    layout = PageLayout.from_dict(doc)
+    if layout.layout_id.hex() != entry["layout_id"]:
+        raise ValueError(f"{what}.layout_id: does not match the layout")
+    return layout
+
+
+def _layout_json(layout: PageLayout) -> bytes:
+    """A registration's file: its layout id and its layout's dict form."""
+    doc = {"format": _FORMAT, "layout_id": layout.layout_id.hex(), "layout": layout.to_dict()}
+    return json.dumps(doc, sort_keys=True, indent=1).encode()
+
+
 class _Files:
     """``layouts.json`` and ``namespaces.bin`` in a bank's data dir (see the module docstring)."""
 
     def __init__(self, folder: Path) -> None:
         self.folder = folder
-        self.layouts = folder / LAYOUTS_FILE
+        self.layouts = folder / LAYOUTS_FILE  # the old single file, read at open only
+        self.layouts_dir = folder / LAYOUTS_DIR
         self.namespaces = folder / NAMESPACES_FILE
         self._log: int | None = None  # the namespace log, open for appends
         self._broken = False  # an append failed: warned once, no more appends
@@ -241,42 +293,92 @@ class _Files:
         # a temp file no planted symlink can redirect (kvbank.tiers.datadir), removed on
         # failure: a half-written copy must not fill a full disk more
         try:
-            private_dir(self.folder)
+            private_dir(path.parent)
             replace_file(path, data)
         except OSError as exc:
             raise TierUnavailable(f"catalog: cannot write {path}: {exc}") from exc
 
-    def save_layouts(self, layouts: Iterable[PageLayout]) -> None:
-        doc = {"format": _FORMAT, "layouts": [{"layout_id": x.layout_id.hex(), "layout": x.to_dict()}
-                                              for x in layouts]}
-        self._replace(self.layouts, json.dumps(doc, sort_keys=True, indent=1).encode())
+    def _file(self, layout_id: bytes, shard: int) -> Path:
+        return self.layouts_dir / f"{layout_id.hex()}-{shard}.json"
+
+    def save_layout(self, layout: PageLayout) -> None:
+        """One registration's own file (the others are not rewritten)."""
+        self._replace(self._file(layout.layout_id, layout.shard_index), _layout_json(layout))
+
+    def remove_layout(self, layout_id: bytes, shard: int) -> None:
+        path = self._file(layout_id, shard)
+        try:
+            path.unlink(missing_ok=True)
+            dfd = os.open(self.layouts_dir, os.O_RDONLY)
+            try:
+                os.fsync(dfd)  # the unlink itself is durable
+            finally:
+                os.close(dfd)
+        except FileNotFoundError:
+            pass  # no folder: nothing was ever saved
+        except OSError as exc:
+            raise TierUnavailable(f"catalog: cannot remove {path}: {exc}") from exc
+
+    def legacy(self) -> bool:
+        """Whether the single ``layouts.json`` of earlier versions is still there."""
+        return self.layouts.exists()
+
+    def save_all(self, layouts: Iterable[PageLayout]) -> None:
+        """Exactly ``layouts`` on disk, one file each (the old single file removed)."""
+        keep = {self._file(x.layout_id, x.shard_index).name for x in layouts}
+        for x in layouts:
+            self.save_layout(x)
+        if self.layouts_dir.is_dir():
+            for f in self.layouts_dir.glob("*.json"):
+                if f.name not in keep:
+                    with contextlib.suppress(OSError):
+                        f.unlink()
+        if self.layouts.exists():  # kept beside, as it was, for the operator
+            try:
+                os.replace(self.layouts, self.layouts.with_name(self.layouts.name + ".old"))
+            except OSError as exc:
+                raise TierUnavailable(f"catalog: cannot move {self.layouts} aside: {exc}") from exc
 
     def load_layouts(self) -> list[PageLayout]:
+        """The layouts of ``layouts/`` and of an old ``layouts.json``; a damaged file is
+        moved aside (``.damaged``) with a warning, the others load."""
+        out = self._load_file(self.layouts, many=True)
         try:
-            raw = self.layouts.read_bytes()
+            files = sorted(self.layouts_dir.glob("*.json"))
+        except OSError as exc:
+            raise TierUnavailable(f"catalog: cannot list {self.layouts_dir}: {exc}") from exc
+        for f in files:
+            out += self._load_file(f, many=False)
+        return out
+
+    def _load_file(self, path: Path, *, many: bool) -> list[PageLayout]:
+        try:
+            raw = path.read_bytes()
         except FileNotFoundError:
             return []
         except OSError as exc:
-            raise TierUnavailable(f"catalog: cannot read {self.layouts}: {exc}") from exc
+            raise TierUnavailable(f"catalog: cannot read {path}: {exc}") from exc
         try:
             doc = json.loads(raw)
             if not isinstance(doc, dict) or doc.get("format") != _FORMAT:
                 raise ValueError(f"format: expected {_FORMAT}")
+            if not many:
+                return [_read_entry(doc, "layout")]
             out = []
             for i, entry in enumerate(doc["layouts"]):
-                layout = PageLayout.from_dict(entry["layout"])
-                if layout.layout_id.hex() != entry["layout_id"]:
-                    raise ValueError(f"layouts[{i}].layout_id: does not match the layout")
-                out.append(layout)
+                try:  # one bad entry of the old single file costs that layout only
+                    out.append(_read_entry(entry, f"layouts[{i}]"))
+                except (KvbankError, ValueError, TypeError, KeyError) as exc:
+                    logger.warning("catalog: %s: layouts[%d] not restored: %s", path, i, exc)
             return out
         except (KvbankError, ValueError, TypeError, KeyError) as exc:
-            aside = self.layouts.with_name(self.layouts.name + ".damaged")
-            logger.warning("catalog: %s is damaged (%s); moved to %s, no layout restored",
-                           self.layouts, exc, aside)
+            aside = path.with_name(path.name + ".damaged")
+            logger.warning("catalog: %s is damaged (%s); moved to %s, no layout restored from it",
+                           path, exc, aside)
             try:
-                os.replace(self.layouts, aside)
+                os.replace(path, aside)
             except OSError as err:
-                raise TierUnavailable(f"catalog: cannot move {self.layouts} aside: {err}") from err
+                raise TierUnavailable(f"catalog: cannot move {path} aside: {err}") from err
             return []
 
     def load_namespaces(self) -> dict[bytes, bytes]:

@@ -23,6 +23,10 @@ follows is ``bank.admin.take_events``. Primitives:
   tier (Redis, below the disk) still holds, read back and stored locally in chain order,
   so the next match sees them. A match is a pure query and never asks Redis; the node
   calls this when a served match stops short (before asking peers) and matches again.
+  A recall counts no read: the row counts when a fetch serves it (:meth:`count_served`).
+- :meth:`~BankFleet.count_served` — reads a node served in place (its READ leases on a
+  fetch's rows), counted as the store counts its own reads, so a served node's hits,
+  gets and misses say what its clients received.
 """
 
 from __future__ import annotations
@@ -111,6 +115,10 @@ class BankFleet(BankPart):
             stored += sum(self._store.put_many(batch, dtype=layout.page_dtype(g)))
         return stored
 
+    def count_served(self, tiers: Sequence[TierKind | None]) -> None:
+        """Count one read per row a node served in place: its tier (a hit) or ``None``."""
+        self._store.count_reads(tiers)
+
     @property
     def has_remote(self) -> bool:
         """Whether a remote tier lies below the disk (what :meth:`recall_remote` reads):
@@ -148,7 +156,7 @@ class BankFleet(BankPart):
                         continue
                     break  # the chain stops here: nothing after it extends the bound
                 buf = bytearray(size)
-                if store.get_into(name, buf) != size:  # gone since, or failed its checks
+                if store.recall_into(name, buf) != size:  # gone since, or failed its checks
                     if state:
                         continue
                     break

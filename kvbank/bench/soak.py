@@ -1,5 +1,6 @@
-"""The soak of ``kvbank bench reliability``: N client processes x S seconds against one
-``kvbank serve`` whose budgets are small enough that eviction and demotion never stop.
+"""The soak of ``kvbank bench reliability``: N client processes x S seconds (or, in a
+test, x a count of operations) against one ``kvbank serve`` whose budgets are small
+enough that eviction and demotion never stop.
 
 Each client process (``python -m kvbank.bench.soak _client SPEC``) holds two
 :class:`~kvbank.client.client.Client` objects on the node, one forced onto the
@@ -49,6 +50,7 @@ import tempfile
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -169,10 +171,7 @@ def _client(spec: dict[str, Any]) -> dict[str, Any]:
         finally:
             c.release(lease.id)
 
-    print("ready", flush=True)
-    sys.stdin.readline()
-    deadline = time.monotonic() + spec["seconds"]
-    while time.monotonic() < deadline:
+    def step() -> None:
         op = rng.choices(OPS, WEIGHTS)[0]
         path = rng.choice(("local", "tcp"))
         local, tcp = rng.choice(pairs)
@@ -198,6 +197,22 @@ def _client(spec: dict[str, Any]) -> dict[str, Any]:
         else:
             lat[op].append(time.perf_counter() - t0)
         tally["ops"] += 1
+
+    # The orchestrator's commands, one a line: "go" runs for spec["seconds"] (the bench),
+    # "ops N" runs N operations and answers "done" (a test's rounds), "end" stops.
+    print("ready", flush=True)
+    for line in sys.stdin:
+        cmd = line.split()
+        if not cmd or cmd[0] == "end":
+            break
+        if cmd[0] == "go":
+            deadline = time.monotonic() + spec["seconds"]
+            while time.monotonic() < deadline:
+                step()
+            break
+        for _ in range(int(cmd[1])):
+            step()
+        print("done", flush=True)
     reader.close()
     for a, b in pairs:
         a.close()
@@ -267,17 +282,36 @@ def _spawn(spec: dict[str, Any]) -> subprocess.Popen[str]:
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
 
-def _run_clients(specs: list[dict[str, Any]], timeout_s: float = 600) -> list[dict[str, Any]]:
+def _run_clients(specs: list[dict[str, Any]], rounds: list[int] | None = None,
+                 between: Callable[[int], None] | None = None,
+                 timeout_s: float = 600) -> list[dict[str, Any]]:
+    """Run the clients: for their ``seconds`` each, or (``rounds``) that many operations
+    each round, all clients at once, ``between(i)`` called after round ``i`` but the last."""
     procs = [_spawn(s) for s in specs]
     try:
         for p in procs:
             assert p.stdout is not None  # PIPE was asked for
             if p.stdout.readline().strip() != "ready":
                 raise RuntimeError("soak client did not get ready")
-        for p in procs:
-            assert p.stdin is not None
-            p.stdin.write("go\n")
-            p.stdin.flush()
+
+        def tell(line: str) -> None:
+            for p in procs:
+                assert p.stdin is not None
+                p.stdin.write(line + "\n")
+                p.stdin.flush()
+
+        if rounds is None:
+            tell("go")
+        else:
+            for i, n in enumerate(rounds):
+                tell(f"ops {n}")
+                for p in procs:
+                    assert p.stdout is not None
+                    if p.stdout.readline().strip() != "done":
+                        raise RuntimeError(f"soak client died in round {i} (rc {p.poll()})")
+                if between is not None and i + 1 < len(rounds):
+                    between(i)
+            tell("end")
         results = []
         for p in procs:
             out, _ = p.communicate(timeout=timeout_s)
@@ -332,21 +366,54 @@ def _private(pid: int) -> tuple[int, int, dict[str, int]]:
     return st["RssAnon"] + st["RssFile"] - lmdb, lmdb, st
 
 
+def _sample(pid: int, result: SoakResult) -> bool:
+    """One sample of the node's memory into the peaks; False once the node is gone."""
+    try:
+        private, lmdb, st = _private(pid)
+    except OSError:
+        return False
+    result.peak_private = max(result.peak_private, private)
+    result.peak_lmdb = max(result.peak_lmdb, lmdb)
+    result.peak_hwm = max(result.peak_hwm, st["VmHWM"])
+    result.peak_shm = max(result.peak_shm, _shm_bytes(pid))
+    return True
+
+
 def _sampler(pid: int, result: SoakResult, stop: threading.Event) -> None:
-    while not stop.wait(0.25):
-        try:
-            private, lmdb, st = _private(pid)
-        except OSError:
-            return
-        result.peak_private = max(result.peak_private, private)
-        result.peak_lmdb = max(result.peak_lmdb, lmdb)
-        result.peak_hwm = max(result.peak_hwm, st["VmHWM"])
-        result.peak_shm = max(result.peak_shm, _shm_bytes(pid))
+    # a sample at once and (by the caller) one at the end: a short run has its peaks too
+    while _sample(pid, result) and not stop.wait(0.25):
+        pass
 
 
 def _p50s(results: list[dict[str, Any]]) -> dict[str, float]:
     return {op: statistics.median(xs) for op in OPS
             if (xs := [x for r in results for x in r["lat"][op]])}
+
+
+def _fill(url: str, families: int, result: SoakResult) -> None:
+    """Store prompt families ``0 .. families-1`` in full (16 pages each) on one node: more
+    than its host and disk budgets hold, so it has demoted and evicted by a count of
+    puts, however fast the machine, and every later put evicts again."""
+    import torch
+
+    from kvbank.client.client import Client
+    from kvbank.errors import KvbankError
+
+    layout = _layout()
+    size = layout.group_page_bytes[0]
+    src = torch.zeros((MAX_PAGES, size), dtype=torch.uint8)
+    with Client(url) as c:  # shared memory where it can: the fill is not what is tested
+        lid = c.register(layout)
+        for f in range(families):
+            for j in range(MAX_PAGES):
+                src[j].numpy()[:] = page_bytes(f, j, size)
+            try:
+                c.put(lid, tokens(f, MAX_PAGES), group=0, pages=src)
+            except KvbankError as exc:
+                kind = type(exc).__name__
+                result.tally["refusals" if kind in REFUSALS else "errors"] += 1
+                result.first.setdefault(kind, f"fill: {exc}")
+        c.flush()
 
 
 def _flap(redis: Any, every_s: float, stop: threading.Event, result: SoakResult) -> None:
@@ -373,13 +440,22 @@ def _check(url: str, data_dir: str) -> list[str]:
 
 def soak(clients: int = 16, seconds: float = 60.0, families: int = FAMILIES,
          idle_s: float | None = None, fleet: bool = False,
-         device_bytes: int = DEVICE_BYTES, flap_every_s: float = 0.0) -> SoakResult:
+         device_bytes: int = DEVICE_BYTES, flap_every_s: float = 0.0,
+         ops: int | None = None, fill: int = 0, flaps: int = 0) -> SoakResult:
     """One node, ``clients`` processes x ``seconds``; see the module docstring. ``fleet``:
     two nodes on one redis-server, each operation on either of them, so reads of rows
     the other node stored are peer fetches (memory is sampled on the first node).
     ``device_bytes``: a device tier's budget, held in CPU memory (``KVBANK_DEVICE=cpu``)
     so it runs on any machine; it counts in the memory budget. ``flap_every_s`` (fleet
-    only): SIGKILL the Redis every that many seconds and restart it 1 s later."""
+    only): SIGKILL the Redis every that many seconds and restart it 1 s later.
+
+    A test's soak is a count of operations, never a span of time (how much gets done in
+    one depends on the machine's load): ``ops`` operations per client instead of
+    ``seconds`` (the baseline run: a quarter of them, one client); ``fill`` prompt
+    families stored in full on the first node before the clients start (more than its
+    budgets: demotions and evictions by count); ``flaps`` (fleet only): the run split in
+    ``2 * flaps + 1`` rounds of operations, the Redis SIGKILLed after one round and
+    restarted, empty, after the next."""
     import httpx
 
     from kvbank.client.client import Client
@@ -409,21 +485,40 @@ def soak(clients: int = 16, seconds: float = 60.0, families: int = FAMILIES,
                 result.idle_rss = _private(node.pid)[0]
                 result.budget = HOST_BYTES + device_bytes + result.idle_rss
                 spec = {"urls": [n.url for n, _ in nodes], "families": families}
-                idle_run = _run_clients([{**spec, "seed": 0,
-                                          "seconds": idle_s or min(8.0, seconds / 4)}])
+                if ops is None:
+                    idle_run = _run_clients([{**spec, "seed": 0,
+                                              "seconds": idle_s or min(8.0, seconds / 4)}])
+                else:
+                    idle_run = _run_clients([{**spec, "seed": 0}], rounds=[max(1, ops // 4)])
                 result.idle_p50 = _p50s(idle_run)
                 before = c.stats().store.tiers
                 sampler.start()
+                if fill:
+                    _fill(node.url, fill, result)
                 flapper = None
                 if flap_every_s and redis is not None:
                     flapper = threading.Thread(target=_flap, args=(redis, flap_every_s, stop, result),
                                                daemon=True)
                     flapper.start()
-                runs = _run_clients([{**spec, "seed": 1 + i, "seconds": seconds}
-                                     for i in range(clients)])
+                specs = [{**spec, "seed": 1 + i, "seconds": seconds} for i in range(clients)]
+                if ops is None:
+                    runs = _run_clients(specs)
+                else:
+                    parts = 2 * flaps + 1 if redis is not None else 1
+                    rounds = [ops // parts + (k < ops % parts) for k in range(parts)]
+
+                    def between(i: int) -> None:  # kill after even rounds, restart after odd
+                        if i % 2 == 0:
+                            redis.kill()
+                        else:
+                            redis.restart()
+                            result.flaps += 1
+
+                    runs = _run_clients(specs, rounds, between)
                 stop.set()
                 if sampler.is_alive():
                     sampler.join(5)
+                _sample(node.pid, result)
                 if flapper is not None:
                     flapper.join(30)
                 after = c.stats().store.tiers

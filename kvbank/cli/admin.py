@@ -2,14 +2,19 @@
 
 Subcommands (:data:`COMMANDS`, a table other parts extend with :func:`register`, e.g.
 the fleet's ``kvbank admin fleet``): health, stats, tiers, layouts, leases (``--release
-ID`` force-releases one), rows, evict, flush, drain, undrain, pin, unpin, check, compact
-(the disk tier rewritten into segment files: a data dir of the older layout, and sparse
-segments), fleet (the nodes of the fleet this node is in: ``*`` marks this one),
-quarantine (layouts a reuse audit quarantined; ``--clear LAYOUT_ID`` serves one again).
+ID`` force-releases one), unregister, fetches, rows, evict, flush, drain, undrain, pin,
+unpin, check, compact (the disk tier rewritten into segment files: a data dir of the older
+layout, and sparse segments), fleet (the nodes of the fleet this node is in: ``*`` marks
+this one), quarantine (layouts a reuse audit quarantined; ``--clear LAYOUT_ID`` serves one
+again).
 
-The token comes from ``--token``, else ``KVBANK_ADMIN_TOKEN``, else the node's token file
-(``DATA_DIR/admin.token``, ``--data-dir`` or the embedded default's data dir). Output is a
-human table by default and the route's JSON document with ``--json``. ``flush`` and
+``--url`` is the node's root (``http://HOST:PORT``, no path). The token comes from
+``--token``, else ``KVBANK_ADMIN_TOKEN``, else the node's token file
+(``DATA_DIR/admin.token``, ``--data-dir`` or the embedded default's data dir; a refusal
+of a token read from a file says which file, since another node's is a different one).
+Output is a human table by default and the route's JSON document with ``--json``; a
+reader that stops early (``| head``) ends the output quietly. A layout id may be given
+by any prefix of its 64 hex digits that names one registered layout. ``flush`` and
 ``drain`` draw a progress bar on stderr (the mover's queue, the in-flight requests).
 Exit status: 0 done, 1 refused or a problem found (``check``), 2 usage.
 """
@@ -42,6 +47,7 @@ class Api:
     url: str
     token: str
     timeout_s: float = 120.0
+    token_file: Path | None = None  # where the token was read, when it came from a file
 
     def call(self, method: str, path: str, body: Any = None, params: dict[str, Any] | None = None) -> Any:
         import httpx  # here, so that ``kvbank --help`` stays quick
@@ -56,7 +62,11 @@ class Api:
         except ValueError:
             doc = {"message": r.text[:200]}
         if r.status_code >= 400 and not (path.endswith("/ready") and r.status_code == 503):
-            raise AdminError(f"{r.status_code} {doc.get('type', '')}: {doc.get('message', doc)}")
+            hint = ""
+            if r.status_code == 403 and self.token_file is not None:
+                hint = (f" (the token was read from {self.token_file}, this machine's default;"
+                        f" for another node pass --token, ${ENV_TOKEN} or its --data-dir)")
+            raise AdminError(f"{r.status_code} {doc.get('type', '')}: {doc.get('message', doc)}{hint}")
         return doc
 
 
@@ -80,11 +90,16 @@ def register(name: str, help: str, handler: Handler,
 
 
 def resolve_token(given: str | None, data_dir: str | None) -> str:
+    return _token(given, data_dir)[0]
+
+
+def _token(given: str | None, data_dir: str | None) -> tuple[str, Path | None]:
+    """The admin token, and the file it was read from (None: given or from the env)."""
     if given:
-        return given
+        return given, None
     env = os.environ.get(ENV_TOKEN)
     if env:
-        return env
+        return env, None
     from kvbank.service.admin.auth import TOKEN_FILE, read_token_file
     from kvbank.service.config import default_data_dir
 
@@ -92,7 +107,30 @@ def resolve_token(given: str | None, data_dir: str | None) -> str:
     token = read_token_file(path)
     if token is None:
         raise AdminError(f"token: none given (--token, {ENV_TOKEN}) and no token file at {path}")
-    return token
+    return token, path
+
+
+def check_url(url: str) -> str:
+    """``url`` if it is a node's root (``http://HOST:PORT``); else an error that says so."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise AdminError(f"--url: expected the node's root, http://HOST:PORT, got {url!r}")
+    if parts.path not in ("", "/") or parts.query or parts.fragment:
+        raise AdminError(f"--url: expected the node's root, http://HOST:PORT, without a path "
+                         f"(the routes add /admin/...), got {url!r}")
+    return url
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    if not v > 0 or v == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
+    return v
 
 
 # ---- output ------------------------------------------------------------------------------
@@ -172,8 +210,30 @@ def _layouts(api: Api, a: argparse.Namespace, out: TextIO) -> int:
     if a.json:
         print(json.dumps(doc), file=out)
     else:
-        table([[x["layout_id"][:16], x.get("model", ""), x.get("tokens_per_page", ""), len(x.get("groups", []))]
+        # the whole id: it is what --layout takes (a unique prefix of it works too)
+        table([[x["layout_id"], x.get("model", ""), x.get("tokens_per_page", ""), len(x.get("groups", []))]
                for x in doc["layouts"]], ["layout_id", "model", "tokens_per_page", "groups"], out)
+    return 0
+
+
+def _layout_id(api: Api, given: str | None) -> str | None:
+    """A whole layout id for ``--layout``: given whole, or the one registered layout whose
+    id starts with the given hex digits."""
+    if given is None or len(given) == 64:
+        return given
+    low = given.lower()
+    ids = [x["layout_id"] for x in api.call("GET", "/admin/layouts")["layouts"]
+           if x["layout_id"].startswith(low)]
+    if len(ids) != 1:
+        raise AdminError(f"--layout: {given!r} is the start of {len(ids)} registered layout ids, "
+                         "not of exactly one (kvbank admin layouts lists them)")
+    return str(ids[0])
+
+
+def _unregister(api: Api, a: argparse.Namespace, out: TextIO) -> int:
+    lid = _layout_id(api, a.layout)
+    doc = api.call("DELETE", f"/admin/layouts/{lid}")
+    print(json.dumps(doc) if a.json else f"unregistered {lid} ({doc['unregistered']} shards)", file=out)
     return 0
 
 
@@ -184,8 +244,21 @@ def _leases(api: Api, a: argparse.Namespace, out: TextIO) -> int:
     elif a.release:
         print(f"released {_cell(doc['released'])}", file=out)
     else:
-        table([[x["id"], x["mode"], x["kind"], len(x["rows"]), f"{x['ttl_s']:.1f}"] for x in doc["leases"]],
-              ["id", "mode", "kind", "rows", "ttl_s"], out)
+        # ``rows`` is the lease's rows as columns (names, present, state, ...): one
+        # character of ``present`` per row
+        table([[x["id"], x["mode"], x["kind"], len(x["rows"]["present"]), f"{x['ttl_s']:.1f}"]
+               for x in doc["leases"]], ["id", "mode", "kind", "rows", "ttl_s"], out)
+    return 0
+
+
+def _fetches(api: Api, a: argparse.Namespace, out: TextIO) -> int:
+    doc = api.call("GET", "/admin/fetches")
+    if a.json:
+        print(json.dumps(doc), file=out)
+    else:
+        table([[x["fetch_id"], x["where"], x["layout_id"][:16], x["prompt_tokens"], x["planned_rows"],
+                x["delivered_rows"], f"{x['ttl_s']:.1f}"] for x in doc["fetches"]],
+              ["fetch_id", "where", "layout", "prompt_tokens", "planned", "delivered", "ttl_s"], out)
     return 0
 
 
@@ -204,9 +277,9 @@ def _rows_args(p: argparse.ArgumentParser) -> None:
 
 
 def _rows(api: Api, a: argparse.Namespace, out: TextIO) -> int:
-    params = {k: v for k, v in (("layout_id", a.layout_id), ("tenant", a.tenant), ("cache_salt", a.cache_salt),
-                                ("lora", a.lora), ("prefix", a.prefix), ("limit", a.limit),
-                                ("cursor", a.cursor)) if v is not None}
+    params = {k: v for k, v in (("layout_id", _layout_id(api, a.layout_id)), ("tenant", a.tenant),
+                                ("cache_salt", a.cache_salt), ("lora", a.lora), ("prefix", a.prefix),
+                                ("limit", a.limit), ("cursor", a.cursor)) if v is not None}
     doc = api.call("GET", "/admin/rows", params=params)
     if a.json:
         print(json.dumps(doc), file=out)
@@ -230,7 +303,7 @@ def _evict(api: Api, a: argparse.Namespace, out: TextIO) -> int:
     if a.prefix:
         body["prefix"] = a.prefix
     if a.layout_id:
-        body["layout_id"] = a.layout_id
+        body["layout_id"] = _layout_id(api, a.layout_id)
     if any(x is not None for x in (a.tenant, a.cache_salt, a.lora)):
         body["scope"] = {"tenant": a.tenant or "", "cache_salt": a.cache_salt or "", "lora": a.lora or ""}
     doc = api.call("POST", "/admin/evict", body)
@@ -245,7 +318,8 @@ def _evict(api: Api, a: argparse.Namespace, out: TextIO) -> int:
 
 
 def _timeout_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--timeout", type=float, default=300.0, help="give up after this many seconds")
+    p.add_argument("--timeout", type=_positive_seconds, default=300.0,
+                   help="give up after this many seconds (> 0)")
 
 
 def _flush(api: Api, a: argparse.Namespace, out: TextIO) -> int:
@@ -380,11 +454,14 @@ for _name, _help, _fn, _args in (
     ("stats", "the bank's counters and each tier's", _stats, None),
     ("tiers", "per tier: budget, used, rows, counters", _tiers, None),
     ("layouts", "registered layouts", _layouts, None),
+    ("unregister", "forget a layout that holds no rows (evict them first)", _unregister,
+     lambda p: p.add_argument("layout", help="layout id (hex), or a prefix naming one")),
     ("leases", "live leases (--release ID ends one)",
      _leases, lambda p: p.add_argument("--release", metavar="ID", help="force-release this lease")),
     ("rows", "one page of rows by layout, scope or prefix", _rows, _rows_args),
     ("evict", "evict rows by name, prefix, layout or scope", _evict, _evict_args),
-    ("flush", "write host rows to disk now", _flush, _timeout_arg),
+    ("fetches", "open fetches: in this process and served to clients", _fetches, None),
+    ("flush", "wait until the mover is idle: every queued demotion written", _flush, _timeout_arg),
     ("drain", "refuse new puts, turn unready, wait for in-flight requests", _drain, _timeout_arg),
     ("undrain", "accept puts again", _undrain, None),
     ("pin", "pin rows (never evicted) under the pin budget", _pin, _names_arg),
@@ -423,8 +500,16 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
         print("kvbank admin: name a subcommand: " + ", ".join(COMMANDS), file=sys.stderr)
         return 2
     try:
-        api = Api(args.url, resolve_token(args.token, args.data_dir))
+        token, token_file = _token(args.token, args.data_dir)
+        api = Api(check_url(args.url), token, token_file=token_file)
         return int(handler(api, args, out))
     except AdminError as exc:
         print(f"\nkvbank admin: {exc}", file=sys.stderr)
         return 1
+    except BrokenPipeError:
+        # the reader went away (``| head``): the rest of the output is not wanted, and the
+        # interpreter's own flush at exit must not fail on the closed pipe either
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return 0

@@ -40,7 +40,10 @@ def run_demo(url: str | None, data_dir: str | Path | None, out: TextIO, *, model
             rc = _demo(node.url, out) or (_model_demo(node.url, out) if model else 0)
         finally:
             code = node.stop()
-        print(f"node stopped with SIGTERM: exit {code}, host rows written to {path}", file=out, flush=True)
+        where = (f"host rows written to {path}" if data_dir is not None else
+                 f"host rows written to its temporary data dir {path}, removed now "
+                 "(--data-dir DIR keeps them)")
+        print(f"node stopped with SIGTERM: exit {code}, {where}", file=out, flush=True)
         return rc or code
 
 

@@ -97,6 +97,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             return 2
     if args.metrics_auth:
         flags["metrics_auth"] = True
+    if args.reserve_host is not None:
+        flags["reserve_host"] = args.reserve_host
     config = ServiceConfig.load(args.config, flags=flags)
     if args.print_config:
         print(config.to_toml(), end="")
@@ -194,6 +196,9 @@ def build_parser() -> argparse.ArgumentParser:
         serve.add_argument(flag, dest=name, default=None, help=text)
     serve.add_argument("--metrics-auth", action="store_true",
                        help="/metrics needs the admin token too (default: open)")
+    serve.add_argument("--reserve-host", action=argparse.BooleanOptionalAction, default=None,
+                       help="claim and pre-fault the whole host budget at start (default: on for "
+                            "a node; --no-reserve-host claims memory as rows arrive)")
     serve.set_defaults(func=_cmd_serve)
 
     bench = sub.add_parser(

@@ -118,10 +118,17 @@ class Client(EngineCalls):
         parts = urlsplit(url)
         if parts.scheme != "http" or not parts.hostname:
             raise InvalidInput(f"url: expected http://HOST:PORT, got {url!r}")
+        if parts.path not in ("", "/") or parts.query or parts.fragment:
+            raise InvalidInput(f"url: expected the node's root, http://HOST:PORT, without a path "
+                               f"(the calls add /v1/...), got {url!r}", field="url")
+        # checked here, as Bank checks its own settings: not at the first call, untyped
+        timeout_s = checks.seconds(timeout_s, "timeout_s", positive=True)
+        retry_s = checks.seconds(retry_s, "retry_s")
         self.url = url.rstrip("/")
         # ``token``: a tenant token, sent on every call (the node binds the caller to it)
         auth = {} if token is None else {"Authorization": f"Bearer {token}"}
         self._tenant_token = token is not None
+        self._closed = False
         self._pool = Pool(self.url, parts.hostname, parts.port or 80, timeout_s=float(timeout_s),
                           retry_s=float(retry_s), auth=auth)
         self._layouts: dict[bytes, PageLayout] = {}
@@ -150,12 +157,18 @@ class Client(EngineCalls):
               wait_s: float | None = None) -> Any:
         """One control call (:meth:`kvbank.client.http.Pool.call`); the page paths make
         theirs through here too."""
+        self._check_open()
         return self._pool.call(method, path, body=body, content=content, idempotent=idempotent,
                                deadline=deadline, wait_s=wait_s)
 
     def _conn(self, timeout: float | None = None) -> http.client.HTTPConnection:
         """A pooled (or new) connection whose waits end after ``timeout`` (default ``timeout_s``)."""
+        self._check_open()
         return self._pool.conn(timeout)
+
+    def _check_open(self) -> None:
+        if self._closed:  # as a closed Bank answers: no call reopens a connection
+            raise TierUnavailable(f"client: closed (the client of {self.url})", field="client")
 
     def _path(self) -> PagePath:
         """The way page bodies go now: shared memory on the node's host, else its data port
@@ -520,7 +533,9 @@ class Client(EngineCalls):
     # ---- the rest --------------------------------------------------------------------
 
     def close(self) -> None:
-        """Close every connection and unmap the node's segments. Idempotent."""
+        """Close every connection and unmap the node's segments; every call after it raises
+        :class:`TierUnavailable`, as a closed Bank's do. Idempotent."""
+        self._closed = True
         self._pool.close()
         self._data.close()
         self._shm.close()

@@ -23,6 +23,7 @@ dropped by ``expire`` and by the next ``open``.
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
 import uuid
@@ -38,6 +39,8 @@ from kvbank.lender.resume import ResumeBound, resume_bound
 logger = logging.getLogger(__name__)
 
 Clock = Callable[[], float]  # monotonic seconds
+# A caller's fetch id: it travels in the stream's header and the acknowledgement's path.
+_FETCH_ID = re.compile(r"[A-Za-z0-9._:~+=@-]{1,128}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,8 +96,10 @@ class FetchLedger:
         fetch_id: str | None = None,
     ) -> str:
         """Start a fetch of ``plan``'s rows; returns its id (``fetch_id`` or a new one)."""
-        if fetch_id is not None and (not isinstance(fetch_id, str) or not fetch_id):
-            raise InvalidInput(f"fetch_id: must be a non-empty string, got {fetch_id!r}")
+        if fetch_id is not None and (not isinstance(fetch_id, str) or not _FETCH_ID.fullmatch(fetch_id)):
+            # it travels in an HTTP header and a URL path: printable ASCII, no separators
+            raise InvalidInput(f"fetch_id: expected 1 to 128 characters of A-Z a-z 0-9 . _ : ~ + = @ -, "
+                               f"got {fetch_id!r:.200}", field="fetch_id")
         if len(plan.rows) != len(layout.groups) or (plan.row_count and not plan.needed()):
             raise InvalidInput("plan: a fetch plan must carry row names for every group")
         group: list[int] = []

@@ -4,6 +4,8 @@ describes them) and binary page bodies (:mod:`kvbank.service.stream`).
 =======================================  ==================================================
 route                                    what it does
 =======================================  ==================================================
+``GET  /live``                           ``alive``: a liveness probe, open to anyone (no
+                                         token, even with tenant tokens; says nothing else)
 ``GET  /v1/node``                        version, budgets, what identifies the host
 ``GET  /v1/health``                      the store's health (each tier, the mover)
 ``POST /v1/locate``                      row names → the tier holding each (or null)
@@ -51,8 +53,8 @@ from typing import Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import Response
-from pydantic import BaseModel, Field
+from fastapi.responses import PlainTextResponse, Response
+from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvbank import wire
@@ -119,7 +121,14 @@ def _error(exc: KvbankError) -> Response:
     return _json(wire.error_to_dict(exc), status_of(exc))
 
 
-class ScopeBody(BaseModel):
+class _Body(BaseModel):
+    """A JSON request body, checked as strictly as the binary put header (wire.md): ``true``
+    is not an integer, ``"30"`` is not a number, and a missing or unknown key is refused."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
+class ScopeBody(_Body):
     tenant: str = ""
     cache_salt: str = ""
     lora: str = ""
@@ -128,7 +137,7 @@ class ScopeBody(BaseModel):
         return KeyScope(self.tenant, self.cache_salt, self.lora)
 
 
-class MatchBody(BaseModel):
+class MatchBody(_Body):
     layout_id: str = Field(description="hex of the 32-byte layout id")
     tokens: list[int] | None = Field(None, description="token ids")
     tokens_b64: str | None = Field(None, description="token ids as base64 of little-endian int32")
@@ -138,7 +147,7 @@ class MatchBody(BaseModel):
     shard: int | None = None
 
 
-class PresenceBody(BaseModel):
+class PresenceBody(_Body):
     layout_id: str = Field(description="hex of the 32-byte layout id")
     tokens: list[int] | None = Field(None, description="token ids")
     tokens_b64: str | None = Field(None, description="token ids as base64 of little-endian int32")
@@ -148,12 +157,12 @@ class PresenceBody(BaseModel):
     shards: list[int] | None = Field(None, description="shard indices (default: every shard of the layout)")
 
 
-class FlushBody(BaseModel):
+class FlushBody(_Body):
     timeout_s: float | None = Field(
         None, ge=0, description="Busy after this long (default: the store's wait_timeout_s)")
 
 
-class FetchBody(BaseModel):
+class FetchBody(_Body):
     match: dict[str, Any] | None = Field(None, description="a Match in its wire form")
     prompt: MatchBody | None = Field(
         None, description="instead of match: the prompt to match (a /v1/match body), matched and "
@@ -163,13 +172,13 @@ class FetchBody(BaseModel):
     via: Literal["stream", "lease", "data"] = "stream"
 
 
-class AckBody(BaseModel):
+class AckBody(_Body):
     rows: list[int] = Field(description="plan positions of the rows that arrived whole")
     lease_id: str | None = Field(None, description="the READ lease a same-host fetch read through")
     stream: str | None = Field(None, description="the stream (its header's id) the rows came in")
 
 
-class LendBody(BaseModel):
+class LendBody(_Body):
     names: list[str] | None = Field(None, description="row names (hex); omit with all=true")
     all: bool = False
     mode: Literal["READ", "WRITE"] = "READ"
@@ -177,15 +186,15 @@ class LendBody(BaseModel):
     ttl_s: float | None = Field(None, gt=0)
 
 
-class NamesBody(BaseModel):
+class NamesBody(_Body):
     names: list[str] = Field(description="row names (hex)")
 
 
-class RenewBody(BaseModel):
+class RenewBody(_Body):
     ttl_s: float | None = Field(None, gt=0)
 
 
-class CommitBody(BaseModel):
+class CommitBody(_Body):
     arrived: list[str] | list[bool] = Field(description="row names (hex) or one bool per row")
 
 
@@ -237,6 +246,12 @@ def create_app(node: Node) -> FastAPI:
         msg = errs[0]["msg"] if errs else "invalid request"
         return _error(InvalidInput(f"{loc or 'body'}: {msg}", field=loc or "body"))
 
+    @app.get("/live", response_class=PlainTextResponse)
+    async def live() -> PlainTextResponse:
+        """A liveness probe for orchestrators: no token even on a tenant node, and nothing
+        in the answer but that the process serves."""
+        return PlainTextResponse("alive\n")
+
     @app.get("/v1/node")
     async def node_info() -> Response:
         return _json(node.info())
@@ -269,6 +284,9 @@ def create_app(node: Node) -> FastAPI:
     @app.post("/v1/layouts", responses=_links(get_layout=("get_layout_v1_layouts__layout_id__get",
                                                           {"layout_id": "$response.body#/layout_id"})))
     async def register(doc: dict[str, Any]) -> Response:
+        if "layout" in doc and len(doc) != 1:  # {"layout": {...}} and nothing else
+            extra = sorted(k for k in doc if k != "layout")[0]
+            raise InvalidInput(f"{extra}: unknown key of a registration (only 'layout')", field=extra)
         layout = wire.from_dict(PageLayout, doc.get("layout", doc))
         lid = await node.call(bank.register, layout)
         return _json({"layout_id": lid.hex()})
@@ -412,10 +430,14 @@ def create_app(node: Node) -> FastAPI:
     async def ack_core(request: Request, body: AckBody, fetch_id: str) -> Response:
         guard.fetch(request, fetch_id)
         result = await node.call(node.acknowledge, fetch_id, body.rows, body.lease_id, body.stream)
+        # Bytes served count once, on every path, as the page bytes of the rows the client
+        # acknowledged whole (a stream's padding for a missing row is not served bytes).
         if metrics is not None and body.lease_id is not None:
             plane = node.dataplane
             metrics.add_moved("out", "data" if plane is not None and plane.took(body.lease_id) else "shm",
                               result.nbytes)
+        elif metrics is not None and body.stream is not None:
+            metrics.add_moved("out", "tcp", result.nbytes)
         return _json(wire.to_dict(result))
 
     @app.post("/v1/leases", responses=_lease_links("$response.body#/id"))

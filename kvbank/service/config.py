@@ -65,7 +65,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvbank.config import ENV_PREFIX, BankConfig, parse_bytes
+from kvbank.config import ENV_PREFIX, BankConfig, check_env_names, parse_bytes
 from kvbank.errors import ConfigError
 from kvbank.wire.node import DEFAULT_BIND, DEFAULT_PORT
 
@@ -191,6 +191,17 @@ class ServiceConfig:
             raise ConfigError(f"max_header_bytes: must be >= 4 KiB, got {self.max_header_bytes}")
         if self.redis is not None and self.redis_cluster is not None:
             raise ConfigError("redis: give --redis or --redis-cluster, not both")
+        # Refused at start, not answered by a fleet loop that fails forever in the log.
+        if self.redis is not None and not self.redis.startswith(("redis://", "rediss://", "unix://")):
+            raise ConfigError(f"redis: expected a redis://, rediss:// or unix:// URL, got {self.redis!r}",
+                              field="redis")
+        if self.redis_cluster is not None:
+            seeds = [x.strip() for x in self.redis_cluster.split(",")]
+            for seed in seeds:
+                host, _, port = seed.rpartition(":")
+                if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                    raise ConfigError(f"redis_cluster: expected HOST:PORT,..., got {seed!r}",
+                                      field="redis_cluster")
         for name in _SECONDS:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
@@ -235,6 +246,7 @@ class ServiceConfig:
         for key in bank_doc:
             if key not in bank_names:
                 raise ConfigError(f"bank.{key}: not a bank setting")
+        check_env_names(env, service_names | bank_names)
         service: dict[str, Any] = dict(doc)
         bank: dict[str, Any] = dict(bank_doc)
         for name in service_names:

@@ -17,6 +17,9 @@ Primitives:
   opens a new stream and never ends another stream's leases: a stream that is never
   acknowledged (its client died) keeps them until their TTL. A fetch id resumes from the
   first row not recorded.
+- :meth:`Node.lend_rows` — a fetch's READ lease; each row it serves counts once in the
+  bank's hits, gets and misses (a streamed row copied out privately is counted by
+  ``Bank.get_into`` itself), so a node's counters say what its clients received.
 - :meth:`Node.match` — ``Bank.match`` completed from the remote tier and the fleet, in one
   pool hop; :meth:`Node.match_lend` — that, then the same-host lease of its rows (a
   fetch by prompt: one control call where match and lease were two).
@@ -56,7 +59,7 @@ from kvbank.service.admin.timeseries import Traffic
 from kvbank.service.config import ServiceConfig
 from kvbank.service.dataplane import DataPlane
 from kvbank.service.fleet.fleet import Fleet
-from kvbank.tiers.base import HostSlot
+from kvbank.tiers.base import HostSlot, TierKind
 from kvbank.tiers.host import SHM_DIR
 from kvbank.wire.framing import StreamRow
 
@@ -293,9 +296,21 @@ class Node:
         opened = self.open_fetch(match, fetch_id, max_rows)
         if not opened.names:
             return opened, None
-        lease = self.bank.lend(opened.names, mode=LeaseMode.READ, kind=MemoryKind.HOST)
+        lease = self.lend_rows(opened.names)
         self.lent(opened.fetch_id, lease.id, {r.name for r in lease.rows if r.location is not None})
         return opened, lease
+
+    def lend_rows(self, names: list[bytes]) -> Lease:
+        """A READ HOST lease on a fetch's rows, each counted as one read served: a hit in
+        the tier it was found in (a disk row staged into host is a disk hit, as
+        ``Bank.get_into`` counts it), or a miss when the lease has nothing to read."""
+        bank = self.bank
+        found = bank.locate(names)
+        lease = bank.lend(names, mode=LeaseMode.READ, kind=MemoryKind.HOST)
+        served = [None if lease.row(n).location is None else (t or TierKind.HOST)
+                  for n, t in zip(names, found, strict=True)]
+        bank.fleet.count_served(served)
+        return lease
 
     def _stream(self, fetch_id: str, stream: str) -> _Stream | None:
         with self._lock:

@@ -45,7 +45,7 @@ from kvbank.service.app import create_app
 from kvbank.service.config import DATA_PORT_OFF, ServiceConfig
 from kvbank.service.connections import protocol
 from kvbank.service.dataplane import DataPlane
-from kvbank.service.fleet.fleet import join_fleet
+from kvbank.service.fleet.fleet import health_reasons, join_fleet, where_redis
 from kvbank.service.node import Node
 from kvbank.service.sockets import listen
 from kvbank.tiers.datadir import private_dir
@@ -99,6 +99,9 @@ def serve(config: ServiceConfig, *, out: TextIO = sys.stdout) -> int:
             timeout_graceful_shutdown=int(max(1, config.shutdown_timeout_s)),
         )
         admin = admin_of(app)
+        fleet = node.fleet
+        if fleet is not None:  # a node whose Redis does not answer says so in its health
+            admin.state.add_health_reasons(lambda: health_reasons(fleet))
         data_port = None if node.dataplane is None else node.dataplane.port
         server = _Server(uv, lambda: _ready(config, out, admin.state.token_file, data_port),
                          on_exit=lambda: stopping.start(
@@ -128,7 +131,11 @@ def _dataplane(node: Node, app: object) -> DataPlane | None:
     """The node's data port, listening (None when ``data_port`` is off, or when the node
     has no host tier: the data plane moves bodies through host slots only)."""
     config = node.config
-    if config.data_port == DATA_PORT_OFF or node.segment is None:
+    if config.data_port == DATA_PORT_OFF:
+        return None
+    if node.segment is None:  # asked for, and not possible: say so, not only "off"
+        logger.warning("data port off: the host tier (%s) has no shared segment to move page "
+                       "bodies through; remote page bodies go over HTTP", _size(config.bank.host_bytes))
         return None
     metrics = admin_of(app).metrics
     dp = DataPlane(node.bank, bind=config.bind, port=config.data_port, max_connections=config.data_connections,
@@ -144,8 +151,12 @@ def _ready(config: ServiceConfig, out: TextIO, token_file: Path | None, data_por
     # The ready line names the admin token's file, never the token.
     admin = "admin token as configured" if token_file is None else f"admin token in {token_file}"
     data = "data port off" if data_port is None else f"data port {data_port}"
+    fleet = ""
+    if config.redis is not None or config.redis_cluster is not None:
+        seeds = [s.strip() for s in (config.redis_cluster or "").split(",") if s.strip()]
+        fleet = f", fleet through {where_redis(config.redis, seeds)} (health says once it joined)"
     print(f"{READY} {config.url} (data dir {b.data_dir}, host tier {_size(b.host_bytes)}, "
-          f"disk tier {disk}, {data}; {admin})", file=out, flush=True)
+          f"disk tier {disk}, {data}{fleet}; {admin})", file=out, flush=True)
 
 
 def _show_reservation(bank: Bank) -> None:

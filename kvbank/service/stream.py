@@ -42,7 +42,7 @@ from kvbank.errors import (
 from kvbank.keys import PAGE_KEY_BYTES
 from kvbank.keys import Scope as KeyScope
 from kvbank.layout import GroupKind
-from kvbank.lender.base import Delivery, Lease, LeaseMode, MemoryKind
+from kvbank.lender.base import Delivery, Lease, MemoryKind
 from kvbank.service.admin.tenants import bind_put_header, tenant_of
 from kvbank.service.node import Node, OpenFetch
 from kvbank.wire.framing import (
@@ -354,8 +354,7 @@ async def _lend(node: Node, fetch: OpenFetch, idx: list[int]) -> Lease | None:
     """A READ HOST lease on a batch (staging its rows into host slots), or None when the
     host tier cannot hold it (the batch is then copied out row by row)."""
     try:
-        return await node.call(node.bank.lend, [fetch.names[i] for i in idx],
-                               mode=LeaseMode.READ, kind=MemoryKind.HOST)
+        return await node.call(node.lend_rows, [fetch.names[i] for i in idx])
     except TierError as exc:
         logger.debug("fetch %s: no read lease (%s); copying rows out", fetch.fetch_id, exc)
         return None

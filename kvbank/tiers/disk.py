@@ -118,6 +118,10 @@ _KEEP_SCRATCH = 64 << 20  # a per-thread read buffer larger than this is not kep
 LMDB_ERRORS: tuple[type[Exception], ...] = (lmdb.Error, OSError)
 
 
+def _gib(n: int) -> str:
+    return f"{n / (1 << 30):.3g} GiB"
+
+
 def _free_bytes(path: Path) -> int:
     """Bytes an unprivileged writer may still use on ``path``'s file system."""
     try:
@@ -257,6 +261,11 @@ class DiskTier(Tier, FrameStoreBase):
             if self._segs.sparse():
                 self._wake.set()
         logger.debug("disk tier %s: opened, %d bytes in rows", self.path, self._used)
+        room = _free_bytes(self.path) + self._used
+        if budget > room:  # the file system fills before the budget: say so at open
+            logger.warning("disk tier %s: disk_bytes %s is more than the file system can hold "
+                           "(%s free + %s in rows): the file system fills before the budget does",
+                           self.path, _gib(budget), _gib(room - self._used), _gib(self._used))
 
     def _open_env(self, map_size: int, sync: bool) -> None:
         try:
@@ -267,8 +276,12 @@ class DiskTier(Tier, FrameStoreBase):
             tighten([self.path / "data.mdb", self.path / "lock.mdb"])
             self._frames = self._env.open_db(b"frames")
             self._meta = self._env.open_db(b"meta")
-        except LMDB_ERRORS as exc:
-            raise TierUnavailable(f"disk tier: cannot open {self.path}: {exc}") from exc
+        except (lmdb.Error, OSError, OverflowError) as exc:
+            # Most often the map (budget x MAP_FACTOR + slack) is more address space than
+            # the process may have: say which setting sized it.
+            raise TierUnavailable(f"disk tier: cannot open {self.path} with a {_gib(map_size)} map "
+                                  f"(disk_bytes {_gib(self._budget)} x {MAP_FACTOR} + slack): {exc}; "
+                                  "a smaller disk_bytes maps less", field="disk_bytes") from exc
 
     # -- capabilities ------------------------------------------------------------------
 

@@ -63,8 +63,9 @@ def run_script(client: Any, sha: str, source: str, node: Any, args: Sequence[Any
 
 
 def connect(url: str | None = None, *, cluster: Sequence[str] = (), timeout_s: float = 1.0,
-            retries: int = 24) -> RedisClient:
-    """A client for one Redis (``url``) or a cluster (``cluster``: ``host:port`` seeds)."""
+            retries: int = 24, field: str | None = None) -> RedisClient:
+    """A client for one Redis (``url``) or a cluster (``cluster``: ``host:port`` seeds).
+    ``field``: the setting a refusal names (default ``redis`` / ``redis_cluster``)."""
     retry = Retry(EqualJitterBackoff(cap=0.5, base=0.05), retries)
     common: dict[str, Any] = dict(socket_connect_timeout=0.5, socket_timeout=timeout_s,
                                   socket_keepalive=True, health_check_interval=2)
@@ -74,13 +75,15 @@ def connect(url: str | None = None, *, cluster: Sequence[str] = (), timeout_s: f
             for seed in cluster:
                 host, _, port = seed.rpartition(":")
                 if not host or not port.isdigit():
-                    raise InvalidInput(f"redis_cluster: expected HOST:PORT, got {seed!r}")
+                    raise InvalidInput(f"{field or 'redis_cluster'}: expected HOST:PORT, got {seed!r}",
+                                       field=field or "redis_cluster")
                 nodes.append(redis.cluster.ClusterNode(host, int(port)))  # type: ignore[no-untyped-call]
             return redis.cluster.RedisCluster(startup_nodes=nodes, retry=retry, **common)
+        what = field or "redis"
         if not url:
-            raise InvalidInput("redis: a redis:// or rediss:// URL or cluster seeds are needed")
+            raise InvalidInput(f"{what}: a redis:// or rediss:// URL or cluster seeds are needed", field=what)
         if not url.startswith(("redis://", "rediss://", "unix://")):
-            raise InvalidInput(f"redis: expected a redis:// or rediss:// URL, got {url!r}")
+            raise InvalidInput(f"{what}: expected a redis:// or rediss:// URL, got {url!r}", field=what)
         return redis.Redis.from_url(url, retry=retry,
                                     retry_on_error=[redis.ConnectionError, redis.TimeoutError],
                                     **common)

@@ -33,8 +33,8 @@ def _open_redis(url: str, budget: int) -> FrameStore:
     seeds = [s.strip() for s in url.split(",") if s.strip()] if "://" not in url else []
     # Few retries: a read that misses locally must not wait out a Redis outage (the
     # reference retry policy hides ~6 s); a miss is the right answer then.
-    return RedisFrameStore(connect(None if seeds else url, cluster=seeds, retries=2), budget,
-                           own_client=True)
+    return RedisFrameStore(connect(None if seeds else url, cluster=seeds, retries=2, field="remote_url"),
+                           budget, own_client=True)
 
 
 _FACTORIES: dict[str, RemoteFactory] = {

@@ -58,7 +58,7 @@ def test_catalog_shards_and_refusals() -> None:
 def test_catalog_persists_layouts_and_namespaces_and_restores_those_with_rows(tmp_path) -> None:
     """Every registered (layout, shard) and every namespace learnt is on disk; a restore
     registers the layouts again and keeps the namespaces that still have rows."""
-    from kvbank.bank.catalog import LAYOUTS_FILE, NAMESPACES_FILE
+    from kvbank.bank.catalog import LAYOUTS_DIR, NAMESPACES_FILE
 
     other = full_attention("cat-other@1", 1, 2, 64)
     cat = Catalog(data_dir=tmp_path)
@@ -70,7 +70,8 @@ def test_catalog_persists_layouts_and_namespaces_and_restores_those_with_rows(tm
         cat.learn(lid, s)
     cat.learn(oid, Scope("o"))
     cat.close()
-    assert (tmp_path / LAYOUTS_FILE).exists() and (tmp_path / NAMESPACES_FILE).stat().st_size == 6 * 52
+    assert len(list((tmp_path / LAYOUTS_DIR).glob("*.json"))) == 3
+    assert (tmp_path / NAMESPACES_FILE).stat().st_size == 6 * 52
     stored = {namespace(lid, s) for s in scopes[:3]} | {namespace(oid, Scope("o"))}
 
     again = Catalog(data_dir=tmp_path)
@@ -85,7 +86,7 @@ def test_catalog_persists_layouts_and_namespaces_and_restores_those_with_rows(tm
 
 
 def test_catalog_restore_survives_a_torn_log_a_damaged_layouts_file_and_refusals(tmp_path) -> None:
-    from kvbank.bank.catalog import LAYOUTS_FILE, NAMESPACES_FILE
+    from kvbank.bank.catalog import LAYOUTS_DIR, NAMESPACES_FILE
 
     other = full_attention("cat-other@1", 1, 2, 64)
     cat = Catalog(data_dir=tmp_path)
@@ -106,10 +107,11 @@ def test_catalog_restore_survives_a_torn_log_a_damaged_layouts_file_and_refusals
     refused.close()
     assert log.stat().st_size == 52
 
-    (tmp_path / LAYOUTS_FILE).write_text('{"format": 1, "layouts": [{"layout_id": "00", "layout": {}}]}')
+    (file,) = (tmp_path / LAYOUTS_DIR).glob("*.json")  # the refused layout's file is gone
+    file.write_text('{"format": 1, "layout_id": "00", "layout": {}}')
     damaged = Catalog(data_dir=tmp_path)
     assert damaged.restore(lambda layout: None, lambda ns: True) == []
-    assert (tmp_path / (LAYOUTS_FILE + ".damaged")).exists()
+    assert file.with_name(file.name + ".damaged").exists()
     assert damaged.namespaces_of(lid) == []  # no layout, so none of its namespaces
     damaged.close()
 
@@ -119,13 +121,14 @@ def test_catalog_restore_opens_when_its_files_cannot_be_rewritten(tmp_path) -> N
     rewrote its files (``TierUnavailable: cannot write layouts.json``). The rewrite is
     housekeeping: the files stay as they were, the layouts come back, and appending stops
     (a record after a torn one would never be read)."""
-    from kvbank.bank.catalog import LAYOUTS_FILE, NAMESPACES_FILE
+    from kvbank.bank.catalog import LAYOUTS_DIR, NAMESPACES_FILE
 
     cat = Catalog(data_dir=tmp_path)
     lid = cat.register(FA)
     cat.learn(lid, Scope("t"))
     cat.close()
-    before = (tmp_path / LAYOUTS_FILE).read_bytes(), (tmp_path / NAMESPACES_FILE).read_bytes()
+    (layout_file,) = (tmp_path / LAYOUTS_DIR).glob("*.json")
+    before = layout_file.read_bytes(), (tmp_path / NAMESPACES_FILE).read_bytes()
 
     again = Catalog(data_dir=tmp_path)
     # the kernel refuses every write past 16 bytes (EFBIG), as a full disk refuses them
@@ -142,4 +145,81 @@ def test_catalog_restore_opens_when_its_files_cannot_be_rewritten(tmp_path) -> N
     assert again.namespaces_of(lid) == [namespace(lid, Scope("t"))]
     again.learn(lid, Scope("u"))  # not appended after a log it could not tidy
     again.close()
-    assert ((tmp_path / LAYOUTS_FILE).read_bytes(), (tmp_path / NAMESPACES_FILE).read_bytes()) == before
+    assert (layout_file.read_bytes(), (tmp_path / NAMESPACES_FILE).read_bytes()) == before
+
+
+def test_catalog_reads_an_old_layouts_json_and_splits_it(tmp_path) -> None:
+    """A data dir of an earlier version (every layout in ``layouts.json``) opens with its
+    layouts, and from then on each has its own file under ``layouts/``."""
+    import json
+
+    from kvbank.bank.catalog import LAYOUTS_DIR, LAYOUTS_FILE
+
+    other = full_attention("cat-other@1", 1, 2, 64)
+    bad = {**FA.to_dict(), "model": "x\ud800y"}  # what B1 let in: restored by no version now
+    (tmp_path / LAYOUTS_FILE).write_text(json.dumps({"format": 1, "layouts": [
+        *({"layout_id": x.layout_id.hex(), "layout": x.to_dict()} for x in (FA, other)),
+        {"layout_id": "00" * 32, "layout": bad}]}))
+    cat = Catalog(data_dir=tmp_path)
+    assert {x.layout_id for x in cat.restore(lambda layout: None, lambda ns: True)} == {
+        FA.layout_id, other.layout_id}
+    cat.close()
+    assert not (tmp_path / LAYOUTS_FILE).exists() and (tmp_path / (LAYOUTS_FILE + ".old")).exists()
+    assert len(list((tmp_path / LAYOUTS_DIR).glob("*.json"))) == 2
+    again = Catalog(data_dir=tmp_path)
+    assert len(again.restore(lambda layout: None, lambda ns: True)) == 2
+    again.close()
+
+
+def test_catalog_registration_writes_only_its_own_file(tmp_path) -> None:
+    """W14: each registration rewrote every registered layout; now it writes its own file,
+    and the others are untouched (same inode, same bytes)."""
+    from kvbank.bank.catalog import LAYOUTS_DIR
+
+    cat = Catalog(data_dir=tmp_path)
+    cat.register(FA)
+    (first,) = (tmp_path / LAYOUTS_DIR).glob("*.json")
+    ino, data = first.stat().st_ino, first.read_bytes()
+    for i in range(5):
+        cat.register(full_attention(f"cat-more-{i}@1", 1, 2, 64))
+    assert first.stat().st_ino == ino and first.read_bytes() == data
+    assert len(list((tmp_path / LAYOUTS_DIR).glob("*.json"))) == 6
+    cat.close()
+
+
+def test_catalog_limits_layout_count_and_size(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """W14: a layout's JSON form and the number of registrations are bounded; a refusal
+    writes nothing, and unregistering makes room again."""
+    import kvbank.bank.catalog as catalog
+    from kvbank.errors import LayoutError
+
+    monkeypatch.setattr(catalog, "MAX_LAYOUTS", 3)
+    monkeypatch.setattr(catalog, "MAX_LAYOUT_BYTES", 3000)
+    cat = Catalog(data_dir=tmp_path)
+    ids = [cat.register(full_attention(f"cat-n-{i}@1", 1, 2, 64)) for i in range(3)]
+    cat.register(full_attention("cat-n-0@1", 1, 2, 64))  # again: no new registration
+    with pytest.raises(LayoutError, match="unregister one"):
+        cat.register(full_attention("cat-n-3@1", 1, 2, 64))
+    assert cat.unregister(ids[0]) == 1 and cat.unregister(ids[0]) == 0
+    with pytest.raises(UnknownLayout):
+        cat.layout(ids[0])
+    with pytest.raises(LayoutError, match="3000-byte limit"):
+        cat.register(full_attention("m" * 4000, 1, 2, 64))
+    cat.register(full_attention("cat-n-3@1", 1, 2, 64))
+    cat.close()
+    again = Catalog(data_dir=tmp_path)
+    assert ids[0] not in {x.layout_id for x in again.restore(lambda layout: None, lambda ns: True)}
+    again.close()
+
+
+def test_layout_model_names_must_be_utf8_and_bounded() -> None:
+    """B1: a lone surrogate in the model name was accepted, persisted, and made every
+    listing of layouts fail to serialize (for good: it was restored at each start)."""
+    from kvbank.errors import LayoutError
+    from kvbank.layout import MAX_MODEL_BYTES
+
+    with pytest.raises(LayoutError, match="model: not encodable as UTF-8"):
+        full_attention("x\ud800y", 1, 1, 8)
+    with pytest.raises(LayoutError, match=f"model: at most {MAX_MODEL_BYTES}"):
+        full_attention("m" * (MAX_MODEL_BYTES + 1), 1, 1, 8)
+    assert full_attention("é" * (MAX_MODEL_BYTES // 2), 1, 1, 8).model  # 2 bytes each: fits

@@ -49,3 +49,15 @@ def test_demo_against_a_running_node(tmp_path: Path) -> None:
     assert res.returncode == 0, res.stderr + res.stdout
     _check(res.stdout)
     assert "a real model" not in res.stdout
+
+
+def test_demo_without_a_data_dir_does_not_name_a_folder_it_deleted() -> None:
+    """W24: the last line said "host rows written to <tmp>/kvbank-demo-…", a folder the
+    demo had removed by the time it exited. It says the folder was temporary and is gone."""
+    res = _demo("--no-model")
+    assert res.returncode == 0, res.stderr + res.stdout
+    last = res.stdout.strip().splitlines()[-1]
+    m = re.search(r"written to (?:its temporary data dir )?(\S+)", last)
+    assert m is not None, last
+    assert Path(m.group(1).rstrip(",")).exists() or "removed now" in last, last
+    assert "--data-dir DIR keeps them" in last

@@ -71,3 +71,24 @@ def test_service_config_holds_a_bank_config() -> None:
         ServiceConfig(bank="not a config")  # type: ignore[arg-type]
     assert isinstance(ServiceConfig().bank, BankConfig)
     assert default_data_dir({}).name == "kvbank"
+
+
+def test_service_config_refuses_a_misspelt_variable(tmp_path: Path) -> None:
+    """W7: ``kvbank serve`` with ``KVBANK_HOST_BYTE=1G`` printed a config without it."""
+    with pytest.raises(ConfigError, match="KVBANK_HOST_BYTE: not a setting; did you mean KVBANK_HOST_BYTES"):
+        ServiceConfig.load(env={"KVBANK_HOST_BYTE": "1G", "XDG_CACHE_HOME": str(tmp_path)})
+    with pytest.raises(ConfigError, match="did you mean KVBANK_DATA_PORT"):
+        ServiceConfig.load(env={"KVBANK_DATA_PORTS": "0", "XDG_CACHE_HOME": str(tmp_path)})
+
+
+@pytest.mark.parametrize(("flags", "field"), [({"redis": "http://x"}, "redis"),
+                                              ({"redis": "127.0.0.1:6379"}, "redis"),
+                                              ({"redis_cluster": "nohostport"}, "redis_cluster"),
+                                              ({"redis_cluster": "a:1,b:x"}, "redis_cluster")])
+def test_service_config_refuses_a_redis_that_is_no_redis(tmp_path: Path, flags: dict[str, str],
+                                                         field: str) -> None:
+    """W3: ``--redis http://x`` and ``--redis-cluster nohostport`` started a node whose
+    fleet loop then failed forever, logging no reason. Refused at start now."""
+    with pytest.raises(ConfigError, match=f"^{field}: expected") as e:
+        ServiceConfig.load(env={"XDG_CACHE_HOME": str(tmp_path)}, flags=flags)
+    assert e.value.field == field

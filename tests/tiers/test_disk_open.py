@@ -312,3 +312,31 @@ def test_a_deleted_data_file_beside_a_catalog_of_puts_is_a_health_note(
         assert disk.kind is TierKind.DISK and "data.mdb was missing" in disk.detail, disk
         assert any("data.mdb was missing" in n for n in bank.health().notes)
     assert "data.mdb was missing" in caplog.text
+
+
+def test_disk_budget_over_the_file_system_is_said_at_open(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """W5: ``--disk-bytes 2T`` opened without a word on a file system with 78 GB free;
+    a budget over what the file system can hold is a warning naming both."""
+    import logging
+
+    from kvbank.tiers.disk import DiskTier
+
+    st = os.statvfs(tmp_path)
+    free = st.f_bavail * st.f_frsize
+    with caplog.at_level(logging.WARNING, logger="kvbank.tiers.disk"):
+        DiskTier(tmp_path / "big", 2 * free + (1 << 30), sync=False).close()
+    assert any("more than the file system can hold" in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="kvbank.tiers.disk"):
+        DiskTier(tmp_path / "small", 64 << 20, sync=False).close()
+    assert not caplog.records
+
+
+def test_disk_map_the_process_cannot_have_names_disk_bytes(tmp_path: Path) -> None:
+    """W5: ``--disk-bytes 900T`` failed with "Cannot allocate memory" and no word about the
+    budget: the refusal names ``disk_bytes`` and the map it sized."""
+    from kvbank.tiers.disk import DiskTier
+
+    with pytest.raises(TierUnavailable, match="disk_bytes") as e:
+        DiskTier(tmp_path, 900 << 40, sync=False)  # 900 TiB: a 3.5 PiB map
+    assert e.value.field == "disk_bytes" and "map" in str(e.value)

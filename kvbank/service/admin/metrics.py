@@ -12,7 +12,9 @@ Primitives:
   of tiers; live leases, pins, the mover's queue, readiness), so a scrape costs one
   ``bank.stats()`` and the data path pays only for the request histogram.
 - :class:`MetricsMiddleware` — the ASGI wrapper that times every request and counts the
-  body bytes of page routes (TCP in on a put, TCP out on a fetch stream).
+  body bytes of put routes (TCP in); bytes out are the page bytes of the rows a fetch's
+  acknowledgement records, counted by the ack route on every path (TCP stream, shared
+  memory, data port).
 
 Names follow Prometheus conventions: ``kvbank_…_total`` counters, ``_bytes`` sizes,
 ``_seconds`` durations, base units only.
@@ -35,7 +37,6 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
             0.5, 1.0, 2.5, 5.0, 10.0)
 _PUT_ROUTES = frozenset({"/v1/put", "/v1/put_state"})
-_FETCH_ROUTE = "/v1/fetch"
 
 
 class _BankCollector(Collector):
@@ -162,9 +163,7 @@ class MetricsMiddleware:
             return
         t0 = time.perf_counter()
         code = 500
-        sent = 0
         received = 0
-        stream = False  # a page stream (octet-stream), not a JSON answer
 
         async def counting_receive() -> Message:
             nonlocal received
@@ -174,13 +173,9 @@ class MetricsMiddleware:
             return msg
 
         async def counting_send(msg: Message) -> None:
-            nonlocal code, sent, stream
+            nonlocal code
             if msg["type"] == "http.response.start":
                 code = msg["status"]
-                stream = any(k == b"content-type" and v.startswith(b"application/octet-stream")
-                             for k, v in msg.get("headers", ()))
-            elif msg["type"] == "http.response.body":
-                sent += len(msg.get("body", b""))
             await send(msg)
 
         try:
@@ -191,5 +186,4 @@ class MetricsMiddleware:
             self.metrics.observe(template, scope["method"], code, time.perf_counter() - t0)
             if template in _PUT_ROUTES:
                 self.metrics.add_moved("in", "tcp", received)
-            elif template == _FETCH_ROUTE and code == 200 and stream:
-                self.metrics.add_moved("out", "tcp", sent)
+            # bytes out are counted at a fetch's acknowledgement, on every path alike

@@ -15,7 +15,8 @@ MAX_LIST = 1_000  # rows one listing page may hold
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # as strict as the data API's bodies: ``"yes"`` is not a boolean, an unknown key is refused
+    model_config = ConfigDict(strict=True, extra="forbid")
 
 
 class ScopeModel(_Strict):
@@ -121,6 +122,10 @@ class LeasesModel(BaseModel):
 
 class ReleasedModel(BaseModel):
     released: bool
+
+
+class UnregisteredModel(BaseModel):
+    unregistered: int = Field(ge=0, description="registrations removed (one per shard)")
 
 
 class FetchesModel(BaseModel):

@@ -10,12 +10,13 @@ route                                  what it does
 ``GET  /admin/stats``                  BankStats, per-tier figures, in-flight, draining
 ``GET  /admin/tiers``                  per tier: budget, used, rows, watermarks, counters
 ``GET  /admin/layouts``                every registered layout
+``DELETE /admin/layouts/{layout_id}``  unregister one that holds no rows (every shard)
 ``GET  /admin/leases``                 every live lease
 ``DELETE /admin/leases/{lease_id}``    force-release one
 ``GET  /admin/fetches``                open fetch-ledger entries (in-process and remote)
 ``GET  /admin/rows``                   one page of rows by layout / scope / name prefix
 ``POST /admin/evict``                  by names, or by layout / scope / prefix
-``POST /admin/flush``                  write host rows to disk now (wait for the mover)
+``POST /admin/flush``                  wait until the mover is idle (demotions written)
 ``POST /admin/drain``, ``/undrain``    refuse new puts and turn unready; accept them again
 ``POST /admin/pin``, ``/unpin``        pin rows under the pin budget (409 over it)
 ``POST /admin/check``                  the bank's invariant check, what it found
@@ -214,6 +215,11 @@ def _router(admin: Admin) -> APIRouter:
     @r.get("/layouts")
     async def layouts() -> M.LayoutsModel:
         return M.LayoutsModel(layouts=[wire.to_dict(x) for x in await node.call(bank.admin.layouts)])
+
+    @r.delete("/layouts/{layout_id}")
+    async def unregister(layout_id: str) -> M.UnregisteredModel:
+        lid = _hex(layout_id, "layout_id", 32)
+        return M.UnregisteredModel(unregistered=await node.call(bank.admin.unregister, lid))
 
     @r.get("/leases", responses={200: {"description": "Successful Response", "links": {
         "force_release": {"operationId": "force_release_admin_leases__lease_id__delete",

@@ -212,9 +212,9 @@ class Fleet:
         while not self._stop.is_set():
             try:
                 self.step()
-            except Exception:  # never let the fleet thread kill the node; health shows it
-                logger.exception("fleet: step failed")
-                self.degraded, self.last_error = True, "fleet step failed; see the log"
+            except Exception as exc:  # never let the fleet thread kill the node; health shows it
+                logger.exception("fleet: step failed: %s: %s", type(exc).__name__, exc)
+                self.degraded, self.last_error = True, f"fleet step failed: {type(exc).__name__}: {exc}"
             self._stop.wait(self.heartbeat_s)
 
     # -- match and peer fetch ----------------------------------------------------------
@@ -396,6 +396,31 @@ def _outcome(pm: Match, res: FetchResult) -> tuple[list[bytes], list[bytes]]:
     return arrived, undelivered
 
 
+def where_redis(url: str | None, seeds: Sequence[str]) -> str:
+    """The fleet's Redis for a log or the ready line: host and port only (a URL may hold
+    a password)."""
+    if seeds:
+        return "Redis Cluster " + ",".join(seeds)
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url or "")
+    try:
+        port = parts.port
+    except ValueError:
+        port = None
+    return f"Redis {parts.scheme}://{parts.hostname or ''}{'' if port is None else f':{port}'}"
+
+
+def health_reasons(fleet: Fleet) -> list[str]:
+    """The node's degraded reasons from its fleet: none while it is registered and Redis
+    answers; else why (a node that cannot reach its Redis serves locally, but is not in
+    the fleet: no peer fetches, no index)."""
+    if not fleet.degraded:
+        return []
+    why = fleet.last_error
+    return [f"fleet: {'not registered yet' if why in (None, _NOT_YET) else why}"]
+
+
 def join_fleet(bank: Bank, config: Any) -> Fleet | None:
     """The node's fleet membership from its service config (``None`` without Redis).
     Redis unreachable at start is not fatal: the node starts degraded and joins later."""
@@ -406,11 +431,13 @@ def join_fleet(bank: Bank, config: Any) -> Fleet | None:
     seeds = [s.strip() for s in (config.redis_cluster or "").split(",") if s.strip()]
 
     def dial() -> RedisClient:  # the loop retries, not the call
-        return connect(config.redis, cluster=seeds, retries=2)
+        return connect(config.redis, cluster=seeds, retries=2,
+                       field="redis_cluster" if seeds else "redis")
 
     # A cluster client reads the slot table when it is made, so it cannot be made before
     # a seed answers: the index makes it on its first call, and the loop retries until then.
     fleet = Fleet(bank, None, name=config.url, address=config.url, connect=dial,
                   tenants=config.tenants)
+    logger.info("fleet: joining through %s", where_redis(config.redis, seeds))
     fleet.start()
     return fleet

@@ -157,10 +157,11 @@ def _read_disk(st: StoreState, name: bytes, rid: int, stamp: int, size: int,
     return n
 
 
-def _read_remote(st: StoreState, name: bytes, dst: memoryview) -> int | None:
+def _read_remote(st: StoreState, name: bytes, dst: memoryview, *, count: bool = True) -> int | None:
     """A miss in every local tier, read from the remote tiers in order (not promoted: the
     fleet index, not this read, decides what a node keeps). A damaged frame is dropped and
-    a miss; an unreachable remote tier is a miss too (its health says why)."""
+    a miss; an unreachable remote tier is a miss too (its health says why). ``count=False``:
+    a recall, whose row counts when it is served (:func:`count_reads`), not here."""
     n: int | None = None
     for remote in st.below:
         try:
@@ -175,12 +176,36 @@ def _read_remote(st: StoreState, name: bytes, dst: memoryview) -> int | None:
             n = None
         if n is not None:
             break
-    if n is not None:
+    if n is not None and count:
         with st.lock:  # the local miss was answered after all (each local tier missed)
             st.misses -= 1
             st.hits += 1
             st.remote_hits += 1
     return n
+
+
+def recall_into(st: StoreState, name: bytes, out: memoryview | bytearray) -> int | None:
+    """A row read from the remote tiers only, counted nowhere: a served node recalls rows
+    for a match and counts each one when a fetch serves it (one read, counted once)."""
+    check_name(name)
+    with st.lock:
+        st.check_open()
+    return _read_remote(st, name, as_out_view(out), count=False) if st.below else None
+
+
+def count_reads(st: StoreState, bits: Sequence[int]) -> None:
+    """Reads served without :func:`get_into` (a node's READ leases on a fetch's rows),
+    counted as it would count them: per row its tier bit (a hit there, a miss in each
+    faster tier) or 0 (a miss in every tier asked)."""
+    with st.lock:
+        for bit in bits:
+            st.gets += 1
+            if not bit:
+                count_miss(st)
+                continue
+            count_passed(st, bit)
+            st.counters[bit].hits += 1
+            st.hits += 1
 
 
 def count_miss(st: StoreState) -> None:

@@ -81,7 +81,7 @@ from kvbank.results import (
 from kvbank.tiers.base import Buffer, FrameStore, TierKind, as_bytes_view, check_name, check_names
 from kvbank.tiers.device import DevicePool, device_budget
 from kvbank.tiers.host import HostSlab
-from kvbank.tiers.index import DEV, DISK, HOST, KIND_OF_BIT
+from kvbank.tiers.index import DEV, DISK, HOST, KIND_OF_BIT, tier_bit
 from kvbank.tiers.schemes import open_remote
 from kvbank.tiers.store import admin, placement, reads, writes
 from kvbank.tiers.store import persist as persistence
@@ -108,6 +108,12 @@ __all__ = [
     "RowEvent", "RowInfo", "StoreHealth", "StoreStats", "TierHealth", "TierStats",
     "TieredStore", "default_encode_workers",
 ]
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_available())
 
 
 class TieredStore:
@@ -146,8 +152,11 @@ class TieredStore:
                 device = DevicePool(dev_budget, config.device)
             else:
                 notes.append(why_off)
-                # Switched off on purpose is a state change; off for want of a GPU is degraded.
-                log = logger.info if config.device_bytes == 0 else logger.warning
+                # Off on purpose (device_bytes 0), or by default on a machine with no GPU
+                # (no budget was asked for): a state, said at info. Off although a budget
+                # was asked for, or a GPU is there: degraded, a warning.
+                asked = config.device_bytes is not None and config.device_bytes > 0
+                log = logger.warning if asked or (config.device_bytes is None and _has_cuda()) else logger.info
                 log("%s", why_off)
             if config.host_bytes > 0:
                 host = HostSlab(config.host_bytes)
@@ -220,6 +229,16 @@ class TieredStore:
         """Copy a row into ``out``; its size, or ``None`` on a miss. Touches LRU and
         promotes a disk row to host."""
         return reads.get_into(self._st, name, out)
+
+    def recall_into(self, name: bytes, out: memoryview | bytearray) -> int | None:
+        """Copy a row from the remote tiers only (counted nowhere: see
+        :func:`~kvbank.tiers.store.reads.recall_into`); its size, or ``None``."""
+        return reads.recall_into(self._st, name, out)
+
+    def count_reads(self, tiers: Sequence[TierKind | None]) -> None:
+        """Count reads served in place (a READ lease's rows): per row the tier that served
+        it, or ``None`` for a miss, as :meth:`get_into` counts its own reads."""
+        reads.count_reads(self._st, [0 if t is None else tier_bit(t) for t in tiers])
 
     def delete(self, name: bytes) -> bool:
         """Remove a row from every tier; ``False`` if absent, ``RowLocked`` if locked."""

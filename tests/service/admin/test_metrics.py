@@ -12,7 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvbank import Scope, wire
 from kvbank.client.io import put_head
-from kvbank.wire.framing import PutKind
+from kvbank.wire.framing import PREFIX, PutKind, decode_fetch_header
 from tests.service.admin_app import FA, PAGE, P, auth, served
 
 
@@ -38,6 +38,10 @@ def test_metrics_count_a_known_workload(tmp_path: Path) -> None:
             assert m.status_code == 200
         stream = client.post("/v1/fetch", json={"match": m.json()})
         assert stream.status_code == 200 and len(stream.content) > 3 * PAGE
+        head = PREFIX.size + PREFIX.unpack_from(stream.content)[2]
+        fid, sid, rows = decode_fetch_header(stream.content[PREFIX.size:head])
+        ack = client.post(f"/v1/fetch/{fid}/ack", json={"rows": [r.position for r in rows], "stream": sid})
+        assert ack.status_code == 200 and ack.json()["complete"], ack.text
         client.post("/v1/match", json={"layout_id": "zz", "tokens": [1]})  # a 400
         text = client.get("/metrics").text
         s = _samples(text)
@@ -47,11 +51,12 @@ def test_metrics_count_a_known_workload(tmp_path: Path) -> None:
         assert s[("kvbank_request_duration_seconds_count",
                   (("method", "POST"), ("route", "/v1/match")))] == 4
         assert s[("kvbank_moved_bytes_total", (("direction", "in"), ("path", "tcp")))] == len(body)
-        assert s[("kvbank_moved_bytes_total", (("direction", "out"), ("path", "tcp")))] == len(stream.content)
+        # bytes served: the page bytes of the rows acknowledged whole (not the frames)
+        assert s[("kvbank_moved_bytes_total", (("direction", "out"), ("path", "tcp")))] == 3 * PAGE
         assert s[("kvbank_puts_total", ())] == 3
         assert s[("kvbank_tier_rows", (("tier", "host"),))] == 3
         assert s[("kvbank_rows", ())] == 3 and s[("kvbank_ready", ())] == 1
-        assert s[("kvbank_leases", ())] == 1  # the stream's READ lease, held until its ack
+        assert s[("kvbank_leases", ())] == 0  # the stream's READ lease, released at its ack
         assert all(k[0].startswith("kvbank_") for k in s)
         # its own registry: nothing of it in the process-global one
         assert not any(m.name.startswith("kvbank") for m in REGISTRY.collect())

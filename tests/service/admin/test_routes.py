@@ -12,8 +12,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
-from kvbank import LeaseMode, Scope
+from kvbank import LeaseMode, Scope, full_attention, wire
+from kvbank.errors import InvalidInput
 from kvbank.keys import namespace
 from kvbank.service.admin.auth import TOKEN_FILE
 from kvbank.service.admin.routes import admin_of
@@ -25,6 +27,7 @@ ROUTES: list[tuple[str, str, Any]] = [
     ("GET", "/admin/health", None), ("GET", "/admin/health/live", None),
     ("GET", "/admin/health/ready", None), ("GET", "/admin/stats", None),
     ("GET", "/admin/tiers", None), ("GET", "/admin/layouts", None),
+    ("DELETE", "/admin/layouts/" + "ab" * 32, None),
     ("GET", "/admin/leases", None), ("DELETE", "/admin/leases/no-such-lease", None),
     ("GET", "/admin/fetches", None), ("GET", "/admin/rows", None),
     ("POST", "/admin/evict", {"prefix": "ff"}), ("POST", "/admin/flush", {"timeout_s": 10}),
@@ -47,7 +50,8 @@ def test_every_admin_route_is_listed_here(app) -> None:
     spec = client.get("/openapi.json").json()
     served_routes = {(m.upper(), p) for p, ops in spec["paths"].items() if p.startswith("/admin/")
                      for m in ops}
-    listed = {(m, p.replace("no-such-lease", "{lease_id}").replace("00" * 32, "{layout_id}"))
+    listed = {(m, p.replace("no-such-lease", "{lease_id}").replace("00" * 32, "{layout_id}")
+               .replace("ab" * 32, "{layout_id}"))
               for m, p, _ in ROUTES}
     assert served_routes == listed
 
@@ -64,7 +68,8 @@ def test_admin_route_needs_the_token(app, method: str, path: str, body: Any) -> 
     assert basic.status_code == 401
     right = client.request(method, path, headers=auth(), **kw)
     # this node runs without Redis: the fleet listing is a typed 400 naming the fleet
-    expected = 404 if "no-such" in path else 400 if path == "/admin/fleet" else 200
+    # a layout never registered is UnknownLayout (404); a release of a missing lease too
+    expected = 404 if "no-such" in path or "abab" in path else 400 if path == "/admin/fleet" else 200
     assert right.status_code == expected, right.text
     if expected == 400:
         assert right.json()["field"] == "fleet"
@@ -253,3 +258,78 @@ def test_tiers_report_raw_bytes_and_the_disk_codec_ratio_also_after_a_reopen(tmp
         assert node.bank.fetch(m, out={0: got}).complete  # read back: promoted into host
         t = tiers(client)
         assert t["HOST"]["raw_bytes"] == PAGE and t["DISK"]["raw_bytes"] == n * PAGE
+
+
+def test_layout_with_a_lone_surrogate_is_refused_and_layouts_stay_listable(app) -> None:
+    """B1: a model name with a lone surrogate was registered (200), persisted, and from
+    then on every ``GET /admin/layouts`` answered 500, across restarts. It is a 400 now,
+    and the listing answers."""
+    client, _ = app
+    import json
+
+    doc = wire.to_dict(FA)
+    doc["model"] = "x\ud800y"
+    body = json.dumps({"layout": doc}).encode()  # valid JSON: the surrogate is escaped
+    got = client.post("/v1/layouts", content=body, headers={"Content-Type": "application/json"})
+    assert got.status_code == 400 and "UTF-8" in got.json()["message"], got.text
+    listed = client.get("/admin/layouts", headers=auth())
+    assert listed.status_code == 200 and all("\ud800" not in x["model"] for x in listed.json()["layouts"])
+
+
+def test_unregister_a_layout_only_once_its_rows_are_gone(app) -> None:
+    """W14: a layout can be unregistered (every shard), not while it holds rows."""
+    client, node = app
+    other = full_attention("admin-unregister@1", num_layers=1, num_kv_heads=2, head_dim=64)
+    lid = node.bank.register(other)
+    node.bank.put(lid, list(range(16)), group=0, pages=torch.zeros((1, PAGE), dtype=torch.uint8))
+    held = client.delete(f"/admin/layouts/{lid.hex()}", headers=auth())
+    assert held.status_code == 400 and "evict them first" in held.json()["message"], held.text
+    assert client.post("/admin/evict", headers=auth(), json={"layout_id": lid.hex()}).status_code == 200
+    gone = client.delete(f"/admin/layouts/{lid.hex()}", headers=auth())
+    assert gone.status_code == 200 and gone.json() == {"unregistered": 1}
+    ids = [x["layout_id"] for x in client.get("/admin/layouts", headers=auth()).json()["layouts"]]
+    assert lid.hex() not in ids and FA.layout_id.hex() in ids
+    assert client.delete(f"/admin/layouts/{lid.hex()}", headers=auth()).status_code == 404
+    assert node.bank.register(other) == lid  # and it can be registered again
+
+
+@pytest.mark.parametrize(("path", "body", "field"), [
+    ("/v1/match", {"layout_id": FA.layout_id.hex(), "tokens": [True, False]}, "tokens.0"),
+    ("/v1/match", {"layout_id": FA.layout_id.hex(), "tokens": [1, 2], "scope": {"evil": 1}}, "scope.evil"),
+    ("/v1/match", {"layout_id": FA.layout_id.hex(), "tokens": [1, 2], "shard": "0"}, "shard"),
+    ("/v1/match", {"layout_id": FA.layout_id.hex(), "tokens": [1, 2], "evil": 1}, "evil"),
+    ("/v1/leases", {"names": [], "ttl_s": "30"}, "ttl_s"),
+    ("/v1/fetch/x/ack", {"rows": [True]}, "rows.0"),
+    ("/v1/layouts", {"layout": {}, "evil": 1}, "evil"),
+    ("/admin/drain", {"wait": "yes"}, "wait"),
+    ("/admin/evict", {"scope": {"tenant": 1}}, "scope.tenant"),
+])
+def test_json_bodies_are_as_strict_as_the_binary_header(app, path: str, body: Any, field: str) -> None:
+    """W13: wire.md's rules ("``true`` is not an integer", "a missing or unknown key is
+    refused") held on the binary put header but not on the JSON routes, which coerced
+    ``[true, false]`` to tokens, ``"0"`` to a shard, ``"30"`` to a TTL and ``"yes"`` to
+    a drain (which then drained the node)."""
+    client, node = app
+    node.bank.register(FA)
+    got = client.post(path, json=body, headers=auth())
+    assert got.status_code in (400, 422), got.text
+    assert field in got.json()["field"] + got.json()["message"], got.text
+    assert client.get("/admin/health", headers=auth()).json()["draining"] is False
+
+
+@pytest.mark.parametrize("fetch_id", ["фетч", "a\r\nx-evil: 1", "a b", "", "x" * 129, "a/b"])
+def test_a_fetch_id_that_cannot_travel_is_400_and_opens_nothing(app, fetch_id: str) -> None:
+    """W11: a non-Latin-1 fetch_id answered 500 (the stream's header could not be built)
+    and left an open remote fetch behind each time; CR LF dropped the connection without
+    an answer. Refused now, before anything is opened, on every path."""
+    client, node = app
+    fill(node.bank, 2, 3)
+    m = node.bank.match(FA.layout_id, list(range(30_000, 30_040)))
+    assert m.resume.tokens == 32
+    before = len(node.ledger)
+    for via in ("stream", "lease"):
+        got = client.post("/v1/fetch", json={"match": wire.to_dict(m), "via": via, "fetch_id": fetch_id})
+        assert got.status_code == 400 and got.json()["field"] == "fetch_id", got.text
+    assert len(node.ledger) == before
+    with pytest.raises(InvalidInput, match="fetch_id"):
+        node.bank.fetch(m, out=node.bank.out_buffers(m), fetch_id=fetch_id)

@@ -239,3 +239,14 @@ def test_tenant_b_never_redeems_tenant_a_s_handle_or_rows(node: NodeProcess) -> 
             b.release_match(ha.handle)
         assert a.fetch_into(ha.handle, pool=pool, block_ids={0: [3, 4, 5]}).complete
         assert a.release_match(ha.handle)
+
+
+def test_a_tenant_node_has_a_liveness_probe_that_needs_no_token_and_says_only_alive(
+        node: NodeProcess) -> None:
+    """With tenant tokens, /v1/health needs a tenant's token and /admin/health/live the
+    admin's: an orchestrator's probe had nothing to call. ``GET /live`` needs none and
+    answers nothing but ``alive``."""
+    got = httpx.get(node.url + "/live")
+    assert got.status_code == 200 and got.text == "alive\n"
+    assert httpx.get(node.url + "/v1/health").status_code == 401
+    assert httpx.get(node.url + "/admin/health/live").status_code == 401

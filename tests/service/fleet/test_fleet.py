@@ -160,16 +160,27 @@ def test_fleet_prefix_from_a_is_fetched_bit_exact_through_b(nodes: list[NodeProc
     toks = list(range(1000, 1000 + 8 * P))
     lid = _store(a, toks, data)
     wait_for(lambda: _published(a, 8), 10, "A to publish its rows")
+    with Client(a.url, same_host=False) as ca:
+        served_a = ca.stats().store
     with Client(b.url, same_host=False) as cb:
         assert cb.register(LAYOUT) == lid
+        before_b = cb.stats().store
         m = cb.match(lid, [*toks, 1])
         assert m.resume.tokens == 8 * P
         out = torch.zeros((8, PAGE), dtype=torch.uint8)
         res = cb.fetch(m, out={0: out})
         assert res.complete and torch.equal(out, data)
+        after_b = cb.stats().store
+        # the counters add up: A served the 8 rows to B (its peer), B served them to its
+        # client; each counts them once, as hits
+        assert (after_b.gets - before_b.gets, after_b.hits - before_b.hits) == (8, 8)
+        assert after_b.misses == before_b.misses
         # another tenant's same tokens name other rows: nothing leaks through the index
         other = cb.match(lid, [*toks, 1], scope=Scope(tenant="other"))
         assert other.resume.tokens == 0
+    with Client(a.url, same_host=False) as ca:
+        now_a = ca.stats().store
+    assert (now_a.gets - served_a.gets, now_a.hits - served_a.hits) == (8, 8)
     assert int(health(b)["fleet"]["peer_rows"]) == 8
     assert int(health(b)["fleet"]["peer_copied"]) == 0  # received in place, under a lease
     listed = {n["node_id"]: n for n in fleet(b)["nodes"]}
@@ -399,11 +410,16 @@ def test_served_match_recalls_rows_only_the_remote_tier_holds(
             c.put(lid, tb, group=0, pages=b)  # a's rows leave for the remote tier
             c.flush()
             assert None in c.locate(names)  # not held locally any more
+            before = c.stats().store
             m = c.match(lid, [*ta, 1])
             assert m.resume.tokens == 24 * 16
             out = torch.zeros((24, page), dtype=torch.uint8)
             got = c.fetch(m, out={0: out})
             assert got.complete and torch.equal(out, a)
+            after = c.stats().store
+            # each recalled row counts once, when it is served (not again at the recall)
+            assert (after.gets - before.gets, after.hits - before.hits) == (24, 24)
+            assert after.misses == before.misses and after.gets == after.hits + after.misses
     finally:
         assert node.stop() == 0
 

@@ -6,7 +6,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -18,6 +17,7 @@ from kvbank.tiers.host import SHM_DIR, cleanup_stale
 from kvbank.tiers.store.store import TieredStore
 
 PAGE = 16 * 1024
+ACKED = 120  # puts acknowledged before the SIGKILL
 
 WRITER = r"""
 import random, sys
@@ -54,15 +54,14 @@ def test_store_kill_9_loses_no_acknowledged_row(tmp_path: Path, policy: str) -> 
     assert proc.stdout is not None
     acked: list[int] = []
     segment = ""
-    deadline = time.monotonic() + 60
     try:
-        for line in proc.stdout:
+        for line in proc.stdout:  # a count of acknowledged puts, however long they take
             word = line.split()
             if word[0] == "segment":
                 segment = word[1]
                 continue
             acked.append(int(word[0]))
-            if len(acked) >= 120 or time.monotonic() > deadline:
+            if len(acked) >= ACKED:
                 break
         os.kill(proc.pid, signal.SIGKILL)
         for line in proc.stdout:  # acknowledgements already in the pipe count too
@@ -72,7 +71,7 @@ def test_store_kill_9_loses_no_acknowledged_row(tmp_path: Path, policy: str) -> 
         proc.wait(30)
         proc.stdout.close()
     assert proc.returncode == -signal.SIGKILL
-    assert len(acked) >= 20, "the writer made too little progress to test anything"
+    assert len(acked) >= ACKED, "the writer died before it was killed"
     assert (SHM_DIR / segment).exists()  # killed: nobody unlinked it
     assert segment in cleanup_stale("kvbank")
     store = TieredStore(BankConfig(data_dir=tmp_path, host_bytes=256 * 1024,

@@ -78,7 +78,8 @@ def protocol(config: ServiceConfig) -> type[asyncio.Protocol]:
         _head_timer: asyncio.TimerHandle | None = None
         _in_head = False  # between a request's first byte (or the accept) and its headers' end
         _in_message = False  # the parser is inside a request (its head or its body)
-        _head_bytes = 0  # bytes received since the head began (a head spanning reads)
+        _head_bytes = 0  # bytes of the head received since it began (a head spanning reads)
+        _head_tail = b""  # the head's last bytes so far (a CR LF CR LF may straddle reads)
         _parsed = 0  # bytes of the head the parser has handed over (its line and headers)
         _refused = False  # answered and closing: the parser's callbacks do nothing more
         _head_since = 0.0  # loop time the current head began (the wait for it, at first)
@@ -112,7 +113,17 @@ def protocol(config: ServiceConfig) -> type[asyncio.Protocol]:
             if not self._in_head and not self._in_message:
                 self._start_head()  # the first bytes of the next request (even bare CRLFs)
             if self._in_head:
-                self._head_bytes += len(data)
+                # Counted up to the head's end, before the parser sees the chunk: a head
+                # that arrives whole in one read would otherwise complete (and escape the
+                # limit) before it was counted. The parser's count (on_headers_complete)
+                # covers a head that begins inside a chunk, after a pipelined request.
+                seen = self._head_bytes
+                end = (self._head_tail + data[:max_header_bytes + 4]).find(b"\r\n\r\n")
+                self._head_bytes += len(data) if end < 0 else end + 4 - len(self._head_tail)
+                self._head_tail = data[-3:] if len(data) >= 3 else (self._head_tail + data)[-3:]
+                if self._head_bytes > max_header_bytes and seen <= max_header_bytes:
+                    self._refuse(too_big)
+                    return
             super().data_received(data)
             if self._in_head and self._head_bytes > max_header_bytes and not self.transport.is_closing():
                 self._refuse(too_big)
@@ -161,6 +172,7 @@ def protocol(config: ServiceConfig) -> type[asyncio.Protocol]:
         def _start_head(self) -> None:
             self._in_head = True
             self._head_bytes = 0
+            self._head_tail = b""
             self._head_since = self.loop.time()
             if self._head_timer is None:
                 self._head_timer = self.loop.call_later(header_timeout, self._head_timed_out)

@@ -89,6 +89,7 @@ from kvbank.service.engine_routes import install_engine
 from kvbank.service.fast_routes import NodeAPI
 from kvbank.service.node import Node, slots_doc
 from kvbank.service.stream import BodyTooLarge, RowStream, receive_put, receive_put_lease
+from kvbank.wire.forms import from_hex as _hex
 from kvbank.wire.framing import PutKind, decode_match, encode_fetch_prefix, fetch_stream_bytes
 
 logger = logging.getLogger(__name__)
@@ -196,16 +197,6 @@ class RenewBody(_Body):
 
 class CommitBody(_Body):
     arrived: list[str] | list[bool] = Field(description="row names (hex) or one bool per row")
-
-
-def _hex(value: str, field: str, nbytes: int | None = None) -> bytes:
-    try:
-        out = bytes.fromhex(value)
-    except ValueError:
-        raise InvalidInput(f"{field}: not hex: {value[:80]!r}") from None
-    if nbytes is not None and len(out) != nbytes:
-        raise InvalidInput(f"{field}: expected {nbytes} bytes, got {len(out)}")
-    return out
 
 
 def create_app(node: Node) -> FastAPI:

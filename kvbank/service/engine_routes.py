@@ -42,6 +42,7 @@ from kvbank.lender.loads import load_result
 from kvbank.results import Match
 from kvbank.service.admin.tenants import TenantGuard
 from kvbank.service.node import Node, slots_doc
+from kvbank.wire.forms import from_hex as _hex
 
 __all__ = ["install_engine"]
 
@@ -90,16 +91,6 @@ class PutGroupsBody(BaseModel):
     scope: ScopeDoc = ScopeDoc()
     shard: int | None = None
     pages: dict[int, list[int]] = Field(description="group -> page indices to store")
-
-
-def _hex(value: str, field: str, nbytes: int | None = None) -> bytes:
-    try:
-        out = bytes.fromhex(value)
-    except ValueError:
-        raise InvalidInput(f"{field}: not hex: {value[:80]!r}") from None
-    if nbytes is not None and len(out) != nbytes:
-        raise InvalidInput(f"{field}: expected {nbytes} bytes, got {len(out)}")
-    return out
 
 
 def install_engine(app: FastAPI, node: Node, admin: Any, json: Any) -> None:

@@ -110,6 +110,18 @@ _HEX = re.compile(r"(?:[0-9a-f]{2})*")
 _LEASE_CLOCK_FIELDS = ("expires_at", "expires_wall")
 
 
+def from_hex(value: str, field: str, nbytes: int | None = None) -> bytes:
+    """``bytes.fromhex(value)``, refused as :class:`InvalidInput` naming ``field`` when it
+    is not hex or (with ``nbytes``) not that many bytes: a route's hex field."""
+    try:
+        out = bytes.fromhex(value)
+    except ValueError:
+        raise InvalidInput(f"{field}: not hex: {value[:80]!r}") from None
+    if nbytes is not None and len(out) != nbytes:
+        raise InvalidInput(f"{field}: expected {nbytes} bytes, got {len(out)}")
+    return out
+
+
 def _fail(path: str, message: str) -> NoReturn:
     raise InvalidInput(f"{path}: {message}", field=path)
 

@@ -126,6 +126,9 @@ class Metrics:
                                  ["route", "method"], buckets=_BUCKETS, registry=self.registry)
         self.moved = Counter("kvbank_moved_bytes_total", "page bytes moved",
                              ["direction", "path"], registry=self.registry)
+        for direction in ("in", "out"):  # at 0 from the start: a dashboard shows 0, not "no data"
+            for path in ("tcp", "shm", "data"):
+                self.moved.labels(direction, path)
         self.registry.register(_BankCollector(bank, ready, draining))
         self._children: dict[tuple[str, str], Any] = {}
         self._counts: dict[tuple[str, str, int], Any] = {}

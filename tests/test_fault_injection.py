@@ -309,6 +309,8 @@ def _bank_entry_points(c: _Ctx) -> dict[str, Callable[[], object]]:
     ``bank.fleet`` (``fleet.*``) with real arguments, destructive ones last."""
     b, n = c.bank, c.names
     pages = torch.full((4, PAGE), 3, dtype=torch.uint8)
+    pool = FA.views(torch.full((8, PAGE), 5, dtype=torch.uint8), 0)
+    keys = [bytes([7, i]) * 8 for i in range(2)]  # an engine's 16-byte page keys
     return {
         "register": lambda: b.register(FA),
         "register_scope": lambda: b.register_scope(c.lid, Scope(tenant="t")),
@@ -364,6 +366,16 @@ def _bank_entry_points(c: _Ctx) -> dict[str, Callable[[], object]]:
         "health": b.health,
         "flush": lambda: b.flush(timeout_s=2),  # a hang bound: a failing mover gives up
         "check_invariants": b.check_invariants,
+        # the engine calls (kvbank.bank.engine): a pool of 8 blocks viewed as the layout's
+        "put_from": lambda: b.put_from(c.lid, pool=pool, block_ids={0: [0, 1]}, keys=keys),
+        "lend_put_groups": lambda: b.lend_put_groups(c.lid, pages={0: [0, 1]}, keys=keys[::-1]),
+        "match_with": lambda: b.match_with(None),
+        "match_many": lambda: b.match_many(c.lid, [keys], hold=True),
+        "held": lambda: b.held("no-such-handle"),
+        "release_match": lambda: b.release_match("no-such-handle"),
+        "load_match": lambda: b.load_match(c.match),
+        "lend_load": lambda: b.lend_load(c.match),
+        "fetch_into": lambda: b.fetch_into(c.match, pool=pool, block_ids={0: [4, 5, 6, 7]}),
         "admin.evict": lambda: b.admin.evict(n[:1]),
         "admin.evict_rows": lambda: b.admin.evict_rows(c.lid),
         "admin.unregister": lambda: b.admin.unregister(c.lid),

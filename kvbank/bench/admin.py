@@ -10,7 +10,8 @@ case                    ours                                          baseline (
 ``metrics-overhead-ui`` the same, with the node's status page open    the same
                         in headless Chromium, refreshing (without
                         chromium: a client polling what the page
-                        polls, at its pace; the baseline says which)
+                        polls, at its pace; the baseline says which,
+                        and how often the page refreshed meanwhile)
 ``rows-list-1m``        ms to list one page (100 rows) of one layout  ``sorted()`` of every
                         from a bank holding 1 M rows                  name, first 100
                         (``bank.admin.rows``)
@@ -26,12 +27,13 @@ baseline says the count).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 import statistics
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from typing import Any
 
@@ -94,13 +96,16 @@ def _match_auth(tenant_url: str, plain_url: str, reps: int) -> BenchRow:
 
 
 class _PagePoller:
-    """Without a browser: what the status page fetches, at its pace (the series every
-    interval, the usage table every fifth), from a thread."""
+    """Without a browser: what the status page fetches, at its pace, from a thread — the
+    series (after the last point seen) every ``max(1, interval_s)`` seconds as the series
+    says, and every fifth poll the usage table and, when the series says the node has a
+    fleet, the fleet table (``static/status.html``'s ``refresh``)."""
 
-    def __init__(self, url: str, interval_s: float = 1.0) -> None:
+    def __init__(self, url: str, transport: Any = None) -> None:
         import threading
 
-        self._url, self._interval = url, interval_s
+        self._url, self._transport = url, transport
+        self.polls = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="bench-page-poller", daemon=True)
         self._thread.start()
@@ -110,14 +115,19 @@ class _PagePoller:
 
         after = None
         with httpx.Client(base_url=self._url, headers={"Authorization": f"Bearer {ADMIN_TOKEN}"},
-                          timeout=30) as http:
+                          timeout=30, transport=self._transport) as http:
             for tick in itertools.count():
-                doc = http.get("/admin/series", params={} if after is None else {"after": after}).json()
+                answer = http.get("/admin/series", params={} if after is None else {"after": after})
+                answer.raise_for_status()
+                doc = answer.json()
                 if doc["points"]:
                     after = doc["points"][-1]["n"]
                 if tick % 5 == 0:
                     http.get("/admin/usage").raise_for_status()
-                if self._stop.wait(self._interval):
+                    if doc.get("fleet"):
+                        http.get("/admin/fleet").raise_for_status()
+                self.polls += 1
+                if self._stop.wait(max(1.0, float(doc.get("interval_s") or 1))):
                     return
 
     def close(self) -> None:
@@ -125,15 +135,18 @@ class _PagePoller:
         self._thread.join(30)
 
 
-def _open_page(stack: ExitStack, url: str) -> str:
+def _open_page(stack: ExitStack, url: str) -> tuple[str, Callable[[], int]]:
     """The node's status page, open and refreshing until ``stack`` closes: in headless
-    Chromium when there is one, else polled by a client; which of the two."""
+    Chromium when there is one, else polled by a client. Answers which of the two, and a
+    call that counts the page's refreshes so far (so a case can show the page refreshed
+    while it ran)."""
     from kvbank.bench.browser import Chromium, chromium_binary
 
     binary = chromium_binary()
     if binary is None:
-        stack.callback(_PagePoller(url).close)
-        return "page polled by a client (no chromium)"
+        poller = _PagePoller(url)
+        stack.callback(poller.close)
+        return "page polled by a client (no chromium)", lambda: poller.polls
     browser = stack.enter_context(Chromium(binary))
     tab = browser.page()
     stack.callback(tab.close)
@@ -144,7 +157,7 @@ def _open_page(stack: ExitStack, url: str) -> str:
     tab.wait("document.querySelectorAll('svg[data-plot=hit_rate]').length > 0", 60)
     if tab.errors:
         raise RuntimeError(f"status page: console errors {tab.errors}")
-    return "page open in chromium"
+    return "page open in chromium", lambda: int(tab.evaluate("state.tick"))
 
 
 def _metrics_overhead(on_url: str, off_url: str, reps: int, rows: int,
@@ -176,6 +189,17 @@ def _metrics_overhead(on_url: str, off_url: str, reps: int, rows: int,
     return row(SUITE, case, "GB/s", gb / statistics.median(ours),
                "fetch-remote, /metrics off" + (f" ({with_page} on the /metrics-on node)" if with_page else ""),
                gb / statistics.median(base))
+
+
+def _with_page(stack: ExitStack, on_url: str, off_url: str, reps: int, rows: int) -> BenchRow:
+    """``metrics-overhead-ui``: the page open on the /metrics-on node; the baseline says
+    how many times it refreshed while the case ran."""
+    how, refreshes = _open_page(stack, on_url)
+    before = refreshes()
+    # enough fetches to span several of the page's refreshes (one a second)
+    got = _metrics_overhead(on_url, off_url, reps, rows, "metrics-overhead-ui", how)
+    n = refreshes() - before
+    return dataclasses.replace(got, baseline=got.baseline[:-1] + f", {n} refreshes during the case)")
 
 
 def _rows_list(n_rows: int, reps: int) -> BenchRow:
@@ -226,7 +250,5 @@ def run(quick: bool = False) -> Iterator[BenchRow]:
         rows = 16 if quick else FETCH_ROWS
         yield _metrics_overhead(on.url, off.url, 5 if quick else 11, rows)
         with ExitStack() as page:
-            how = _open_page(page, on.url)
-            # enough fetches to span several of the page's refreshes (one a second)
-            yield _metrics_overhead(on.url, off.url, 11 if quick else 31, rows, "metrics-overhead-ui", how)
+            yield _with_page(page, on.url, off.url, 11 if quick else 31, rows)
     yield _rows_list(100_000 if quick else 1_000_000, 5 if quick else 9)

@@ -59,13 +59,16 @@ def terminal(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[], str]]:
         if sys.stderr is not err:
             monkeypatch.setattr(sys, "stderr", err)
             return ""
+        # A mark after everything written so far: the reader has all of it once the mark
+        # arrives (the terminal keeps the order), however long the reader was held off.
+        mark = f"<end of output {len(got)}-{time.monotonic_ns()}>"
+        err.write(mark)
         err.flush()
-        for _ in range(50):  # the reader has it once it stops growing (a tenth of a second)
-            before = len(got)
-            time.sleep(0.1)
-            if len(got) == before and got:
-                break
-        return b"".join(got).decode(errors="replace")
+        give_up = time.monotonic() + 60  # a hang bound only
+        while mark.encode() not in b"".join(got):
+            assert time.monotonic() < give_up, "the terminal's reader never got the output"
+            time.sleep(0.01)
+        return b"".join(got).decode(errors="replace").replace(mark, "")
 
     try:
         yield seen

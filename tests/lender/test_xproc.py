@@ -86,19 +86,23 @@ def test_borrower_fills_a_write_lease_and_only_arrived_rows_become_visible(bank:
 def test_sigkilled_borrower_lease_expires_and_rows_unlock_after_the_ttl(bank: Bank) -> None:
     """Regression: the lease was lent while the borrower was still importing torch (5-9 s
     under load), so a 2.5 s lease expired before the read: failed 3 of 3 on a loaded
-    machine. The borrower is now ready first, and no time bound sits on the path to
-    the assertion; the only bound left is a hang detector far past the TTL."""
+    machine. The borrower is now ready first, and the read happens under a long lease
+    that is renewed to the short TTL only after the kill, so no time bound sits on the
+    path to the assertion; the only bound left is a hang detector far past the TTL."""
     lid = bank.register(LAYOUT)
     names = bank.put(lid, _tokens(4, 0), group=0, pages=_pages(4, 2))
     ttl = 2.5
     with BorrowerProcess() as borrower:
         borrower.wait_ready()
-        t0 = time.monotonic()
-        lease = bank.lend(names, ttl_s=ttl)
+        # Lent for long enough that however slow the machine, the read and the kill
+        # happen inside it; the short TTL starts only once the borrower is dead.
+        lease = bank.lend(names, ttl_s=300)
         assert borrower.call("read", lease=wire.to_dict(lease))["ok"]
         borrower.kill()
-    # Poll the store's lock count only: no lender call may do the reaper thread's work.
     assert bank.stats().store.locked_names == len(names)
+    t0 = time.monotonic()
+    bank.renew(lease.id, ttl)
+    # Poll the store's lock count only: no lender call may do the reaper thread's work.
     while bank.stats().store.locked_names:
         assert time.monotonic() - t0 < ttl + 120, "rows still locked 2 minutes past the TTL"
         time.sleep(0.01)

@@ -15,7 +15,8 @@ of a token read from a file says which file, since another node's is a different
 Output is a human table by default and the route's JSON document with ``--json``; a
 reader that stops early (``| head``) ends the output quietly. A layout id may be given
 by any prefix of its 64 hex digits that names one registered layout. ``flush`` and
-``drain`` draw a progress bar on stderr (the mover's queue, the in-flight requests).
+``drain`` draw a progress bar on stderr when it is a terminal and ``--json`` is not given
+(the mover's queue, the in-flight requests).
 Exit status: 0 done, 1 refused or a problem found (``check``), 2 usage.
 """
 
@@ -155,10 +156,34 @@ def _cell(v: object) -> str:
     return "-" if v is None else str(v)
 
 
-def _bar(done: float, total: float, what: str, err: TextIO) -> None:
-    frac = 1.0 if total <= 0 else min(1.0, max(0.0, done / total))
-    filled = int(frac * 30)
-    print(f"\r[{'#' * filled}{' ' * (30 - filled)}] {frac:4.0%} {what}   ", end="", file=err, flush=True)
+class _Bar:
+    """The progress line of ``flush`` and ``drain``: drawn on stderr only when it is a
+    terminal, not under ``--json``, and not with ``KVBANK_PROGRESS=0`` (the rule of
+    :mod:`kvbank.progress`); a log or a pipe gets no carriage returns."""
+
+    def __init__(self, as_json: bool) -> None:
+        off = os.environ.get("KVBANK_PROGRESS", "") in ("0", "false", "off", "no")
+        try:
+            tty = sys.stderr.isatty()
+        except (AttributeError, ValueError):  # replaced or closed stderr
+            tty = False
+        self.on = tty and not as_json and not off
+        self.drawn = False
+
+    def draw(self, done: float, total: float, what: str) -> None:
+        if not self.on:
+            return
+        frac = 1.0 if total <= 0 else min(1.0, max(0.0, done / total))
+        filled = int(frac * 30)
+        print(f"\r[{'#' * filled}{' ' * (30 - filled)}] {frac:4.0%} {what}   ", end="",
+              file=sys.stderr, flush=True)
+        self.drawn = True
+
+    def end(self) -> None:
+        """End the bar's line (an error or the result goes on a line of its own)."""
+        if self.drawn:
+            print(file=sys.stderr, flush=True)
+            self.drawn = False
 
 
 # ---- commands ------------------------------------------------------------------------------
@@ -334,13 +359,16 @@ def _flush(api: Api, a: argparse.Namespace, out: TextIO) -> int:
     t = threading.Thread(target=run, daemon=True)
     t.start()
     start = None
-    while t.is_alive():
-        q = api.call("GET", "/admin/stats")["bank"]["store"]["queued_jobs"]
-        start = max(start or 0, q)
-        _bar(start - q, start, f"{q} moves queued", sys.stderr)
-        t.join(0.2)
-    _bar(1, 1, "flushed", sys.stderr)
-    print(file=sys.stderr)
+    bar = _Bar(a.json)
+    try:
+        while t.is_alive():
+            q = api.call("GET", "/admin/stats")["bank"]["store"]["queued_jobs"]
+            start = max(start or 0, q)
+            bar.draw(start - q, start, f"{q} moves queued")
+            t.join(0.2)
+        bar.draw(1, 1, "flushed")
+    finally:
+        bar.end()
     if "err" in result:
         raise result["err"]
     print(json.dumps(result["doc"]) if a.json else "flushed", file=out)
@@ -351,13 +379,16 @@ def _drain(api: Api, a: argparse.Namespace, out: TextIO) -> int:
     doc = api.call("POST", "/admin/drain", {"wait": False})
     first = max(doc["in_flight"], 1)
     end = time.monotonic() + a.timeout
-    while True:
-        h = api.call("GET", "/admin/health")
-        _bar(first - h["in_flight"], first, f"{h['in_flight']} requests in flight", sys.stderr)
-        if h["in_flight"] == 0 or time.monotonic() > end:
-            break
-        time.sleep(0.2)
-    print(file=sys.stderr)
+    bar = _Bar(a.json)
+    try:
+        while True:
+            h = api.call("GET", "/admin/health")
+            bar.draw(first - h["in_flight"], first, f"{h['in_flight']} requests in flight")
+            if h["in_flight"] == 0 or time.monotonic() > end:
+                break
+            time.sleep(0.2)
+    finally:
+        bar.end()
     doc = {"draining": True, "in_flight": h["in_flight"], "done": h["in_flight"] == 0}
     print(json.dumps(doc) if a.json else ("drained" if doc["done"] else
                                          f"draining; {doc['in_flight']} requests still in flight"), file=out)
@@ -504,7 +535,7 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
         api = Api(check_url(args.url), token, token_file=token_file)
         return int(handler(api, args, out))
     except AdminError as exc:
-        print(f"\nkvbank admin: {exc}", file=sys.stderr)
+        print(f"kvbank admin: {exc}", file=sys.stderr)
         return 1
     except BrokenPipeError:
         # the reader went away (``| head``): the rest of the output is not wanted, and the

@@ -71,7 +71,37 @@ def test_every_subcommand_answers(node, capsys: pytest.CaptureFixture[str]) -> N
     rows = json.loads(capsys.readouterr().out)["rows"]
     assert [r["name"] for r in rows] == [hexed[0]]  # the other was evicted
     assert main(admin(node, "flush")) == 0
-    assert "flushed" in capsys.readouterr().err
+    assert capsys.readouterr().out == "flushed\n"
+
+
+def test_flush_and_drain_draw_a_bar_on_a_terminal_only(node, capsys: pytest.CaptureFixture[str],
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Regression: flush and drain drew their carriage-return bar into whatever stderr
+    was (a log file, a pipe, under --json), and every error began with a blank line to
+    end a bar that was never drawn. The bar is now drawn on a terminal only."""
+    for argv in (("flush",), ("drain", "--timeout", "5"), ("--json", "flush")):
+        assert main(admin(node, *argv)) == 0, argv
+        got = capsys.readouterr()
+        assert got.err == "", (argv, got.err)
+    assert main(admin(node, "fleet")) == 1  # this node has no fleet: refused
+    assert capsys.readouterr().err.startswith("kvbank admin: 400 InvalidInput: fleet")
+    master, slave = os.openpty()
+    try:
+        with os.fdopen(slave, "w") as tty:
+            monkeypatch.setattr(sys, "stderr", tty)
+            assert main(admin(node, "flush")) == 0
+            assert main(admin(node, "--json", "flush")) == 0
+            monkeypatch.setenv("KVBANK_PROGRESS", "0")
+            assert main(admin(node, "flush")) == 0
+            tty.write("<end>")
+            tty.flush()
+            drawn = b""
+            while b"<end>" not in drawn:
+                drawn += os.read(master, 65536)
+    finally:
+        os.close(master)
+    assert drawn.count(b"100% flushed") == 1, drawn  # once: not under --json, nor turned off
+    assert main(admin(node, "undrain")) == 0
 
 
 def test_a_wrong_token_is_exit_1(node, capsys: pytest.CaptureFixture[str],

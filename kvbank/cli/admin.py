@@ -65,7 +65,9 @@ class Api:
         if r.status_code >= 400 and not (path.endswith("/ready") and r.status_code == 503):
             hint = ""
             if r.status_code == 403 and self.token_file is not None:
-                hint = (f" (the token was read from {self.token_file}, this machine's default;"
+                whose = ("this machine's default" if self.token_file == _default_token_file()
+                         else "the --data-dir given")
+                hint = (f" (the token was read from {self.token_file}, {whose};"
                         f" for another node pass --token, ${ENV_TOKEN} or its --data-dir)")
             raise AdminError(f"{r.status_code} {doc.get('type', '')}: {doc.get('message', doc)}{hint}")
         return doc
@@ -94,6 +96,13 @@ def resolve_token(given: str | None, data_dir: str | None) -> str:
     return _token(given, data_dir)[0]
 
 
+def _default_token_file() -> Path:
+    from kvbank.service.admin.auth import TOKEN_FILE
+    from kvbank.service.config import default_data_dir
+
+    return default_data_dir() / TOKEN_FILE
+
+
 def _token(given: str | None, data_dir: str | None) -> tuple[str, Path | None]:
     """The admin token, and the file it was read from (None: given or from the env)."""
     if given:
@@ -102,9 +111,8 @@ def _token(given: str | None, data_dir: str | None) -> tuple[str, Path | None]:
     if env:
         return env, None
     from kvbank.service.admin.auth import TOKEN_FILE, read_token_file
-    from kvbank.service.config import default_data_dir
 
-    path = Path(data_dir) / TOKEN_FILE if data_dir else default_data_dir() / TOKEN_FILE
+    path = Path(data_dir) / TOKEN_FILE if data_dir else _default_token_file()
     token = read_token_file(path)
     if token is None:
         raise AdminError(f"token: none given (--token, {ENV_TOKEN}) and no token file at {path}")

@@ -193,6 +193,14 @@ def test_a_token_file_of_another_node_is_named_in_the_refusal(
     assert main(["admin", "--url", proc.url, "--data-dir", str(tmp_path), "health"]) == 1
     err = capsys.readouterr().err
     assert "403" in err and str(tmp_path / TOKEN_FILE) in err and "--token" in err
+    # the file named by --data-dir is not called this machine's default (it was said so)
+    assert "the --data-dir given" in err and "default" not in err
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    (tmp_path / "cache" / "kvbank").mkdir(parents=True)
+    (tmp_path / "cache" / "kvbank" / TOKEN_FILE).write_text("y" * 43 + "\n")
+    assert main(["admin", "--url", proc.url, "health"]) == 1
+    err = capsys.readouterr().err
+    assert str(tmp_path / "cache" / "kvbank" / TOKEN_FILE) in err and "this machine's default" in err
 
 
 def test_flush_help_says_what_admin_md_says() -> None:

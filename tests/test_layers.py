@@ -297,3 +297,29 @@ def test_layers_missing_extra_is_named(module: str, extra: str, tmp_path: Path) 
         f"try:\n    import {module}\nexcept MissingExtra as exc:\n    print(exc)\n", tmp_path)
     assert res.returncode == 0, res.stderr
     assert f"pip install 'kvbank[{extra}]'" in res.stdout
+
+
+def test_layers_node_serves_without_the_fleet_extra(tmp_path: Path) -> None:
+    """Regression: the README's set-up installs the ``serve`` extra only, and ``kvbank
+    serve`` then failed at import (``... needs redis: pip install 'kvbank[fleet]'``): the
+    node loaded the fleet, and with it Redis, whether or not it was in one. A node started
+    where ``redis`` cannot be imported serves; only a node given ``--redis`` needs it."""
+    import os
+
+    import httpx
+
+    from kvbank.service.launch import NodeProcess
+
+    shadow = tmp_path / "no-redis"
+    (shadow / "redis").mkdir(parents=True)
+    (shadow / "redis" / "__init__.py").write_text(
+        "raise ModuleNotFoundError(\"No module named 'redis'\", name='redis')\n")
+    root = Path(kvbank.__file__).parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(shadow), str(root)])}
+    node = NodeProcess.start(["--data-dir", str(tmp_path / "data"), "--host-bytes", "16M", "--disk-bytes", "64M",
+                              "--device-bytes", "0", "--no-reserve-host"], env=env, timeout_s=300)
+    try:
+        assert httpx.get(node.url + "/live", timeout=60).text.strip() == "alive"
+    finally:
+        assert node.stop() == 0, "".join(node.lines)[-3000:]
+    assert "kvbank[fleet]" not in "".join(node.lines)

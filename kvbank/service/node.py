@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from operator import attrgetter
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvbank import fastrows as columns
 from kvbank._version import __version__
@@ -58,10 +58,12 @@ from kvbank.results import FetchResult, Match
 from kvbank.service.admin.timeseries import Traffic
 from kvbank.service.config import ServiceConfig
 from kvbank.service.dataplane import DataPlane
-from kvbank.service.fleet.fleet import Fleet
 from kvbank.tiers.base import HostSlot, TierKind
 from kvbank.tiers.host import SHM_DIR
 from kvbank.wire.framing import StreamRow
+
+if TYPE_CHECKING:  # the fleet (and the fleet extra's redis) loads only in a node in a fleet
+    from kvbank.service.fleet.fleet import Fleet
 
 T = TypeVar("T")
 

@@ -45,7 +45,6 @@ from kvbank.service.app import create_app
 from kvbank.service.config import DATA_PORT_OFF, ServiceConfig
 from kvbank.service.connections import protocol
 from kvbank.service.dataplane import DataPlane
-from kvbank.service.fleet.fleet import health_reasons, join_fleet, where_redis
 from kvbank.service.node import Node
 from kvbank.service.sockets import listen
 from kvbank.tiers.datadir import private_dir
@@ -86,7 +85,11 @@ def serve(config: ServiceConfig, *, out: TextIO = sys.stdout) -> int:
     node = Node(bank, config)
     stopping = _Stopping(sys.stderr)
     try:
-        node.fleet = join_fleet(bank, config)
+        if config.redis is not None or config.redis_cluster is not None:
+            # only a node in a fleet loads it (and needs the fleet extra's redis)
+            from kvbank.service.fleet.fleet import join_fleet
+
+            node.fleet = join_fleet(bank, config)
         app = create_app(node)
         node.dataplane = _dataplane(node, app)
         # The protocol (httptools, with the node's header timeout, header-size and
@@ -101,6 +104,8 @@ def serve(config: ServiceConfig, *, out: TextIO = sys.stdout) -> int:
         admin = admin_of(app)
         fleet = node.fleet
         if fleet is not None:  # a node whose Redis does not answer says so in its health
+            from kvbank.service.fleet.fleet import health_reasons
+
             admin.state.add_health_reasons(lambda: health_reasons(fleet))
         data_port = None if node.dataplane is None else node.dataplane.port
         server = _Server(uv, lambda: _ready(config, out, admin.state.token_file, data_port),
@@ -153,6 +158,8 @@ def _ready(config: ServiceConfig, out: TextIO, token_file: Path | None, data_por
     data = "data port off" if data_port is None else f"data port {data_port}"
     fleet = ""
     if config.redis is not None or config.redis_cluster is not None:
+        from kvbank.service.fleet.fleet import where_redis
+
         seeds = [s.strip() for s in (config.redis_cluster or "").split(",") if s.strip()]
         fleet = f", fleet through {where_redis(config.redis, seeds)} (health says once it joined)"
     print(f"{READY} {config.url} (data dir {b.data_dir}, host tier {_size(b.host_bytes)}, "

@@ -299,23 +299,29 @@ def test_layers_missing_extra_is_named(module: str, extra: str, tmp_path: Path) 
     assert f"pip install 'kvbank[{extra}]'" in res.stdout
 
 
-def test_layers_node_serves_without_the_fleet_extra(tmp_path: Path) -> None:
-    """Regression: the README's set-up installs the ``serve`` extra only, and ``kvbank
-    serve`` then failed at import (``... needs redis: pip install 'kvbank[fleet]'``): the
-    node loaded the fleet, and with it Redis, whether or not it was in one. A node started
-    where ``redis`` cannot be imported serves; only a node given ``--redis`` needs it."""
+def _env_without_redis(tmp_path: Path) -> dict[str, str]:
+    """An environment whose processes cannot import ``redis``, as where the fleet extra is
+    not installed."""
     import os
-
-    import httpx
-
-    from kvbank.service.launch import NodeProcess
 
     shadow = tmp_path / "no-redis"
     (shadow / "redis").mkdir(parents=True)
     (shadow / "redis" / "__init__.py").write_text(
         "raise ModuleNotFoundError(\"No module named 'redis'\", name='redis')\n")
     root = Path(kvbank.__file__).parents[1]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(shadow), str(root)])}
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(shadow), str(root)])}
+
+
+def test_layers_node_serves_without_the_fleet_extra(tmp_path: Path) -> None:
+    """Regression: the README's set-up installs the ``serve`` extra only, and ``kvbank
+    serve`` then failed at import (``... needs redis: pip install 'kvbank[fleet]'``): the
+    node loaded the fleet, and with it Redis, whether or not it was in one. A node started
+    where ``redis`` cannot be imported serves; only a node given ``--redis`` needs it."""
+    import httpx
+
+    from kvbank.service.launch import NodeProcess
+
+    env = _env_without_redis(tmp_path)
     node = NodeProcess.start(["--data-dir", str(tmp_path / "data"), "--host-bytes", "16M", "--disk-bytes", "64M",
                               "--device-bytes", "0", "--no-reserve-host"], env=env, timeout_s=300)
     try:
@@ -323,3 +329,13 @@ def test_layers_node_serves_without_the_fleet_extra(tmp_path: Path) -> None:
     finally:
         assert node.stop() == 0, "".join(node.lines)[-3000:]
     assert "kvbank[fleet]" not in "".join(node.lines)
+
+
+def test_layers_a_fleet_without_the_fleet_extra_is_one_line_naming_it(tmp_path: Path) -> None:
+    """``kvbank serve --redis URL`` where the fleet extra is missing: the command says what
+    to install in one line and exits 2 (it printed a traceback)."""
+    res = subprocess.run([sys.executable, "-m", "kvbank.cli", "serve", "--port", "0", "--data-dir", str(tmp_path / "d"),
+                          "--device-bytes", "0", "--no-reserve-host", "--redis", "redis://127.0.0.1:1/0"],
+                         capture_output=True, text=True, env=_env_without_redis(tmp_path), timeout=600)
+    assert res.returncode == 2, res.stderr
+    assert "Traceback" not in res.stderr and "pip install 'kvbank[fleet]'" in res.stderr, res.stderr

@@ -33,6 +33,7 @@ from kvbank import progress
 from kvbank._version import __version__
 from kvbank.bench import SUITES
 from kvbank.errors import KvbankError
+from kvbank.extras import MissingExtra
 
 SERVE_EPILOG = """\
 With no flags this is the embedded default: it listens on 127.0.0.1:7410, keeps its disk
@@ -254,6 +255,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.func(args))
     except KvbankError as exc:
         print(f"kvbank: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
+    except MissingExtra as exc:  # e.g. --redis without the fleet extra: what to install, no traceback
+        print(f"kvbank: {exc}", file=sys.stderr)
         return 2
 
 

@@ -88,6 +88,8 @@ def device_budget(config: BankConfig) -> tuple[int, str]:
         return 0, "device tier off: device_bytes = 0"
     dev = torch.device(config.device)
     if dev.type == "cuda" and not torch.cuda.is_available():
+        if config.device_bytes is None:  # the default on a CPU machine, not a fault
+            return 0, "device tier off: no CUDA device on this machine (none asked for)"
         return 0, f"device tier off: device {config.device!r} but torch sees no CUDA device"
     if config.device_bytes is not None:
         return config.device_bytes, ""

@@ -26,6 +26,11 @@ def test_device_budget_rules() -> None:
     if not torch.cuda.is_available():
         off, why = device_budget(BankConfig(device="cuda"))
         assert off == 0 and "no CUDA device" in why
+        # W20: on a CPU machine with no device budget asked for, health's DEVICE row says
+        # so, not that a device was expected ("device 'cuda' but torch sees no CUDA device")
+        assert "none asked for" in why and "but torch" not in why
+        off, why = device_budget(BankConfig(device="cuda", device_bytes=1 << 20))
+        assert off == 0 and "device 'cuda' but torch sees no CUDA device" in why
 
 
 def test_device_gpu_memory_reading_is_consistent_or_none() -> None:

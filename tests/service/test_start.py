@@ -37,6 +37,7 @@ def test_a_fleet_whose_redis_does_not_answer_is_in_health_and_the_ready_line(tmp
         assert f"fleet through Redis redis://127.0.0.1:{port}" in ready and "secret" not in ready
         degraded = _health(node)["degraded"]
         assert isinstance(degraded, list) and any(str(r).startswith("fleet: ") for r in degraded), degraded
+        assert not any(str(r).startswith("fleet: fleet") for r in degraded), degraded  # said once
     finally:
         assert node.stop() == 0
 
@@ -84,3 +85,19 @@ def test_a_bad_remote_url_names_remote_url(tmp_path: Path) -> None:
         Bank.open(data_dir=tmp_path, host_bytes="8M", disk_bytes="64M", device_bytes=0,
                   remote_url="::::", remote_bytes="16M")
     assert e.value.field == "remote_url"
+
+
+def test_a_fleet_error_is_named_fleet_once_in_health() -> None:
+    """Health said ``fleet: fleet: registering: Error 111 …``: the fleet's own errors
+    already begin with the word."""
+    from types import SimpleNamespace
+
+    from kvbank.service.fleet.fleet import health_reasons
+
+    def reasons(error: str | None, degraded: bool = True) -> list[str]:
+        return health_reasons(SimpleNamespace(degraded=degraded, last_error=error))  # type: ignore[arg-type]
+
+    assert reasons("fleet: registering: Error 111 connecting") == ["fleet: registering: Error 111 connecting"]
+    assert reasons("Error 111 connecting") == ["fleet: Error 111 connecting"]
+    assert reasons(None) == ["fleet: not registered yet"]
+    assert reasons("fleet: x", degraded=False) == []

@@ -418,7 +418,8 @@ def health_reasons(fleet: Fleet) -> list[str]:
     if not fleet.degraded:
         return []
     why = fleet.last_error
-    return [f"fleet: {'not registered yet' if why in (None, _NOT_YET) else why}"]
+    why = "not registered yet" if why in (None, _NOT_YET) else why
+    return [why if why.startswith("fleet") else f"fleet: {why}"]  # errors of the fleet name it already
 
 
 def join_fleet(bank: Bank, config: Any) -> Fleet | None:

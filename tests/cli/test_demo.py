@@ -7,13 +7,19 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from kvbank.service.launch import NodeProcess
+
+# A hang bound only: the demo starts a node and two workers of a real model, which took
+# over 180 s on a loaded machine (the test failed though nothing was wrong).
+HANG_S = 600
 
 
 def _demo(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "kvbank.cli", "demo", *args],
-        capture_output=True, text=True, timeout=180, check=False,
+        capture_output=True, text=True, timeout=HANG_S, check=False,
     )
 
 
@@ -25,6 +31,7 @@ def _check(out: str) -> None:
     assert "resume at 32 (NO_SNAPSHOT)" in out
 
 
+@pytest.mark.timeout(HANG_S + 120)
 def test_demo_starts_a_node_runs_and_stops_it_cleanly(tmp_path: Path) -> None:
     res = _demo("--data-dir", str(tmp_path))
     assert res.returncode == 0, res.stderr + res.stdout

@@ -34,8 +34,10 @@ class NodeProcess:
     pump: threading.Thread | None = None
 
     @classmethod
-    def start(cls, args: Sequence[str] = (), *, timeout_s: float = 60.0,
+    def start(cls, args: Sequence[str] = (), *, timeout_s: float = 240.0,
               env: dict[str, str] | None = None) -> NodeProcess:
+        # timeout_s is a hang bound: a start (torch's import, the bank's open) took over
+        # 40 s on a loaded machine, so a tighter bound failed tests for a slow machine
         cmd = [sys.executable, "-m", "kvbank.cli", "serve", "--port", "0", *args]
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 env=env, bufsize=1)

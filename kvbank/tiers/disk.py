@@ -82,6 +82,7 @@ from kvbank.tiers.diskcompact import DEFAULT_COMPACT_BYTES, CompactReport, compa
 from kvbank.tiers.diskfile import DirLock, SalvageReport, check_file
 from kvbank.tiers.diskfile import salvage as run_salvage
 from kvbank.tiers.disklegacy import locate, orphan_frames, replaced
+from kvbank.tiers.disklog import LOG_DB, mark, replay, sync_index
 from kvbank.tiers.diskmeta import (
     LMDB_ERRORS,
     DiskRow,
@@ -177,6 +178,7 @@ class DiskTier(Tier, FrameStoreBase):
         self._lock = make_lock(Rank.DISK_TIER, "DiskTier._lock")  # one writer; the counters
         self._closed = False
         self._to_segments = segments  # False: write the older layout (frames in LMDB)
+        self._lazy_meta = segments and sync  # the index's meta page synced by the next commit
         self._compact_bytes = compact_bytes
         self.corrupt_rows = 0
         self.salvaged: SalvageReport | None = None  # what a salvage at open found
@@ -198,6 +200,8 @@ class DiskTier(Tier, FrameStoreBase):
                 # Before LMDB maps the file: a truncated one would be SIGBUS on first touch.
                 self.created = check_file(self.path) is None
                 self._open_env(size, sync)
+                if segments:
+                    replay(self)  # writes whose index commit a machine crash undid
                 rows, bad, self._used = self._scan_checked()
             except TierUnavailable as exc:
                 if not salvage:
@@ -210,6 +214,8 @@ class DiskTier(Tier, FrameStoreBase):
                 self._open_env(size, sync)
                 if logged:
                     self.salvaged = self._rebuild(self.salvaged)
+                if segments:
+                    replay(self)
                 rows, bad, self._used = self._scan_checked()
         except BaseException:
             if hasattr(self, "_env"):
@@ -224,8 +230,7 @@ class DiskTier(Tier, FrameStoreBase):
             self._drop_bad(bad)
         # Sealed segments no row is in: crash tails, or deleted before a crash let the
         # unlink happen. Nothing names them; their space goes back now.
-        for seg in self._segs.empty_sealed():
-            self._segs.retire(seg)
+        self._retire(self._segs.empty_sealed())
         self._wake = threading.Event()
         self._compactor: threading.Thread | None = None
         if compact_bytes > 0:
@@ -243,13 +248,17 @@ class DiskTier(Tier, FrameStoreBase):
 
     def _open_env(self, map_size: int, sync: bool) -> None:
         try:
-            self._env = lmdb.open(str(self.path), map_size=map_size, subdir=True, max_dbs=2,
-                                  sync=sync, metasync=sync, readahead=True, writemap=False,
-                                  lock=True, max_readers=254, mode=FILE_MODE)
+            # metasync off with segments: the segments are the index's write-ahead log
+            # (kvbank.tiers.disklog), so a commit needs LMDB's data sync, not its meta sync.
+            self._env = lmdb.open(str(self.path), map_size=map_size, subdir=True, max_dbs=3,
+                                  sync=sync, metasync=sync and not self._lazy_meta,
+                                  readahead=True, writemap=False, lock=True, max_readers=254,
+                                  mode=FILE_MODE)
             # files an older version (or another umask) made readable by others
             tighten([self.path / "data.mdb", self.path / "lock.mdb"])
             self._frames = self._env.open_db(b"frames")
             self._meta = self._env.open_db(b"meta")
+            self._log = self._env.open_db(LOG_DB)
         except (lmdb.Error, OSError, OverflowError) as exc:
             # Most often the map (budget x MAP_FACTOR + slack) is more address space than
             # the process may have: say which setting sized it.
@@ -367,8 +376,10 @@ class DiskTier(Tier, FrameStoreBase):
                         entries = [(entry_head(r.name, pack_meta(r.name, r.raw_len, len(r.frame),
                                                                  first + i, r.dtype, r.parent)),
                                     r.frame) for i, r in enumerate(rows)]
-                        where = [Where(s, o) for s, o in self._segs.append(entries)]
+                        at = self._segs.append(entries)
+                        where = [Where(s, o) for s, o in at]
                         appended = True
+                        mark(txn, self._log, at[-1][0], at[-1][1] + len(rows[-1].frame))
                     for i, (r, w) in enumerate(zip(rows, where, strict=True)):
                         meta = pack_meta(r.name, r.raw_len, len(r.frame), first + i, r.dtype,
                                          r.parent, w)
@@ -390,8 +401,7 @@ class DiskTier(Tier, FrameStoreBase):
             for seg, n in added:
                 self._segs.add_live(seg, n)
             self._let_go(dropped)
-            for seg in self._segs.empty_sealed():  # sealed by this append's rollover, empty
-                self._segs.retire(seg)
+            self._retire(self._segs.empty_sealed())  # sealed by this append's rollover, empty
             self.seq = max(self.seq, first + len(rows) - 1)
             self._opened = None
             if bad_old:
@@ -405,16 +415,33 @@ class DiskTier(Tier, FrameStoreBase):
         them): unlink a sealed segment left empty, wake the compactor for a sparse one.
         The segments unlinked."""
         sparse = False
-        retired = 0
+        empty: list[int] = []
         for seg, n in dropped:
             if self._segs.drop_live(seg, n):
-                self._segs.retire(seg)
-                retired += 1
+                empty.append(seg)
             else:
                 sparse = sparse or seg in self._segs.sparse()
         if sparse and self._compactor is not None:
             self._wake.set()
-        return retired
+        return self._retire(empty)
+
+    def _retire(self, segs: Sequence[int]) -> int:
+        """Unlink segments no index entry names, once the commits that stopped naming
+        them are durable (with the lazy meta sync a machine crash may undo the last one,
+        which must then find its rows' bytes); how many. A failed sync keeps them (dead
+        bytes a later retire or open reclaims)."""
+        if not segs:
+            return 0
+        if self._lazy_meta:
+            try:
+                sync_index(self)
+            except LMDB_ERRORS as exc:
+                logger.warning("disk tier %s: syncing the index before unlinking %d segments "
+                               "failed (kept): %s", self.path, len(segs), exc)
+                return 0
+        for seg in segs:
+            self._segs.retire(seg)
+        return len(segs)
 
     def read_into(self, name: bytes, out: memoryview | bytearray, *,
                   expect: int | None = None) -> int | None:
@@ -683,8 +710,7 @@ class DiskTier(Tier, FrameStoreBase):
         self._used = used
         for seg in self._segs.ids():
             self._segs.add_live(seg, live.get(seg, 0) - self._segs.live_of(seg))
-        for seg in self._segs.empty_sealed():
-            self._segs.retire(seg)
+        self._retire(self._segs.empty_sealed())
 
     def _drop_bad(self, names: list[bytes]) -> None:
         """Delete rows that failed their checks at a scan, and count them. A key whose
@@ -874,6 +900,12 @@ class DiskTier(Tier, FrameStoreBase):
             self._wake.set()
             self._compactor.join()
         with self._lock:
+            if self._lazy_meta:  # a clean close leaves the last commit durable too
+                try:
+                    sync_index(self)
+                except LMDB_ERRORS as exc:
+                    logger.warning("disk tier %s: syncing the index at close failed: %s",
+                                   self.path, exc)
             self._env.close()
             self._segs.close()
             self._dirlock.release()

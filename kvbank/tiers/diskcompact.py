@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 
 from kvbank.errors import CorruptPage, KvbankError, TierUnavailable
 from kvbank.tiers.disklegacy import locate
+from kvbank.tiers.disklog import mark
 from kvbank.tiers.diskmeta import LMDB_ERRORS, DiskRow, Where, pack_meta, unpack_record
 from kvbank.tiers.diskseg import entry_head
 
@@ -138,6 +139,7 @@ def _move(tier: DiskTier, names: Sequence[bytes]) -> tuple[int, int, int]:
                 at = segs.append([
                     (entry_head(r.name, pack_meta(r.name, r.raw_len, len(f), r.seq, r.dtype,
                                                   r.parent)), f) for r, _, f in batch])
+                mark(txn, tier._log, at[-1][0], at[-1][1] + len(batch[-1][2]))
                 for (row, _, frame), (seg, off) in zip(batch, at, strict=True):
                     txn.put(row.name, pack_meta(row.name, row.raw_len, len(frame), row.seq,
                                                 row.dtype, row.parent, Where(seg, off)),

@@ -16,6 +16,7 @@ import pytest
 from kvbank.testing.diskrot import flip_frame_byte
 from kvbank.testing.tiers import name_of, page_of
 from kvbank.tiers import disk as disk_module
+from kvbank.tiers import disklog
 from kvbank.tiers.disk import DiskTier
 from kvbank.tiers.diskmeta import unpack_record
 from kvbank.tiers.diskseg import SEGMENT_DIR, Segments, segment_file
@@ -164,7 +165,7 @@ def test_disk_a_segment_is_unlinked_only_once_the_index_commit_is_durable(
     """A machine crash may undo the last index commit; the rows it deleted then come
     back and must find their bytes, so the segment goes only after an index sync."""
     events: list[str] = []
-    real_sync, real_retire = disk_module.sync_index, Segments.retire
+    real_sync, real_retire = disklog.sync_index, Segments.retire
 
     def sync(tier: DiskTier) -> None:
         events.append("sync")

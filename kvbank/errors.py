@@ -35,7 +35,7 @@ and a broken lease are. Leaves also inherit the builtin a caller would expect, s
 
 Lower-library errors are mapped at the module that calls the library, through one table
 per library there (``raise TierUnavailable(...) from exc``): ``LMDB_ERRORS`` in
-:mod:`kvbank.tiers.disk`, ``ZSTD_ERRORS`` in :mod:`kvbank.codec.entropy`,
+:mod:`kvbank.tiers.diskmeta` (for the disk tier's modules), ``ZSTD_ERRORS`` in :mod:`kvbank.codec.entropy`,
 ``TORCH_ERRORS`` in :mod:`kvbank.kernels.faults` (the kernels and the device tier), ``OS_ERRORS`` (files, mmap) in
 :mod:`kvbank.tiers.base` for the host slab and the disk tier's files; ``redis.RedisError``
 in :mod:`kvbank.tiers.remote`, ``http.client`` and socket errors in :mod:`kvbank.client`. Messages

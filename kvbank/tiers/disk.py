@@ -19,7 +19,8 @@ Primitives:
   compacted in the background (:meth:`DiskTier.compact`: its live frames are appended to
   the active segment, the index repointed, the segment unlinked), at most
   ``compact_bytes`` written per wake-up. ``compact(legacy=True)`` also moves every
-  older-layout row into segments (``kvbank admin compact``).
+  older-layout row into segments (``kvbank admin compact``). The compaction itself is
+  :mod:`kvbank.tiers.diskcompact`; the older layout's lookups :mod:`kvbank.tiers.disklegacy`.
 - :meth:`DiskTier.frame` encodes a page (callers do it outside their locks; it is the
   expensive part); :meth:`DiskTier.read_into` reads a frame with ``preadv``: a RAW frame's
   payload straight into the caller's buffer (checked there), a coded one into per-thread
@@ -57,20 +58,13 @@ import logging
 import os
 import threading
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 import lmdb
 
 from kvbank.codec import DEFAULT_LEVEL, HEADER_SIZE, check_raw, decode_into, encode
-from kvbank.errors import (
-    CorruptPage,
-    InvalidInput,
-    KvbankError,
-    PageSizeMismatch,
-    TierFull,
-    TierUnavailable,
-)
+from kvbank.errors import CorruptPage, InvalidInput, TierFull, TierUnavailable
 from kvbank.keys import ROW_NAME_BYTES
 from kvbank.tiers.base import (
     OS_ERRORS,
@@ -84,9 +78,13 @@ from kvbank.tiers.base import (
     check_name,
 )
 from kvbank.tiers.datadir import FILE_MODE, private_dir, tighten
+from kvbank.tiers.diskcompact import DEFAULT_COMPACT_BYTES, CompactReport, compact, run_compactor
 from kvbank.tiers.diskfile import DirLock, SalvageReport, check_file
 from kvbank.tiers.diskfile import salvage as run_salvage
+from kvbank.tiers.disklegacy import locate, orphan_frames, replaced
+from kvbank.tiers.disklog import LOG_DB, mark, replay, sync_index
 from kvbank.tiers.diskmeta import (
+    LMDB_ERRORS,
     DiskRow,
     Where,
     check_dtype,
@@ -108,15 +106,7 @@ logger = logging.getLogger(__name__)
 MAP_FACTOR = 4  # map size = budget x 4 (+ 1 GiB): freed overflow pages fragment
 MAP_SLACK = 1 << 30
 FULL_FREE_BYTES = 1 << 20  # less free than this after a short write: the disk is full
-DEFAULT_COMPACT_BYTES = 64 << 20  # the background compactor's writes per wake-up
-_COMPACT_BATCH = 32  # rows per compaction batch (one append + one index commit)
 _KEEP_SCRATCH = 64 << 20  # a per-thread read buffer larger than this is not kept
-
-# The one table of what LMDB (and the file system under it) raises here: every call into
-# lmdb catches exactly these and maps them through DiskTier._mapped (TierFull for a full
-# map or file system, TierUnavailable otherwise), so only KvbankError leaves this module.
-LMDB_ERRORS: tuple[type[Exception], ...] = (lmdb.Error, OSError)
-
 
 def _gib(n: int) -> str:
     return f"{n / (1 << 30):.3g} GiB"
@@ -162,21 +152,6 @@ class _Scratch(threading.local):
 _scratch = _Scratch()
 
 
-@dataclass(frozen=True, slots=True)
-class CompactReport:
-    """What a compaction did: rows moved, bytes written, segments and older-layout rows
-    it emptied."""
-
-    moved: int
-    written: int
-    segments_freed: int
-    legacy_moved: int
-
-    def summary(self) -> str:
-        return (f"disk: compacted {self.moved} rows ({self.written} bytes written): "
-                f"{self.legacy_moved} from the older layout, {self.segments_freed} segments freed")
-
-
 class DiskTier(Tier, FrameStoreBase):
     """Rows as codec frames in segment files, indexed in LMDB; durable commits; exact
     byte budget. A :class:`~kvbank.tiers.base.FrameStore` (for the store) and a
@@ -203,6 +178,7 @@ class DiskTier(Tier, FrameStoreBase):
         self._lock = make_lock(Rank.DISK_TIER, "DiskTier._lock")  # one writer; the counters
         self._closed = False
         self._to_segments = segments  # False: write the older layout (frames in LMDB)
+        self._lazy_meta = segments and sync  # the index's meta page synced by the next commit
         self._compact_bytes = compact_bytes
         self.corrupt_rows = 0
         self.salvaged: SalvageReport | None = None  # what a salvage at open found
@@ -224,6 +200,8 @@ class DiskTier(Tier, FrameStoreBase):
                 # Before LMDB maps the file: a truncated one would be SIGBUS on first touch.
                 self.created = check_file(self.path) is None
                 self._open_env(size, sync)
+                if segments:
+                    replay(self)  # writes whose index commit a machine crash undid
                 rows, bad, self._used = self._scan_checked()
             except TierUnavailable as exc:
                 if not salvage:
@@ -236,6 +214,8 @@ class DiskTier(Tier, FrameStoreBase):
                 self._open_env(size, sync)
                 if logged:
                     self.salvaged = self._rebuild(self.salvaged)
+                if segments:
+                    replay(self)
                 rows, bad, self._used = self._scan_checked()
         except BaseException:
             if hasattr(self, "_env"):
@@ -250,12 +230,11 @@ class DiskTier(Tier, FrameStoreBase):
             self._drop_bad(bad)
         # Sealed segments no row is in: crash tails, or deleted before a crash let the
         # unlink happen. Nothing names them; their space goes back now.
-        for seg in self._segs.empty_sealed():
-            self._segs.retire(seg)
+        self._retire(self._segs.empty_sealed())
         self._wake = threading.Event()
         self._compactor: threading.Thread | None = None
         if compact_bytes > 0:
-            self._compactor = threading.Thread(target=self._compact_loop, daemon=True,
+            self._compactor = threading.Thread(target=run_compactor, args=(self,), daemon=True,
                                                name=f"kvbank-disk-compact-{self.path}")
             self._compactor.start()
             if self._segs.sparse():
@@ -269,13 +248,17 @@ class DiskTier(Tier, FrameStoreBase):
 
     def _open_env(self, map_size: int, sync: bool) -> None:
         try:
-            self._env = lmdb.open(str(self.path), map_size=map_size, subdir=True, max_dbs=2,
-                                  sync=sync, metasync=sync, readahead=True, writemap=False,
-                                  lock=True, max_readers=254, mode=FILE_MODE)
+            # metasync off with segments: the segments are the index's write-ahead log
+            # (kvbank.tiers.disklog), so a commit needs LMDB's data sync, not its meta sync.
+            self._env = lmdb.open(str(self.path), map_size=map_size, subdir=True, max_dbs=3,
+                                  sync=sync, metasync=sync and not self._lazy_meta,
+                                  readahead=True, writemap=False, lock=True, max_readers=254,
+                                  mode=FILE_MODE)
             # files an older version (or another umask) made readable by others
             tighten([self.path / "data.mdb", self.path / "lock.mdb"])
             self._frames = self._env.open_db(b"frames")
             self._meta = self._env.open_db(b"meta")
+            self._log = self._env.open_db(LOG_DB)
         except (lmdb.Error, OSError, OverflowError) as exc:
             # Most often the map (budget x MAP_FACTOR + slack) is more address space than
             # the process may have: say which setting sized it.
@@ -375,7 +358,8 @@ class DiskTier(Tier, FrameStoreBase):
             try:
                 with self._env.begin(write=True, buffers=True) as txn:
                     for r in rows:
-                        old_len, old_where, bad = self._old_row(txn, r, replace)
+                        old_len, old_where, bad = replaced(txn, self._meta, self._frames, r.name,
+                                                           r.raw_len, replace)
                         bad_old += bad
                         change = len(r.frame) - old_len
                         if self._used + grow + change > self._budget:
@@ -392,8 +376,10 @@ class DiskTier(Tier, FrameStoreBase):
                         entries = [(entry_head(r.name, pack_meta(r.name, r.raw_len, len(r.frame),
                                                                  first + i, r.dtype, r.parent)),
                                     r.frame) for i, r in enumerate(rows)]
-                        where = [Where(s, o) for s, o in self._segs.append(entries)]
+                        at = self._segs.append(entries)
+                        where = [Where(s, o) for s, o in at]
                         appended = True
+                        mark(txn, self._log, at[-1][0], at[-1][1] + len(rows[-1].frame))
                     for i, (r, w) in enumerate(zip(rows, where, strict=True)):
                         meta = pack_meta(r.name, r.raw_len, len(r.frame), first + i, r.dtype,
                                          r.parent, w)
@@ -415,8 +401,7 @@ class DiskTier(Tier, FrameStoreBase):
             for seg, n in added:
                 self._segs.add_live(seg, n)
             self._let_go(dropped)
-            for seg in self._segs.empty_sealed():  # sealed by this append's rollover, empty
-                self._segs.retire(seg)
+            self._retire(self._segs.empty_sealed())  # sealed by this append's rollover, empty
             self.seq = max(self.seq, first + len(rows) - 1)
             self._opened = None
             if bad_old:
@@ -425,41 +410,38 @@ class DiskTier(Tier, FrameStoreBase):
         if bad_old:
             logger.warning("disk tier: replaced %d rows whose metadata failed its checks", bad_old)
 
-    def _old_row(self, txn: lmdb.Transaction, r: FrameWrite,
-                 replace: bool) -> tuple[int, Where | None, int]:
-        """What a write replaces: its frame bytes, where they lie, and 1 if its record
-        failed its checks (its bytes are then recounted after the commit)."""
-        old = txn.get(r.name, db=self._meta)
-        legacy = txn.get(r.name, db=self._frames)
-        legacy_len = 0 if legacy is None else len(legacy)
-        if old is None:
-            return legacy_len, None, 0
-        try:
-            prev, where = unpack_record(r.name, old)
-        except CorruptPage:
-            return legacy_len, None, 1
-        if prev.raw_len != r.raw_len and not replace:
-            raise PageSizeMismatch(f"data: {r.raw_len} bytes, but row {r.name.hex()[:16]}… "
-                                   f"holds {prev.raw_len}")
-        if where is None:
-            return legacy_len, None, 0
-        return prev.frame_len, where, 0
-
     def _let_go(self, dropped: Sequence[tuple[int, int]]) -> int:
         """Forget live bytes of segments (after the index commit that stopped naming
         them): unlink a sealed segment left empty, wake the compactor for a sparse one.
         The segments unlinked."""
         sparse = False
-        retired = 0
+        empty: list[int] = []
         for seg, n in dropped:
             if self._segs.drop_live(seg, n):
-                self._segs.retire(seg)
-                retired += 1
+                empty.append(seg)
             else:
                 sparse = sparse or seg in self._segs.sparse()
         if sparse and self._compactor is not None:
             self._wake.set()
-        return retired
+        return self._retire(empty)
+
+    def _retire(self, segs: Sequence[int]) -> int:
+        """Unlink segments no index entry names, once the commits that stopped naming
+        them are durable (with the lazy meta sync a machine crash may undo the last one,
+        which must then find its rows' bytes); how many. A failed sync keeps them (dead
+        bytes a later retire or open reclaims)."""
+        if not segs:
+            return 0
+        if self._lazy_meta:
+            try:
+                sync_index(self)
+            except LMDB_ERRORS as exc:
+                logger.warning("disk tier %s: syncing the index before unlinking %d segments "
+                               "failed (kept): %s", self.path, len(segs), exc)
+                return 0
+        for seg in segs:
+            self._segs.retire(seg)
+        return len(segs)
 
     def read_into(self, name: bytes, out: memoryview | bytearray, *,
                   expect: int | None = None) -> int | None:
@@ -471,14 +453,14 @@ class DiskTier(Tier, FrameStoreBase):
         for attempt in range(2):
             try:
                 with self._env.begin(buffers=True) as txn:
-                    found = self._locate(txn, name)
+                    found = locate(txn, self._meta, self._frames, name)
                     if found is None:
                         return None
                     row, where, legacy = found
                     if expect is not None and row.raw_len != expect:
                         return None
                     if where is None:
-                        assert legacy is not None  # _locate raised otherwise
+                        assert legacy is not None  # locate raised otherwise
                         # LMDB's mapped page, valid only inside this transaction: decode
                         # straight from it into the caller's memory, no copy in between.
                         return decode_into(legacy, out)
@@ -494,20 +476,6 @@ class DiskTier(Tier, FrameStoreBase):
             finally:
                 self._segs.unpin(seg)
         raise AssertionError("unreachable")  # the loop returns or raises
-
-    def _locate(self, txn: lmdb.Transaction,
-                name: bytes) -> tuple[DiskRow, Where | None, bytes | memoryview | None] | None:
-        """The row's checked record, where its frame lies, and (older layout) the frame."""
-        rec = txn.get(name, db=self._meta)
-        legacy = txn.get(name, db=self._frames)
-        if rec is None:
-            if legacy is None:
-                return None
-            raise CorruptPage(f"row {name.hex()[:16]}…: frame has no meta record")
-        row, where = unpack_record(name, rec)
-        if where is None:
-            check_row(row, legacy)  # the header's raw length is the record's
-        return row, where, legacy
 
     def _read_segment(self, seg: Segment, where: Where, row: DiskRow,
                       out: memoryview | bytearray) -> int:
@@ -546,12 +514,12 @@ class DiskTier(Tier, FrameStoreBase):
         for attempt in range(2):
             try:
                 with self._env.begin(buffers=True) as txn:
-                    found = self._locate(txn, name)
+                    found = locate(txn, self._meta, self._frames, name)
                     if found is None:
                         return None
                     row, where, legacy = found
                     if where is None:
-                        assert legacy is not None  # _locate raised otherwise
+                        assert legacy is not None  # locate raised otherwise
                         return bytes(legacy)
             except LMDB_ERRORS as exc:
                 raise TierUnavailable(f"disk tier: reading {name.hex()[:16]}…: {exc}") from exc
@@ -624,12 +592,9 @@ class DiskTier(Tier, FrameStoreBase):
                         continue
                     used += row.frame_len
                     rows.append(row)
-                n_frames = txn.stat(self._frames)["entries"]
-                if n_frames > with_frame:  # frames with no meta record (or a damaged key)
-                    known = {r.name for r in rows}.union(bad)
-                    for key, _ in txn.cursor(db=self._frames):
-                        if bytes(key) not in known:
-                            bad.append(bytes(key))
+                # frames with no meta record (or a damaged key)
+                bad += orphan_frames(txn, self._frames, with_frame,
+                                     {r.name for r in rows}.union(bad))
         except LMDB_ERRORS as exc:
             raise TierUnavailable(f"disk tier: scanning {self.path}: {exc}") from exc
         for seg in self._segs.ids():
@@ -745,8 +710,7 @@ class DiskTier(Tier, FrameStoreBase):
         self._used = used
         for seg in self._segs.ids():
             self._segs.add_live(seg, live.get(seg, 0) - self._segs.live_of(seg))
-        for seg in self._segs.empty_sealed():
-            self._segs.retire(seg)
+        self._retire(self._segs.empty_sealed())
 
     def _drop_bad(self, names: list[bytes]) -> None:
         """Delete rows that failed their checks at a scan, and count them. A key whose
@@ -840,113 +804,11 @@ class DiskTier(Tier, FrameStoreBase):
     # -- compaction --------------------------------------------------------------------
 
     def compact(self, *, legacy: bool = True, budget: int | None = None) -> CompactReport:
-        """Rewrite live rows into the active segment: every older-layout row (with
-        ``legacy``), then the rows of sparse sealed segments (emptiest first), which are
-        then unlinked. Stops after ``budget`` bytes written (``None``: no limit). Rows are
-        moved a batch at a time, each batch durable before its index commit, with the
-        tier's lock let go between batches so that puts and reads go on."""
-        self._check_open()
-        moved = written = freed = legacy_moved = 0
-        limit = budget if budget is not None else 1 << 62
-        for names, from_legacy in self._compact_plan(legacy):
-            for i in range(0, len(names), _COMPACT_BATCH):
-                if written >= limit:
-                    break
-                n, nbytes, gone = self._move(names[i : i + _COMPACT_BATCH])
-                moved += n
-                written += nbytes
-                freed += gone
-                legacy_moved += n if from_legacy else 0
-        report = CompactReport(moved, written, freed, legacy_moved)
-        if moved:
-            logger.debug("%s", report.summary())
-        return report
-
-    def _compact_plan(self, legacy: bool) -> list[tuple[list[bytes], bool]]:
-        """The names to move: the older-layout rows, then each sparse segment's rows."""
-        sparse = self._segs.sparse()
-        rank = {seg: i for i, seg in enumerate(sparse)}
-        old: list[bytes] = []
-        by_seg: list[list[bytes]] = [[] for _ in sparse]
-        try:
-            with self._env.begin(buffers=True) as txn:
-                for key, value in txn.cursor(db=self._meta):
-                    name = bytes(key)
-                    try:
-                        _, where = unpack_record(name, value)
-                    except CorruptPage:
-                        continue  # a read drops it
-                    if where is None:
-                        old.append(name)
-                    elif where.seg in rank:
-                        by_seg[rank[where.seg]].append(name)
-        except LMDB_ERRORS as exc:
-            raise TierUnavailable(f"disk tier: planning a compaction: {exc}") from exc
-        plan = [(old, True)] if legacy and old else []
-        return plan + [(names, False) for names in by_seg]
-
-    def _move(self, names: Sequence[bytes]) -> tuple[int, int, int]:
-        """Rewrite these rows (as they are now) into the active segment; rows moved,
-        bytes written, segments freed."""
-        with self._lock:
-            self._check_open()
-            batch: list[tuple[DiskRow, Where | None, bytes]] = []
-            try:
-                with self._env.begin(write=True, buffers=True) as txn:
-                    for name in names:
-                        try:
-                            found = self._locate(txn, name)
-                        except CorruptPage:
-                            continue  # left for a read to drop and count
-                        if found is None:
-                            continue  # deleted since the plan
-                        row, where, legacy = found
-                        if where is None:
-                            assert legacy is not None
-                            frame = bytes(legacy)
-                        else:
-                            if where.seg == self._segs.active:
-                                continue
-                            try:
-                                got = self._segment_frame(where, row)
-                            except CorruptPage:
-                                continue
-                            if got is None:
-                                continue
-                            frame = got
-                        batch.append((row, where, frame))
-                    if not batch:
-                        return 0, 0, 0
-                    at = self._segs.append([
-                        (entry_head(r.name, pack_meta(r.name, r.raw_len, len(f), r.seq, r.dtype,
-                                                      r.parent)), f) for r, _, f in batch])
-                    for (row, _, frame), (seg, off) in zip(batch, at, strict=True):
-                        txn.put(row.name, pack_meta(row.name, row.raw_len, len(frame), row.seq,
-                                                    row.dtype, row.parent, Where(seg, off)),
-                                db=self._meta)
-                        txn.delete(row.name, db=self._frames)
-            except LMDB_ERRORS as exc:
-                raise self._mapped("compacting", exc) from exc
-            for (_, _, frame), (seg, _) in zip(batch, at, strict=True):
-                self._segs.add_live(seg, len(frame))
-            freed = self._let_go([(w.seg, row.frame_len) for row, w, _ in batch if w is not None])
-            self._opened = None
-            return len(batch), sum(len(f) for _, _, f in batch), freed
-
-    def _compact_loop(self) -> None:
-        """The background compactor: woken when a delete leaves a sealed segment sparse,
-        it moves at most ``compact_bytes`` per wake-up (the write budget)."""
-        while True:
-            self._wake.wait()
-            self._wake.clear()
-            if self._closed:
-                return
-            try:
-                self.compact(legacy=False, budget=self._compact_bytes)
-            except KvbankError as exc:  # a degraded disk: the next delete tries again
-                if self._closed:
-                    return
-                logger.warning("disk tier: background compaction failed: %s", exc)
+        """Rewrite live rows into the active segment (see
+        :func:`kvbank.tiers.diskcompact.compact`): every older-layout row (with
+        ``legacy``), then the rows of sparse sealed segments, which are then unlinked;
+        at most ``budget`` bytes written (``None``: no limit)."""
+        return compact(self, legacy=legacy, budget=budget)
 
     # -- the Tier methods --------------------------------------------------------------
 
@@ -1038,6 +900,12 @@ class DiskTier(Tier, FrameStoreBase):
             self._wake.set()
             self._compactor.join()
         with self._lock:
+            if self._lazy_meta:  # a clean close leaves the last commit durable too
+                try:
+                    sync_index(self)
+                except LMDB_ERRORS as exc:
+                    logger.warning("disk tier %s: syncing the index at close failed: %s",
+                                   self.path, exc)
             self._env.close()
             self._segs.close()
             self._dirlock.release()

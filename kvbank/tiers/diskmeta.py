@@ -14,6 +14,7 @@ Primitives:
   open check.
 - :func:`check_salvaged` — the record to keep for a row a salvage copies (its own, or one
   rebuilt from the frame's header); see :func:`kvbank.tiers.diskfile.salvage`.
+- :data:`LMDB_ERRORS` — what a call into LMDB may raise (the tier maps them).
 - :func:`delete_exact` — delete a key from an LMDB database even when its stored bytes
   are damaged (out of B-tree order, so a lookup misses it).
 
@@ -33,6 +34,12 @@ from kvbank.codec import DTYPE_CODES, HEADER_SIZE, MAX_PAGE_BYTES, decode_into, 
 from kvbank.errors import CorruptPage, InvalidInput
 from kvbank.keys import ROW_NAME_BYTES
 from kvbank.tiers.base import FrameRow
+
+# The one table of what LMDB (and the file system under it) raises in the disk tier:
+# every call into lmdb there catches exactly these and maps them through
+# DiskTier._mapped (TierFull for a full map or file system, TierUnavailable otherwise),
+# so only KvbankError leaves the tier's modules.
+LMDB_ERRORS: tuple[type[Exception], ...] = (lmdb.Error, OSError)
 
 _META = struct.Struct("<QQQB")  # raw_len, frame_len, seq, len(dtype); then dtype, parent
 _SUM = struct.Struct("<Q")  # last: xxh3-64 of (row name + everything before it)

@@ -304,16 +304,17 @@ class Segments:
                 views[0] = views[0][n:]
         return got
 
-    def entries(self, seg: int, frame_len: Callable[[bytes, bytes], int | None]
-                ) -> Iterator[tuple[bytes, bytes, int, int]]:
-        """(row name, meta record, frame offset, frame length) of each entry of a segment,
-        in order, up to the first that is not whole (a torn tail, or a record that
-        ``frame_len(name, record)`` refuses with ``None``)."""
+    def entries(self, seg: int, frame_len: Callable[[bytes, bytes], int | None], *,
+                start: int = 0) -> Iterator[tuple[bytes, bytes, int, int]]:
+        """(row name, meta record, frame offset, frame length) of each entry of a segment
+        from offset ``start`` (where an entry begins) on, in order, up to the first that
+        is not whole (a torn tail, or a record that ``frame_len(name, record)`` refuses
+        with ``None``)."""
         s = self.pin(seg)
         if s is None:
             return
         try:
-            at = 0
+            at = start
             while at + _ENTRY.size + NAME_BYTES <= s.size:
                 head = os.pread(s.fd, _ENTRY.size + NAME_BYTES, at)
                 magic, n = _ENTRY.unpack_from(head)

@@ -15,8 +15,11 @@ import pytest
 
 from kvbank.testing.diskrot import flip_frame_byte
 from kvbank.testing.tiers import name_of, page_of
+from kvbank.tiers import disk as disk_module
+from kvbank.tiers import disklog
 from kvbank.tiers.disk import DiskTier
-from kvbank.tiers.diskseg import SEGMENT_DIR
+from kvbank.tiers.diskmeta import unpack_record
+from kvbank.tiers.diskseg import SEGMENT_DIR, Segments, segment_file
 
 from .conftest import MakeStore
 
@@ -95,6 +98,95 @@ def test_disk_unindexed_bytes_after_a_crash_are_dead_space_never_rows(tmp_path: 
         again.check()
     finally:
         again.close()
+
+
+def _entries(data_dir: Path) -> dict[bytes, tuple[Path, int, int]]:
+    """Every entry the segment files hold: row name -> (file, frame offset, length)."""
+    segs = Segments(data_dir, sync=False)
+    try:
+        found = {}
+        for seg in segs.ids():
+            path = data_dir / SEGMENT_DIR / segment_file(seg)
+            for name, _record, off, n in segs.entries(
+                    seg, lambda name, rec: unpack_record(name, rec)[0].frame_len):
+                found[name] = (path, off, n)
+        return found
+    finally:
+        segs.close()
+
+
+def test_disk_index_commits_a_machine_crash_undid_are_replayed_from_the_segments(
+        tmp_path: Path) -> None:
+    """The index's meta page is not synced per commit (the segments are its write-ahead
+    log): an index that lost its last commits (LMDB's file as it was before them) gets
+    their rows back from the segment entries past its mark, byte for byte, a rewrite's
+    later entry winning; an entry there that is torn or fails its checksum is never
+    indexed, and nothing is counted corrupt."""
+    tier = DiskTier(tmp_path, 1 << 22, sync=True)
+    first = {i: _bf16(i) for i in range(3)}
+    for i, page in first.items():
+        tier.put(name_of(i), page, dtype="bfloat16")
+    tier.close()
+    data = tmp_path / "lmdb" / "data.mdb"
+    before = data.read_bytes()
+    tier = DiskTier(tmp_path, 1 << 22, sync=True)
+    later = {i: _bf16(i) for i in range(3, 7)}
+    for i, page in later.items():
+        tier.put(name_of(i), page, dtype="bfloat16")
+    tier.put(name_of(0), _bf16(100), dtype="bfloat16")  # a rewrite: its later entry wins
+    tier.close()
+    data.write_bytes(before)  # the index as it was before those commits
+    path, off, n = _entries(tmp_path)[name_of(5)]
+    with open(path, "r+b") as f:  # rot in one replayed frame
+        f.seek(off + n // 2)
+        byte = f.read(1)[0]
+        f.seek(off + n // 2)
+        f.write(bytes([byte ^ 0x5A]))
+    with open(_segments(tmp_path)[-1], "ab") as f:
+        f.write(os.urandom(3000))  # and a torn append after them
+    again = DiskTier(tmp_path, 1 << 22, sync=True)
+    try:
+        want = first | {i: p for i, p in later.items() if i != 5} | {0: _bf16(100)}
+        assert _reads_back(again, want)
+        assert again.get_into(name_of(5), bytearray(P)) is None
+        assert again.corrupt_rows == 0
+        again.check()
+    finally:
+        again.close()
+    third = DiskTier(tmp_path, 1 << 22, sync=True)  # replayed once: the mark moved past them
+    try:
+        assert _reads_back(third, want) and third.corrupt_rows == 0
+    finally:
+        third.close()
+
+
+def test_disk_a_segment_is_unlinked_only_once_the_index_commit_is_durable(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A machine crash may undo the last index commit; the rows it deleted then come
+    back and must find their bytes, so the segment goes only after an index sync."""
+    events: list[str] = []
+    real_sync, real_retire = disklog.sync_index, Segments.retire
+
+    def sync(tier: DiskTier) -> None:
+        events.append("sync")
+        real_sync(tier)
+
+    def retire(self: Segments, seg: int) -> None:
+        events.append("unlink")
+        real_retire(self, seg)
+
+    monkeypatch.setattr(disk_module, "sync_index", sync)
+    monkeypatch.setattr(Segments, "retire", retire)
+    tier = DiskTier(tmp_path, 1 << 22, sync=True, segment_bytes=SEG, compact_bytes=0)
+    try:
+        for i in range(8):
+            tier.put(name_of(i), page_of(i, P))
+        events.clear()
+        tier.delete_many([name_of(i) for i in range(4)])
+        assert events == ["sync", "unlink"]
+        assert _reads_back(tier, {i: page_of(i, P) for i in range(4, 8)})
+    finally:
+        tier.close()
 
 
 def test_disk_a_frame_cut_short_in_its_segment_is_dropped_and_counted(tmp_path: Path) -> None:

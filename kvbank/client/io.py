@@ -31,6 +31,7 @@ import torch
 
 from kvbank import checks, wire
 from kvbank.buffers import OutBuffers
+from kvbank.codec.frame import checksum
 from kvbank.errors import Busy, InvalidInput, KvbankError, TierUnavailable
 from kvbank.keys import Scope, TokenIds, engine_keys, tokens_to_bytes
 from kvbank.layout import PageLayout
@@ -289,6 +290,21 @@ def lease_slots(doc: dict[str, Any], bufs: Sequence[memoryview]) -> list[tuple[i
         for i, seg, offset, size in doc["slots"]:
             out.append((i, (str(segments[seg]), int(offset), int(size), bufs[i])))
         return out
+    except (KeyError, IndexError, TypeError, ValueError) as exc:
+        raise TierUnavailable(f"node: a lease answer of an unexpected shape: {exc!r}") from exc
+
+
+def changed_copies(doc: dict[str, Any], bufs: Sequence[memoryview]) -> set[int]:
+    """The entries ``i`` of a READ lease's slots form whose copy in ``bufs[i]`` does not
+    match the checksum the node sent for it (``sums``, 16 hex digits of the xxh3-64 the
+    row was committed with): bytes changed in the shared segment since commit. A form
+    without ``sums`` (an older node) checks nothing."""
+    sums = doc.get("sums")
+    if sums is None:
+        return set()
+    try:
+        return {int(i) for (i, _, _, size), want in zip(doc["slots"], sums, strict=True)
+                if want is not None and f"{checksum(bufs[i][: int(size)]):016x}" != want}
     except (KeyError, IndexError, TypeError, ValueError) as exc:
         raise TierUnavailable(f"node: a lease answer of an unexpected shape: {exc!r}") from exc
 

@@ -357,14 +357,14 @@ class Node:
                 self.bank.check_live(lease_id)
                 # Verified again after the send: bytes changed while they were on the
                 # wire do not count (nor do the rows stay: dropped at the lease's end).
-                ok.update(self._unchanged(lease_id, names))
+                ok.update(self.unchanged(lease_id, names))
             except KvbankError:
                 pass  # expired: what it sent may be another row's bytes by now
             finally:
                 self.bank.release(lease_id)
         return ok
 
-    def _unchanged(self, lease_id: str, names: Iterable[bytes]) -> list[bytes]:
+    def unchanged(self, lease_id: str, names: Iterable[bytes]) -> list[bytes]:
         """The rows of a READ lease whose host bytes still match their checksums (the
         lender notes the others, and drops their host copies when the lease ends)."""
         out: list[bytes] = []
@@ -408,7 +408,7 @@ class Node:
             try:
                 suspect = [plan[p].name for p in changed
                            if isinstance(p, int) and 0 <= p < len(plan)]
-                self._unchanged(lease_id, [n for n in suspect if n in ready])
+                self.unchanged(lease_id, [n for n in suspect if n in ready])
                 self.bank.check_live(lease_id)
                 good = [n for n in acked if n in ready]
             finally:

@@ -173,3 +173,13 @@ def test_a_process_of_the_nodes_uid_cannot_open_its_fds_or_memory(tmp_path: Path
         peer.wait(timeout=60)
         node.send_signal(signal.SIGTERM)
         node.communicate(timeout=60)
+
+
+def test_the_tenant_neighbour_row_counts_no_fetch_that_served_a_neighbours_bytes(
+        tmp_path: Path) -> None:
+    """The reliability bench's ``tenant-neighbour`` case, one round: every overwrite is
+    attempted on the three paths and none is served back to its owner."""
+    from kvbank.bench.reliability_node import tenant_neighbour
+
+    res = tenant_neighbour(tmp_path, rounds=1)
+    assert res.attacks == 3 and res.served == 0 and res.wrong == 0, res

@@ -197,16 +197,13 @@ def _client(spec: dict[str, Any]) -> dict[str, Any]:
                 base.append(t2 - t1)
         return {"ours": ours, "base": base}
     if case == "fetch-local-check":
+        from unittest import mock
+
         from kvbank.client import paths
 
-        checked = paths.changed_copies
-
         def unchecked() -> None:  # the same path with the client's checksum check left out
-            paths.changed_copies = lambda doc, bufs: set()
-            try:
+            with mock.patch.object(paths, "changed_copies", lambda *_: set()):
                 fetch()
-            finally:
-                paths.changed_copies = checked
         fetch()
         unchecked()
         return _turns(fetch, unchecked, reps, nbytes)

@@ -22,7 +22,7 @@ import base64
 import http.client
 import json
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Container, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -294,17 +294,19 @@ def lease_slots(doc: dict[str, Any], bufs: Sequence[memoryview]) -> list[tuple[i
         raise TierUnavailable(f"node: a lease answer of an unexpected shape: {exc!r}") from exc
 
 
-def changed_copies(doc: dict[str, Any], bufs: Sequence[memoryview]) -> set[int]:
-    """The entries ``i`` of a READ lease's slots form whose copy in ``bufs[i]`` does not
-    match the checksum the node sent for it (``sums``, 16 hex digits of the xxh3-64 the
-    row was committed with): bytes changed in the shared segment since commit. A form
-    without ``sums`` (an older node) checks nothing."""
+def changed_copies(doc: dict[str, Any], bufs: Sequence[memoryview],
+                   only: Container[int] | None = None) -> set[int]:
+    """The entries ``i`` (of ``only``, default all) of a READ lease's slots form whose copy
+    in ``bufs[i]`` does not match the checksum the node sent for it (``sums``, 16 hex
+    digits of the xxh3-64 the row was committed with): bytes changed in the node's host
+    memory since commit. A form without ``sums`` (an older node) checks nothing."""
+    only = range(len(bufs)) if only is None else only
     sums = doc.get("sums")
     if sums is None:
         return set()
     try:
         return {int(i) for (i, _, _, size), want in zip(doc["slots"], sums, strict=True)
-                if want is not None and f"{checksum(bufs[i][: int(size)]):016x}" != want}
+                if want is not None and i in only and f"{checksum(bufs[i][: int(size)]):016x}" != want}
     except (KeyError, IndexError, TypeError, ValueError) as exc:
         raise TierUnavailable(f"node: a lease answer of an unexpected shape: {exc!r}") from exc
 

@@ -376,8 +376,12 @@ class DataPort(_Lent):
             except (KeyError, IndexError, TypeError, ValueError) as exc:
                 c.release(lease["id"])
                 raise TierUnavailable(f"node: a fetch answer of an unexpected shape: {exc!r}") from exc
-            # the node counts these rows only if the lease outlived the transfer
-            result = c._ack(fid, [rows[i][0] for i, _ in slots[:got]], lease["id"])
+            arrived = [i for i, _ in slots[:got]]
+            bad = changed_copies(lease, bufs, set(arrived))
+            # the node counts these rows only if the lease outlived the transfer; a row
+            # whose bytes fail their checksum is a miss, never wrong bytes
+            result = c._ack(fid, [rows[i][0] for i in arrived if i not in bad], lease["id"],
+                            changed=[rows[i][0] for i in sorted(bad)])
             if err is None or result.complete or time.monotonic() >= retry_end:
                 return result
             time.sleep(0.01)

@@ -406,9 +406,9 @@ def create_app(node: Node) -> FastAPI:
             if body.prompt is not None:
                 doc["match"] = wire.to_dict(m)
             if lease is not None:
-                # same host: the client verifies its copies against the rows' checksums
-                # (the data port's sends are verified here, as they leave)
-                sums = None if plane is not None else await node.call(bank.checksums, lease.id)
+                # the client verifies what it copied (same host) or received (data port)
+                # against the rows' checksums; the data port's sends are verified here too
+                sums = await node.call(bank.checksums, lease.id)
                 doc["lease"] = slots_doc(lease, opened.names, Delivery.READY, bank.clock(), sums)
             if plane is not None:
                 doc["ticket"] = None if lease is None else plane.issue(

@@ -51,6 +51,7 @@ why the completion check exists.
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import logging
 import os
@@ -63,7 +64,14 @@ from typing import TYPE_CHECKING, NoReturn
 
 from kvbank import checks
 from kvbank.config import BankConfig
-from kvbank.errors import CorruptPage, InvalidInput, LeaseExpired, LeaseNotFound, TierUnavailable
+from kvbank.errors import (
+    CorruptPage,
+    InvalidInput,
+    LeaseExpired,
+    LeaseNotFound,
+    TierError,
+    TierUnavailable,
+)
 from kvbank.keys import ROW_NAME_BYTES, shape_key
 from kvbank.lender import reads, writes
 from kvbank.lender.base import (
@@ -545,7 +553,8 @@ class Lender:
         held = self._detach_locked(lease_id, why)
         self._release_store(lease_id, bool(held.locked), held.lease.mode, held.slots)
         if held.changed:  # unlocked now: drop the host copies that still fail
-            self._store.host.quarantine(sorted(held.changed))
+            with contextlib.suppress(TierError):  # closing: the rows go with the store
+                self._store.host.quarantine(sorted(held.changed))
 
     def _detach_locked(self, lease_id: str, why: str) -> _Held:
         """Take a lease out of the lender's tables (caller holds the lender lock)."""

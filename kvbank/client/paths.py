@@ -217,7 +217,7 @@ class SharedMemory(_Lent):
             c.release(lease["id"])
             raise TierUnavailable(f"node: a fetch answer of an unexpected shape: {exc!r}") from exc
         got = self._copy(lease, bufs, into_slots=False, jobs=lambda ss: merged_copies(ss, rows, out))
-        bad = changed_copies(lease, bufs)
+        bad = changed_copies(lease, bufs, hasher=self.borrower(writable=False).checksums)
         if bad:  # a miss, never wrong bytes; the node checks these rows and drops them
             got = [i for i in got if i not in bad]
         # the node counts these rows only if the lease outlived the copies

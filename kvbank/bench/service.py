@@ -202,7 +202,7 @@ def _client(spec: dict[str, Any]) -> dict[str, Any]:
         from kvbank.client import paths
 
         def unchecked() -> None:  # the same path with the client's checksum check left out
-            with mock.patch.object(paths, "changed_copies", lambda *_: set()):
+            with mock.patch.object(paths, "changed_copies", lambda *_, **__: set()):
                 fetch()
         fetch()
         unchecked()

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvbank.codec import frame_info
+from kvbank.codec import checksum, frame_info
 from kvbank.codec.frame import parse_fast
 from kvbank.config import WritePolicy
 from kvbank.errors import Busy, CorruptPage, TierError
@@ -312,12 +312,21 @@ class Mover:
         assert st.host is not None and st.device is not None  # queued only with both
         try:
             st.copier.between(st.host, job.dst_off, st.device, job.off, job.size, to_host=True)
+            view = st.host.view(job.dst_off, job.size)
+            try:
+                sum_ = checksum(view)  # the host copy's, recorded if the row has none yet
+            finally:
+                view.release()
         except BaseException:
             with st.lock:
                 self._end_move(job, written=False)
             raise
         with st.lock:
-            self._end_move(job, written=True)
+            ix = st.ix
+            want = ix.get_checksum(job.rid) if ix.ids.get(job.name) == job.rid else None
+            ok = want is None or want == sum_
+            if self._end_move(job, written=ok) and want is None:
+                ix.set_checksum(job.rid, sum_)
 
     def _finish_demotes(self, batch: list[tuple[Job, Future[bytes]]]) -> None:
         """Write encoded demotions whose rows are still the ones queued, in one

@@ -9,6 +9,8 @@ once nothing holds it, and the mover never encodes changed bytes into a fresh fr
 
 from __future__ import annotations
 
+import torch
+
 from kvbank.codec import checksum
 from kvbank.testing.tiers import name_of, page_of
 from kvbank.tiers.base import TierKind
@@ -111,3 +113,19 @@ def test_the_mover_never_writes_changed_host_bytes_to_disk(make_store: MakeStore
     assert s.locate([name_of(1)]) == [None]
     assert _read(s, 1) is None
     assert _read(s, 0) == page_of(0, P) and _read(s, 2) == page_of(2, P)
+
+
+def test_a_device_commit_gets_its_checksum_when_the_mover_copies_it_to_host(
+        make_store: MakeStore) -> None:
+    """A device commit records none (device memory is mapped by no other process); the
+    mover's copy down into a host slot records the host copy's."""
+    s = make_store(device="cpu", device_bytes=32 * 1024, host_bytes=1 << 20, disk_bytes=1 << 20)
+    w = s.device.reserve(P, "dw")
+    s.device.view(w).copy_(torch.frombuffer(bytearray(page_of(1, P)), dtype=torch.uint8))
+    s.device.commit(name_of(1), w)
+    assert s.host.checksums([name_of(1)]) == [None]  # not in host yet
+    for i in range(10, 30):  # pressure on the device: its rows go down to host
+        s.put(name_of(i), page_of(i, P))
+    s.flush()
+    assert s.locate([name_of(1)]) == [TierKind.HOST]
+    assert s.host.checksums([name_of(1)]) == [checksum(page_of(1, P))]

@@ -342,6 +342,7 @@ def _bank_entry_points(c: _Ctx) -> dict[str, Callable[[], object]]:
         "lend": lambda: b.lend(n[:2]),
         "lend_all": lambda: b.lend_all(),
         "view": lambda: b.view(c.read_lease, n[2]).tobytes(),
+        "checksums": lambda: b.checksums(c.read_lease),
         "device_view": lambda: b.device_view(c.dev_lease, n[2]).sum(),
         "read": lambda: b.read(c.read_lease, n[2]),
         "read_into": lambda: b.read_into(c.dev_lease, n[2], bytearray(PAGE)),

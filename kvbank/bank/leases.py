@@ -77,6 +77,11 @@ class LeaseOps:
         """A HOST lease row's bytes in place (READ: read, then :meth:`check_live`; WRITE: fill)."""
         return self._lender.view(lease_id, name)
 
+    def checksums(self, lease_id: str) -> dict[bytes, int]:
+        """A READ HOST lease's rows' checksums (xxh3-64 of the committed bytes): what a
+        reader that copies the rows out verifies its copies against."""
+        return self._lender.checksums(lease_id)
+
     def device_view(self, lease_id: str, name: bytes) -> torch.Tensor:
         """A DEVICE lease row's bytes in place (a uint8 tensor)."""
         return self._lender.device_view(lease_id, name)

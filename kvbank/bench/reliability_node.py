@@ -11,11 +11,15 @@ turns them into rows.
   that come back partly stored after the restart (goal 0: a put is all or nothing);
 - ``client-restart`` — transfers that fail once the node is back, for long-lived clients
   on every path that lived through a SIGKILL and a restart (the data port changes)
-  (goal 0).
+  (goal 0);
+- ``tenant-neighbour`` — a same-host worker of tenant B (the node's uid, its own token)
+  maps the host segment without a lease and overwrites pages of tenant A's; A's fetches
+  on every path that hand back B's bytes (goal 0; any such byte is wrong bytes too).
 """
 
 from __future__ import annotations
 
+import os
 import random
 import tempfile
 import threading
@@ -23,10 +27,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
+
 from kvbank.bench.common import BenchRow
 from kvbank.bench.reliability_procs import node_args
 from kvbank.bench.reliability_worker import LAYOUT, PAGE, TOKENS_PER_PAGE, chain_tokens
 from kvbank.client.client import Client
+from kvbank.client.shm import Borrower
 from kvbank.errors import KvbankError
 from kvbank.keys import DEFAULT_SCOPE, namespace, page_keys, row_names
 from kvbank.service.launch import NodeProcess
@@ -226,6 +233,69 @@ def client_restart(workdir: Path, *, rounds: int = 2, transfers: int = 8) -> Res
     return res
 
 
+# ---- tenant-neighbour ------------------------------------------------------------------
+
+NEIGHBOUR_TOKENS = {"a": "tenant-a-neighbour-0123456789", "b": "tenant-b-neighbour-0123456789"}
+SCRIBBLE = b"\xee" * 64  # what B writes over the start of a page of A's
+
+
+@dataclass
+class NeighbourResult:
+    attacks: int  # pages of A's that B overwrote in the segment (one per fetch)
+    served: int  # fetches of A's after an overwrite that handed B's bytes back as A's
+    wrong: int  # bytes of A's fetches that were not A's
+
+
+def tenant_neighbour(workdir: Path, *, rounds: int = 2, pages: int = 4) -> NeighbourResult:
+    """A node with two tenants. Each round, on each path, A puts a prompt; B learns the
+    segment from ``GET /v1/node``, maps it writable with no lease, finds one of A's pages
+    by its bytes and overwrites its first 64 bytes; A fetches the prompt. Value: the
+    fetches that handed A the overwritten page (goal 0: the page is a miss, never B's
+    bytes)."""
+    tenants = ",".join(f"{k}={v}" for k, v in NEIGHBOUR_TOKENS.items())
+    node = NodeProcess.start(node_args(workdir / "data"), env={**_env(), "KVBANK_TENANTS": tenants})
+    res = NeighbourResult(0, 0, 0)
+    try:
+        info = httpx.get(node.url + "/v1/node", timeout=60,
+                         headers={"Authorization": f"Bearer {NEIGHBOUR_TOKENS['b']}"})
+        segment = info.json()["host"]["segment"]  # B's token is enough to learn it
+        with Borrower(writable=True) as mapped:
+            seg = mapped.segment(segment)
+            for r in range(rounds):
+                for j, path in enumerate(PATHS):
+                    put = 50_000 + r * 100 + j
+                    want = prompt_pages(3000, 0, put, pages)
+                    toks = chain_tokens(3000, put, pages)
+                    with path_client(node.url, path, token=NEIGHBOUR_TOKENS["a"]) as a:
+                        a.register(LAYOUT)
+                        a.put(LAYOUT.layout_id, toks, group=0, pages=want)
+                        victim = want[(r + j) % pages]
+                        at = bytes(seg).find(victim)
+                        if at < 0:
+                            continue  # not in host memory (written to disk): nothing to attack
+                        seg[at : at + len(SCRIBBLE)] = SCRIBBLE
+                        res.attacks += 1
+                        try:
+                            f = a.fetch_prefix(LAYOUT.layout_id, [*toks, 1])
+                        except KvbankError:
+                            continue  # a typed refusal: nothing served
+                        if f.result is None:
+                            continue
+                        planned = f.match.resume.pages[0]
+                        got = [f.pages[0][planned.index(k)].numpy().tobytes()
+                               for k in f.result.delivered[0]]
+                        res.served += any(g.startswith(SCRIBBLE) for g in got)
+                        res.wrong += sum(sum(x != y for x, y in zip(g, want[k], strict=True))
+                                         for g, k in zip(got, f.result.delivered[0], strict=True))
+    finally:
+        node.stop()
+    return res
+
+
+def _env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k != "KVBANK_ADMIN_TOKEN"}
+
+
 def run_part(quick: bool) -> tuple[list[BenchRow], int]:
     from kvbank.bench.reliability import goal_row
 
@@ -243,4 +313,10 @@ def run_part(quick: bool) -> tuple[list[BenchRow], int]:
         rows.append(goal_row("client-restart",
                              f"transfers of long-lived clients that failed once a restarted "
                              f"node was back (of {back.transfers})", back.failed, 0))
+        neighbour = tenant_neighbour(root / "neighbour", rounds=2 if quick else 5)
+        wrong += neighbour.wrong
+        rows.append(goal_row("tenant-neighbour",
+                             f"fetches that handed a tenant the bytes a same-host neighbour "
+                             f"wrote into its pages (of {neighbour.attacks} overwrites)",
+                             neighbour.served, 0))
     return rows, wrong

@@ -17,6 +17,10 @@ case                  ours                                        baseline (same
 ``fetch-local``       ``Client.fetch``, same-host lease path,      memcpy of the same bytes
                       control calls included
 ``put-local``         ``Client.put``: WRITE lease, fill, commit   memcpy of the same bytes
+``fetch-local-check``  ``fetch-local`` as it runs (each copy        the same fetch with the
+                      verified against the row's checksum)        client's check left out
+``checksum``          xxh3-64 of 64 x 2 MiB pages, GB/s (what     memcpy of the same bytes
+                      a network serve adds per verification)
 ``match-1000``        p50 ms of ``Client.match``, 1,000 pages     in-process ``Bank.match``
 ``fetch-remote-16``   aggregate GB/s, 16 client processes, each   raw TCP, 16 connections
                       fetching 16 x 2 MiB rows a call
@@ -125,7 +129,7 @@ def _client(spec: dict[str, Any]) -> dict[str, Any]:
     nbytes = n_pages * page
     out = torch.zeros((n_pages, page), dtype=torch.uint8)  # zeroed: pre-touched, reused
     out_views = [memoryview(out.numpy()[i]) for i in range(n_pages)]
-    needs_src = case in ("put-remote", "put-local", "fetch-local")
+    needs_src = case in ("put-remote", "put-local", "fetch-local", "checksum")
     src = np.full((n_pages, page) if needs_src else (0, page), 3, dtype=np.uint8)
     raw = socket.create_connection(("127.0.0.1", spec["raw_port"]))
     raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -144,8 +148,16 @@ def _client(spec: dict[str, Any]) -> dict[str, Any]:
     def memcpy() -> None:
         np.copyto(out.numpy(), src)
 
-    client = Client(spec["url"], same_host=case in ("fetch-local", "put-local"))
-    if case in ("fetch-local", "put-local") and not client.map_host(wait_s=300.0):
+    if case == "checksum":  # the verification's cost per byte, against a copy of the same
+        from kvbank.codec import checksum
+
+        def hash_pages() -> None:
+            for i in range(n_pages):
+                checksum(memoryview(src[i]))
+        return _turns(hash_pages, memcpy, reps, nbytes)
+    local = case in ("fetch-local", "put-local", "fetch-local-check")
+    client = Client(spec["url"], same_host=local)
+    if local and not client.map_host(wait_s=300.0):
         raise RuntimeError("bench client: the node's segment did not map (or populate) in time")
     lid = client.register(layout)
     pages = _pages(page) if case in ("put-remote", "put-local") else torch.empty((0, page), dtype=torch.uint8)
@@ -184,6 +196,17 @@ def _client(spec: dict[str, Any]) -> dict[str, Any]:
                 ours.append(t1 - t0)
                 base.append(t2 - t1)
         return {"ours": ours, "base": base}
+    if case == "fetch-local-check":
+        from unittest import mock
+
+        from kvbank.client import paths
+
+        def unchecked() -> None:  # the same path with the client's checksum check left out
+            with mock.patch.object(paths, "changed_copies", lambda *_, **__: set()):
+                fetch()
+        fetch()
+        unchecked()
+        return _turns(fetch, unchecked, reps, nbytes)
     fn, baseline = {
         "fetch-remote": (fetch, raw_fetch), "put-remote": (put, raw_put),
         "fetch-local": (fetch, memcpy), "put-local": (put, memcpy),
@@ -212,6 +235,20 @@ def _client(spec: dict[str, Any]) -> dict[str, Any]:
         ours.append(t1 - t0)
         base.append(t2 - t1)
     client.close()
+    return {"ours": ours, "base": base, "bytes": nbytes}
+
+
+def _turns(fn: Any, baseline: Any, reps: int, nbytes: int) -> dict[str, Any]:
+    """``fn`` and ``baseline`` timed in turns, ``reps`` times each."""
+    ours, base = [], []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        t1 = time.perf_counter()
+        baseline()
+        t2 = time.perf_counter()
+        ours.append(t1 - t0)
+        base.append(t2 - t1)
     return {"ours": ours, "base": base, "bytes": nbytes}
 
 
@@ -284,7 +321,9 @@ def run(quick: bool = False) -> Iterator[BenchRow]:
                     c.flush()
 
             for case, base in (("fetch-remote", "raw TCP socket"), ("put-remote", "raw TCP socket"),
-                               ("fetch-local", "memcpy"), ("put-local", "memcpy")):
+                               ("fetch-local", "memcpy"), ("put-local", "memcpy"),
+                               ("fetch-local-check", "fetch-local, client check off"),
+                               ("checksum", "memcpy")):
                 settle()
                 r = _one({**spec, "case": case, "seed": len(case)})
                 gb = r["bytes"] / 1e9

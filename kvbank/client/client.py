@@ -421,9 +421,11 @@ class Client(EngineCalls):
         return self._stream.fetch(req, views, out, deadline) if got is None else got
 
     def _ack(self, fetch_id: str, rows: list[int], lease_id: str | None,
-             stream: str | None = None) -> FetchResult:
-        doc = self._call("POST", f"/v1/fetch/{fetch_id}/ack",
-                         body={"rows": rows, "lease_id": lease_id, "stream": stream}, idempotent=True)
+             stream: str | None = None, changed: list[int] | None = None) -> FetchResult:
+        body: dict[str, Any] = {"rows": rows, "lease_id": lease_id, "stream": stream}
+        if changed:
+            body["changed"] = changed
+        doc = self._call("POST", f"/v1/fetch/{fetch_id}/ack", body=body, idempotent=True)
         return wire.from_dict(FetchResult, doc)
 
     # ---- leases ----------------------------------------------------------------------

@@ -39,7 +39,15 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 from kvbank.buffers import OutBuffers, fetched, out_views
 from kvbank.client.dataport import DataLink, DataPortUnreachable
 from kvbank.client.http import raise_for
-from kvbank.client.io import Deadline, Slot, fetch_stream, lease_slots, merged_copies, send_put
+from kvbank.client.io import (
+    Deadline,
+    Slot,
+    changed_copies,
+    fetch_stream,
+    lease_slots,
+    merged_copies,
+    send_put,
+)
 from kvbank.client.shm import Borrower
 from kvbank.errors import Busy, InvalidInput, KvbankError, LeaseExpired, TierFull, TierUnavailable
 from kvbank.results import Fetched, FetchResult, Match
@@ -209,8 +217,12 @@ class SharedMemory(_Lent):
             c.release(lease["id"])
             raise TierUnavailable(f"node: a fetch answer of an unexpected shape: {exc!r}") from exc
         got = self._copy(lease, bufs, into_slots=False, jobs=lambda ss: merged_copies(ss, rows, out))
+        bad = changed_copies(lease, bufs, hasher=self.borrower(writable=False).checksums)
+        if bad:  # a miss, never wrong bytes; the node checks these rows and drops them
+            got = [i for i in got if i not in bad]
         # the node counts these rows only if the lease outlived the copies
-        return c._ack(fid, [rows[i][0] for i in got], lease["id"])
+        return c._ack(fid, [rows[i][0] for i in got], lease["id"],
+                      changed=[rows[i][0] for i in sorted(bad)])
 
     def _copy(self, lease: Doc, bufs: Sequence[memoryview], *, into_slots: bool,
               jobs: Callable[[list[tuple[int, Slot]]], list[Slot]] | None = None) -> list[int]:
@@ -364,8 +376,12 @@ class DataPort(_Lent):
             except (KeyError, IndexError, TypeError, ValueError) as exc:
                 c.release(lease["id"])
                 raise TierUnavailable(f"node: a fetch answer of an unexpected shape: {exc!r}") from exc
-            # the node counts these rows only if the lease outlived the transfer
-            result = c._ack(fid, [rows[i][0] for i, _ in slots[:got]], lease["id"])
+            arrived = [i for i, _ in slots[:got]]
+            bad = changed_copies(lease, bufs, set(arrived))
+            # the node counts these rows only if the lease outlived the transfer; a row
+            # whose bytes fail their checksum is a miss, never wrong bytes
+            result = c._ack(fid, [rows[i][0] for i in arrived if i not in bad], lease["id"],
+                            changed=[rows[i][0] for i in sorted(bad)])
             if err is None or result.complete or time.monotonic() >= retry_end:
                 return result
             time.sleep(0.01)

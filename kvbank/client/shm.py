@@ -41,6 +41,7 @@ from types import TracebackType
 
 import numpy as np
 
+from kvbank.codec.frame import checksum
 from kvbank.codec.planes import copy_bytes
 from kvbank.errors import InvalidInput, LeaseExpired
 from kvbank.lender.base import HostLocation, Lease, MemoryKind
@@ -226,6 +227,19 @@ class Borrower:
         else:
             _copy_all(jobs)
         del jobs  # no array may keep the mapping exported
+
+    def checksums(self, bufs: Sequence[memoryview]) -> list[int]:
+        """The checksum (xxh3-64) of each buffer, as the node records a row's: a batch of
+        ``LANE_MIN_BYTES`` or more is hashed on both lanes (xxhash frees the GIL)."""
+        if len(bufs) < 2 or sum(len(b) for b in bufs) < LANE_MIN_BYTES:
+            return [checksum(b) for b in bufs]
+        half = len(bufs) // 2
+        lane = self._lanes().submit(lambda: [checksum(b) for b in bufs[half:]])
+        try:
+            first = [checksum(b) for b in bufs[:half]]
+        finally:
+            second = lane.result()
+        return first + second
 
     def _lanes(self) -> ThreadPoolExecutor:
         if self._pool is None:

@@ -48,6 +48,7 @@ from kvbank.codec.frame import (
     MAX_RAW_LEN,
     FrameHeader,
     Method,
+    checksum,
 )
 from kvbank.dtypes import DTYPE_CODES
 
@@ -62,6 +63,7 @@ __all__ = [
     "FrameHeader",
     "Method",
     "check_raw",
+    "checksum",
     "decode",
     "decode_into",
     "encode",

@@ -33,7 +33,6 @@ import threading
 
 import numpy as np
 import numpy.typing as npt
-import xxhash
 
 from kvbank.codec import entropy
 from kvbank.codec.choice import SWAP_DTYPES, choose, plane_policy, sample_entropies, zstd_level
@@ -47,6 +46,7 @@ from kvbank.codec.frame import (
     parse_fast,
     parse_header,
 )
+from kvbank.codec.frame import checksum as page_checksum
 from kvbank.codec.planes import as_u8, merge_planes, merge_unchecked, split_planes
 from kvbank.dtypes import DTYPE_ITEMSIZE
 from kvbank.errors import CorruptPage, InvalidInput
@@ -150,7 +150,7 @@ def encode_into(
             f"out: needs max_frame_size({raw.size}) = {max_frame_size(raw.size)} bytes, "
             f"has {dst.size}"
         )
-    checksum = xxhash.xxh3_64_intdigest(raw.data)
+    checksum = page_checksum(raw.data)
     payload = dst[HEADER_SIZE:]
     method = choose(dtype, raw.size, level)
     size: int | None = None
@@ -263,7 +263,7 @@ def check_raw(head: BytesLike, frame_len: int, payload: BytesLike) -> int:
     data = as_u8(payload, "payload")
     if data.size < header.raw_len:
         raise InvalidInput(f"payload: the frame holds {header.raw_len} bytes, got {data.size}")
-    got = xxhash.xxh3_64_intdigest(data[: header.raw_len].data)
+    got = page_checksum(data[: header.raw_len].data)
     if got != header.checksum:
         raise CorruptPage(
             f"checksum: xxh3-64 of the payload is {got:#018x}, header says {header.checksum:#018x}"
@@ -314,7 +314,7 @@ def decode_into(frame: BytesLike, out: memoryview | bytearray) -> int:
         planes = _scratch.get("planes", raw_len)
         entropy.decompress_into(view[HEADER_SIZE:], planes, "payload")
         merge_planes(planes.reshape(k, -1), dst)
-    got = xxhash.xxh3_64_intdigest(dst.data)
+    got = page_checksum(dst.data)
     if got != checksum:
         raise CorruptPage(
             f"checksum: xxh3-64 of the decoded bytes is {got:#018x}, header says {checksum:#018x}"

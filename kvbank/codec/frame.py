@@ -83,6 +83,12 @@ _VALID_KINDS = frozenset(
 )
 
 
+def checksum(data: bytes | bytearray | memoryview) -> int:
+    """The checksum of a page's raw bytes: xxh3-64, seed 0. The one definition: a frame
+    header carries it, and a memory tier's committed row is verified against it."""
+    return xxhash.xxh3_64_intdigest(data)
+
+
 def header_check(head: bytes | bytearray | memoryview) -> int:
     """The 32-bit check over the first 32 header bytes: low half of their xxh3-64."""
     return xxhash.xxh3_64_intdigest(head) & 0xFFFFFFFF

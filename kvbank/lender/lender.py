@@ -51,6 +51,7 @@ why the completion check exists.
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import logging
 import os
@@ -59,16 +60,24 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 from kvbank import checks
 from kvbank.config import BankConfig
-from kvbank.errors import InvalidInput, LeaseExpired, LeaseNotFound, TierUnavailable
+from kvbank.errors import (
+    CorruptPage,
+    InvalidInput,
+    LeaseExpired,
+    LeaseNotFound,
+    TierError,
+    TierUnavailable,
+)
 from kvbank.keys import ROW_NAME_BYTES, shape_key
 from kvbank.lender import reads, writes
 from kvbank.lender.base import (
     CommitResult,
     Delivery,
+    HostLocation,
     Lease,
     LeaseMode,
     LeaseRow,
@@ -108,6 +117,7 @@ class _Held:
     locked: tuple[bytes, ...]  # READ: rows locked in the store under this lease's id
     slots: dict[bytes, Slot] = field(default_factory=dict)  # READ staged / WRITE reserved
     parents: dict[bytes, bytes | None] = field(default_factory=dict)  # WRITE: chain parents
+    changed: set[bytes] = field(default_factory=set)  # READ: rows that failed their checksum
 
 
 class Lender:
@@ -437,12 +447,39 @@ class Lender:
     def view(self, lease_id: str, name: bytes) -> memoryview:
         """The row's host bytes in place (READ: read them; WRITE: fill them).
 
-        Valid only while the lease lives; call :meth:`check_live` after reading.
+        Valid only while the lease lives; call :meth:`check_live` after reading. A READ
+        row is verified first: bytes that no longer match the row's checksum raise
+        :class:`CorruptPage` (the row is a miss; its host copy is dropped when the lease
+        ends).
         """
-        _, slot = self._slot(lease_id, name)
+        lease, slot = self._slot(lease_id, name)
         if not isinstance(slot, HostSlot):
             raise InvalidInput(f"lease_id: {lease_id} is a DEVICE lease; use device_view")
-        return self._store.host.view(slot)
+        view = self._store.host.view(slot)
+        if lease.mode is LeaseMode.READ and not self._store.host.verify(name, view):
+            view.release()
+            self._changed(lease_id, name)
+        return view
+
+    def _changed(self, lease_id: str, name: bytes) -> NoReturn:
+        """Note a READ row whose bytes failed their checksum (dropped at the lease's end)."""
+        with self._lock:
+            held = self._held.get(lease_id)
+            if held is not None:
+                held.changed.add(name)
+        raise CorruptPage(f"row {name.hex()[:16]}…: its host bytes changed since commit "
+                          "(checksum); not served, and dropped")
+
+    def checksums(self, lease_id: str) -> dict[bytes, int]:
+        """The checksum of each row of a READ HOST lease (a row with none recorded is
+        left out): what a reader that copies the rows verifies its copies against."""
+        with self._lock:
+            lease = self._live(lease_id, self._clock(), end=False).lease
+        names = [r.name for r in lease.rows if isinstance(r.location, HostLocation)]
+        if lease.mode is not LeaseMode.READ or not names:
+            return {}
+        sums = self._store.host.checksums(names)
+        return {n: v for n, v in zip(names, sums, strict=True) if v is not None}
 
     def device_view(self, lease_id: str, name: bytes) -> torch.Tensor:
         """The row's device bytes in place (a uint8 tensor)."""
@@ -463,8 +500,11 @@ class Lender:
     def read_into(self, lease_id: str, name: bytes, out: memoryview | bytearray) -> int:
         """Copy a leased row into ``out``; the byte count, valid only because the lease was
         still live when the copy completed (else :class:`LeaseExpired`)."""
-        _, slot = self._slot(lease_id, name)
+        lease, slot = self._slot(lease_id, name)
         size = reads.copy_out(self._store, slot, name, out)
+        if (lease.mode is LeaseMode.READ and isinstance(slot, HostSlot)
+                and not self._store.host.verify(name, memoryview(out).cast("B")[:size])):
+            self._changed(lease_id, name)
         self.check_live(lease_id)
         return size
 
@@ -512,6 +552,9 @@ class Lender:
         """End a lease: out of the tables, its locks and slots back to the store."""
         held = self._detach_locked(lease_id, why)
         self._release_store(lease_id, bool(held.locked), held.lease.mode, held.slots)
+        if held.changed:  # unlocked now: drop the host copies that still fail
+            with contextlib.suppress(TierError):  # closing: the rows go with the store
+                self._store.host.quarantine(sorted(held.changed))
 
     def _detach_locked(self, lease_id: str, why: str) -> _Held:
         """Take a lease out of the lender's tables (caller holds the lender lock)."""

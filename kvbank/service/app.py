@@ -177,6 +177,9 @@ class AckBody(_Body):
     rows: list[int] = Field(description="plan positions of the rows that arrived whole")
     lease_id: str | None = Field(None, description="the READ lease a same-host fetch read through")
     stream: str | None = Field(None, description="the stream (its header's id) the rows came in")
+    changed: list[int] = Field(default_factory=list, description=(
+        "plan positions of lent rows whose copies failed their checksum (the lease answer's "
+        "sums): not counted; the node checks them and drops the host copies that fail"))
 
 
 class LendBody(_Body):
@@ -403,7 +406,10 @@ def create_app(node: Node) -> FastAPI:
             if body.prompt is not None:
                 doc["match"] = wire.to_dict(m)
             if lease is not None:
-                doc["lease"] = slots_doc(lease, opened.names, Delivery.READY, bank.clock())
+                # the client verifies what it copied (same host) or received (data port)
+                # against the rows' checksums; the data port's sends are verified here too
+                sums = await node.call(bank.checksums, lease.id)
+                doc["lease"] = slots_doc(lease, opened.names, Delivery.READY, bank.clock(), sums)
             if plane is not None:
                 doc["ticket"] = None if lease is None else plane.issue(
                     Op.FETCH, lease, slot_names(doc["lease"], opened.names))
@@ -420,7 +426,8 @@ def create_app(node: Node) -> FastAPI:
 
     async def ack_core(request: Request, body: AckBody, fetch_id: str) -> Response:
         guard.fetch(request, fetch_id)
-        result = await node.call(node.acknowledge, fetch_id, body.rows, body.lease_id, body.stream)
+        result = await node.call(node.acknowledge, fetch_id, body.rows, body.lease_id, body.stream,
+                                 body.changed)
         # Bytes served count once, on every path, as the page bytes of the rows the client
         # acknowledged whole (a stream's padding for a missing row is not served bytes).
         if metrics is not None and body.lease_id is not None:

@@ -167,6 +167,11 @@ def install_engine(app: FastAPI, node: Node, admin: Any, json: Any) -> None:
         planned = {(g, j) for g, j, _ in plan.rows}
         arrived = {(g, j) for g, j in body.arrived if (g, j) in planned}
         try:
+            # The engine read the rows in place, straight into its pool: verified here,
+            # after its reads, so that bytes changed in the segment since commit are a miss.
+            names = {(g, j): n for g, j, n in plan.rows}
+            kept = set(await node.call(node.unchanged, body.lease_id, [names[a] for a in arrived]))
+            arrived = {a for a in arrived if names[a] in kept}
             live = await node.call(bank.release, body.lease_id)
         except LeaseError:
             live = False

@@ -39,7 +39,7 @@ import os
 import secrets
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -51,7 +51,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from kvbank import fastrows as columns
 from kvbank._version import __version__
 from kvbank.bank.bank import Bank
-from kvbank.errors import Busy, InvalidInput, KvbankError
+from kvbank.errors import Busy, CorruptPage, InvalidInput, KvbankError
 from kvbank.lender.base import Delivery, HostLocation, Lease, LeaseMode, MemoryKind
 from kvbank.lender.ledger import FetchLedger, PlannedRow
 from kvbank.results import FetchResult, Match
@@ -81,12 +81,15 @@ def host_identity() -> dict[str, Any]:
     return {"boot_id": boot_id, "shm_dir": str(SHM_DIR), "uid": os.getuid()}
 
 
-def slots_doc(lease: Lease, names: list[bytes], delivery: Delivery, now: float) -> dict[str, Any]:
+def slots_doc(lease: Lease, names: list[bytes], delivery: Delivery, now: float,
+              checksums: dict[bytes, int] | None = None) -> dict[str, Any]:
     """A HOST lease in the form a same-host client copies by: its id, the seconds it has
     left at ``now`` (on the bank's clock), the segments, and ``slots`` — for each entry
     ``i`` of ``names`` whose row has ``delivery`` (READY to read, RESERVED to fill)
     ``[i, segment index, offset, size]``. A 64-row lease's full wire form lists every
-    row's buffer regions, which neither side needs to copy."""
+    row's buffer regions, which neither side needs to copy. With ``checksums`` (a READ
+    lease's), ``sums`` holds each slot's checksum (16 hex digits of the xxh3-64, or null
+    where none is recorded): the client verifies its copy of each row against it."""
     segments: dict[str, int] = {}
     slots: list[list[int]] = []
     for i, name in enumerate(names):
@@ -98,8 +101,12 @@ def slots_doc(lease: Lease, names: list[bytes], delivery: Delivery, now: float) 
         if row.delivery is delivery and isinstance(loc, HostLocation):
             seg = segments.setdefault(loc.segment, len(segments))
             slots.append([i, seg, loc.offset, loc.size])
-    return {"id": lease.id, "ttl_s": lease.expires_at - now, "segments": list(segments),
-            "slots": slots}
+    doc = {"id": lease.id, "ttl_s": lease.expires_at - now, "segments": list(segments),
+           "slots": slots}
+    if checksums is not None:
+        doc["sums"] = [None if (v := checksums.get(names[s[0]])) is None else f"{v:016x}"
+                       for s in slots]
+    return doc
 
 
 @dataclass(frozen=True, slots=True)
@@ -350,22 +357,39 @@ class Node:
         for lease_id, names in held:
             try:
                 self.bank.check_live(lease_id)
-                ok.update(names)
+                # Verified again after the send: bytes changed while they were on the
+                # wire do not count (nor do the rows stay: dropped at the lease's end).
+                ok.update(self.unchanged(lease_id, names))
             except KvbankError:
                 pass  # expired: what it sent may be another row's bytes by now
             finally:
                 self.bank.release(lease_id)
         return ok
 
+    def unchanged(self, lease_id: str, names: Iterable[bytes]) -> list[bytes]:
+        """The rows of a READ lease whose host bytes still match their checksums (the
+        lender notes the others, and drops their host copies when the lease ends)."""
+        out: list[bytes] = []
+        for name in names:
+            try:
+                self.bank.view(lease_id, name).release()  # the view is verified
+            except CorruptPage:
+                continue
+            out.append(name)
+        return out
+
     def acknowledge(self, fetch_id: str, positions: list[int], lease_id: str | None,
-                    stream: str | None = None) -> FetchResult:
+                    stream: str | None = None, changed: Sequence[int] = ()) -> FetchResult:
         """Record the acknowledged rows that were verified; the fetch's result so far.
 
         With ``stream`` the rows came in that stream: they count if it sent them under a
         lease still live now, or from private copies; its leases are released. With
         ``lease_id`` (the same-host path) the rows were read in place by the client: they
         count only if that lease is still live now (the completion check), and the lease
-        is released either way. With neither, no row counts.
+        is released either way; ``changed`` names lent rows whose copies failed the
+        client's checksum check: the node checks them itself, and drops the host copies
+        that fail (a client cannot make the node drop a row whose bytes are right).
+        With neither, no row counts.
         """
         plan = self.ledger.plan(fetch_id)
         with self._lock:
@@ -384,6 +408,9 @@ class Node:
             if ready is None:
                 raise InvalidInput(f"lease_id: {lease_id} was not lent for fetch {fetch_id}")
             try:
+                suspect = [plan[p].name for p in changed
+                           if isinstance(p, int) and 0 <= p < len(plan)]
+                self.unchanged(lease_id, [n for n in suspect if n in ready])
                 self.bank.check_live(lease_id)
                 good = [n for n in acked if n in ready]
             finally:

@@ -20,11 +20,15 @@ Lifecycle::
 
 The socket is bound before the bank opens so that a taken port fails at once, and the
 ready line is printed only once uvicorn accepts: a script may start the node and wait for
-that line.
+that line. Before anything opens, the process makes itself non-dumpable
+(:func:`forbid_dumps`): another process of the same uid (a tenant's worker) can then
+neither open its ``/proc/<pid>/fd`` entries (the host segment's descriptor among them),
+nor read or write its memory through ``/proc/<pid>/mem``, nor attach a debugger.
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import socket
 import sys
@@ -56,6 +60,30 @@ STOP_NOTICE_S = 1.0  # a stop longer than this says what it waits for
 STOP_REPEAT_S = 5.0  # and says it again this often while the wait lasts
 
 
+PR_SET_DUMPABLE = 4  # <linux/prctl.h>
+PR_GET_DUMPABLE = 3
+
+
+def forbid_dumps() -> bool:
+    """``prctl(PR_SET_DUMPABLE, 0)``: no core dumps, and ``/proc/<pid>/`` (fd, mem,
+    environ, maps) and ``ptrace`` become root's only, so another process of this uid
+    reaches none of this process's descriptors or memory. Whether it took effect (False
+    off Linux or where libc has no prctl: the node then runs as before, and says so)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return False
+    prctl.argtypes = (ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong)
+    prctl.restype = ctypes.c_int
+    if prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) != 0:
+        logger.warning("kvbank serve: prctl(PR_SET_DUMPABLE, 0) failed (errno %d): processes "
+                       "of this uid can open its /proc entries", ctypes.get_errno())
+        return False
+    return int(prctl(PR_GET_DUMPABLE, 0, 0, 0, 0)) == 0
+
+
 def _size(n: int) -> str:
     for unit, shift in (("TiB", 40), ("GiB", 30), ("MiB", 20), ("KiB", 10)):
         if n >= 1 << shift:
@@ -71,6 +99,9 @@ def _bind(config: ServiceConfig) -> socket.socket:
 
 def serve(config: ServiceConfig, *, out: TextIO = sys.stdout) -> int:
     """Run the node until SIGTERM/SIGINT; 0 after a clean shutdown."""
+    if not forbid_dumps():
+        logger.warning("kvbank serve: this process stays dumpable: a process of its uid can "
+                       "read its memory and descriptors (docs/admin.md, trust model)")
     sock = _bind(config)
     port = sock.getsockname()[1]
     config = config.replace(port=port)

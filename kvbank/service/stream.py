@@ -34,6 +34,7 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from kvbank.errors import (
+    CorruptPage,
     InvalidInput,
     KvbankError,
     LeaseConflict,
@@ -382,4 +383,19 @@ def _private_copies(node: Node, fetch: OpenFetch, idx: list[int]) -> dict[bytes,
 
 
 def _read_views(node: Node, lease: Lease) -> dict[bytes, memoryview]:
-    return {r.name: node.bank.view(lease.id, r.name) for r in lease.rows if r.delivery is Delivery.READY}
+    """The lease's ready rows in place, each verified against its checksum first: a row
+    whose bytes changed since commit is left out (streamed as MISSING; the lender drops
+    its host copy when the lease ends)."""
+    out: dict[bytes, memoryview] = {}
+    try:
+        for r in lease.rows:
+            if r.delivery is Delivery.READY:
+                try:
+                    out[r.name] = node.bank.view(lease.id, r.name)
+                except CorruptPage:
+                    continue
+    except BaseException:
+        for v in out.values():
+            v.release()
+        raise
+    return out

@@ -1,4 +1,4 @@
-"""The store's row index: one dict entry plus ~24 bytes of parallel arrays per row.
+"""The store's row index: one dict entry plus ~32 bytes of parallel arrays per row.
 
 A Python object per row (a dataclass, even a tuple) costs 60-100 bytes on top of the dict
 entry, which would put a million-row index well past 200 bytes a row. Instead each row
@@ -16,7 +16,9 @@ dtype      uint8    code into :attr:`RowIndex.dtypes` (the codec needs it on dem
 parent     int32    id of the previous page of the chain, -1 for none
 atime      uint32   logical clock of the last put/get; also the row's version stamp.
                     Before it wraps, stamps are renumbered by rank (order kept)
-flags      uint8    MOVING: a demotion job holds the row
+flags      uint8    MOVING: a demotion job holds the row; SUMMED: ``checksum`` is set
+checksum   uint64   xxh3-64 of the row's bytes (:func:`kvbank.codec.checksum`), taken when
+                    a memory copy was committed: a memory read is verified against it
 freq       uint8    uses of the row's name (puts and reads), saturating at 255, counted
                     from the :class:`ReuseHistory` at add: a row evicted and put again
                     remembers that it was used before
@@ -67,6 +69,7 @@ def tier_bit(kind: TierKind) -> int:
 DEV, HOST, DISK = (tier_bit(k) for k in (TierKind.DEVICE, TierKind.HOST, TierKind.DISK))
 KIND_OF_BIT = {tier_bit(k): k for k in TierKind}
 MOVING = 1  # bit in `flags`
+SUMMED = 2  # bit in `flags`: `checksum` holds the row's checksum
 OFF_SHIFT = 6  # memory slot offsets are multiples of 64 (slots.SMALL_ALIGN)
 _MIN_CAP = 1024
 _CLOCK_MAX = 2**32 - 2
@@ -261,6 +264,7 @@ class RowIndex:
         self.atime = np.zeros(cap, np.uint32)
         self.flags = np.zeros(cap, np.uint8)
         self.freq = np.zeros(cap, np.uint8)
+        self.checksum = np.zeros(cap, np.uint64)
         self.history = ReuseHistory()
         self._mark_c: list[int] = []  # stamps of the clock marks, increasing
         self._mark_t: list[float] = []  # when each was issued
@@ -393,6 +397,18 @@ class RowIndex:
     def set_off(self, rid: int, offset: int) -> None:
         self.off[rid] = offset if self.wide else offset >> OFF_SHIFT
 
+    def set_checksum(self, rid: int, value: int | None) -> None:
+        """Record the row's checksum (None: forget it; the next memory copy sets it)."""
+        if value is None:
+            self.flags[rid] = int(self.flags[rid]) & ~SUMMED
+            return
+        self.checksum[rid] = value
+        self.flags[rid] = int(self.flags[rid]) | SUMMED
+
+    def get_checksum(self, rid: int) -> int | None:
+        """The row's checksum, None when no memory copy recorded one."""
+        return int(self.checksum[rid]) if int(self.flags[rid]) & SUMMED else None
+
     def parent_name(self, rid: int) -> bytes | None:
         p = int(self.parent[rid])
         return self.names[p] if p >= 0 else None
@@ -436,4 +452,4 @@ class RowIndex:
         return max(0.0, self._now() - since)
 
 
-_ARRAYS = ("size", "where", "off", "dtype", "parent", "atime", "flags", "freq")
+_ARRAYS = ("size", "where", "off", "dtype", "parent", "atime", "flags", "freq", "checksum")

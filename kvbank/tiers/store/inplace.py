@@ -13,7 +13,15 @@ same plan → copy → publish rules:
 - ``stage(name)`` / ``stage_many(names)`` — bring rows into this kind of memory and
   answer their slots (the caller locks them first so that they stay);
 - ``view(slot)`` — the owner-side bytes of a slot (a memoryview for host, a uint8 tensor
-  for device); ``segment`` — the whole host segment as one location.
+  for device); ``segment`` — the whole host segment as one location;
+- host only: ``checksums(names)`` — the checksum each row's host copy was committed with
+  (what a reader verifies its copy against); ``verify(name, view)`` — whether bytes read
+  from a row's host slot still match it; ``quarantine(names)`` — drop the host copies whose
+  bytes no longer match (another process of the segment's uid wrote them).
+
+A commit takes the checksum of a host slot's bytes before it claims the slot (no lock
+held); a device commit records none (device memory is not mapped by other processes;
+the row gets one when its bytes reach a host slot).
 
 Every call on a kind whose tier is off raises ``TierUnavailable``.
 """
@@ -21,12 +29,14 @@ Every call on a kind whose tier is off raises ``TierUnavailable``.
 from __future__ import annotations
 
 import abc
+import logging
 from collections.abc import Sequence
 from typing import Generic, TypeVar
 
 import torch
 
 from kvbank import checks
+from kvbank.codec import checksum
 from kvbank.config import WritePolicy
 from kvbank.errors import InvalidInput
 from kvbank.tiers.base import DeviceSlot, HostSlot, check_name, check_names
@@ -37,10 +47,13 @@ from kvbank.tiers.store import staging
 from kvbank.tiers.store.copier import Lanes
 from kvbank.tiers.store.mover import Mover
 from kvbank.tiers.store.placement import alloc_for_stage
+from kvbank.tiers.store.reads import quarantine_host
 from kvbank.tiers.store.state import MAX_PAGE, StoreState, deadline_after
 from kvbank.tiers.store.writes import Claimed, commit_locked, commit_through, publish
 
 SlotT = TypeVar("SlotT", HostSlot, DeviceSlot)
+
+logger = logging.getLogger("kvbank.tiers.store.store")
 
 
 class MemoryOps(Generic[SlotT], abc.ABC):
@@ -111,6 +124,10 @@ class MemoryOps(Generic[SlotT], abc.ABC):
     def _source(self, off: int, size: int) -> memoryview:
         """Implemented per memory kind."""
 
+    def _checksum(self, slot: SlotT) -> int | None:
+        """The checksum of a reserved slot's bytes (None: this kind records none)."""
+        return None
+
     def _claim_locked(self, name: bytes, slot: SlotT, dtype: str) -> tuple[int, str, int, int]:
         """Take a reserved slot out of its reservation to publish it as ``name``: its
         offset, holder, size and dtype code. A refusal here keeps the reservation."""
@@ -128,6 +145,7 @@ class MemoryOps(Generic[SlotT], abc.ABC):
             check_name(parent)
         st, bit = self._st, self.bit
         st.pool(bit, "commit")
+        sum_ = self._checksum(slot)
         with st.lock:
             st.check_open()
             off, holder, size, code = self._claim_locked(name, slot, dtype)
@@ -135,7 +153,7 @@ class MemoryOps(Generic[SlotT], abc.ABC):
         src = self._source(off, size)
         try:
             publish(st, self._mover, name, size, code, parent, bit, off, src, holder=holder,
-                    reserve=(holder, size))
+                    reserve=(holder, size), sum_=sum_)
         finally:
             src.release()
             with st.lock:
@@ -155,13 +173,14 @@ class MemoryOps(Generic[SlotT], abc.ABC):
         st, bit = self._st, self.bit
         st.pool(bit, "commit")
         through = st.config.write_policy is WritePolicy.WRITE_THROUGH and st.has_disk
+        sums = [self._checksum(slot) for _, slot, _, _ in rows]  # before the claims: no lock
         claimed: list[Claimed] = []
         with st.lock:
             st.check_open()
             try:
-                for name, slot, dtype, parent in rows:
+                for (name, slot, dtype, parent), sum_ in zip(rows, sums, strict=True):
                     off, holder, size, code = self._claim_locked(name, slot, dtype)
-                    claimed.append(Claimed(name, bit, off, size, code, parent, holder))
+                    claimed.append(Claimed(name, bit, off, size, code, parent, holder, checksum=sum_))
             except BaseException:
                 for c in claimed:  # a refusal keeps every reservation
                     st.res.reserved[(bit, c.off)] = (c.holder, c.size)
@@ -169,7 +188,7 @@ class MemoryOps(Generic[SlotT], abc.ABC):
             if not through:
                 for c in claimed:  # checked above, under this same hold: no refusal
                     commit_locked(st, c.name, c.size, c.code, c.parent, bit, c.off, c.holder,
-                                  on_disk=False, reserve=(c.holder, c.size))
+                                  on_disk=False, reserve=(c.holder, c.size), checksum=c.checksum)
                     published.append(c.name)
                 return
             for c in claimed:
@@ -238,6 +257,53 @@ class HostOps(MemoryOps[HostSlot]):
 
     def _source(self, off: int, size: int) -> memoryview:
         return self._pool().view(off, size)
+
+    def _checksum(self, slot: HostSlot) -> int | None:
+        view = self.view(slot)  # refused unless it is a slot of this segment
+        try:
+            return checksum(view)
+        finally:
+            view.release()
+
+    def checksums(self, names: Sequence[bytes]) -> list[int | None]:
+        """The checksum each row's host copy was committed with (None: the row has no
+        host copy, or none was recorded)."""
+        st = self._st
+        with st.lock:
+            ix = st.ix
+            out: list[int | None] = []
+            for name in names:
+                rid = ix.ids.get(name)
+                out.append(None if rid is None or not int(ix.where[rid]) & HOST
+                           else ix.get_checksum(rid))
+            return out
+
+    def verify(self, name: bytes, view: memoryview) -> bool:
+        """Whether ``view`` (bytes just read from row ``name``'s host slot) matches the
+        checksum the row was committed with. A row with none recorded (its bytes came
+        from a device commit) records this one: it is verified from then on."""
+        got = checksum(view)
+        st = self._st
+        with st.lock:
+            rid = st.ix.ids.get(name)
+            if rid is None:
+                return True  # gone meanwhile: nothing to compare with, the lease decides
+            want = st.ix.get_checksum(rid)
+            if want is None:
+                st.ix.set_checksum(rid, got)
+                return True
+        if got != want:
+            logger.warning("store: row %s…: host bytes changed since commit (xxh3 %#018x, "
+                           "committed %#018x)", name.hex()[:16], got, want)
+        return got == want
+
+    def quarantine(self, names: Sequence[bytes]) -> list[bytes]:
+        """Check the host copies of ``names`` against their checksums and drop those that
+        no longer match and no lease or pin holds (the next read is a miss, or reads the
+        disk copy, whose frame has its own checksum); the names dropped. A row held now
+        is checked again at its next read."""
+        self._pool()
+        return quarantine_host(self._st, names)
 
     def stage_many(self, names: Sequence[bytes], *,
                    timeout_s: float | None = None) -> list[HostSlot | None]:

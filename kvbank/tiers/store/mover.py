@@ -29,12 +29,14 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvbank.codec import frame_info
+from kvbank.codec import checksum, frame_info
+from kvbank.codec.frame import parse_fast
 from kvbank.config import WritePolicy
 from kvbank.errors import Busy, CorruptPage, TierError
 from kvbank.tiers.base import FrameWrite
 from kvbank.tiers.index import DEV, DISK, HOST, MOVING
 from kvbank.tiers.store.placement import reclaim
+from kvbank.tiers.store.reads import quarantine_host
 from kvbank.tiers.store.state import StoreState
 from kvbank.tiers.store.types import Job, JobKind
 
@@ -310,12 +312,21 @@ class Mover:
         assert st.host is not None and st.device is not None  # queued only with both
         try:
             st.copier.between(st.host, job.dst_off, st.device, job.off, job.size, to_host=True)
+            view = st.host.view(job.dst_off, job.size)
+            try:
+                sum_ = checksum(view)  # the host copy's, recorded if the row has none yet
+            finally:
+                view.release()
         except BaseException:
             with st.lock:
                 self._end_move(job, written=False)
             raise
         with st.lock:
-            self._end_move(job, written=True)
+            ix = st.ix
+            want = ix.get_checksum(job.rid) if ix.ids.get(job.name) == job.rid else None
+            ok = want is None or want == sum_
+            if self._end_move(job, written=ok) and want is None:
+                ix.set_checksum(job.rid, sum_)
 
     def _finish_demotes(self, batch: list[tuple[Job, Future[bytes]]]) -> None:
         """Write encoded demotions whose rows are still the ones queued, in one
@@ -323,6 +334,7 @@ class Mover:
         st = self.st
         disk = st.disk()
         frames: list[tuple[Job, bytes]] = []
+        changed: list[bytes] = []
         failure: BaseException | None = None
         for job, encoded in batch:
             try:
@@ -339,6 +351,13 @@ class Mover:
                 for job, frame in frames:
                     if not self._still_queued(job):
                         self._end_move(job, written=False)
+                        continue
+                    want = ix.get_checksum(job.rid)
+                    if want is not None and parse_fast(frame)[3] != want:
+                        # Bytes changed since commit: never launder them into a frame
+                        # with a fresh checksum; the host copy is checked and dropped.
+                        self._end_move(job, written=False)
+                        changed.append(job.name)
                         continue
                     todo.append(job)
                     writes.append(FrameWrite(job.name, frame, job.size,
@@ -365,6 +384,8 @@ class Mover:
                             stale.append(job.name)  # overwritten or deleted while we wrote
                 if stale:
                     disk.delete_many(stale)
+        if changed:
+            quarantine_host(st, changed)
         if failure is not None:
             raise failure
 

@@ -5,6 +5,9 @@ with no lock held, settle under the lock. A disk read decodes straight from LMDB
 caller's buffer, then the bytes are copied into a free host slot (a clean copy) if there
 is room without waiting for the disk. A frame that fails its checks is dropped and the
 read is a miss; a row purged between lookup and read is a miss too (counters say so).
+A copy out of a host slot is verified against the row's checksum: bytes that changed
+since commit (another process of the segment's uid wrote them) are a miss, and the host
+copy is dropped (:func:`quarantine_host`).
 
 A batch (:func:`get_many_into`) plans every row under one lock, then copies and decodes
 on the copy lanes (each row as :func:`get_into` would), and settles under one lock.
@@ -16,6 +19,7 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kvbank.codec import checksum
 from kvbank.errors import CorruptPage, InvalidInput, TierError
 from kvbank.tiers.base import as_out_view, check_name
 from kvbank.tiers.index import DEV, DISK, HOST
@@ -60,12 +64,16 @@ def _get_local(st: StoreState, name: bytes, out: memoryview | bytearray) -> int 
             st.hits += 1
             off = st.res.mem_off(rid, bit)
             st.res.hold(bit, off)
+        want = ix.get_checksum(rid) if bit == HOST else None
     if bit != DISK:
         try:
             st.copier.read(st.pools[bit], off, size, dst)
         finally:
             with st.lock:
                 st.release(bit, off)
+        if want is not None and checksum(dst[:size]) != want:
+            quarantine_host(st, [name])
+            return None
         return size
     return _read_disk(st, name, rid, stamp, size, dst)
 
@@ -81,6 +89,7 @@ class _Read:
     bit: int
     off: int  # the held memory slot; -1 for a disk row
     dst: memoryview
+    checksum: int | None  # a host row's, to verify the copy against
 
 
 def get_many_into(st: StoreState, lanes: Lanes, names: Sequence[bytes],
@@ -118,7 +127,10 @@ def get_many_into(st: StoreState, lanes: Lanes, names: Sequence[bytes],
                 st.hits += 1
                 off = st.res.mem_off(rid, bit)
                 st.res.hold(bit, off)
-            plan.append(_Read(name, rid, stamp, size, bit, off, dst))
+            plan.append(_Read(name, rid, stamp, size, bit, off, dst,
+                              ix.get_checksum(rid) if bit == HOST else None))
+
+    changed: list[bytes] = []  # host rows whose copy failed its checksum
 
     def one(r: _Read | None) -> int | None:
         if r is None:
@@ -126,15 +138,21 @@ def get_many_into(st: StoreState, lanes: Lanes, names: Sequence[bytes],
         if r.bit == DISK:
             return _read_disk(st, r.name, r.rid, r.stamp, r.size, r.dst)
         st.copier.read(st.pools[r.bit], r.off, r.size, r.dst)
+        if r.checksum is not None and checksum(r.dst[: r.size]) != r.checksum:
+            changed.append(r.name)
+            return None
         return r.size
 
     try:
-        return lanes.map(one, plan)
+        got = lanes.map(one, plan)
     finally:
         with st.lock:
             for r in plan:
                 if r is not None and r.bit != DISK:
                     st.release(r.bit, r.off)
+    if changed:
+        quarantine_host(st, changed)
+    return got
 
 
 def _read_disk(st: StoreState, name: bytes, rid: int, stamp: int, size: int,
@@ -256,6 +274,7 @@ def _promote(st: StoreState, name: bytes, rid: int, stamp: int, size: int,
             if off is None:
                 return
         st.res.hold(HOST, off)
+    sum_ = checksum(src[:size])  # the bytes just decoded (and checked) in private memory
     try:
         st.copier.fill(host, off, src[:size])
     finally:
@@ -265,7 +284,62 @@ def _promote(st: StoreState, name: bytes, rid: int, stamp: int, size: int,
             if (ix.ids.get(name) == rid and int(ix.atime[rid]) == stamp
                     and int(ix.where[rid]) == DISK and not st.closed):
                 ix.set_off(rid, off)
+                ix.set_checksum(rid, sum_)
                 ix.where[rid] = DISK | HOST
                 st.counters[HOST].promoted(DISK, size)
             elif not st.closed:
                 host.free(off)
+
+
+def quarantine_host(st: StoreState, names: Sequence[bytes]) -> list[bytes]:
+    """Check the host copies of ``names`` against their checksums and drop those that no
+    longer match and no lease or pin holds; the names dropped (counted as the host
+    tier's ``corrupt``). Each slot is held while it is hashed, with no lock held."""
+    host = st.host
+    if host is None:
+        return []
+    plan: list[tuple[bytes, int, int, int, int]] = []  # name, rid, off, size, checksum
+    with st.lock:
+        if st.closed:
+            return []
+        ix, res = st.ix, st.res
+        for name in dict.fromkeys(names):
+            rid = ix.ids.get(name)
+            if rid is None or not int(ix.where[rid]) & HOST:
+                continue
+            want = ix.get_checksum(rid)
+            if want is None:
+                continue
+            off = res.mem_off(rid, HOST)
+            res.hold(HOST, off)
+            plan.append((name, rid, off, int(ix.size[rid]), want))
+    bad: list[tuple[bytes, int, int, int]] = []
+    dropped: list[bytes] = []
+    try:
+        for name, rid, off, size, want in plan:
+            view = host.view(off, size)
+            try:
+                if checksum(view) != want:
+                    bad.append((name, rid, off, want))
+            finally:
+                view.release()
+    finally:
+        with st.lock:
+            ix, res = st.ix, st.res
+            for _, _, off, _, _ in plan:
+                st.release(HOST, off)
+            for name, rid, off, want in bad:
+                if (ix.ids.get(name) != rid or not int(ix.where[rid]) & HOST
+                        or res.mem_off(rid, HOST) != off or ix.get_checksum(rid) != want
+                        or name in st.locks or name in st.pins):
+                    continue  # replaced, moved, or held: its next read checks it again
+                res.drop_copy(rid, HOST)
+                if not int(ix.where[rid]):
+                    res.forget_row(rid)
+                st.counters[HOST].corrupt += 1
+                dropped.append(name)
+                logger.warning("store: row %s…: host copy dropped, its bytes changed since "
+                               "commit", name.hex()[:16])
+            if dropped:
+                st.notify()
+    return dropped

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvbank.codec import checksum
 from kvbank.errors import CorruptPage, TierFull
 from kvbank.tiers.allocator import slot_class
 from kvbank.tiers.base import DeviceSlot, HostSlot, check_name, check_names
@@ -48,6 +49,7 @@ class Staging:
     held: bool = False  # src_off is held
     n: int | None = None  # bytes that arrived whole (None: the disk had no frame)
     corrupt: bool = False
+    checksum: int | None = None  # of the private slot's bytes once filled
     # Set when published: the row's LRU stamp and lock holders at that moment. A rollback
     # gives the copy back only if both are unchanged.
     published_at: int = -1
@@ -84,6 +86,7 @@ def stage(st: StoreState, name: bytes, bit: int, deadline: float) -> HostSlot | 
     if src < 0:
         return stage(st, name, bit, deadline)
     n: int | None = size
+    sum_: int | None = None
     try:
         if src == DISK:
             try:
@@ -97,6 +100,8 @@ def stage(st: StoreState, name: bytes, bit: int, deadline: float) -> HostSlot | 
             assert st.host is not None and st.device is not None
             host_off, dev_off = (off, src_off) if bit == HOST else (src_off, off)
             st.copier.between(st.host, host_off, st.device, dev_off, size, to_host=bit == HOST)
+        if bit == HOST and n == size:
+            sum_ = _slot_checksum(st, off, size)
     except BaseException:
         with st.lock:
             res.release(bit, off)
@@ -110,7 +115,7 @@ def stage(st: StoreState, name: bytes, bit: int, deadline: float) -> HostSlot | 
         if src == other:
             res.release(other, src_off)
             ok = bool(where & other) and not where & bit and res.mem_off(rid, other) == src_off
-            if ok and not st.closed:
+            if ok and not st.closed and _adopt_checksum(st, rid, sum_):
                 if bit == DEV:
                     res.host_copy[rid] = src_off
                     ix.set_off(rid, off)
@@ -120,7 +125,7 @@ def stage(st: StoreState, name: bytes, bit: int, deadline: float) -> HostSlot | 
                 st.counters[bit].promoted(other, size)
                 return pool.slot(off, size)
         elif (n == size and where == DISK and int(ix.atime[rid]) == stamp
-              and not st.closed):
+              and not st.closed and _adopt_checksum(st, rid, sum_)):
             ix.set_off(rid, off)
             ix.where[rid] = DISK | bit
             st.counters[bit].promoted(DISK, size)
@@ -273,6 +278,34 @@ def _fill(st: StoreState, pool: HostSlab, plan: list[Staging],
         wait(decodes)  # every decode is done with its slot before anyone frees it
     for f in decodes:
         f.result()  # raise the first failure
+    for s in plan:
+        if s.n == s.size:
+            s.checksum = _slot_checksum(st, s.off, s.size)
+
+
+def _slot_checksum(st: StoreState, off: int, size: int) -> int:
+    """The checksum of a private host slot just filled (no lock held)."""
+    assert st.host is not None  # staged into host only with a host tier
+    view = st.host.view(off, size)
+    try:
+        return checksum(view)
+    finally:
+        view.release()
+
+
+def _adopt_checksum(st: StoreState, rid: int, got: int | None) -> bool:
+    """Record a new host copy's checksum (store lock held); False when the row already
+    has one that differs (the copy's bytes are not the row's: it is not published)."""
+    if got is None:
+        return True
+    want = st.ix.get_checksum(rid)
+    if want is None:
+        st.ix.set_checksum(rid, got)
+        return True
+    if want != got:
+        logger.warning("store: row %s…: a host copy differs from its checksum; not used",
+                       (st.ix.names[rid] or b"").hex()[:16])
+    return want == got
 
 
 def _read_into_slot(st: StoreState, pool: HostSlab, s: Staging) -> None:
@@ -299,6 +332,9 @@ def _publish(st: StoreState, s: Staging) -> bool:
     rid = s.rid
     where = int(ix.where[rid])
     if where & HOST:
+        return False
+    if not _adopt_checksum(st, rid, s.checksum):
+        s.corrupt = True  # dropped (its disk copy, if that was the source), not retried
         return False
     if s.src == DEV:
         # The source slot was held: an overwrite or a move gives the row another one.

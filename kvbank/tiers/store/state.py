@@ -40,11 +40,12 @@ DISK_RETRY_S = 5.0  # after a failed disk write, memory tiers run host-only this
 
 
 class Counters:
-    __slots__ = ("admitted_bytes", "demoted_bytes", "demotions", "evictions", "hits", "misses",
+    __slots__ = ("admitted_bytes", "corrupt", "demoted_bytes", "demotions", "evictions", "hits", "misses",
                  "promoted_bytes", "promotions", "rejected_bytes", "victims_first", "victims_reused")
 
     def __init__(self) -> None:
         self.hits = self.misses = self.evictions = self.demotions = self.promotions = 0
+        self.corrupt = 0  # memory copies dropped: their bytes no longer matched their checksum
         # Rows the eviction rule took out of the tier (dropped or demoted), by reason: a
         # row never reused, or a reused one that aged out (its head start spent).
         self.victims_first = self.victims_reused = 0

@@ -8,6 +8,11 @@ mover's disk lock (lock order: disk lock → store lock → LMDB), and the row i
 writable again under the store lock before and after, so a lock taken meanwhile wins.
 On failure nothing changed, and the slot goes back (a commit's stays reserved).
 
+Every publish records the row's checksum (:func:`kvbank.codec.checksum` of the bytes
+published: the caller's for a put, the slot's for a commit, taken with no lock held) in
+the index: committed rows are immutable, and a memory read is verified against it
+(docs/reliability.md, "Checksums in memory").
+
 A batch (:func:`put_many`) plans every row under one lock, fills and encodes them on the
 copy lanes, and writes its disk frames in group commits of up to ``WRITE_CHUNK_BYTES``
 of pages each (one transaction, one fsync), the workers encoding the next chunk while one
@@ -23,6 +28,7 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kvbank.codec import checksum
 from kvbank.config import WritePolicy
 from kvbank.errors import InvalidInput, RowLocked, TierError, TierFull, TierUnavailable
 from kvbank.tiers.base import Buffer, FrameStore, FrameWrite, as_bytes_view, check_name
@@ -79,6 +85,7 @@ class _Row:
     off: int | None = None
     stored: bool = False
     settled: bool = False  # stored, or its slot already given back
+    checksum: int | None = None  # of src, taken on the copy lanes
 
 
 def put_many(st: StoreState, mover: Mover, lanes: Lanes,
@@ -110,7 +117,7 @@ def put_many(st: StoreState, mover: Mover, lanes: Lanes,
                 if r.off is not None:
                     st.res.hold(r.bit, r.off)
                 planned.append(r)
-        lanes.map(lambda r: _fill(st, r), planned)
+        lanes.map(lambda r: _fill(st, r), planned)  # and each row's checksum
         through = st.config.write_policy is WritePolicy.WRITE_THROUGH and st.has_disk
         mem = [r for r in planned if r.off is not None and not through]
         with st.lock:
@@ -130,6 +137,7 @@ def put_many(st: StoreState, mover: Mover, lanes: Lanes,
 
 
 def _fill(st: StoreState, r: _Row) -> None:
+    r.checksum = checksum(r.src)
     if r.off is not None:
         st.copier.fill(st.pools[r.bit], r.off, r.src)
 
@@ -139,7 +147,7 @@ def _commit_one(st: StoreState, r: _Row, code: int, *, on_disk: bool) -> None:
     leaves it unstored (``commit_locked`` gave its slot back)."""
     try:
         commit_locked(st, r.name, r.src.nbytes, code, r.parent, r.bit, r.off, None,
-                      on_disk=on_disk, reserve=None)
+                      on_disk=on_disk, reserve=None, checksum=r.checksum)
     except BaseException as exc:
         r.settled = True  # commit_locked gave the slot back
         if isinstance(exc, RowLocked):
@@ -246,6 +254,7 @@ class Claimed:
     parent: bytes | None
     holder: str
     src: memoryview | None = None  # the slot's bytes, set once claimed
+    checksum: int | None = None  # of the slot's bytes, taken before the claim
 
 
 def commit_through(st: StoreState, mover: Mover, lanes: Lanes, rows: Sequence[Claimed],
@@ -295,7 +304,7 @@ def _publish_through(st: StoreState, disk: FrameStore, rows: Sequence[Claimed],
         for r in rows:
             try:
                 commit_locked(st, r.name, r.size, r.code, r.parent, r.bit, r.off, r.holder,
-                              on_disk=True, reserve=(r.holder, r.size))
+                              on_disk=True, reserve=(r.holder, r.size), checksum=r.checksum)
             except BaseException as exc:  # commit_locked put the slot back
                 refused = refused or exc
                 rid = st.ix.ids.get(r.name)
@@ -312,14 +321,18 @@ def _publish_through(st: StoreState, disk: FrameStore, rows: Sequence[Claimed],
 
 def publish(st: StoreState, mover: Mover, name: bytes, size: int, code: int,
             parent: bytes | None, bit: int, off: int | None, src: memoryview, *,
-            holder: str | None, reserve: Reserve = None) -> None:
-    """Make a filled private slot (or a disk-only write, ``off is None``) the row."""
+            holder: str | None, reserve: Reserve = None, sum_: int | None = None) -> None:
+    """Make a filled private slot (or a disk-only write, ``off is None``) the row, with
+    ``sum_`` (default: the checksum of ``src``, when it holds the row's bytes: a device
+    commit under write-back passes none) as its checksum."""
+    if sum_ is None and src.nbytes == size:
+        sum_ = checksum(src)
     to_disk = off is None or (
         st.config.write_policy is WritePolicy.WRITE_THROUGH and st.has_disk)
     if not to_disk:
         with st.lock:
             commit_locked(st, name, size, code, parent, bit, off, holder, on_disk=False,
-                          reserve=reserve)
+                          reserve=reserve, checksum=sum_)
         return
     disk = st.disk()  # off is None only when there is a disk tier
     try:
@@ -339,7 +352,7 @@ def publish(st: StoreState, mover: Mover, name: bytes, size: int, code: int,
                 refused: BaseException | None = None
                 try:
                     commit_locked(st, name, size, code, parent, bit, off, holder,
-                                  on_disk=True, reserve=reserve)
+                                  on_disk=True, reserve=reserve, checksum=sum_)
                 except BaseException as exc:
                     # Refused after the write (locked or closed meanwhile): a frame the
                     # index does not hold must not outlive this call.
@@ -362,7 +375,7 @@ def publish(st: StoreState, mover: Mover, name: bytes, size: int, code: int,
 
 def commit_locked(st: StoreState, name: bytes, size: int, code: int, parent: bytes | None,
                   bit: int, off: int | None, holder: str | None, *, on_disk: bool,
-                  reserve: Reserve) -> None:
+                  reserve: Reserve, checksum: int | None = None) -> None:
     ix, res = st.ix, st.res
     try:
         st.check_open()
@@ -391,6 +404,7 @@ def commit_locked(st: StoreState, name: bytes, size: int, code: int, parent: byt
         ix.set_off(rid, off)
         where |= bit
     ix.where[rid] = where
+    ix.set_checksum(rid, checksum)
     st.counters[bit if off is not None else DISK].admitted_bytes += size
     st.puts += 1
     st.notify()

@@ -1,0 +1,46 @@
+"""SGLang's real HiCacheController over a real MHATokenToKVPoolHost, with the kvbank backend
+attached through SGLang's own ``dynamic`` factory, against a real ``kvbank serve``."""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.integrations.sglang.conftest import Engine, require_sglang
+
+require_sglang()
+
+pytestmark = pytest.mark.slow
+
+
+def test_pages_stored_by_one_controller_load_in_a_fresh_process_byte_for_byte(
+        node: Any, tmp_path: Path) -> None:
+    """What one SGLang process backs up, another (a fresh process, same model) finds and
+    loads into its host pool's slots unchanged; another model name finds nothing; and a
+    node killed mid-run turns every call into a miss, never an error in the controller."""
+    saved = tmp_path / "pages.pt"
+    a = Engine(node.url, "tiny-llama", tmp_path / "a.log")
+    try:
+        assert a.ready == {"backend": "KvbankHiCacheStorage"}
+        assert a.call(op="store", seed=1, tokens=160, path=str(saved)) == {"stored": 160}
+    finally:
+        a.close()
+    b = Engine(node.url, "tiny-llama", tmp_path / "b.log")
+    other = Engine(node.url, "other-model", tmp_path / "c.log")
+    try:
+        got = b.call(op="load", seed=1, tokens=160, path=str(saved))
+        assert got == {"hit": 160, "pages": 10, "equal": True}
+        assert b.call(op="load", seed=2, tokens=160, path=str(saved)) == {"hit": 0}
+        assert other.call(op="load", seed=1, tokens=160, path=str(saved)) == {"hit": 0}
+        node.proc.send_signal(signal.SIGKILL)
+        node.proc.wait(30)
+        assert b.call(op="load", seed=1, tokens=160, path=str(saved)) == {"hit": 0}
+        down = b.call(op="store", seed=3, tokens=64, path=str(tmp_path / "p3.pt"))
+        assert down == {"stored": 0}
+    finally:
+        b.close()
+        other.close()
+    assert "Traceback" not in (tmp_path / "b.log").read_text()

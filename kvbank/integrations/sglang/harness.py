@@ -10,6 +10,8 @@ expects of a server process, and nothing more:
   rank reductions are skipped).
 - :func:`mha_pools` — a real device pool, its allocator and a real
   ``MHATokenToKVPoolHost`` on the CPU.
+- :func:`storage_config`, :func:`file_backend` — the config SGLang hands a backend (TP 1),
+  and SGLang's own ``HiCacheFile`` backend, the bench's baseline.
 - :class:`Controller` — SGLang's real ``HiCacheController`` over them, with a storage
   backend attached the way ``--hicache-storage-backend`` attaches it, and the two things
   a scheduler does around it: :meth:`Controller.store` (``write_storage``, waits for the
@@ -31,8 +33,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["Controller", "cpu_runtime", "mha_pools", "page_hashes"]
+__all__ = ["Controller", "cpu_runtime", "file_backend", "mha_pools", "page_hashes", "storage_config"]
 
+HOST_BUDGET_BYTES = 4 << 30  # what the harness's host pools may take (they take MiB)
 _READY = threading.Lock()
 _done = False
 
@@ -111,10 +114,36 @@ def mha_pools(tokens: int = 256, page_size: int = 16, heads: int = 2, head_dim: 
                            head_dim=head_dim, layer_num=layers, device="cpu",
                            enable_memory_saver=False, enable_alt_stream=False)
     alloc = PagedTokenToKVPoolAllocator(tokens, page_size, dtype, "cpu", dev, False)
-    host = MHATokenToKVPoolHost(dev._mha_buffer_info(), host_ratio, 0, page_size, layout,
-                                pin_memory=False, device="cpu", device_capacity_tokens=tokens,
-                                start_layer=0, end_layer=layers)
+    from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
+
+    # SGLang sizes a host pool against the machine's free memory less a reserve of several
+    # GiB: on a shared test host that refuses even a pool of a few MiB. The pool's own
+    # size is booked against this budget instead.
+    with host_memory_budget_scope(HOST_BUDGET_BYTES):
+        host = MHATokenToKVPoolHost(dev._mha_buffer_info(), host_ratio, 0, page_size, layout,
+                                    pin_memory=False, device="cpu", device_capacity_tokens=tokens,
+                                    start_layer=0, end_layer=layers)
     return dev, alloc, host
+
+
+def storage_config(model_name: str, extra: dict[str, Any] | None = None, *, tp_rank: int = 0,
+                   tp_size: int = 1, mla: bool = False) -> Any:
+    """The ``HiCacheStorageConfig`` SGLang builds for a backend (page-first host pool)."""
+    cpu_runtime()
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
+
+    return HiCacheStorageConfig(tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1,
+                                attn_cp_rank=0, attn_cp_size=1, is_mla_model=mla,
+                                enable_storage_metrics=False, is_page_first_layout=True,
+                                model_name=model_name, extra_config=dict(extra or {}))
+
+
+def file_backend(model_name: str, path: str) -> Any:
+    """SGLang's own ``HiCacheFile`` backend (``--hicache-storage-backend file``) in ``path``."""
+    cpu_runtime()
+    from sglang.srt.mem_cache.hicache_storage import HiCacheFile
+
+    return HiCacheFile(storage_config(model_name, {"file_storage_path": path}), file_path=path)
 
 
 def page_hashes(tokens: Sequence[int], page_size: int) -> list[str]:

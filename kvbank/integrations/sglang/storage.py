@@ -34,7 +34,8 @@ The calls SGLang makes, and what each does:
   count their leading pages, ``TRAILING_PAGES`` pools the pages ``p - n .. p - 1`` (or the
   snapshot at ``p``, a state pool: its match's ``boundaries``); ``restorable_prefix_pages``
   are the KV match's ``boundaries`` that every pool allows.
-- ``batch_get_v1`` / ``batch_set_v1`` — ``match`` + ``fetch_into`` / ``put_from`` between
+- ``batch_get_v1`` / ``batch_set_v1`` — ``fetch_into`` (of the hit query's match, when
+  the load follows one: :class:`_Recent`; else a new ``match``) / ``put_from`` between
   the node's memory and the host pool's slots (on the node's host: its shared memory, one
   copy a page, under a READ or WRITE lease taken and ended inside the call; elsewhere
   kvbank's streamed path).
@@ -57,6 +58,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -87,6 +89,7 @@ DEFAULT_RETRY_S = 0.5
 DEFAULT_BREAKER_S = 10.0
 KV = "kv"
 # the extra config's keys that are SGLang's (the factory's and the controller's)
+RECENT_S = 10.0  # how long a hit query's match serves the load after it
 SGLANG_KEYS = frozenset({"backend_name", "module_path", "class_name", "interface_v1"})
 
 
@@ -160,6 +163,37 @@ class _Metrics:
         return out
 
 
+class _Recent:
+    """The KV matches of the latest hit queries, for the load that follows each: SGLang asks
+    ``batch_exists`` for a span, then loads (a prefix of) the same span; the load reuses the
+    query's match instead of matching again (a match is a pure query: rows gone since are
+    not delivered, a miss). Each is used once, and only within ``RECENT_S``."""
+
+    def __init__(self, keep: int = 64) -> None:
+        self._keep = keep
+        self._lock = threading.Lock()
+        self._by_first: OrderedDict[tuple[bytes, bytes], tuple[float, tuple[bytes, ...], Any]] = OrderedDict()
+
+    def add(self, layout_id: bytes, keys: Sequence[bytes], match: Any) -> None:
+        if not keys:
+            return
+        with self._lock:
+            self._by_first[(layout_id, keys[0])] = (time.monotonic(), tuple(keys), match)
+            self._by_first.move_to_end((layout_id, keys[0]))
+            while len(self._by_first) > self._keep:
+                self._by_first.popitem(last=False)
+
+    def take(self, layout_id: bytes, keys: Sequence[bytes]) -> Any:
+        """The match of a query whose keys start with ``keys`` (None: none recent)."""
+        if not keys:
+            return None
+        with self._lock:
+            got = self._by_first.pop((layout_id, keys[0]), None)
+        if got is None or time.monotonic() - got[0] > RECENT_S or got[1][: len(keys)] != tuple(keys):
+            return None
+        return got[2]
+
+
 class KvbankHiCacheStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore]
     """See the module docstring. One per TP rank, in that rank's scheduler process."""
 
@@ -171,6 +205,7 @@ class KvbankHiCacheStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore]
         self._lock = threading.Lock()
         self._pools: dict[str, PoolMap] = {}
         self.metrics = _Metrics()
+        self.recent = _Recent()
         s = self.settings
         self.clients = ThreadClients(s.url, timeout_s=s.timeout_s, retry_s=s.retry_s, token=s.token,
                                      layouts=self._layouts)
@@ -225,7 +260,9 @@ class KvbankHiCacheStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore]
     def _leading(self, pm: PoolMap, keys: Sequence[bytes]) -> int:
         if not keys:
             return 0
-        return int(self._match(pm, keys).resume.tokens) // pm.tokens_per_page
+        m = self._match(pm, keys)
+        self.recent.add(pm.layout_id, keys, m)
+        return int(m.resume.tokens) // pm.tokens_per_page
 
     def _chain(self, keys: Sequence[str], extra_info: HiCacheStorageExtraInfo | None
                ) -> tuple[list[bytes], int]:
@@ -242,10 +279,14 @@ class KvbankHiCacheStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore]
         if not keys:
             return []
         t0 = time.perf_counter()
-        m = self._match(pm, keys)
+        c = self.clients.get()
+        m = self.recent.take(pm.layout_id, keys)
+        if m is None:
+            m = self._match(pm, keys)
+        elif m.resume.tokens > len(keys) * pm.tokens_per_page:  # the load is a prefix of the query
+            m = c.resume_at(m, len(keys) * pm.tokens_per_page)
         if m.resume.tokens == 0:
             return [False] * len(keys)
-        c = self.clients.get()
         got = registered(c, pm.layout, lambda: c.fetch_into(m, pool=pool, block_ids={0: blocks},
                                                             shard=pm.shard))
         ok = set(got.delivered[0])
@@ -352,6 +393,8 @@ class KvbankHiCacheStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore]
         kv = self._pool(KV)
         p = kv.tokens_per_page
         m = self._match(kv, kb) if kb else None
+        if m is not None:
+            self.recent.add(kv.layout_id, kb, m)
         kv_pages = 0 if m is None else int(m.resume.tokens) // p
         hits: dict[str, int] = {KV: kv_pages} if kv_pages else {}
         restorable = [b // p for b in (m.boundaries if m is not None else ()) if b // p <= kv_pages]

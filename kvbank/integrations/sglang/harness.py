@@ -10,6 +10,8 @@ expects of a server process, and nothing more:
   rank reductions are skipped).
 - :func:`mha_pools` — a real device pool, its allocator and a real
   ``MHATokenToKVPoolHost`` on the CPU.
+- :func:`mamba_pool` — a real ``MambaPoolHost`` (conv and temporal state of two layers),
+  the sidecar pool SGLang's hybrid controller registers for a Mamba model.
 - :func:`storage_config`, :func:`file_backend` — the config SGLang hands a backend (TP 1),
   and SGLang's own ``HiCacheFile`` backend, the bench's baseline.
 - :class:`Controller` — SGLang's real ``HiCacheController`` over them, with a storage
@@ -33,7 +35,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["Controller", "cpu_runtime", "file_backend", "mha_pools", "page_hashes", "storage_config"]
+__all__ = ["Controller", "cpu_runtime", "file_backend", "mamba_pool", "mha_pools", "page_hashes",
+           "storage_config"]
 
 HOST_BUDGET_BYTES = 4 << 30  # what the harness's host pools may take (they take MiB)
 _READY = threading.Lock()
@@ -124,6 +127,21 @@ def mha_pools(tokens: int = 256, page_size: int = 16, heads: int = 2, head_dim: 
                                     pin_memory=False, device="cpu", device_capacity_tokens=tokens,
                                     start_layer=0, end_layer=layers)
     return dev, alloc, host
+
+
+def mamba_pool(slots: int = 16, layers: int = 2) -> Any:
+    """SGLang's real ``MambaPoolHost`` on the CPU: ``layers`` layers of a float32 temporal
+    state ``(4, 8)`` and a bfloat16 conv state ``(3, 16)`` a slot."""
+    cpu_runtime()
+    from sglang.srt.mem_cache.device_pool_info import MambaStateBufferInfo
+    from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
+    from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost
+
+    info = MambaStateBufferInfo(temporal=torch.zeros(layers, slots + 1, 4, 8, dtype=torch.float32),
+                                conv=(torch.zeros(layers, slots + 1, 3, 16, dtype=torch.bfloat16),))
+    with host_memory_budget_scope(HOST_BUDGET_BYTES):
+        return MambaPoolHost(info, 2.0, 0, device_capacity=slots, pin_memory=False, device="cpu",
+                             layout="page_first")
 
 
 def storage_config(model_name: str, extra: dict[str, Any] | None = None, *, tp_rank: int = 0,

@@ -5,6 +5,16 @@ Commands: ``{"op": "store", "seed": s, "tokens": n}`` (a prompt's pages written 
 slots with random bytes, then ``write_storage``; the pages saved to ``path``),
 ``{"op": "load", "seed": s, "tokens": n, "path": p}`` (``prefetch``; the loaded pages
 compared with the saved ones), ``{"op": "quit"}``.
+
+A real ``MambaPoolHost`` is registered with the backend as SGLang's hybrid controller
+registers its sidecar (``register_mem_host_pool_v2``), and driven by the calls that
+controller makes: ``{"op": "state_store", "seed": s, "tokens": n, "at": [pages], "path": p}``
+(random snapshots in host slots, ``batch_set_v2`` each with its page's key, saved to
+``path``); ``{"op": "state_load", ...}`` (``batch_exists_v2`` of the prompt with the pool
+as ``TRAILING_PAGES``, then ``batch_get_v2`` of each stored snapshot into a fresh slot,
+compared with the saved ones); ``{"op": "diff", "cases": k, "dir": d}``
+(``batch_exists_v2`` against SGLang's own ``HiCacheFile`` on ``k`` random cases of KV
+holes, snapshots and policies).
 """
 
 from __future__ import annotations
@@ -28,13 +38,18 @@ def main() -> None:
     arg = json.loads(sys.argv[1])
     import torch
 
-    from kvbank.integrations.sglang.harness import Controller, mha_pools
+    from kvbank.integrations.sglang.harness import Controller, mamba_pool, mha_pools
 
     extra = {"backend_name": "kvbank", "module_path": "kvbank.integrations.sglang",
              "class_name": "KvbankHiCacheStorage", "interface_v1": arg.get("v1", 1),
              "kvbank_url": arg["url"], "timeout_s": 2, "retry_s": 0.2}
+    from sglang.srt.mem_cache.hicache_storage import PoolName
+
     _, alloc, host = mha_pools(tokens=512)
     cc = Controller(alloc, host, extra=extra, model_name=arg["model"])
+    mamba = mamba_pool()
+    cc.backend.register_mem_host_pool_v2(host, PoolName.KV)
+    cc.backend.register_mem_host_pool_v2(mamba, PoolName.MAMBA)
     print("RESULT " + json.dumps({"backend": type(cc.backend).__name__}), flush=True)
     for line in sys.stdin:
         cmd = json.loads(line)
@@ -56,10 +71,107 @@ def main() -> None:
                     out["equal"] = len(got) == len(want) and all(
                         torch.equal(a.view(torch.uint8), b.view(torch.uint8))
                         for a, b in zip(want, got, strict=True))
+            elif cmd["op"] == "state_store":
+                out.update(state_store(cc, mamba, toks, cmd["at"], cmd["path"]))
+            elif cmd["op"] == "state_load":
+                out.update(state_load(cc, mamba, toks, cmd["path"]))
+            elif cmd["op"] == "diff":
+                out.update(diff(arg["url"], host, mamba, cmd["cases"], cmd["dir"], cmd["seed"]))
         except Exception as exc:  # the test asserts no exception reached the controller
             out["error"] = f"{type(exc).__name__}: {exc}"
         print("RESULT " + json.dumps(out), flush=True)
     cc.close()
+
+
+def _mamba(keys: list[str], n: int = 1, host_indices: object = None, all_pages: bool = False) -> object:
+    from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
+
+    policy = PoolHitPolicy.ALL_PAGES if all_pages else PoolHitPolicy.TRAILING_PAGES
+    return PoolTransfer(name=PoolName.MAMBA, host_indices=host_indices, keys=keys[-n:] if n else keys,
+                        hit_policy=policy)
+
+
+def state_store(cc: object, mamba: object, toks: list[int], at: list[int], path: str) -> dict[str, object]:
+    import torch
+
+    from kvbank.integrations.sglang.harness import page_hashes
+
+    keys = page_hashes(toks, 16)
+    g = torch.Generator().manual_seed(len(toks))
+    saved, ok = {}, []
+    for p in at:
+        slot = mamba.alloc(1)  # type: ignore[attr-defined]
+        data = torch.randint(0, 255, (mamba.get_dummy_flat_data_page().numel(),), generator=g,  # type: ignore[attr-defined]
+                             dtype=torch.uint8)
+        mamba.set_from_flat_data_page(int(slot[0]), data)  # type: ignore[attr-defined]
+        saved[p] = mamba.get_data_page(int(slot[0])).clone()  # type: ignore[attr-defined]
+        got = cc.backend.batch_set_v2([_mamba(keys[:p], 1, slot)])  # type: ignore[attr-defined]
+        ok.append(got["mamba"])
+    torch.save(saved, path)
+    return {"stored": ok}
+
+
+def state_load(cc: object, mamba: object, toks: list[int], path: str) -> dict[str, object]:
+    import torch
+
+    from kvbank.integrations.sglang.harness import page_hashes
+
+    keys = page_hashes(toks, 16)
+    res = cc.backend.batch_exists_v2(keys, [_mamba(keys)])  # type: ignore[attr-defined]
+    want = torch.load(path)
+    equal = []
+    for p in res.restorable_prefix_pages or []:
+        slot = mamba.alloc(1)  # type: ignore[attr-defined]
+        got = cc.backend.batch_get_v2([_mamba(keys[:p], 1, slot)])  # type: ignore[attr-defined]
+        equal.append(got["mamba"] == [True] and torch.equal(
+            mamba.get_data_page(int(slot[0])), want[p]))  # type: ignore[attr-defined]
+    return {"kv_hit_pages": res.kv_hit_pages, "restorable": res.restorable_prefix_pages,
+            "pool_hits": {str(k): v for k, v in res.extra_pool_hit_pages.items()}, "equal": equal}
+
+
+def diff(url: str, host: object, mamba: object, cases: int, root: str, seed: int) -> dict[str, object]:
+    """``batch_exists_v2`` of kvbank and of SGLang's HiCacheFile on the same random cases."""
+    from sglang.srt.mem_cache.hicache_storage import PoolName
+
+    from kvbank.integrations.sglang import KvbankHiCacheStorage
+    from kvbank.integrations.sglang.harness import file_backend, page_hashes, storage_config
+
+    rng = random.Random(seed)
+    mismatches = []
+    for case in range(cases):
+        model = f"diff-{seed}-{case}"
+        ours = KvbankHiCacheStorage(storage_config(model, {"kvbank_url": url}), {})
+        theirs = file_backend(model, f"{root}/{case}")
+        for b in (ours, theirs):
+            b.register_mem_pool_host(host)
+            b.register_mem_host_pool_v2(host, PoolName.KV)
+            b.register_mem_host_pool_v2(mamba, PoolName.MAMBA)
+        n = rng.randrange(2, 9)
+        keys = page_hashes(prompt(n * 16, rng.randrange(1 << 30)), 16)
+        kv = [rng.random() < 0.85 for _ in range(n)]
+        states = [rng.random() < 0.5 for _ in range(n)]
+        slots = host.alloc(16)  # type: ignore[attr-defined]
+        slot = mamba.alloc(1)  # type: ignore[attr-defined]
+        for i in range(n):
+            if kv[i]:
+                assert ours.batch_set_v1([keys[i]], slots) == [True]
+                assert theirs.batch_set([keys[i]], [host.get_data_page(int(slots[0]))])  # type: ignore[attr-defined]
+            if states[i]:
+                for b in (ours, theirs):
+                    assert b.batch_set_v2([_mamba(keys[: i + 1], 1, slot)]) == {"mamba": [True]}
+        trailing, all_pages = rng.choice([(1, False), (2, False), (0, True)])
+        t = [_mamba(keys, trailing, None, all_pages)]
+        a, b = ours.batch_exists_v2(keys, t), theirs.batch_exists_v2(keys, t)
+        got = (a.kv_hit_pages, dict(a.extra_pool_hit_pages), list(a.restorable_prefix_pages or []))
+        want = (b.kv_hit_pages, {str(k): v for k, v in b.extra_pool_hit_pages.items()},
+                list(b.restorable_prefix_pages or []))
+        if got != want:
+            mismatches.append({"kv": kv, "states": states, "policy": [trailing, all_pages],
+                               "kvbank": repr(got), "file": repr(want)})
+        host.free(slots)  # type: ignore[attr-defined]
+        mamba.free(slot)  # type: ignore[attr-defined]
+        ours.close()
+    return {"cases": cases, "mismatches": mismatches}
 
 
 if __name__ == "__main__":

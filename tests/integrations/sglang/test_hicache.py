@@ -16,16 +16,20 @@ require_sglang()
 pytestmark = pytest.mark.slow
 
 
-def test_pages_stored_by_one_controller_load_in_a_fresh_process_byte_for_byte(
+def test_pages_and_state_stored_by_one_process_load_in_a_fresh_one_byte_for_byte(
         node: Any, tmp_path: Path) -> None:
-    """What one SGLang process backs up, another (a fresh process, same model) finds and
-    loads into its host pool's slots unchanged; another model name finds nothing; and a
-    node killed mid-run turns every call into a miss, never an error in the controller."""
-    saved = tmp_path / "pages.pt"
+    """What one SGLang process backs up (its controller's KV pages, its Mamba pool's
+    snapshots at pages 2 and 4), another (a fresh process, same model) finds and loads into
+    its host pools' slots unchanged, with exactly the resume points SGLang's own file
+    backend would answer; another model name finds nothing; and a node killed mid-run
+    turns every call into a miss, never an error in the controller."""
+    saved, states = tmp_path / "pages.pt", tmp_path / "states.pt"
     a = Engine(node.url, "tiny-llama", tmp_path / "a.log")
     try:
         assert a.ready == {"backend": "KvbankHiCacheStorage"}
         assert a.call(op="store", seed=1, tokens=160, path=str(saved)) == {"stored": 160}
+        assert a.call(op="state_store", seed=1, tokens=160, at=[2, 4], path=str(states)) == \
+            {"stored": [[True], [True]]}
     finally:
         a.close()
     b = Engine(node.url, "tiny-llama", tmp_path / "b.log")
@@ -33,8 +37,15 @@ def test_pages_stored_by_one_controller_load_in_a_fresh_process_byte_for_byte(
     try:
         got = b.call(op="load", seed=1, tokens=160, path=str(saved))
         assert got == {"hit": 160, "pages": 10, "equal": True}
+        got = b.call(op="state_load", seed=1, tokens=160, path=str(states))
+        assert got == {"kv_hit_pages": 4, "restorable": [2, 4], "pool_hits": {"kv": 10, "mamba": 4},
+                       "equal": [True, True]}
         assert b.call(op="load", seed=2, tokens=160, path=str(saved)) == {"hit": 0}
         assert other.call(op="load", seed=1, tokens=160, path=str(saved)) == {"hit": 0}
+        assert other.call(op="state_load", seed=1, tokens=160, path=str(states)) == \
+            {"kv_hit_pages": 0, "restorable": [], "pool_hits": {}, "equal": []}
+        diff = other.call(op="diff", seed=5, tokens=0, cases=24, dir=str(tmp_path / "file"))
+        assert diff == {"cases": 24, "mismatches": []}
         node.proc.send_signal(signal.SIGKILL)
         node.proc.wait(30)
         assert b.call(op="load", seed=1, tokens=160, path=str(saved)) == {"hit": 0}

@@ -26,9 +26,11 @@ tokens, heads, dim]``, strided views of the pool's own memory: the one copy betw
 node's shared memory and the host pool's slots). The same views over a batch of SGLang's
 flat pages (``get_data_page(i, flat=True)``, the legacy calls') are :meth:`PoolMap.flat_views`.
 
-The model name (SGLang suffixes the pool's ``storage_format_tag``), the dtype, the pool's
-layout and page size, the layer range and the pipeline / context-parallel rank go into the
-layout: two engines whose bytes differ never share a row. A pool kvbank cannot map
+The model name (SGLang suffixes the pool's ``storage_format_tag``), the dtype, the page
+size, the layer range and the pipeline / context-parallel rank go into the layout: two
+engines whose bytes differ never share a row. The host pool's own layout does not: its
+pages are viewed in kvbank's one order, so a ``layer_first`` engine loads what a
+``page_first`` one stored. A pool kvbank cannot map
 (another layout, K and V of different widths, a DCP-sharded MLA pool, a pool of compressed
 blocks) is :class:`UnsupportedPool`, naming it, when SGLang registers it.
 """
@@ -109,8 +111,10 @@ class PoolMap:
 
 def _model(cfg: Any, pool: str, host: Any) -> str:
     """The layout's model field: the model name (with SGLang's storage format tag), the
-    pool, its host layout, and the pipeline / context-parallel rank."""
-    parts = [f"sglang/{cfg.model_name or ''}", f"pool={pool}", f"host={getattr(host, 'layout', '')}"]
+    pool, and the pipeline / context-parallel rank. Not the host pool's layout: every
+    layout's pages are viewed in the one canonical order, so engines whose host pools are
+    laid out differently share rows."""
+    parts = [f"sglang/{cfg.model_name or ''}", f"pool={pool}"]
     if int(cfg.pp_size) > 1:
         parts.append(f"pp={cfg.pp_rank}/{cfg.pp_size}")
     if int(getattr(cfg, "attn_cp_size", 1)) > 1:

@@ -14,7 +14,9 @@ controller makes: ``{"op": "state_store", "seed": s, "tokens": n, "at": [pages],
 as ``TRAILING_PAGES``, then ``batch_get_v2`` of each stored snapshot into a fresh slot,
 compared with the saved ones); ``{"op": "diff", "cases": k, "dir": d}``
 (``batch_exists_v2`` against SGLang's own ``HiCacheFile`` on ``k`` random cases of KV
-holes, snapshots and policies).
+holes, snapshots and policies); ``{"op": "layouts", ...}`` (pages stored from a pool of
+each host layout, with ``interface_v1`` and with the legacy flat-page calls, loaded into a
+pool of every layout, compared as SGLang's own buffers hold them).
 """
 
 from __future__ import annotations
@@ -75,6 +77,8 @@ def main() -> None:
                 out.update(state_store(cc, mamba, toks, cmd["at"], cmd["path"]))
             elif cmd["op"] == "state_load":
                 out.update(state_load(cc, mamba, toks, cmd["path"]))
+            elif cmd["op"] == "layouts":
+                out.update(layouts(arg["url"], toks, cmd["seed"]))
             elif cmd["op"] == "diff":
                 out.update(diff(arg["url"], host, mamba, cmd["cases"], cmd["dir"], cmd["seed"]))
         except Exception as exc:  # the test asserts no exception reached the controller
@@ -172,6 +176,73 @@ def diff(url: str, host: object, mamba: object, cases: int, root: str, seed: int
         mamba.free(slot)  # type: ignore[attr-defined]
         ours.close()
     return {"cases": cases, "mismatches": mismatches}
+
+
+HOST_LAYOUTS = ("page_first", "layer_first", "page_first_direct", "page_head")
+
+
+def logical(host: object) -> object:
+    """A host pool's K and V as ``[2, layers, slots, heads, dim]``, read from its
+    ``kv_buffer`` by the dims SGLang's ``init_kv_buffer`` gives each layout."""
+    kv = host.kv_buffer  # type: ignore[attr-defined]
+    lay = host.layout  # type: ignore[attr-defined]
+    if lay == "layer_first":
+        return kv
+    if lay == "page_first":
+        return kv.permute(0, 2, 1, 3, 4)
+    two, pages, layers, p, h, d = (kv.shape if lay == "page_first_direct" else
+                                   (kv.shape[0], kv.shape[1], kv.shape[4], kv.shape[3], kv.shape[2], kv.shape[5]))
+    t = kv.permute(0, 2, 1, 3, 4, 5) if lay == "page_first_direct" else kv.permute(0, 4, 1, 3, 2, 5)
+    return t.reshape(two, layers, pages * p, h, d)
+
+
+def layouts(url: str, toks: list[int], seed: int) -> dict[str, object]:
+    """Every (stored from, loaded into, call kind) combination: whether the loaded slots
+    hold what the stored slots held."""
+    import torch
+
+    from kvbank.integrations.sglang import KvbankHiCacheStorage
+    from kvbank.integrations.sglang.harness import mha_pools, page_hashes, storage_config
+
+    keys = page_hashes(toks, 16)
+    n = len(keys)
+    bad = []
+    for v1 in (True, False):
+        for src_layout in HOST_LAYOUTS:
+            model = f"layouts-{seed}-{src_layout}-{v1}"
+            _, _, src = mha_pools(tokens=128, layout=src_layout)
+            w = KvbankHiCacheStorage(storage_config(model, {"kvbank_url": url}), {})
+            w.register_mem_pool_host(src)
+            idx = src.alloc(n * 16)
+            g = torch.Generator().manual_seed(seed)
+            for i in range(n):
+                page = src.get_data_page(int(idx[i * 16]), flat=True)
+                src.set_from_flat_data_page(int(idx[i * 16]), torch.randn(page.numel(), generator=g).to(page.dtype))
+            ok = all(w.batch_set_v1(keys, idx)) if v1 else w.batch_set(
+                keys, [src.get_data_page(int(idx[i * 16]), flat=True) for i in range(n)])
+            if not ok:
+                bad.append(f"store from {src_layout} (v1={v1})")
+                continue
+            want = logical(src)[:, :, idx]  # type: ignore[index]
+            for dst_layout in HOST_LAYOUTS:
+                _, _, dst = mha_pools(tokens=128, layout=dst_layout)
+                r = KvbankHiCacheStorage(storage_config(model, {"kvbank_url": url}), {})
+                r.register_mem_pool_host(dst)
+                didx = dst.alloc(n * 16 + 16)[16:]  # other slots than the source's
+                if v1:
+                    loaded = r.batch_exists(keys) == n and all(r.batch_get_v1(keys, didx))
+                else:
+                    pages = r.batch_get(keys, [dst.get_dummy_flat_data_page() for _ in keys])
+                    loaded = all(p is not None for p in pages)
+                    for i, p in enumerate(pages):
+                        if p is not None:
+                            dst.set_from_flat_data_page(int(didx[i * 16]), p)
+                if not loaded or not torch.equal(logical(dst)[:, :, didx].view(torch.uint8),  # type: ignore[index]
+                                                 want.view(torch.uint8)):
+                    bad.append(f"{src_layout} -> {dst_layout} (v1={v1})")
+                r.close()
+            w.close()
+    return {"mismatches": bad}
 
 
 if __name__ == "__main__":

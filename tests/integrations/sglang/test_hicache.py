@@ -21,8 +21,9 @@ def test_pages_and_state_stored_by_one_process_load_in_a_fresh_one_byte_for_byte
     """What one SGLang process backs up (its controller's KV pages, its Mamba pool's
     snapshots at pages 2 and 4), another (a fresh process, same model) finds and loads into
     its host pools' slots unchanged, with exactly the resume points SGLang's own file
-    backend would answer; another model name finds nothing; and a node killed mid-run
-    turns every call into a miss, never an error in the controller."""
+    backend would answer; pages stored from a host pool of any layout load into a pool of
+    any other; another model name finds nothing; and a node killed mid-run turns every
+    call into a miss, never an error in the controller."""
     saved, states = tmp_path / "pages.pt", tmp_path / "states.pt"
     a = Engine(node.url, "tiny-llama", tmp_path / "a.log")
     try:
@@ -46,6 +47,8 @@ def test_pages_and_state_stored_by_one_process_load_in_a_fresh_one_byte_for_byte
             {"kv_hit_pages": 0, "restorable": [], "pool_hits": {}, "equal": []}
         diff = other.call(op="diff", seed=5, tokens=0, cases=24, dir=str(tmp_path / "file"))
         assert diff == {"cases": 24, "mismatches": []}
+        # every host layout SGLang's MHA pool has, stored and loaded both ways (v1, legacy)
+        assert other.call(op="layouts", seed=6, tokens=64) == {"mismatches": []}
         node.proc.send_signal(signal.SIGKILL)
         node.proc.wait(30)
         assert b.call(op="load", seed=1, tokens=160, path=str(saved)) == {"hit": 0}

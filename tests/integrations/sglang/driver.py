@@ -16,7 +16,9 @@ compared with the saved ones); ``{"op": "diff", "cases": k, "dir": d}``
 (``batch_exists_v2`` against SGLang's own ``HiCacheFile`` on ``k`` random cases of KV
 holes, snapshots and policies); ``{"op": "layouts", ...}`` (pages stored from a pool of
 each host layout, with ``interface_v1`` and with the legacy flat-page calls, loaded into a
-pool of every layout, compared as SGLang's own buffers hold them).
+pool of every layout, compared as SGLang's own buffers hold them); ``{"op": "threads", ...}`` (four threads
+storing, querying and loading prompts of their own through the one backend at once, as
+SGLang's backup, prefetch and IO threads do).
 """
 
 from __future__ import annotations
@@ -79,6 +81,8 @@ def main() -> None:
                 out.update(state_load(cc, mamba, toks, cmd["path"]))
             elif cmd["op"] == "layouts":
                 out.update(layouts(arg["url"], toks, cmd["seed"]))
+            elif cmd["op"] == "threads":
+                out.update(threads(cc, toks, cmd["seed"]))
             elif cmd["op"] == "diff":
                 out.update(diff(arg["url"], host, mamba, cmd["cases"], cmd["dir"], cmd["seed"]))
         except Exception as exc:  # the test asserts no exception reached the controller
@@ -176,6 +180,47 @@ def diff(url: str, host: object, mamba: object, cases: int, root: str, seed: int
         mamba.free(slot)  # type: ignore[attr-defined]
         ours.close()
     return {"cases": cases, "mismatches": mismatches}
+
+
+def threads(cc: object, toks: list[int], seed: int, workers: int = 4, rounds: int = 3) -> dict[str, object]:
+    """Each worker: a prompt of its own stored (``batch_set_v1``), found (``batch_exists``)
+    and loaded into other slots (``batch_get_v1``), ``rounds`` times; the failures."""
+    import threading
+
+    import torch
+
+    from kvbank.integrations.sglang.harness import page_hashes
+
+    backend, host = cc.backend, cc.host  # type: ignore[attr-defined]
+    slots = [(host.alloc(64), host.alloc(64)) for _ in range(workers)]  # the pool's alloc is not thread-safe
+    bad: list[str] = []
+
+    def work(w: int) -> None:
+        src, dst = slots[w]
+        for r in range(rounds):
+            keys = page_hashes(prompt(64, seed * 1000 + w * 10 + r), 16)
+            g = torch.Generator().manual_seed(w * 10 + r)
+            for i in range(4):
+                page = host.get_data_page(int(src[i * 16]), flat=True)
+                host.set_from_flat_data_page(int(src[i * 16]), torch.randn(page.numel(), generator=g).to(page.dtype))
+            if not all(backend.batch_set_v1(keys, src)) or backend.batch_exists(keys) != 4 \
+                    or not all(backend.batch_get_v1(keys, dst)):
+                bad.append(f"worker {w} round {r}: a call failed")
+                continue
+            for i in range(4):
+                if not torch.equal(host.get_data_page(int(src[i * 16])).view(torch.uint8),
+                                   host.get_data_page(int(dst[i * 16])).view(torch.uint8)):
+                    bad.append(f"worker {w} round {r}: page {i} differs")
+
+    ts = [threading.Thread(target=work, args=(w,)) for w in range(workers)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    for src, dst in slots:
+        host.free(src)
+        host.free(dst)
+    return {"failures": bad}
 
 
 HOST_LAYOUTS = ("page_first", "layer_first", "page_first_direct", "page_head")

@@ -22,7 +22,8 @@ def test_pages_and_state_stored_by_one_process_load_in_a_fresh_one_byte_for_byte
     snapshots at pages 2 and 4), another (a fresh process, same model) finds and loads into
     its host pools' slots unchanged, with exactly the resume points SGLang's own file
     backend would answer; pages stored from a host pool of any layout load into a pool of
-    any other; another model name finds nothing; and a node killed mid-run turns every
+    any other; four threads at once store and load their own prompts intact; another model
+    name finds nothing; and a node killed mid-run turns every
     call into a miss, never an error in the controller."""
     saved, states = tmp_path / "pages.pt", tmp_path / "states.pt"
     a = Engine(node.url, "tiny-llama", tmp_path / "a.log")
@@ -47,6 +48,7 @@ def test_pages_and_state_stored_by_one_process_load_in_a_fresh_one_byte_for_byte
             {"kv_hit_pages": 0, "restorable": [], "pool_hits": {}, "equal": []}
         diff = other.call(op="diff", seed=5, tokens=0, cases=24, dir=str(tmp_path / "file"))
         assert diff == {"cases": 24, "mismatches": []}
+        assert b.call(op="threads", seed=7, tokens=0) == {"failures": []}
         # every host layout SGLang's MHA pool has, stored and loaded both ways (v1, legacy)
         assert other.call(op="layouts", seed=6, tokens=64) == {"mismatches": []}
         node.proc.send_signal(signal.SIGKILL)

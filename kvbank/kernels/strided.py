@@ -14,7 +14,8 @@ Primitives:
   (every transferred buffer present, dtype, logical shape), before anything moves.
 - :func:`scatter_strided` — canonical rows ``uint8 [n, page bytes]`` (rows may be
   strided: slots of a segment lying back to back, or a staging buffer) into pool blocks:
-  one indexed copy per buffer (``index_put_`` through the strided view).
+  one indexed copy per buffer (``index_put_`` through the strided view), or, where the
+  block ids mostly run consecutively, one slice copy per run and buffer.
 - :func:`gather_strided` — pool blocks into canonical rows: one ``index_select(out=)``
   per buffer, written through the rows' region views (no intermediate tensor). Padding
   bytes between regions are zeroed, so equal pages are equal rows.
@@ -85,6 +86,24 @@ def _ids(block_ids: Sequence[int], blocks: int, unique: bool, field: str) -> tor
     return torch.tensor(list(block_ids), dtype=torch.long)
 
 
+SPAN_PAGES = 8  # a run is cut in pieces this long, so the lanes share a long one
+
+
+def _spans(block_ids: Sequence[int]) -> list[tuple[int, int, int]]:
+    """``(first row, first block, length)`` of the runs where the block ids count up by
+    one: each run moves as one slice copy (``copy_`` of a strided view runs at memory
+    speed, ``index_put_`` does not: a 64-page, 32 MiB scatter into consecutive blocks took
+    40 ms through it, 18 ms as slice copies, 16 ms a plain memcpy of the rows; a gather's
+    ``index_select`` is as fast as slice copies and stays)."""
+    out: list[tuple[int, int, int]] = []
+    for r, b in enumerate(block_ids):
+        if out and out[-1][1] + out[-1][2] == b and out[-1][2] < SPAN_PAGES:
+            out[-1] = (out[-1][0], out[-1][1], out[-1][2] + 1)
+        else:
+            out.append((r, int(b), 1))
+    return out
+
+
 def _rows(layout: PageLayout, group: int, rows: torch.Tensor, n: int) -> dict[tuple[int, Role], torch.Tensor]:
     if not isinstance(rows, torch.Tensor) or rows.dtype != torch.uint8 or rows.dim() != 2 or rows.shape[0] != n:
         raise InvalidInput(f"pages: expected uint8 [{n}, {layout.group_page_bytes[group]}], got "
@@ -105,6 +124,16 @@ def scatter_strided(layout: PageLayout, group: int, rows: torch.Tensor, pool: Po
     pairs = [(views[key], dst) for key, dst in tensors.items()]
     try:
         if all(dst.device.type == "cpu" and src.device.type == "cpu" for src, dst in pairs):
+            spans = _spans(block_ids)
+            if len(spans) * 2 <= len(block_ids):  # mostly consecutive blocks: slice copies
+                def runs(sl: slice) -> None:
+                    for r, b, k in spans[sl]:
+                        for src, dst in pairs:
+                            dst[b : b + k].copy_(src[r : r + k])
+
+                _cpu_parts(runs, len(spans), len(block_ids) * rows.shape[1])
+                return
+
             def part(sl: slice) -> None:
                 for src, dst in pairs:
                     dst.index_put_((idx[sl],), src[sl])

@@ -22,25 +22,21 @@ Keys of ``kv_connector_extra_config`` (all optional):
 |  |  | layout on the node. A request's ``kv_transfer_params`` ``{"kvbank_audit": true}`` |
 |  |  | audits it whatever the fraction (``false``: never) |
 
-Every kvbank error, a dead node or a timeout is a miss for vLLM: :class:`Guard` logs it at
-warning and answers the caller's fallback; only a transport failure trips the breaker.
+Every kvbank error, a dead node or a timeout is a miss for vLLM: :class:`Guard` (shared by
+the engine adapters, :mod:`kvbank.integrations.guard`) logs it at warning and answers the
+caller's fallback; only a transport failure trips the breaker.
 """
 
 from __future__ import annotations
 
-import logging
-import threading
-import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
-from kvbank.errors import InvalidInput, TierUnavailable, UnknownLayout
-from kvbank.layout import PageLayout
+from kvbank.errors import InvalidInput
+from kvbank.integrations.guard import Guard, registered, safe
 
 __all__ = ["DEFAULT_URL", "ConnectorConfig", "Guard", "registered", "safe"]
-
-logger = logging.getLogger(__name__)
 
 DEFAULT_URL = "http://127.0.0.1:7410"
 # A lookup blocks vLLM's scheduler loop: the Client's own defaults (120 s, 5 s of retries)
@@ -55,8 +51,6 @@ DEFAULT_LOOKUP_BATCH = 64
 # Longer than a request usually waits for blocks between its lookup and its load; a load
 # after it falls back to matching by keys (the rows may have gone: a miss).
 DEFAULT_HOLD_S = 60.0
-
-T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,50 +104,3 @@ class ConnectorConfig:
                                f"got {fraction!r}")
         object.__setattr__(out, "audit_fraction", float(fraction))
         return out
-
-
-def registered(client: Any, layout: PageLayout, fn: Callable[[], T]) -> T:
-    """``fn()``, registering ``layout`` once more if the node does not know it (a node
-    restarted on an empty data dir forgets its layouts)."""
-    try:
-        return fn()
-    except UnknownLayout:
-        client.register(layout)
-        return fn()
-
-
-def safe(what: str, fn: Callable[[], T], fallback: T) -> T:
-    """``fn()``, or ``fallback`` with a warning if it raises: for the connector's own
-    bookkeeping, which must run whether or not the node is up (no breaker here)."""
-    try:
-        return fn()
-    except Exception as exc:  # never into vLLM
-        logger.warning("kvbank: %s failed: %s: %s", what, type(exc).__name__, exc)
-        return fallback
-
-
-class Guard:
-    """Runs kvbank calls so that nothing escapes into vLLM, with a circuit breaker."""
-
-    def __init__(self, breaker_s: float) -> None:
-        self._breaker_s = breaker_s
-        self._down_until = 0.0
-        self._lock = threading.Lock()
-
-    @property
-    def down(self) -> bool:
-        return time.monotonic() < self._down_until
-
-    def call(self, what: str, fn: Callable[[], T], fallback: T) -> T:
-        if self.down:
-            return fallback
-        try:
-            return fn()
-        except TierUnavailable as exc:
-            with self._lock:
-                self._down_until = time.monotonic() + self._breaker_s
-            logger.warning("kvbank: %s failed, node unreachable; kvbank skipped for %.0f s: %s",
-                           what, self._breaker_s, exc)
-        except Exception as exc:  # never into vLLM: every kvbank failure is a miss
-            logger.warning("kvbank: %s failed (a miss): %s: %s", what, type(exc).__name__, exc)
-        return fallback

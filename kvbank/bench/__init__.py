@@ -23,4 +23,5 @@ SUITES: dict[str, str] = {
     "reliability": "kvbank.bench.reliability",
     "trace": "kvbank.bench.trace",
     "vllm": "kvbank.bench.vllm",
+    "lmcache": "kvbank.bench.lmcache",
 }

@@ -313,10 +313,32 @@ class KvbankL2Adapter(L2AdapterInterface):  # type: ignore[misc,unused-ignore]
                 return fn()
         return self._guard.call(what, attempt, fallback)
 
+    # ---- the same work, synchronous: what each task runs (and the in-process plugin calls)
+
+    def store_objects(self, keys: list[Any], objects: list[Any]) -> int:
+        """Put the objects; the bytes stored, or -1 where the store failed."""
+        return int(self._guarded("an LMCache store", lambda: self._put(keys, objects), -1))
+
+    def lock_objects(self, keys: list[Any], descs: Mapping[int, Any]) -> list[int]:
+        """Lock the keys' rows under one READ lease; the indices present (and locked)."""
+        got: list[int] = self._guarded("an LMCache lookup", lambda: self._lend(keys, dict(descs)), [])
+        return got
+
+    def unlock_objects(self, keys: list[Any]) -> None:
+        """Drop one lock a key, releasing the leases no key holds any more, now."""
+        ended = self._unlock(keys)
+        if ended:
+            self._release(ended)
+
+    def load_objects(self, keys: list[Any], objects: list[Any]) -> list[int]:
+        """Copy the keys' rows into the objects; the indices loaded."""
+        got: list[int] = self._guarded("an LMCache load", lambda: self._copy_in(keys, objects), [])
+        return got
+
     def _store(self, task: int, keys: list[Any], objects: list[Any]) -> None:
         stored = 0
         try:
-            stored = self._guarded("an LMCache store", lambda: self._put(keys, objects), -1)
+            stored = self.store_objects(keys, objects)
         finally:
             with self._lock:
                 self._stores[task] = L2StoreResult(stored >= 0, max(stored, 0))
@@ -348,7 +370,7 @@ class KvbankL2Adapter(L2AdapterInterface):  # type: ignore[misc,unused-ignore]
     def _lookup(self, task: int, keys: list[Any], descs: dict[int, Any]) -> None:
         bits = Bitmap(len(keys))
         try:
-            for i in self._guarded("an LMCache lookup", lambda: self._lend(keys, descs), []):
+            for i in self.lock_objects(keys, descs):
                 bits.set(i)
         finally:
             with self._lock:
@@ -418,7 +440,7 @@ class KvbankL2Adapter(L2AdapterInterface):  # type: ignore[misc,unused-ignore]
     def _load(self, task: int, keys: list[Any], objects: list[Any]) -> None:
         bits = Bitmap(len(keys))
         try:
-            for i in self._guarded("an LMCache load", lambda: self._copy_in(keys, objects), []):
+            for i in self.load_objects(keys, objects):
                 bits.set(i)
         finally:
             with self._lock:

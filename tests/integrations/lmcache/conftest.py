@@ -6,6 +6,7 @@ below (``KVBANK_REQUIRE_LMCACHE=1``, as ``.ci/lmcache`` sets, turns the skip int
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import json
@@ -56,10 +57,8 @@ def wait_fd(fd: int, timeout_s: float = 60.0) -> None:
     poll.register(fd, select.POLLIN)
     if not poll.poll(int(timeout_s * 1000)):
         raise TimeoutError(f"event fd {fd} did not fire in {timeout_s} s")
-    try:
+    with contextlib.suppress(BlockingIOError):
         consume_fd(fd)
-    except BlockingIOError:
-        pass
 
 
 class Driver:
@@ -93,15 +92,29 @@ class Driver:
                 return [bits.test(i) for i in range(len(keys))]
 
 
-@pytest.fixture
-def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    """A fresh ``kvbank serve`` on a free loopback port, stopped (or killed) by pid."""
-    require_lmcache()
+def _start(tmp: Any) -> Any:
     from kvbank.service.launch import NodeProcess
 
-    n = NodeProcess.start(["--data-dir", str(tmp_path_factory.mktemp("node")), "--host-bytes", "256M",
-                           "--disk-bytes", "512M", "--device-bytes", "0"],
-                          env={**os.environ, "KVBANK_DISK_SYNC": "0"})
+    return NodeProcess.start(["--data-dir", str(tmp), "--host-bytes", "256M", "--disk-bytes", "512M",
+                              "--device-bytes", "0"], env={**os.environ, "KVBANK_DISK_SYNC": "0"})
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """A ``kvbank serve`` on a free loopback port for the module's tests, stopped by pid."""
+    require_lmcache()
+    n = _start(tmp_path_factory.mktemp("node"))
+    try:
+        yield n
+    finally:
+        n.stop()
+
+
+@pytest.fixture
+def own_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """A node of the test's own, for a test that kills it."""
+    require_lmcache()
+    n = _start(tmp_path_factory.mktemp("own-node"))
     try:
         yield n
     finally:

@@ -1,6 +1,8 @@
 """kvbank as LMCache's L2 tier, against a real ``kvbank serve`` and LMCache 0.5.6's own code.
 
-- LMCache's own check of an L2 adapter (``basic_check --mode test_l2_adapter``) passes.
+- LMCache's own checks pass: of an L2 adapter (``basic_check --mode test_l2_adapter``), and
+  of its in-process StorageManager with kvbank's storage plugin as its only backend
+  (``--mode test_storage_manager``).
 - Through LMCache's ``StorageManager`` (L1 + store and prefetch controllers), objects one
   manager stored come back byte for byte into another manager's empty L1.
 - Another model, object group, salt or layout is a miss; a lookup's READ lease keeps
@@ -103,6 +105,28 @@ def test_lmcache_basic_check_l2_adapter_passes(node: Any) -> None:
     assert "Test Failed" not in text, text[-3000:]
 
 
+def test_lmcache_basic_check_storage_manager_passes(node: Any, tmp_path: Path) -> None:
+    """LMCache's own check of its in-process StorageManager with kvbank as its only
+    storage backend (the in-process plugin, LMCache's CPU cache off): absent keys are
+    absent, puts land, are found, and gets return the same bytes (5/5 in every phase)."""
+    conf = tmp_path / "lmcache.yaml"
+    conf.write_text("\n".join([
+        "chunk_size: 256", "local_cpu: false", "max_local_cpu_size: 1", 'storage_plugins: ["kvbank"]',
+        "extra_config:",
+        "  storage_plugin.kvbank.module_path: kvbank.integrations.lmcache.inproc",
+        "  storage_plugin.kvbank.class_name: KvbankStoragePlugin",
+        f"  storage_plugin.kvbank.url: {node.url}", ""]))
+    out = subprocess.run([sys.executable, "-m", "lmcache.v1.basic_check", "--mode", "test_storage_manager"],
+                         capture_output=True, text=True, timeout=240, cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": str(ROOT), "LMCACHE_CONFIG_FILE": str(conf)})
+    text = out.stdout + out.stderr
+    assert out.returncode == 0, text[-3000:]
+    assert "Created dynamic backend: kvbank" in text, text[-3000:]
+    assert text.count("Validation: 5/5 passed (100.0%)") == 3, text[-3000:]  # absent, put, exists
+    assert "Validation (content correct): 5/5 passed (100.0%)" in text, text[-3000:]
+    assert "Test Failed" not in text, text[-3000:]
+
+
 def test_store_lookup_load_roundtrip_byte_exact_and_locked(node: Any) -> None:
     """Stored objects come back byte for byte into a second adapter (another process's
     view: its own clients, no shapes learned); the lookup's READ lease holds the rows on
@@ -120,25 +144,30 @@ def test_store_lookup_load_roundtrip_byte_exact_and_locked(node: Any) -> None:
         from kvbank import Client
 
         with Client(node.url) as c:
-            assert d.lookup(keys + [_key(99)], _desc()) == [True] * 4 + [False]
-            assert len(c.leases()) == 1  # one READ lease for the whole lookup
+            before = {lease.id for lease in c.leases()}  # other tests' leases, if any
+
+            def ours() -> list[str]:
+                return [lease.id for lease in c.leases() if lease.id not in before]
+
+            assert d.lookup([*keys, _key(99)], _desc()) == [True] * 4 + [False]
+            assert len(ours()) == 1  # one READ lease for the whole lookup
             out = [torch.zeros(SHAPE, dtype=DTYPE) for _ in range(4)]
             assert d.load(keys, [_obj(t) for t in out]) == [True] * 4
             for got, want in zip(out, data, strict=True):
                 assert torch.equal(got.view(torch.int16), want.view(torch.int16))
             reader.submit_unlock(keys[:2])
             time.sleep(0.2)
-            assert len(c.leases()) == 1  # two keys still locked
-            reader.submit_unlock(keys[2:] + [_key(99)])  # a miss's unlock is a no-op
+            assert len(ours()) == 1  # two keys still locked
+            reader.submit_unlock([*keys[2:], _key(99)])  # a miss's unlock is a no-op
             for _ in range(100):
-                if not c.leases():
+                if not ours():
                     break
                 time.sleep(0.05)
-            assert not c.leases()
+            assert not ours()
             again = [torch.zeros(SHAPE, dtype=DTYPE) for _ in range(2)]
             assert d.load(keys[:2], [_obj(t) for t in again]) == [True, True]
             assert torch.equal(again[1].view(torch.int16), data[1].view(torch.int16))
-            assert not c.leases()
+            assert not ours()  # the load's own lease ended with it
     finally:
         reader.close()
 
@@ -151,34 +180,34 @@ def test_other_model_group_salt_rank_or_layout_misses(node: Any) -> None:
     a = _adapter(node.url)
     d = Driver(a)
     try:
-        assert d.store([_key(i) for i in range(2)], [_obj(t) for t in data])
-        assert d.lookup([_key(i) for i in range(2)], _desc()) == [True, True]
-        a.submit_unlock([_key(i) for i in range(2)])
-        assert d.lookup([_key(i, model="org/other") for i in range(2)], _desc()) == [False, False]
-        assert d.lookup([_key(i, group=1) for i in range(2)], {1: _desc()[0]}) == [False, False]
-        assert d.lookup([_key(i, salt="user-b") for i in range(2)], _desc()) == [False, False]
-        assert d.lookup([_key(i, rank=0, world=2) for i in range(2)], _desc()) == [False, False]
+        assert d.store([_key(200 + i) for i in range(2)], [_obj(t) for t in data])
+        assert d.lookup([_key(200 + i) for i in range(2)], _desc()) == [True, True]
+        a.submit_unlock([_key(200 + i) for i in range(2)])
+        assert d.lookup([_key(200 + i, model="org/other") for i in range(2)], _desc()) == [False, False]
+        assert d.lookup([_key(200 + i, group=1) for i in range(2)], {1: _desc()[0]}) == [False, False]
+        assert d.lookup([_key(200 + i, salt="user-b") for i in range(2)], _desc()) == [False, False]
+        assert d.lookup([_key(200 + i, rank=0, world=2) for i in range(2)], _desc()) == [False, False]
         other = (2, 4, 128, 256)  # the same bytes a chunk, another layout
-        assert d.lookup([_key(i) for i in range(2)], _desc(other)) == [False, False]
-        assert d.lookup([_key(i) for i in range(2)], _desc(dtype=torch.float16)) == [False, False]
+        assert d.lookup([_key(200 + i) for i in range(2)], _desc(other)) == [False, False]
+        assert d.lookup([_key(200 + i) for i in range(2)], _desc(dtype=torch.float16)) == [False, False]
         wrong = torch.zeros(other, dtype=DTYPE)
-        assert d.load([_key(0)], [_obj(wrong)]) == [False]
+        assert d.load([_key(200)], [_obj(wrong)]) == [False]
         assert not wrong.any()
     finally:
         a.close()
 
 
-def test_killed_node_gives_misses_and_failed_stores(node: Any) -> None:
+def test_killed_node_gives_misses_and_failed_stores(own_node: Any) -> None:
     """After SIGKILL of the node: lookups miss, loads fail, stores report failure, unlocks
     of held keys return at once; nothing raises into LMCache, and close() returns."""
     data = _data(2, seed=3)
     keys = [_key(i) for i in range(2)]
-    a = _adapter(node.url, timeout_s=2, retry_s=0.2, breaker_s=1)
+    a = _adapter(own_node.url, timeout_s=2, retry_s=0.2, breaker_s=1)
     d = Driver(a)
     try:
         assert d.store(keys, [_obj(t) for t in data])
         assert d.lookup(keys, _desc()) == [True, True]
-        node.kill()
+        own_node.kill()
         a.submit_unlock(keys)  # the release fails: retried, then left to the lease's TTL
         assert d.lookup(keys, _desc()) == [False, False]
         out = torch.zeros(SHAPE, dtype=DTYPE)
@@ -228,7 +257,7 @@ def test_storage_manager_roundtrip_through_kvbank_is_byte_exact(node: Any) -> No
 
     second = manager()
     try:
-        spec = PrefetchTaskSpec(key_groups=[GroupedObjectKeys(keys=keys + [_key(999)], object_group_id=0,
+        spec = PrefetchTaskSpec(key_groups=[GroupedObjectKeys(keys=[*keys, _key(999)], object_group_id=0,
                                                               layout_desc=desc)],
                                 fetching_policy="full")
         handle = second.submit_prefetch_task(spec)

@@ -6,8 +6,9 @@ Add to ``lmcache server``::
                    "class_name":"KvbankL2Adapter","adapter_params":{"url":"http://127.0.0.1:7410"}}'
 
 Modules: :mod:`.adapter` (the class LMCache loads, and its ``adapter_params``),
+:mod:`.inproc` (the same work as a storage plugin of LMCache's in-process engine),
 :mod:`.layout` (which kvbank row an LMCache object is). Importing this package imports
-LMCache; :mod:`.layout` does not.
+LMCache.
 """
 
 from __future__ import annotations

@@ -64,7 +64,7 @@ from lmcache.v1.platform import create_event_notifier
 
 from kvbank import Client, PageLayout, Scope
 from kvbank.client.shm import Borrower
-from kvbank.errors import InvalidInput, KvbankError, LeaseExpired
+from kvbank.errors import InvalidInput, KvbankError, LeaseExpired, TierUnavailable
 from kvbank.integrations.guard import Guard, registered, safe
 from kvbank.integrations.lmcache.layout import ObjectShape, object_layout, scope_of
 from kvbank.lender.base import HostLocation, Lease, LeaseMode, MemoryKind
@@ -80,6 +80,7 @@ DEFAULT_BREAKER_S = 10.0
 DEFAULT_LOCK_TTL_S = 300.0  # LMCache's own L1 read lock; the node's max_lease_ttl_s is 600
 DEFAULT_WORKERS = 4
 UNLOCK_TRIES = 5  # a release the node cannot take now: then the lease's TTL ends it
+PRUNE_S = 60.0  # how often the lock table drops locks whose lease has ended
 
 
 class KvbankL2AdapterConfig(L2AdapterConfigBase):  # type: ignore[misc,unused-ignore]
@@ -135,6 +136,7 @@ class _Lock:
     """A lookup's READ lease and the names it still holds for LMCache."""
 
     lease: Lease
+    until: float  # time.monotonic() past which the node has ended it (its TTL)
     left: dict[bytes, int] = field(default_factory=dict)  # name -> keys not yet unlocked
 
 
@@ -159,6 +161,7 @@ class KvbankL2Adapter(L2AdapterInterface):  # type: ignore[misc,unused-ignore]
         self._lookups: dict[int, Bitmap] = {}
         self._loads: dict[int, Bitmap] = {}
         self._locks: dict[Any, deque[tuple[_Lock, bytes]]] = defaultdict(deque)  # key -> (lock, row)
+        self._pruned = time.monotonic()
         self._shapes: dict[tuple[str, int], ObjectShape] = {}  # (model, group) -> last seen
         self._local = threading.local()
         self._clients: list[Client] = []
@@ -305,6 +308,8 @@ class KvbankL2Adapter(L2AdapterInterface):  # type: ignore[misc,unused-ignore]
         def attempt() -> Any:
             try:
                 return fn()
+            except TierUnavailable:
+                raise  # the node is gone: no second wait on it
             except KvbankError:
                 # a node restarted on an empty data dir forgets layouts and scopes: once more
                 self._forget(client)
@@ -394,8 +399,9 @@ class KvbankL2Adapter(L2AdapterInterface):  # type: ignore[misc,unused-ignore]
                                     ttl_s=self.cfg.lock_ttl_s)
         present = {r.name for r in lease.rows if r.present}
         hit = [i for i, r in enumerate(rows) if r is not None and r.name in present]
-        lk = _Lock(lease)
+        lk = _Lock(lease, time.monotonic() + self.cfg.lock_ttl_s)
         with self._lock:
+            self._prune_locked()
             for i in hit:
                 name = rows[i].name  # type: ignore[union-attr]
                 lk.left[name] = lk.left.get(name, 0) + 1
@@ -403,6 +409,20 @@ class KvbankL2Adapter(L2AdapterInterface):  # type: ignore[misc,unused-ignore]
         if not hit:
             self._submit(lambda: self._release([lease]))
         return hit
+
+    def _prune_locked(self) -> None:
+        """Forget locks whose lease ended at its TTL (LMCache never unlocked them), at most
+        once every ``PRUNE_S``: the table would otherwise only grow."""
+        now = time.monotonic()
+        if now - self._pruned < PRUNE_S:
+            return
+        self._pruned = now
+        for key in list(self._locks):
+            q = deque((lk, name) for lk, name in self._locks[key] if lk.until > now)
+            if q:
+                self._locks[key] = q
+            else:
+                del self._locks[key]
 
     def _unlock(self, keys: list[Any]) -> list[Lease]:
         """Drop one lock per key; the leases no key holds any more (to release)."""

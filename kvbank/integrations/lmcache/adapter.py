@@ -64,6 +64,7 @@ from lmcache.v1.platform import create_event_notifier
 
 from kvbank import Client, PageLayout, Scope
 from kvbank.client.shm import Borrower
+from kvbank.codec.planes import copy_bytes
 from kvbank.errors import InvalidInput, KvbankError, LeaseExpired, TierUnavailable
 from kvbank.integrations.guard import Guard, registered, safe
 from kvbank.integrations.lmcache.layout import ObjectShape, object_layout, scope_of
@@ -80,6 +81,7 @@ DEFAULT_BREAKER_S = 10.0
 DEFAULT_LOCK_TTL_S = 300.0  # LMCache's own L1 read lock; the node's max_lease_ttl_s is 600
 DEFAULT_WORKERS = 4
 UNLOCK_TRIES = 5  # a release the node cannot take now: then the lease's TTL ends it
+PART_MIN_BYTES = 8 << 20  # a load copies in parts of at least this (see _copy_rows)
 PRUNE_S = 60.0  # how often the lock table drops locks whose lease has ended
 
 
@@ -166,8 +168,9 @@ class KvbankL2Adapter(L2AdapterInterface):  # type: ignore[misc,unused-ignore]
         self._local = threading.local()
         self._clients: list[Client] = []
         self._known: set[tuple[int, bytes, bytes]] = set()  # (client, layout id, scope digest)
-        self._borrower = Borrower()
-        self._borrow_lock = threading.Lock()
+        self._borrower = Borrower()  # the node's segments, mapped once (see _copy_rows)
+        self._map_lock = threading.Lock()
+        self._copies = ThreadPoolExecutor(max(cfg.workers - 1, 1), thread_name_prefix="kvbank-lmcache-copy")
         self._pool = ThreadPoolExecutor(cfg.workers, thread_name_prefix="kvbank-lmcache")
         self._closed = False
 
@@ -236,7 +239,8 @@ class KvbankL2Adapter(L2AdapterInterface):  # type: ignore[misc,unused-ignore]
             self._release(list(leases.values()), tries=1)
         for c in self._clients:
             safe("close", c.close, None)
-        with self._borrow_lock:
+        self._copies.shutdown(wait=True)
+        with self._map_lock:
             self._borrower.close()
         for efd in (self._store_efd, self._lookup_efd, self._load_efd):
             efd.close()
@@ -287,14 +291,16 @@ class KvbankL2Adapter(L2AdapterInterface):  # type: ignore[misc,unused-ignore]
     def _rows(self, keys: Sequence[Any], shapes: Sequence[ObjectShape | None]) -> list[_Row | None]:
         """Each key's row (None where its shape is unknown), names computed in batches."""
         out: list[_Row | None] = [None] * len(keys)
-        batches: dict[tuple[PageLayout, Scope], list[int]] = defaultdict(list)
+        # keyed by id, shard and scope: hashing a PageLayout itself costs ~60 µs
+        batches: dict[tuple[bytes, int, Scope], tuple[PageLayout, list[int]]] = {}
         for i, (key, shape) in enumerate(zip(keys, shapes, strict=True)):
             if shape is None:
                 continue
             layout = object_layout(key.model_name, key.object_group_id, key.kv_rank, shape)
-            batches[(layout, scope_of(self.cfg.tenant, key.cache_salt))].append(i)
+            scope = scope_of(self.cfg.tenant, key.cache_salt)
+            batches.setdefault((layout.layout_id, layout.shard_index, scope), (layout, []))[1].append(i)
         client = self._client()
-        for (layout, scope), idx in batches.items():
+        for (_, _, scope), (layout, idx) in batches.items():
             self._ensure(client, layout, scope)
             names = client.row_names(layout.layout_id, keys=[bytes(keys[i].chunk_hash) for i in idx],
                                      group=0, scope=scope, shard=layout.shard_index)
@@ -357,12 +363,13 @@ class KvbankL2Adapter(L2AdapterInterface):  # type: ignore[misc,unused-ignore]
             self._shapes[(key.model_name, key.object_group_id)] = shape
         rows = self._rows(keys, shapes)
         client = self._client()
-        batches: dict[tuple[PageLayout, Scope], list[int]] = defaultdict(list)
+        batches: dict[tuple[bytes, int, Scope], tuple[PageLayout, list[int]]] = {}
         for i, row in enumerate(rows):
             assert row is not None  # every shape is known on a store
-            batches[(row.layout, row.scope)].append(i)
+            batches.setdefault((row.layout.layout_id, row.layout.shard_index, row.scope),
+                               (row.layout, []))[1].append(i)
         total = 0
-        for (layout, scope), idx in batches.items():
+        for (_, _, scope), (layout, idx) in batches.items():
             size = layout.group_page_bytes[0]
             pages = [_page(objects[i], size) for i in idx]
             registered(client, layout, partial(
@@ -527,8 +534,7 @@ class KvbankL2Adapter(L2AdapterInterface):  # type: ignore[misc,unused-ignore]
         if not pairs:
             return []
         try:
-            with self._borrow_lock:
-                self._borrower.copy_rows(lease, pairs, into_rows=False)
+            self._copy_rows(lease, pairs)
         except LeaseExpired:
             logger.warning("kvbank: lease %s ended before its rows were copied: %d misses",
                            lease.id, len(pairs))
@@ -537,6 +543,35 @@ class KvbankL2Adapter(L2AdapterInterface):  # type: ignore[misc,unused-ignore]
             dst = memoryview(objects[i].byte_array).cast("B")
             dst[:] = memoryview(buf)[: len(dst)]
         return got
+
+    def _copy_rows(self, lease: Lease, pairs: list[tuple[bytes, memoryview]]) -> None:
+        """Copy a live READ lease's rows into their buffers, then check the lease outlived
+        the copies. One mapping of the node's segments for the adapter (mapped under a
+        lock, then only read); a large batch is cut into ``workers`` parts copied at once
+        (a load of 64 chunks is 150 MB, and one thread's copy is memory-latency bound)."""
+        jobs: list[tuple[np.ndarray, np.ndarray]] = []
+        with self._map_lock:
+            for name, buf in pairs:
+                loc = lease.row(name).location
+                if not isinstance(loc, HostLocation):
+                    raise InvalidInput(f"lease: row {name.hex()[:16]}… has no host memory")
+                seg = self._borrower.segment(loc.segment)
+                if loc.offset < 0 or loc.offset + loc.size > len(seg) or len(buf) < loc.size:
+                    raise InvalidInput(f"lease: row at {loc.offset}+{loc.size} does not fit segment "
+                                       f"{loc.segment} ({len(seg)} bytes) or its buffer ({len(buf)})")
+                jobs.append((np.frombuffer(buf, dtype=np.uint8, count=loc.size),
+                             np.frombuffer(seg, dtype=np.uint8, count=loc.size, offset=loc.offset)))
+        size = sum(d.nbytes for d, _ in jobs)
+        parts = min(self.cfg.workers, len(jobs), max(1, size // PART_MIN_BYTES))
+        cut = [jobs[k::parts] for k in range(parts)]
+        futures = [self._copies.submit(_copy_all, part) for part in cut[1:]]
+        try:
+            _copy_all(cut[0])
+        finally:
+            for f in futures:
+                f.result()
+        del jobs, cut  # no array may keep the mapping exported
+        self._borrower.check(lease)  # bytes copied after the lease ended are not used
 
     def _fetch_in(self, keys: list[Any], objects: list[Any], rows: list[_Row | None]) -> list[int]:
         """Off the node's host: each row fetched by its key (the node's data path)."""
@@ -555,6 +590,11 @@ class KvbankL2Adapter(L2AdapterInterface):  # type: ignore[misc,unused-ignore]
             dst[:] = memoryview(out[0])[: len(dst)]
             done.append(i)
         return done
+
+
+def _copy_all(jobs: list[tuple[np.ndarray, np.ndarray]]) -> None:
+    for dst, src in jobs:
+        copy_bytes(dst, src)  # frees the GIL
 
 
 def _page(obj: Any, size: int) -> memoryview:

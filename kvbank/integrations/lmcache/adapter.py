@@ -13,7 +13,7 @@ Start LMCache's server with::
 | ``url`` (or ``kvbank_url``) | ``http://127.0.0.1:7410`` | the ``kvbank serve`` node of this host |
 | ``tenant`` | ``""`` | goes into the scope: tenants never share objects |
 | ``token`` | none | a tenant token, when the node requires one |
-| ``timeout_s`` | 5 | one kvbank call's socket timeout |
+| ``timeout_s`` | 30 | one kvbank call's socket timeout (a task waits, LMCache does not) |
 | ``retry_s`` | 0.5 | how long idempotent calls are retried |
 | ``breaker_s`` | 10 | after the node was unreachable, every task fails (misses) this long |
 | ``lock_ttl_s`` | 300 | the READ lease a lookup takes (LMCache's own read lock is 300 s) |
@@ -75,7 +75,9 @@ __all__ = ["KvbankL2Adapter", "KvbankL2AdapterConfig"]
 logger = logging.getLogger(__name__)
 
 DEFAULT_URL = "http://127.0.0.1:7410"
-DEFAULT_TIMEOUT_S = 5.0
+# Every call runs on the adapter's threads, never on LMCache's: a slow node delays a task,
+# not LMCache. A store of 64 chunks is 150 MB (the node checksums it as it commits).
+DEFAULT_TIMEOUT_S = 30.0
 DEFAULT_RETRY_S = 0.5
 DEFAULT_BREAKER_S = 10.0
 DEFAULT_LOCK_TTL_S = 300.0  # LMCache's own L1 read lock; the node's max_lease_ttl_s is 600

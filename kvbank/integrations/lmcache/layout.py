@@ -74,6 +74,7 @@ def shard_of(kv_rank: int) -> tuple[int, int]:
     return world, rank
 
 
+@functools.lru_cache(maxsize=1024)
 def scope_of(tenant: str, cache_salt: str) -> Scope:
     return Scope(tenant=SCOPE_PREFIX + tenant, cache_salt=cache_salt)
 

@@ -70,7 +70,7 @@ ONLY: dict[str, tuple[str, ...]] = {
     "transformers": ("integrations", "bench", "cli"),
     "vllm": ("integrations", "bench"),
     "sglang": ("integrations",),
-    "lmcache": ("integrations",),
+    "lmcache": ("integrations", "bench"),
 }
 
 

@@ -24,4 +24,5 @@ SUITES: dict[str, str] = {
     "trace": "kvbank.bench.trace",
     "vllm": "kvbank.bench.vllm",
     "sglang": "kvbank.bench.sglang",
+    "lmcache": "kvbank.bench.lmcache",
 }

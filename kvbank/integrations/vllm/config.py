@@ -22,8 +22,9 @@ Keys of ``kv_connector_extra_config`` (all optional):
 |  |  | layout on the node. A request's ``kv_transfer_params`` ``{"kvbank_audit": true}`` |
 |  |  | audits it whatever the fraction (``false``: never) |
 
-Every kvbank error, a dead node or a timeout is a miss for vLLM: :class:`Guard` logs it at
-warning and answers the caller's fallback; only a transport failure trips the breaker.
+Every kvbank error, a dead node or a timeout is a miss for vLLM: :class:`Guard` (shared by
+the engine adapters, :mod:`kvbank.integrations.guard`) logs it at warning and answers the
+caller's fallback; only a transport failure trips the breaker.
 """
 
 from __future__ import annotations
@@ -39,8 +40,6 @@ from kvbank.errors import InvalidInput
 from kvbank.integrations.guard import Guard, registered, safe
 
 __all__ = ["DEFAULT_URL", "ConnectorConfig", "Guard", "registered", "safe"]
-
-logger = logging.getLogger(__name__)
 
 DEFAULT_URL = "http://127.0.0.1:7410"
 # A lookup blocks vLLM's scheduler loop: the Client's own defaults (120 s, 5 s of retries)

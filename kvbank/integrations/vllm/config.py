@@ -29,7 +29,6 @@ caller's fallback; only a transport failure trips the breaker.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any

@@ -252,16 +252,29 @@ class LocalLink:
         cols = self.call(fr.Op.FETCH_PREFIX, [*prompt, np.array([-1 if max_rows is None else max_rows],
                                                                 dtype="<i8")])
         m = fr.match_from(cols)
-        at = fr.MATCH_COLUMNS
-        fetch_id = fr.take(cols, at, str, "fetch_id")
         bufs: OutBuffers = out_of(m)
+        return m, self._read(m, bufs, cols, fr.MATCH_COLUMNS), bufs
+
+    def fetch(self, m: Match, bufs: OutBuffers, max_rows: int | None) -> FetchResult:
+        """``Client.fetch`` of ``m``: lent in one call, copied into ``bufs``, acknowledged."""
+        cols = self.call(fr.Op.FETCH, [*fr.match_columns(m), np.array([-1 if max_rows is None else max_rows],
+                                                                      dtype="<i8")])
+        got = self._read(m, bufs, cols, 0)
+        if got is None:  # nothing to fetch: the node opened nothing
+            raise InvalidInput("match: its resume bound needs no rows; nothing to fetch", field="match")
+        return got
+
+    def _read(self, m: Match, bufs: OutBuffers, cols: list[fr.Column], at: int) -> FetchResult | None:
+        """Copy the rows a lent fetch's answer (its 9 columns from ``at``) names, then
+        acknowledge them; None where no fetch was opened."""
+        fetch_id = fr.take(cols, at, str, "fetch_id")
         if not fetch_id:
-            return m, None, bufs
+            return None
         pos, grp, slot = (fr.ints(cols, at + i, w) for i, w in ((1, "rows.position"), (2, "rows.group"),
                                                                  (3, "rows.slot")))
         lease_id = fr.take(cols, at + 4, str, "lease_id")
         if not lease_id:
-            return m, self._ack(fetch_id, "", _EMPTY), bufs
+            return self._ack(fetch_id, "", _EMPTY)
         ttl = float(fr.take(cols, at + 5, np.ndarray, "ttl_s")[0])
         idx, off, size = (fr.ints(cols, at + i, w) for i, w in ((6, "slots.index"), (7, "slots.offset"),
                                                                  (8, "slots.size")))
@@ -275,7 +288,7 @@ class LocalLink:
             self._release_quietly(lease_id)
             raise
         # the node counts these rows only if the lease outlived the copies
-        return m, self._ack(fetch_id, lease_id, pos[idx]), bufs
+        return self._ack(fetch_id, lease_id, pos[idx])
 
     def _ack(self, fetch_id: str, lease_id: str, positions: np.ndarray[Any, Any]) -> FetchResult:
         return fr.result_from(self.call(fr.Op.ACK, [fetch_id, lease_id, np.ascontiguousarray(positions,

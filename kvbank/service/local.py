@@ -53,7 +53,7 @@ from kvbank.wire import local as fr
 from kvbank.wire.framing import PREFIX, PUT_MAGIC, decode_prefix, decode_put_header
 
 if TYPE_CHECKING:
-    from kvbank.service.node import Node
+    from kvbank.service.node import Node, OpenFetch
 
 logger = logging.getLogger(__name__)
 
@@ -133,6 +133,7 @@ class LocalChannel:
             fr.Op.MATCH: self._match, fr.Op.FETCH_PREFIX: self._fetch_prefix, fr.Op.ACK: self._ack,
             fr.Op.LEND: self._lend, fr.Op.CHECK: self._check, fr.Op.RELEASE: self._release,
             fr.Op.PUT_RESERVE: self._put_reserve, fr.Op.COMMIT: self._commit, fr.Op.PRESENCE: self._presence,
+            fr.Op.FETCH: self._fetch,
         }
 
     # ---- lifecycle ---------------------------------------------------------------------
@@ -364,20 +365,33 @@ class LocalChannel:
         lid, args = self._prompt(c, cols)
         max_rows = int(fr.ints(cols, 6, "max_rows", 1)[0])
         m, opened, lease = self.node.match_lend(lid, args, None, None if max_rows < 0 else max_rows)
-        out = fr.match_columns(m)
+        return [*fr.match_columns(m), *self._lent(c, opened, lease)]
+
+    def _fetch(self, c: _Conn, cols: list[fr.Column]) -> list[fr.Column]:
+        """A fetch of a Match the caller holds (``Client.fetch``): lent as fetch_prefix's."""
+        if c.tenant is not None or self._fd is None:
+            raise InvalidInput("socket: this connection was passed no host memory; fetch over HTTP",
+                               field="socket")
+        m = self.guard.match(c.caller, fr.match_from(cols))
+        max_rows = int(fr.ints(cols, fr.MATCH_COLUMNS, "max_rows", 1)[0])
+        opened, lease = self.node.lend_fetch(m, None, None if max_rows < 0 else max_rows)
+        return self._lent(c, opened, lease)
+
+    def _lent(self, c: _Conn, opened: OpenFetch | None, lease: Lease | None) -> list[fr.Column]:
+        """A lent fetch's 9 columns: fetch id ("" when none was opened), each planned
+        row's position, group and slot, then the lease's id, seconds left and slots."""
+        none = np.zeros(0, "<i8")
         if opened is None:
-            return [*out, "", np.zeros(0, "<i8"), np.zeros(0, "<i8"), np.zeros(0, "<i8"), "",
-                    np.zeros(1, "<f8"), np.zeros(0, "<i8"), np.zeros(0, "<i8"), np.zeros(0, "<i8")]
+            return ["", none, none, none, "", np.zeros(1, "<f8"), none, none, none]
         self.guard.own_fetch(c.caller, opened.fetch_id)
         rows = opened.rows
         pos = np.fromiter((r.position for r in rows), dtype="<i8", count=len(rows))
         grp = np.fromiter((r.group for r in rows), dtype="<i8", count=len(rows))
         slot = np.fromiter((r.slot for r in rows), dtype="<i8", count=len(rows))
         if lease is None:
-            return [*out, opened.fetch_id, pos, grp, slot, "", np.zeros(1, "<f8"), np.zeros(0, "<i8"),
-                    np.zeros(0, "<i8"), np.zeros(0, "<i8")]
+            return [opened.fetch_id, pos, grp, slot, "", np.zeros(1, "<f8"), none, none, none]
         self._own(c, lease)
-        return [*out, opened.fetch_id, pos, grp, slot, *self._slots(lease, opened.names, Delivery.READY)]
+        return [opened.fetch_id, pos, grp, slot, *self._slots(lease, opened.names, Delivery.READY)]
 
     def _ack(self, c: _Conn, cols: list[fr.Column]) -> list[fr.Column]:
         fetch_id = fr.take(cols, 0, str, "fetch_id")

@@ -19,7 +19,8 @@ from kvbank.service.launch import NodeProcess
 
 LAYOUT = full_attention("fetch-prefix@1", num_layers=2, num_kv_heads=2, head_dim=64)  # 16 KiB pages
 PAGE = LAYOUT.group_page_bytes[0]
-PATHS: dict[str, dict[str, Any]] = {"local": {"channel": "local"}, "shm": {"same_host": True, "channel": "http"}, "data": {"same_host": False, "data_plane": True},
+PATHS: dict[str, dict[str, Any]] = {"local": {"channel": "local"}, "shm": {"same_host": True, "channel": "http"},
+                                    "data": {"same_host": False, "data_plane": True},
          "tcp": {"same_host": False, "data_plane": False}}
 
 

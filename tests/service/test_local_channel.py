@@ -92,7 +92,12 @@ def test_a_client_on_the_nodes_host_takes_the_channel_and_answers_as_over_http(n
         assert names == http.row_names(lid, prompt[: 6 * 16], group=0)
         calls: list[str] = []
         inner = local._call
-        local._call = lambda m, p, **kw: (calls.append(p), inner(m, p, **kw))[1]  # type: ignore[method-assign]
+
+        def call(method: str, path: str, **kw: object) -> object:
+            calls.append(path)
+            return inner(method, path, **kw)  # type: ignore[arg-type]
+
+        local._call = call  # type: ignore[method-assign]
         m = local.match(lid, prompt)
         assert m == http.match(lid, prompt) and m.resume.tokens == 6 * 16
         keys = [bytes([i]) * 32 for i in range(3)]

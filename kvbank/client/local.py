@@ -79,6 +79,7 @@ class LocalLink:
         self.memory = False  # the node passed its host memory: page bodies go through it
         self.resident = False
         self._mm: mmap.mmap | None = None
+        self._pid = 0  # the node process whose memory is mapped
         self._borrower: Borrower | None = None
         self._closed = False
 
@@ -111,8 +112,7 @@ class LocalLink:
             raise
         info = fr.ints(cols, 0, "hello", 4).tolist()
         try:
-            if info[0] and fds:
-                self._adopt(fds[0], info[1], bool(info[2]))
+            self._adopt(fds[0] if info[0] and fds else None, info[1], bool(info[2]), info[3])
         finally:
             for fd in fds:
                 os.close(fd)
@@ -138,15 +138,27 @@ class LocalLink:
             raise fr.raise_error(cols)
         return cols
 
-    def _adopt(self, fd: int, size: int, resident: bool) -> None:
+    def _adopt(self, fd: int | None, size: int, resident: bool, pid: int) -> None:
+        """Map the memory a HELLO passed (once per node process: a node that restarted —
+        another pid — passes a new segment, and the old mapping is dropped, never read)."""
         with self._lock:
-            if self._mm is not None:
+            if self._mm is not None and pid == self._pid:
                 return
-            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-            b = Borrower(writable=True, populate=resident)
-            b.adopt(SEGMENT, mm)
-            self._mm, self._borrower = mm, b
-            self.memory, self.resident = True, resident
+            old_b, old_mm = self._borrower, self._mm
+            self._borrower = self._mm = None
+            self.memory = False
+            self._pid = pid
+            if fd is not None:
+                mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+                b = Borrower(writable=True, populate=resident)
+                b.adopt(SEGMENT, mm)
+                self._mm, self._borrower = mm, b
+                self.memory, self.resident = True, resident
+        with contextlib.suppress(BufferError):  # a copy elsewhere still holds a view: left mapped
+            if old_b is not None:
+                old_b.close()
+            if old_mm is not None:
+                old_mm.close()
 
     def call(self, op: fr.Op, cols: Sequence[fr.Column]) -> list[fr.Column]:
         """One call: a REQUEST frame out, its answer's columns back (an ERROR raised as the

@@ -91,8 +91,8 @@ class LocalLink:
 
     def _sock(self) -> socket.socket:
         sock: socket.socket | None = getattr(self._tls, "sock", None)
-        if sock is not None:
-            return sock
+        if sock is not None and self._tls.pid == os.getpid():
+            return sock  # (a forked child opens its own: frames of two processes never mix)
         if self._closed:
             raise TierUnavailable("client: closed", field="client")
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -116,7 +116,7 @@ class LocalLink:
         finally:
             for fd in fds:
                 os.close(fd)
-        self._tls.sock = sock
+        self._tls.sock, self._tls.pid = sock, os.getpid()
         with self._lock:
             self._socks.append(sock)
         return sock

@@ -25,8 +25,10 @@ def api(request: pytest.FixtureRequest, node: NodeProcess, tmp_path: Any) -> Ite
             yield bank
         return
     # client-local: the node's Unix socket (required); client-shm: HTTP calls, shared memory
-    kw: dict[str, Any] = {"client-local": {"channel": "local"}, "client-shm": {"same_host": True, "channel": "http"},
-                          "client-tcp": {"same_host": False}}[request.param]
+    paths: dict[str, dict[str, Any]] = {"client-local": {"channel": "local"},
+                                        "client-shm": {"same_host": True, "channel": "http"},
+                                        "client-tcp": {"same_host": False}}
+    kw = paths[request.param]
     with Client(node.url, **kw) as client:
         yield client
 

@@ -411,7 +411,10 @@ class LocalChannel:
     def _lend(self, c: _Conn, cols: list[fr.Column]) -> list[fr.Column]:
         names = list(fr.names_of(fr.take(cols, 0, bytes, "names"), "names"))
         mode_i, kind_i = fr.ints(cols, 1, "mode", 2).tolist()
-        ttl = float(fr.take(cols, 2, np.ndarray, "ttl_s")[0]) if len(cols) > 2 else float("nan")
+        ttls = fr.take(cols, 2, np.ndarray, "ttl_s") if len(cols) > 2 else np.array([np.nan])
+        if len(ttls) != 1 or ttls.dtype.kind != "f" or not (np.isnan(ttls[0]) or ttls[0] > 0):
+            raise InvalidInput("ttl_s: expected one positive number of seconds (NaN: the default)", field="ttl_s")
+        ttl = float(ttls[0])
         modes, kinds = list(LeaseMode), list(MemoryKind)
         if not (0 <= mode_i < len(modes) and 0 <= kind_i < len(kinds)):
             raise InvalidInput(f"mode: unknown mode {mode_i} or kind {kind_i}", field="mode")

@@ -109,6 +109,9 @@ def test_a_client_on_the_nodes_host_takes_the_channel_and_answers_as_over_http(n
         out = torch.zeros((6, PAGE), dtype=torch.uint8)
         res = local.fetch(m, out={0: out})
         assert res.complete and torch.equal(out, data)
+        rows = [bytearray(PAGE) for _ in range(6)]  # buffers that are not one tensor: a copy each
+        assert local.fetch_prefix(lid, prompt, out={0: rows}).tokens == 6 * 16
+        assert [bytes(r) for r in rows] == [bytes(data[i].numpy()) for i in range(6)]
         lease = local.lend(names[:2], ttl_s=60)
         local.check_live(lease.id)
         assert local.release(lease.id) and not local.release(lease.id)

@@ -14,7 +14,7 @@ case                  ours                                        baseline (same
 ====================  ==========================================  ============================
 ``fetch-remote``      ``Client.fetch`` of 64 x 2 MiB rows, TCP    raw TCP, same bytes
 ``put-remote``        ``Client.put`` of 64 x 2 MiB pages, TCP     raw TCP, same bytes
-``fetch-local``       ``Client.fetch``, same-host lease path,      memcpy of the same bytes
+``fetch-local``       ``Client.fetch``, same-host (local channel), memcpy of the same bytes
                       control calls included
 ``put-local``         ``Client.put``: WRITE lease, fill, commit   memcpy of the same bytes
 ``fetch-local-check``  ``fetch-local`` as it runs (each copy        the same fetch with the
@@ -22,6 +22,11 @@ case                  ours                                        baseline (same
 ``checksum``          xxh3-64 of 64 x 2 MiB pages, GB/s (what     memcpy of the same bytes
                       a network serve adds per verification)
 ``match-1000``        p50 ms of ``Client.match``, 1,000 pages     in-process ``Bank.match``
+``match-1000-keys``   the same chain given as 32-byte engine keys  in-process ``Bank.match(keys=)``
+``match-1000-8clients`` p99 ms of ``Client.match`` of 8 client      ``match-1000``'s single-client
+                      processes at once                           p50 (this run)
+``fetch-prefix-252``  GB/s of ``Client.fetch_prefix`` of 252 x     in-process ``Bank.fetch_prefix``
+                      32 KiB rows into given buffers              of the same rows
 ``fetch-remote-16``   aggregate GB/s, 16 client processes, each   raw TCP, 16 connections
                       fetching 16 x 2 MiB rows a call
 ====================  ==========================================  ============================
@@ -52,6 +57,8 @@ PAGES_16 = 16  # rows per call of each of the 16 concurrent clients
 LAYERS = 32  # 32 layers x (K+V) x 8 heads x 128 x 16 tokens x bf16 = 2 MiB pages
 REQ = struct.Struct("<BQ")  # op (1 = send me n bytes, 2 = take n bytes), n
 MATCH_PAGES = 1000
+PREFIX_ROWS = 252  # fetch-prefix-252: rows of 32 KiB
+MATCH_CLIENTS = 8
 
 
 def _layout(layers: int = LAYERS) -> Any:
@@ -118,12 +125,15 @@ def _raw_server() -> None:
 def _client(spec: dict[str, Any]) -> dict[str, Any]:
     import torch
 
-    from kvbank.bank.bank import Bank
     from kvbank.client.client import Client
 
     layout = _layout()
     page = layout.group_page_bytes[0]
     case, reps = spec["case"], spec["reps"]
+    if case in ("match-1000", "match-1000-keys", "match-1000-8clients"):
+        return _match_case(Client(spec["url"]), case, reps)
+    if case == "fetch-prefix-252":
+        return _prefix_case(Client(spec["url"]), reps)
     # 16 clients at once: 16 rows a call each keeps 16 processes' buffers in memory
     n_pages = PAGES_16 if case == "fetch-remote-16" else PAGES
     nbytes = n_pages * page
@@ -156,7 +166,8 @@ def _client(spec: dict[str, Any]) -> dict[str, Any]:
                 checksum(memoryview(src[i]))
         return _turns(hash_pages, memcpy, reps, nbytes)
     local = case in ("fetch-local", "put-local", "fetch-local-check")
-    client = Client(spec["url"], same_host=local)
+    client = Client(spec["url"], same_host=False if case in ("fetch-remote", "put-remote", "fetch-remote-16")
+                    else None)
     if local and not client.map_host(wait_s=300.0):
         raise RuntimeError("bench client: the node's segment did not map (or populate) in time")
     lid = client.register(layout)
@@ -173,29 +184,6 @@ def _client(spec: dict[str, Any]) -> dict[str, Any]:
         counter[0] += 1  # new rows every time: a stored row would be skipped, not sent
         client.put(lid, _tokens(counter[0], PAGES), group=0, pages=pages)
 
-    if case == "match-1000":
-        small = _layout(1)
-        slid = client.register(small)
-        toks = _tokens(99_000, MATCH_PAGES)
-        client.put(slid, toks, group=0, pages=torch.zeros((MATCH_PAGES, small.group_page_bytes[0]), dtype=torch.uint8))
-        with Bank.open(host_bytes="256M", device_bytes=0) as bank:
-            bank.register(small)
-            bank.put(slid, toks, group=0,
-                     pages=torch.zeros((MATCH_PAGES, small.group_page_bytes[0]), dtype=torch.uint8))
-            q = [*toks, 1]
-            ours, base = [], []
-            for _ in range(5):
-                client.match(slid, q)
-                bank.match(slid, q)
-            for _ in range(reps):
-                t0 = time.perf_counter()
-                client.match(slid, q)
-                t1 = time.perf_counter()
-                bank.match(slid, q)
-                t2 = time.perf_counter()
-                ours.append(t1 - t0)
-                base.append(t2 - t1)
-        return {"ours": ours, "base": base}
     if case == "fetch-local-check":
         from unittest import mock
 
@@ -250,6 +238,137 @@ def _turns(fn: Any, baseline: Any, reps: int, nbytes: int) -> dict[str, Any]:
         ours.append(t1 - t0)
         base.append(t2 - t1)
     return {"ours": ours, "base": base, "bytes": nbytes}
+
+
+def _match_case(client: Any, case: str, reps: int) -> dict[str, Any]:
+    """``match-1000`` (by tokens) / ``-keys`` (by engine keys) against the in-process
+    ``Bank.match`` of the same chain; ``-8clients``: this process's latencies only, timed
+    once every client said ready (the orchestrator starts them together)."""
+    import hashlib
+
+    import torch
+
+    from kvbank.bank.bank import Bank
+
+    small = _layout(1)
+    slid = client.register(small)
+    toks = _tokens(99_000, MATCH_PAGES)
+    keys = [hashlib.sha256(b"bench-service-key-%d" % i).digest() for i in range(MATCH_PAGES)]
+    by_keys = case == "match-1000-keys"
+    zeros = torch.zeros((MATCH_PAGES, small.group_page_bytes[0]), dtype=torch.uint8)
+    prompt = MATCH_PAGES * 16 + 1
+    if by_keys:
+        client.put(slid, keys=keys, group=0, pages=zeros)
+    else:
+        client.put(slid, toks, group=0, pages=zeros)
+    q = [*toks, 1]
+
+    def ours_call() -> Any:
+        return client.match(slid, keys=keys, prompt_tokens=prompt) if by_keys else client.match(slid, q)
+
+    if case == "match-1000-8clients":
+        for _ in range(5):
+            ours_call()
+        print("ready", flush=True)
+        sys.stdin.readline()
+        lat = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            ours_call()
+            lat.append(time.perf_counter() - t0)
+        client.close()
+        return {"ours": lat}
+    with Bank.open(host_bytes="256M", device_bytes=0) as bank:
+        bank.register(small)
+        if by_keys:
+            bank.put(slid, keys=keys, group=0, pages=zeros)
+        else:
+            bank.put(slid, toks, group=0, pages=zeros)
+
+        def base_call() -> Any:
+            return bank.match(slid, keys=keys, prompt_tokens=prompt) if by_keys else bank.match(slid, q)
+
+        if ours_call().resume.tokens != base_call().resume.tokens or base_call().resume.tokens == 0:
+            raise RuntimeError("bench client: the node's match and the bank's differ")
+        ours, base = [], []
+        for _ in range(5):
+            ours_call()
+            base_call()
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            ours_call()
+            t1 = time.perf_counter()
+            base_call()
+            t2 = time.perf_counter()
+            ours.append(t1 - t0)
+            base.append(t2 - t1)
+    client.close()
+    return {"ours": ours, "base": base}
+
+
+def _prefix_case(client: Any, reps: int) -> dict[str, Any]:
+    """``fetch-prefix-252``: 252 rows of 32 KiB matched and fetched into given buffers,
+    through the node's local channel and through an in-process ``Bank``."""
+    import torch
+
+    from kvbank.bank.bank import Bank
+    from kvbank.builders import full_attention
+
+    layout = full_attention("bench-service-prefix@1", 2, 2, 128, tokens_per_page=16)  # 32 KiB pages
+    page = layout.group_page_bytes[0]
+    plid = client.register(layout)
+    toks = _tokens(88_000, PREFIX_ROWS)
+    pages = torch.from_numpy((np.arange(PREFIX_ROWS * page, dtype=np.uint64) % 253).astype(np.uint8)
+                             .reshape(PREFIX_ROWS, page))
+    client.put(plid, toks, group=0, pages=pages)
+    q = [*toks, 1]
+    mine = torch.zeros((PREFIX_ROWS, page), dtype=torch.uint8)
+    theirs = torch.zeros((PREFIX_ROWS, page), dtype=torch.uint8)
+    with Bank.open(host_bytes="256M", device_bytes=0) as bank:
+        bank.register(layout)
+        bank.put(plid, toks, group=0, pages=pages)
+        got = client.fetch_prefix(plid, q, out={0: mine})
+        if got.tokens != PREFIX_ROWS * 16 or not torch.equal(mine, pages):
+            raise RuntimeError(f"bench client: fetch_prefix got {got.tokens} tokens or other bytes")
+        ours, base = [], []
+        for _ in range(3):
+            client.fetch_prefix(plid, q, out={0: mine})
+            bank.fetch_prefix(plid, q, out={0: theirs})
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            client.fetch_prefix(plid, q, out={0: mine})
+            t1 = time.perf_counter()
+            bank.fetch_prefix(plid, q, out={0: theirs})
+            t2 = time.perf_counter()
+            ours.append(t1 - t0)
+            base.append(t2 - t1)
+    client.close()
+    return {"ours": ours, "base": base, "bytes": PREFIX_ROWS * page}
+
+
+def _p(xs: list[float], q: float) -> float:
+    ys = sorted(xs)
+    return ys[min(len(ys) - 1, int(q * len(ys)))]
+
+
+def _together(spec: dict[str, Any], n: int) -> list[float]:
+    """``n`` client processes of ``spec``'s case, timed together; every latency."""
+    procs = [_spawn("_client", json.dumps({**spec, "seed": spec["seed"] + i})) for i in range(n)]
+    for p in procs:
+        assert p.stdout is not None
+        if p.stdout.readline().strip() != "ready":
+            raise RuntimeError("bench client did not get ready")
+    for p in procs:
+        assert p.stdin is not None
+        p.stdin.write("go\n")
+        p.stdin.flush()
+    lat: list[float] = []
+    for p in procs:
+        out, _ = p.communicate(timeout=900)
+        if p.returncode:
+            raise RuntimeError(f"bench client failed (rc {p.returncode})")
+        lat.extend(json.loads(out.strip().splitlines()[-1])["ours"])
+    return lat
 
 
 # ---- the orchestrator ----------------------------------------------------------------------
@@ -331,8 +450,21 @@ def run(quick: bool = False) -> Iterator[BenchRow]:
                           gb / statistics.median(r["base"]))
             settle()
             r = _one({**spec, "case": "match-1000", "reps": 15 if quick else 50, "seed": 99})
-            yield row(SUITE, "match-1000", "ms p50", statistics.median(r["ours"]) * 1e3,
+            single = statistics.median(r["ours"]) * 1e3
+            yield row(SUITE, "match-1000", "ms p50", single,
                       "in-process Bank.match", statistics.median(r["base"]) * 1e3)
+            r = _one({**spec, "case": "match-1000-keys", "reps": 15 if quick else 50, "seed": 98})
+            yield row(SUITE, "match-1000-keys", "ms p50", statistics.median(r["ours"]) * 1e3,
+                      "in-process Bank.match(keys=)", statistics.median(r["base"]) * 1e3)
+            lat = _together({**spec, "case": "match-1000-8clients", "reps": 15 if quick else 50, "seed": 97},
+                            MATCH_CLIENTS)
+            yield row(SUITE, "match-1000-8clients", "ms p99", _p(lat, 0.99) * 1e3,
+                      "match-1000 single-client p50", single)
+            settle()
+            r = _one({**spec, "case": "fetch-prefix-252", "reps": 10 if quick else 30, "seed": 96})
+            gb = r["bytes"] / 1e9
+            yield row(SUITE, "fetch-prefix-252", "GB/s", gb / statistics.median(r["ours"]),
+                      "in-process Bank.fetch_prefix", gb / statistics.median(r["base"]))
             n = 4 if quick else 16
             settle()
             agg = _many({**spec, "case": "fetch-remote-16", "reps": 2 if quick else 4, "seed": 200}, n)

@@ -30,6 +30,15 @@ to the HTTP stream where it answers None:
   ``http.client`` connections (:mod:`kvbank.client.http`); a pooled connection the node
   closed while idle is dropped before use.
 
+**The local channel** (:mod:`kvbank.client.local`): where the node runs on this host (its
+``/v1/node`` names a socket, with this host's boot id and this uid), the per-request calls
+— ``match``, ``presence``, ``fetch_prefix``, ``lend`` / ``check_live`` / ``release`` /
+``commit`` and a put's reserve and commit — go over the node's Unix socket as binary
+frames, and the page bodies through the host memory the node passed over it as a file
+descriptor (a tenant-bound client gets none: its bodies take the paths above).
+``channel=None`` picks it by itself and falls back to HTTP with a logged reason;
+``channel="local"`` requires it; ``channel="http"`` (or ``same_host=False``) never uses it.
+
 Retries only where a call is idempotent (``match``, GETs, ``fetch`` — which resumes under
 its fetch id), until ``retry_s`` has passed.
 
@@ -39,6 +48,7 @@ Lifecycle: ``Client(url)`` (no connection yet) → calls → ``close()`` (or ``w
 from __future__ import annotations
 
 import http.client
+import logging
 import threading
 import time
 from collections import OrderedDict
@@ -75,6 +85,7 @@ from kvbank.client.io import (
     put_head,
     scope_doc,
 )
+from kvbank.client.local import ChannelBroken, LocalLink
 from kvbank.client.paths import DataPort, PagePath, SharedMemory, Stream
 from kvbank.errors import Busy, InvalidInput, TierUnavailable
 from kvbank.keys import DEFAULT_SCOPE, Scope, TokenIds, namespace, prompt_keys, tokens_to_bytes
@@ -95,6 +106,8 @@ from kvbank.tiers.base import TierKind
 from kvbank.wire.framing import PutKind, encode_match
 from kvbank.wire.node import DEFAULT_BIND, DEFAULT_PORT
 
+logger = logging.getLogger(__name__)
+
 DEFAULT_URL = f"http://{DEFAULT_BIND}:{DEFAULT_PORT}"
 DEFAULT_TIMEOUT_S = 120.0
 DEFAULT_RETRY_S = 5.0
@@ -114,6 +127,7 @@ class Client(EngineCalls):
         same_host: bool | None = None,
         token: str | None = None,
         data_plane: bool | None = None,
+        channel: str | None = None,
     ) -> None:
         parts = urlsplit(url)
         if parts.scheme != "http" or not parts.hostname:
@@ -124,7 +138,15 @@ class Client(EngineCalls):
         # checked here, as Bank checks its own settings: not at the first call, untyped
         timeout_s = checks.seconds(timeout_s, "timeout_s", positive=True)
         retry_s = checks.seconds(retry_s, "retry_s")
+        if channel not in (None, "local", "http"):
+            raise InvalidInput(f"channel: expected 'local', 'http' or None, got {channel!r}", field="channel")
         self.url = url.rstrip("/")
+        # the local channel: None = pick it where the node is on this host
+        self._channel = "http" if channel is None and same_host is False else channel
+        self._link: LocalLink | None = None
+        self._link_off = self._channel == "http"
+        self._token = token
+        self._timeout_s = float(timeout_s)
         # ``token``: a tenant token, sent on every call (the node binds the caller to it)
         auth = {} if token is None else {"Authorization": f"Bearer {token}"}
         self._tenant_token = token is not None
@@ -169,6 +191,44 @@ class Client(EngineCalls):
     def _check_open(self) -> None:
         if self._closed:  # as a closed Bank answers: no call reopens a connection
             raise TierUnavailable(f"client: closed (the client of {self.url})", field="client")
+
+    def _chan(self) -> LocalLink | None:
+        """The local channel, connected on first use; None where calls go over HTTP (the
+        reason logged once)."""
+        link = self._link
+        if link is not None or self._link_off:
+            return link
+        self._check_open()
+        with self._lock:
+            if self._link is not None or self._link_off:
+                return self._link
+            info = self._host_info()
+            path = info.get("socket")
+            reason = None
+            if not isinstance(path, str) or not path:
+                reason = "the node serves no local channel"
+            elif not SharedMemory.same_machine(info):
+                reason = "the node runs on another host, or as another uid"
+            else:
+                link = LocalLink(path, self._token, self._timeout_s)
+                link.layout_of = self.layout
+                try:
+                    link.open()
+                except TierUnavailable as exc:
+                    reason = str(exc)
+                else:
+                    self._link = link
+                    return link
+            if self._channel == "local":
+                raise TierUnavailable(f"node: no local channel to {self.url}: {reason}", field="channel")
+            logger.info("client: calls to %s go over HTTP: %s", self.url, reason)
+            self._link_off = True
+            return None
+
+    def _local_memory(self) -> LocalLink | None:
+        """The local channel where the node passed it its host memory."""
+        link = self._chan()
+        return link if link is not None and link.memory else None
 
     def _path(self) -> PagePath:
         """The way page bodies go now: shared memory on the node's host, else its data port
@@ -218,6 +278,9 @@ class Client(EngineCalls):
         ``wait_s`` seconds for this process's page tables of it to be built (a worker
         does this once at start, so no put later pays a fault per 4 KiB page). Whether
         it is ready; False on the TCP path."""
+        link = self._local_memory()
+        if link is not None:
+            return link.wait_populated(wait_s)
         if not self.same_host:
             return False
         return self._shm.map(wait_s)
@@ -276,6 +339,10 @@ class Client(EngineCalls):
 
     def _store(self, kind: PutKind, head: bytes, views: list[memoryview],
                deadline: Deadline | None = None) -> list[bytes]:
+        link = self._local_memory()
+        if link is not None:
+            got = link.put(head, views)
+            return self._stream.put(kind, head, views, deadline) if got is None else got
         names = self._path().put(kind, head, views, deadline)
         return self._stream.put(kind, head, views, deadline) if names is None else names
 
@@ -333,6 +400,14 @@ class Client(EngineCalls):
               shard: int | None = None, keys: Sequence[bytes] | None = None,
               prompt_tokens: int | None = None) -> Match:
         """:meth:`Bank.match` on the node (by tokens, or by an engine's key chain). Never leases."""
+        link = self._chan()
+        if link is not None:
+            prompt = self._prompt_columns(layout_id, tokens, scope, shard, keys, prompt_tokens)
+            if prompt is not None:
+                try:
+                    return link.match(prompt)
+                except ChannelBroken as exc:  # idempotent: over HTTP this once
+                    logger.info("client: match over HTTP: %s", exc)
         if tokens is not None and prompt_tokens is None:
             check_prompt(layout_id, scope, tokens, keys)
             # the binary form: the ids as they are, no base64 in JSON around them
@@ -341,6 +416,22 @@ class Client(EngineCalls):
             return self._matched(doc)
         body = prompt_doc(layout_id, tokens, scope, shard, keys, prompt_tokens)
         return self._matched(self._call("POST", "/v1/match", body=body, idempotent=True))
+
+    @staticmethod
+    def _prompt_columns(layout_id: bytes, tokens: TokenIds | None, scope: Scope, shard: int | None,
+                        keys: Sequence[bytes] | None, prompt_tokens: int | None) -> list[Any] | None:
+        """A prompt's columns on the local channel (checked as its HTTP body is); None
+        where it has no binary form (engine keys that are not all 32 bytes)."""
+        check_prompt(layout_id, scope, tokens, keys)
+        if keys is not None:
+            if isinstance(keys, (bytes, str)) or not isinstance(keys, Sequence):
+                raise InvalidInput(f"keys: expected a sequence of page keys, got {type(keys).__name__}")
+            for i, k in enumerate(keys):
+                if type(k) is not bytes:
+                    raise InvalidInput(f"keys[{i}]: expected a page key (bytes), got {type(k).__name__}")
+            return LocalLink.prompt_columns(layout_id, scope, shard, None, keys, prompt_tokens)
+        assert tokens is not None  # one of the two, checked above
+        return LocalLink.prompt_columns(layout_id, scope, shard, tokens_to_bytes(tokens), None, prompt_tokens)
 
     def resume_at(self, match: Match, tokens: int) -> Match:
         """:meth:`Bank.resume_at`, computed here: ``match`` resumed at ``tokens``, one of
@@ -354,11 +445,17 @@ class Client(EngineCalls):
                  keys: Sequence[bytes] | None = None, prompt_tokens: int | None = None) -> Presence:
         """:meth:`Bank.presence` on the node: where the prompt's rows are for every shard
         (default: all of the layout's), and the boundary all of them can resume at."""
+        if shards is not None and (isinstance(shards, (str, bytes)) or not isinstance(shards, Sequence)):
+            raise InvalidInput(f"shards: expected a non-empty sequence of shard indices, got {shards!r}")
+        link = self._chan()
+        if link is not None and (shards is None or (shards and all(
+                type(x) is int and x >= 0 for x in shards))):
+            prompt = self._prompt_columns(layout_id, tokens, scope, None, keys, prompt_tokens)
+            if prompt is not None:
+                return link.presence(prompt, shards)
         body = prompt_doc(layout_id, tokens, scope, None, keys, prompt_tokens)
         del body["shard"]
         if shards is not None:
-            if isinstance(shards, (str, bytes)) or not isinstance(shards, Sequence):
-                raise InvalidInput(f"shards: expected a non-empty sequence of shard indices, got {shards!r}")
             body["shards"] = list(shards)
         return wire.from_dict(Presence, self._call("POST", "/v1/presence", body=body, idempotent=True))
 
@@ -375,6 +472,16 @@ class Client(EngineCalls):
         """:meth:`Bank.fetch_prefix` on the node. On the same host, and over the data port,
         one control call matches and lends (then the copies, then the acknowledgement);
         over HTTP streams it is :meth:`match`, then :meth:`fetch`."""
+        link = self._local_memory()
+        if link is not None:
+            prompt = self._prompt_columns(layout_id, tokens, scope, shard, keys, prompt_tokens)
+            if prompt is not None:
+                def out_of(m: Match) -> OutBuffers:
+                    if not any(m.resume.pages):
+                        return {} if out is None else out
+                    return out_buffers(self.layout(m.layout_id), m.resume.pages) if out is None else out
+                m, result, bufs = link.fetch_prefix(prompt, max_rows, out_of)
+                return Fetched(m, result, bufs)
         body = prompt_doc(layout_id, tokens, scope, shard, keys, prompt_tokens)
         fast = self._path().prefix(body, out, max_rows)
         if fast is not None:
@@ -416,6 +523,9 @@ class Client(EngineCalls):
             raise InvalidInput(f"match: expected a Match, got {type(match).__name__}")
         check_shard(match, shard)
         views = out_views(self.layout(match.layout_id), match.resume.pages, out)
+        link = self._local_memory() if fetch_id is None and any(match.resume.pages) else None
+        if link is not None:  # one call lends, the copies, one call acknowledges
+            return link.fetch(match, out, max_rows)
         req = {"match": self._match_doc(match), "fetch_id": fetch_id, "max_rows": max_rows}
         got = self._path().fetch(req, views, out, deadline)
         return self._stream.fetch(req, views, out, deadline) if got is None else got
@@ -444,6 +554,21 @@ class Client(EngineCalls):
         names = rows.needed if isinstance(rows, Match) else rows
         if isinstance(names, (bytes, str)) or not isinstance(names, Sequence):
             raise InvalidInput(f"names: expected a sequence of row names, got {type(names).__name__}")
+        link = self._chan()
+        if link is not None:
+            enum_name(mode, LeaseMode, "mode")
+            enum_name(kind, MemoryKind, "kind")
+            if ttl_s is not None and (isinstance(ttl_s, bool) or not isinstance(ttl_s, (int, float))
+                                      or not ttl_s > 0):
+                raise InvalidInput(f"ttl_s: expected a positive number of seconds, got {ttl_s!r}", field="ttl_s")
+            names = list(names)
+            for i, n in enumerate(names):
+                name_hex(n, i)
+            lease = link.lend(names, mode, kind, ttl_s)
+            if deadline is not None and deadline.passed():
+                self.release(lease.id)
+                raise deadline.busy("the lease was not ready (it came later and was released)")
+            return lease
         hexed = [name_hex(n, i) for i, n in enumerate(names)]
         doc = self._call("POST", "/v1/leases", body={"names": hexed, "mode": enum_name(mode, LeaseMode, "mode"),
                                                      "kind": enum_name(kind, MemoryKind, "kind"), "ttl_s": ttl_s},
@@ -466,6 +591,9 @@ class Client(EngineCalls):
         return wire.from_dict(Lease, doc)
 
     def release(self, lease_id: str) -> bool:
+        link = self._chan()
+        if link is not None:
+            return link.release(_lease_text(lease_id))
         return bool(self._call("DELETE", f"/v1/leases/{lease_path_id(lease_id)}")["released"])
 
     def commit(self, lease_id: str, arrived: Sequence[bytes] | Sequence[bool]) -> CommitResult:
@@ -484,6 +612,9 @@ class Client(EngineCalls):
     def _commit(self, lease_id: str, arrived: Sequence[bytes] | Sequence[bool],
                 deadline: Deadline | None) -> CommitResult:
         items = list(arrived)
+        link = self._chan()
+        if link is not None and all(type(a) is bytes for a in items):
+            return link.commit(_lease_text(lease_id), items)  # type: ignore[arg-type]  # bytes, checked
         body = items if items and all(isinstance(a, bool) for a in items) else [
             a.hex() if isinstance(a, bytes) else a for a in items]
         doc = self._call("POST", f"/v1/leases/{lease_path_id(lease_id)}/commit", body={"arrived": body},
@@ -492,6 +623,10 @@ class Client(EngineCalls):
 
     def check_live(self, lease_id: str) -> None:
         """The completion check: :class:`LeaseExpired` if the lease ended before now."""
+        link = self._chan()
+        if link is not None:
+            link.check_live(_lease_text(lease_id))
+            return
         self._call("POST", f"/v1/leases/{lease_path_id(lease_id)}/check")
 
     def stats(self) -> BankStats:
@@ -538,6 +673,8 @@ class Client(EngineCalls):
         """Close every connection and unmap the node's segments; every call after it raises
         :class:`TierUnavailable`, as a closed Bank's do. Idempotent."""
         self._closed = True
+        if self._link is not None:
+            self._link.close()
         self._pool.close()
         self._data.close()
         self._shm.close()
@@ -548,6 +685,11 @@ class Client(EngineCalls):
     def __exit__(self, et: type[BaseException] | None, ev: BaseException | None,
                  tb: TracebackType | None) -> None:
         self.close()
+
+
+def _lease_text(lease_id: object) -> str:
+    """A lease id as the local channel sends it (checked as its HTTP path is)."""
+    return lease_path_id(lease_id)  # refuses what is not a lease id
 
 
 __all__ = ["DEFAULT_URL", "Client"]

@@ -145,6 +145,16 @@ class SharedMemory(_Lent):
         self._writer: Borrower | None = None
 
     @staticmethod
+    def same_machine(info: Doc) -> bool:
+        """Whether the node (its ``/v1/node`` ``host`` document ``info``) runs on this
+        host's kernel as this uid: the same boot id and uid."""
+        try:
+            boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        except OSError:
+            return False
+        return bool(boot) and info.get("boot_id") == boot and info.get("uid") == os.getuid()
+
+    @staticmethod
     def maps_here(info: Doc) -> bool:
         """Whether the node's host segment (its ``/v1/node`` ``host`` document ``info``) can
         be mapped here: the same boot id, uid and shm directory, and the segment's file."""

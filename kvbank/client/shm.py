@@ -139,6 +139,15 @@ class Borrower:
         mv = self._views[name] = memoryview(mm)
         return mv
 
+    def adopt(self, name: str, mm: mmap.mmap) -> None:
+        """Know ``mm`` (a mapping its owner passed as a file descriptor) as segment
+        ``name``: nothing opens a segment by name for it. The caller keeps ``mm`` open
+        until :meth:`close`."""
+        self._maps[name] = mm
+        if self._populate:
+            self._warming[name] = _Populate(name, mm, self._writable)
+        self._views[name] = memoryview(mm)
+
     def wait_populated(self, name: str, timeout: float | None = None) -> bool:
         """Map segment ``name`` (with ``populate=True``: and build its page tables);
         whether that finished within ``timeout`` seconds."""

@@ -248,7 +248,12 @@ def create_app(node: Node) -> FastAPI:
 
     @app.get("/v1/node")
     async def node_info() -> Response:
-        return _json(node.info())
+        doc = node.info()
+        if guard.tokens:
+            # tenants reach the host memory only as a descriptor the local channel passes
+            # (never to a tenant-bound caller): no name of it to open (served-node review D1)
+            doc["host"]["segment"] = None
+        return _json(doc)
 
     @app.get("/v1/health")
     async def health() -> Response:

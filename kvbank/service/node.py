@@ -193,6 +193,8 @@ class Node:
         self.put_bodies = TenantShares(max(1, config.bank.host_bytes // 2))
         self.fleet: Fleet | None = None  # set by the server when the node joins a fleet
         self.dataplane: DataPlane | None = None  # set by the server when it serves a data port
+        # the local channel's socket (kvbank.service.local), set by the server once it listens
+        self.channel_path: str | None = None
         # The host tier's segment, from an ALL lease (which describes the pools, locks
         # nothing): a same-host client checks it can map it before taking that path.
         pools: tuple[object, ...] = ()
@@ -221,7 +223,9 @@ class Node:
                      "segment_bytes": None if segment is None else segment.size,
                      # kept resident (reserve_host): a same-host client may build its page
                      # tables for the whole segment up front without claiming new memory
-                     "resident": segment is not None and self.bank.reservation is not None},
+                     "resident": segment is not None and self.bank.reservation is not None,
+                     # the local channel: same-host workers' calls, the memory as a descriptor
+                     "socket": self.channel_path},
             "data_dir": None if cfg.data_dir is None else str(cfg.data_dir),
             "host_bytes": cfg.host_bytes,
             "disk_bytes": cfg.disk_bytes,

@@ -9,6 +9,8 @@ Lifecycle::
       │     "kvbank serve: ready on http://127.0.0.1:7410 (data dir …, host tier …, …)"
       ├─ the data port (``data_port``, :mod:`kvbank.service.dataplane`) listens, its
       │  threads beside uvicorn's loop; the ready line names it
+      ├─ the local channel (:mod:`kvbank.service.local`) listens on ``node.sock`` in the
+      │  data dir, a thread per same-host worker; ``/v1/node`` names its path
       ├─ requests: blocking bank calls on the node's bounded pool, never on the loop
       └─ SIGTERM / SIGINT: stop accepting, let in-flight requests finish (at most
          ``shutdown_timeout_s``), end the data connections (a transfer in flight breaks
@@ -43,12 +45,13 @@ import uvicorn
 
 from kvbank import progress
 from kvbank.bank.bank import Bank
-from kvbank.errors import ConfigError, TierUnavailable
+from kvbank.errors import ConfigError, KvbankError, TierUnavailable
 from kvbank.service.admin.routes import admin_of
 from kvbank.service.app import create_app
 from kvbank.service.config import DATA_PORT_OFF, ServiceConfig
 from kvbank.service.connections import protocol
 from kvbank.service.dataplane import DataPlane
+from kvbank.service.local import LocalChannel, socket_path
 from kvbank.service.node import Node
 from kvbank.service.sockets import listen
 from kvbank.tiers.datadir import private_dir
@@ -115,6 +118,7 @@ def serve(config: ServiceConfig, *, out: TextIO = sys.stdout) -> int:
     _show_reservation(bank)
     node = Node(bank, config)
     stopping = _Stopping(sys.stderr)
+    channel: LocalChannel | None = None
     try:
         if config.redis is not None or config.redis_cluster is not None:
             # only a node in a fleet loads it (and needs the fleet extra's redis)
@@ -123,6 +127,7 @@ def serve(config: ServiceConfig, *, out: TextIO = sys.stdout) -> int:
             node.fleet = join_fleet(bank, config)
         app = create_app(node)
         node.dataplane = _dataplane(node, app)
+        channel = _channel(node, app)
         # The protocol (httptools, with the node's header timeout, header-size and
         # connection limits) answers 503 to a connection over max_connections at accept,
         # so uvicorn's own limit_concurrency (checked only once headers arrive) is not used.
@@ -148,6 +153,9 @@ def serve(config: ServiceConfig, *, out: TextIO = sys.stdout) -> int:
         sock.close()
         stopping.start()
         try:
+            if channel is not None:  # before the bank closes: its threads call the bank
+                stopping.now("the local channel's connections to end")
+                channel.stop()
             if node.dataplane is not None:  # before the bank closes: its threads hold slot views
                 stopping.now("the data port's connections to end")
                 node.dataplane.stop(config.shutdown_timeout_s)
@@ -179,6 +187,21 @@ def _dataplane(node: Node, app: object) -> DataPlane | None:
                    moved=None if metrics is None else lambda d, n: metrics.add_moved(d, "data", n))
     dp.start()
     return dp
+
+
+def _channel(node: Node, app: object) -> LocalChannel | None:
+    """The node's local channel (a Unix socket for same-host workers), listening; None
+    (and a warning: same-host workers then call over HTTP) where it cannot be opened."""
+    path = socket_path(node.config.bank.data_dir)
+    channel = LocalChannel(node, admin_of(app), path)
+    try:
+        channel.start()
+    except (OSError, KvbankError) as exc:
+        logger.warning("local channel off: cannot listen on %s (%s); same-host workers call over HTTP",
+                       path, exc)
+        return None
+    node.channel_path = str(path)
+    return channel
 
 
 def _ready(config: ServiceConfig, out: TextIO, token_file: Path | None, data_port: int | None = None) -> None:

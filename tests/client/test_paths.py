@@ -70,7 +70,7 @@ def test_paths_a_call_picks_shm_then_data_port_then_stream() -> None:
 
 def test_paths_a_put_the_chosen_path_takes_is_not_sent_again() -> None:
     names = [b"n" * 32, b"m" * 32]
-    with offline(same_host=True) as c:
+    with offline(same_host=True, channel="http") as c:
         c._shm, c._stream = shm, stream = FakePath(names), FakePath(None)  # type: ignore[assignment]
         got = c.put(LID, list(range(2 * LAYOUT.tokens_per_page)), group=0,
                     pages=torch.zeros((2, PAGE), dtype=torch.uint8))

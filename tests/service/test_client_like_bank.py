@@ -18,13 +18,18 @@ FA = full_attention("like-bank@1", num_layers=1, num_kv_heads=2, head_dim=64)
 PAGE = FA.group_page_bytes[0]
 
 
-@pytest.fixture(params=["bank", "client-shm", "client-tcp"])
+@pytest.fixture(params=["bank", "client-local", "client-shm", "client-tcp"])
 def api(request: pytest.FixtureRequest, node: NodeProcess, tmp_path: Any) -> Iterator[Any]:
     if request.param == "bank":
         with Bank.open(host_bytes="64M", data_dir=tmp_path, device_bytes=0) as bank:
             yield bank
         return
-    with Client(node.url, same_host=request.param == "client-shm") as client:
+    # client-local: the node's Unix socket (required); client-shm: HTTP calls, shared memory
+    paths: dict[str, dict[str, Any]] = {"client-local": {"channel": "local"},
+                                        "client-shm": {"same_host": True, "channel": "http"},
+                                        "client-tcp": {"same_host": False}}
+    kw = paths[request.param]
+    with Client(node.url, **kw) as client:
         yield client
 
 

@@ -273,10 +273,10 @@ def test_match_many_is_one_call_for_many_prompts(node: NodeProcess) -> None:
 def test_on_the_nodes_host_a_load_and_a_put_are_two_control_calls_each(node: NodeProcess) -> None:
     """fetch_into: the plan and its lease, then the release with what arrived; put_from of
     two groups: the plan and one WRITE lease, then the commit (the copies go through the
-    node's segment, not the socket)."""
+    node's segment, not the socket). Over HTTP: the local channel would carry the commit."""
     layout = sliding_window("engine-calls-swa@1", num_layers=2, num_kv_heads=H, head_dim=D, window=2 * P,
                             full_layers=[1], tokens_per_page=P, dtype="float32")
-    with Client(node.url, same_host=True) as c:
+    with Client(node.url, same_host=True, channel="http") as c:
         lid = c.register(layout)
         keys = fresh_keys(4)
         calls = counting(c)

@@ -19,7 +19,8 @@ from kvbank.service.launch import NodeProcess
 
 LAYOUT = full_attention("fetch-prefix@1", num_layers=2, num_kv_heads=2, head_dim=64)  # 16 KiB pages
 PAGE = LAYOUT.group_page_bytes[0]
-PATHS: dict[str, dict[str, Any]] = {"shm": {"same_host": True}, "data": {"same_host": False, "data_plane": True},
+PATHS: dict[str, dict[str, Any]] = {"local": {"channel": "local"}, "shm": {"same_host": True, "channel": "http"},
+                                    "data": {"same_host": False, "data_plane": True},
          "tcp": {"same_host": False, "data_plane": False}}
 
 
@@ -54,16 +55,19 @@ def test_fetch_prefix_agrees_with_match_then_fetch(node: NodeProcess, path: str)
     assert got.result is not None and got.result.complete and got.result.nbytes == 8 * PAGE
     assert torch.equal(got.pages[0], data)
     posts = [k for k in calls if k.startswith("POST")]
-    if path == "tcp":  # a stream needs the match first: match, the stream (its own request), its ack
+    if path == "local":  # over the local channel: no HTTP call at all
+        assert posts == [], calls
+    elif path == "tcp":  # a stream needs the match first: match, the stream (its own request), its ack
         assert posts[0] == "POST /v1/match" and len(posts) == 2 and posts[1].endswith("/ack"), calls
     else:  # matched and lent in one call, then the acknowledgement: no match call
         assert posts[0] == "POST /v1/fetch" and len(posts) == 2, calls
 
 
-def test_fetch_prefix_into_callers_buffers_and_of_a_cold_prompt(node: NodeProcess) -> None:
+@pytest.mark.parametrize("path", ["local", "shm"])
+def test_fetch_prefix_into_callers_buffers_and_of_a_cold_prompt(node: NodeProcess, path: str) -> None:
     data = rand(4, 2)
     prompt = [*range(7000, 7000 + 4 * 16), 9]
-    with Client(node.url, same_host=True) as c:
+    with Client(node.url, **PATHS[path]) as c:
         lid = c.register(LAYOUT)
         c.put(lid, prompt[: 4 * 16], group=0, pages=data)
         mine = torch.zeros((4, PAGE), dtype=torch.uint8)
@@ -74,7 +78,8 @@ def test_fetch_prefix_into_callers_buffers_and_of_a_cold_prompt(node: NodeProces
         cold = c.fetch_prefix(lid, prompt, scope=Scope(tenant="nobody-stored-this"))
         # nothing stored: one call, no fetch opened on the node, nothing to acknowledge
         assert cold.result is None and cold.tokens == 0 and dict(cold.pages) == {}
-        assert calls == ["POST /v1/fetch"] and c.stats().served_fetches == before
+        assert calls == ([] if path == "local" else ["POST /v1/fetch"])
+        assert c.stats().served_fetches == before
         with pytest.raises(InvalidInput, match=r"out\[0\]"):  # too small for the bound: nothing lent stays
             c.fetch_prefix(lid, prompt, out={0: torch.zeros((2, PAGE), dtype=torch.uint8)})
         assert c.stats().live_leases == 0

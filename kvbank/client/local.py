@@ -1,0 +1,388 @@
+"""The worker's end of the node's local channel (:mod:`kvbank.service.local`).
+
+:class:`LocalLink` holds one Unix-socket connection per calling thread (a call is one
+frame out, one frame back: :mod:`kvbank.wire.local`). The first frame on each is HELLO
+with the client's tenant token; the node answers with the host tier's memory as a file
+descriptor where it lends memory to this caller (a node without tenant tokens), which
+the link maps once (``mmap`` of the passed descriptor, never a segment name) for every
+connection of the client.
+
+- :meth:`match` / :meth:`presence` — a prompt by its tokens (int32 column) or its
+  32-byte engine keys (one blob), answered as columns.
+- :meth:`fetch_prefix` — one call matches and lends (READ lease) the rows of the bound;
+  the copies go straight into the caller's ``out`` buffers, rows that lie back to back
+  in the segment and in one destination tensor merged into one copy (planned on arrays,
+  not row by row); then the acknowledgement names the rows copied, and the node counts
+  them only if the lease outlived the copies (bytes read after expiry are never counted).
+- :meth:`put` — one call reserves (WRITE lease) the rows not yet stored, the pages are
+  copied into their slots, one call commits those that arrived whole.
+- :meth:`lend` / :meth:`check_live` / :meth:`release` / :meth:`commit`.
+
+A link that cannot connect raises :class:`TierUnavailable` from :meth:`open`; the client
+then logs why and falls back to HTTP.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import mmap
+import os
+import socket
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvbank import wire
+from kvbank.buffers import OutBuffers, out_views
+from kvbank.client.shm import Borrower
+from kvbank.errors import InvalidInput, KvbankError, LeaseExpired, TierUnavailable
+from kvbank.keys import Scope
+from kvbank.lender.base import CommitResult, Lease, LeaseMode, MemoryKind
+from kvbank.results import FetchResult, Match, Presence
+from kvbank.wire import local as fr
+
+logger = logging.getLogger(__name__)
+
+SEGMENT = "local:host"  # the name the link's borrower knows the passed segment by
+_EMPTY = np.zeros(0, dtype="<i8")
+
+
+class ChannelBroken(TierUnavailable):
+    """The local channel's connection broke off (the node stopped, or restarted): the
+    call's answer never came. An idempotent call may be made again over HTTP."""
+
+
+def _recv_exact(sock: socket.socket, view: memoryview) -> None:
+    got, n = 0, len(view)
+    while got < n:
+        k = sock.recv_into(view[got:])
+        if k == 0:
+            raise ChannelBroken("node: the local channel closed mid-answer", field="socket")
+        got += k
+
+
+class LocalLink:
+    """Connections to the node's socket ``path``. See the module docstring."""
+
+    def __init__(self, path: str, token: str | None, timeout_s: float) -> None:
+        self.path = path
+        self.token = token or ""
+        self.timeout_s = timeout_s
+        self._tls = threading.local()
+        self._lock = threading.Lock()
+        self._socks: list[socket.socket] = []
+        self.memory = False  # the node passed its host memory: page bodies go through it
+        self.resident = False
+        self._mm: mmap.mmap | None = None
+        self._pid = 0  # the node process whose memory is mapped
+        self._borrower: Borrower | None = None
+        self._closed = False
+
+    # ---- connections -------------------------------------------------------------------
+
+    def open(self) -> None:
+        """Connect this thread (HELLO); :class:`TierUnavailable` where it cannot."""
+        self._sock()
+
+    def _sock(self) -> socket.socket:
+        sock: socket.socket | None = getattr(self._tls, "sock", None)
+        if sock is not None and self._tls.pid == os.getpid():
+            return sock  # (a forked child opens its own: frames of two processes never mix)
+        if self._closed:
+            raise TierUnavailable("client: closed", field="client")
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.timeout_s)
+        try:
+            sock.connect(self.path)
+            sock.sendmsg(fr.encode(fr.Kind.REQUEST, fr.Op.HELLO, [self.token]))
+            msg, fds, _, _ = socket.recv_fds(sock, 4096, 1)
+            if not msg:
+                raise TierUnavailable("node: the local channel closed at HELLO", field="socket")
+            cols = self._read_rest(sock, bytearray(msg))
+        except OSError as exc:
+            sock.close()
+            raise TierUnavailable(f"node: cannot connect to {self.path}: {exc}", field="socket") from exc
+        except BaseException:
+            sock.close()
+            raise
+        info = fr.ints(cols, 0, "hello", 4).tolist()
+        try:
+            self._adopt(fds[0] if info[0] and fds else None, info[1], bool(info[2]), info[3])
+        finally:
+            for fd in fds:
+                os.close(fd)
+        self._tls.sock, self._tls.pid = sock, os.getpid()
+        with self._lock:
+            self._socks.append(sock)
+        return sock
+
+    def _read_rest(self, sock: socket.socket, got: bytearray) -> list[fr.Column]:
+        """The frame whose first bytes are ``got``; its columns (an ERROR raised)."""
+        if len(got) < fr.HEADER.size:
+            more = bytearray(fr.HEADER.size - len(got))
+            _recv_exact(sock, memoryview(more))
+            got += more
+        kind, _, ncols, nbody = fr.decode_header(got[: fr.HEADER.size])
+        body = got[fr.HEADER.size :]
+        if len(body) < nbody:
+            more = bytearray(nbody - len(body))
+            _recv_exact(sock, memoryview(more))
+            body += more
+        cols = fr.decode_body(body, ncols)
+        if kind is fr.Kind.ERROR:
+            raise fr.raise_error(cols)
+        return cols
+
+    def _adopt(self, fd: int | None, size: int, resident: bool, pid: int) -> None:
+        """Map the memory a HELLO passed (once per node process: a node that restarted —
+        another pid — passes a new segment, and the old mapping is dropped, never read)."""
+        with self._lock:
+            if self._mm is not None and pid == self._pid:
+                return
+            old_b, old_mm = self._borrower, self._mm
+            self._borrower = self._mm = None
+            self.memory = False
+            self._pid = pid
+            if fd is not None:
+                mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+                b = Borrower(writable=True, populate=resident)
+                b.adopt(SEGMENT, mm)
+                self._mm, self._borrower = mm, b
+                self.memory, self.resident = True, resident
+        with contextlib.suppress(BufferError):  # a copy elsewhere still holds a view: left mapped
+            if old_b is not None:
+                old_b.close()
+            if old_mm is not None:
+                old_mm.close()
+
+    def call(self, op: fr.Op, cols: Sequence[fr.Column]) -> list[fr.Column]:
+        """One call: a REQUEST frame out, its answer's columns back (an ERROR raised as the
+        typed error it names). A broken connection is dropped (the next call opens one)."""
+        sock = self._sock()
+        try:
+            sock.sendmsg(fr.encode(fr.Kind.REQUEST, op, cols))
+            head = bytearray(fr.HEADER.size)
+            _recv_exact(sock, memoryview(head))
+            kind, _, ncols, nbody = fr.decode_header(head)
+            body = bytearray(nbody)
+            if nbody:
+                _recv_exact(sock, memoryview(body))
+        except (OSError, ChannelBroken) as exc:
+            self._drop(sock)
+            raise ChannelBroken(f"node: the local channel broke off: {exc}", field="socket") from exc
+        except KvbankError:
+            self._drop(sock)
+            raise
+        out = fr.decode_body(body, ncols)
+        if kind is fr.Kind.ERROR:
+            raise fr.raise_error(out)
+        return out
+
+    def _drop(self, sock: socket.socket) -> None:
+        self._tls.sock = None
+        with self._lock:
+            if sock in self._socks:
+                self._socks.remove(sock)
+        sock.close()
+
+    def close(self) -> None:
+        self._closed = True
+        with self._lock:
+            socks, self._socks = self._socks, []
+            b, self._borrower = self._borrower, None
+            mm, self._mm = self._mm, None
+        for s in socks:
+            s.close()
+        if b is not None:
+            b.close()
+        if mm is not None:
+            mm.close()
+        self.memory = False
+
+    def borrower(self) -> Borrower:
+        b = self._borrower
+        if b is None:
+            raise TierUnavailable("node: no host memory was passed on the local channel", field="socket")
+        return b
+
+    def wait_populated(self, timeout: float | None) -> bool:
+        self._sock()
+        return self.borrower().wait_populated(SEGMENT, timeout)
+
+    # ---- calls -------------------------------------------------------------------------
+
+    @staticmethod
+    def prompt_columns(layout_id: bytes, scope: Scope, shard: int | None, tokens_raw: bytes | None,
+                       keys: Sequence[bytes] | None, prompt_tokens: int | None) -> list[fr.Column] | None:
+        """A prompt's 6 columns; None where it has no form here (keys not all 32 bytes)."""
+        if keys is not None:
+            if any(type(k) is not bytes or len(k) != fr.KEY_BYTES for k in keys):
+                return None
+            data: fr.Column = b"".join(keys)
+        else:
+            assert tokens_raw is not None
+            data = np.frombuffer(tokens_raw, dtype="<i4")
+        args = np.array([-1 if shard is None else shard, -1 if prompt_tokens is None else prompt_tokens,
+                         int(keys is not None)], dtype="<i8")
+        return [layout_id, scope.tenant, scope.cache_salt, scope.lora, args, data]
+
+    def match(self, prompt: list[fr.Column]) -> Match:
+        return fr.match_from(self.call(fr.Op.MATCH, prompt))
+
+    def presence(self, prompt: list[fr.Column], shards: Sequence[int] | None) -> Presence:
+        return fr.presence_from(self.call(fr.Op.PRESENCE, [*prompt, np.asarray(list(shards or ()), dtype="<i8")]))
+
+    def lend(self, names: Sequence[bytes], mode: LeaseMode, kind: MemoryKind, ttl_s: float | None) -> Lease:
+        if any(type(n) is not bytes or len(n) != fr.NAME_BYTES for n in names):
+            for i, n in enumerate(names):
+                if type(n) is not bytes:
+                    raise InvalidInput(f"names[{i}]: expected a row name (bytes), got {type(n).__name__}")
+            raise InvalidInput(f"names: a row name is {fr.NAME_BYTES} bytes", field="names")
+        cols = self.call(fr.Op.LEND, [b"".join(names), np.array([list(LeaseMode).index(mode),
+                                                                  list(MemoryKind).index(kind)], dtype="<i8"),
+                                      np.array([float("nan") if ttl_s is None else ttl_s], dtype="<f8")])
+        return wire.from_json(Lease, fr.take(cols, 0, str, "lease"))
+
+    def check_live(self, lease_id: str) -> None:
+        self.call(fr.Op.CHECK, [lease_id])
+
+    def release(self, lease_id: str) -> bool:
+        return bool(fr.ints(self.call(fr.Op.RELEASE, [lease_id]), 0, "released", 1)[0])
+
+    def commit(self, lease_id: str, arrived: Sequence[bytes]) -> CommitResult:
+        return fr.commit_from(self.call(fr.Op.COMMIT, [lease_id, b"".join(arrived)]))
+
+    def fetch_prefix(self, prompt: list[fr.Column], max_rows: int | None,
+                     out_of: Any) -> tuple[Match, FetchResult | None, OutBuffers]:
+        """Match and lend in one call, copy into ``out_of(match)`` (the caller's buffers,
+        or new ones), acknowledge. ``(match, result or None, buffers)``."""
+        cols = self.call(fr.Op.FETCH_PREFIX, [*prompt, np.array([-1 if max_rows is None else max_rows],
+                                                                dtype="<i8")])
+        m = fr.match_from(cols)
+        bufs: OutBuffers = out_of(m)
+        return m, self._read(m, bufs, cols, fr.MATCH_COLUMNS), bufs
+
+    def fetch(self, m: Match, bufs: OutBuffers, max_rows: int | None) -> FetchResult:
+        """``Client.fetch`` of ``m``: lent in one call, copied into ``bufs``, acknowledged."""
+        cols = self.call(fr.Op.FETCH, [*fr.match_columns(m), np.array([-1 if max_rows is None else max_rows],
+                                                                      dtype="<i8")])
+        got = self._read(m, bufs, cols, 0)
+        if got is None:  # nothing to fetch: the node opened nothing
+            raise InvalidInput("match: its resume bound needs no rows; nothing to fetch", field="match")
+        return got
+
+    def _read(self, m: Match, bufs: OutBuffers, cols: list[fr.Column], at: int) -> FetchResult | None:
+        """Copy the rows a lent fetch's answer (its 9 columns from ``at``) names, then
+        acknowledge them; None where no fetch was opened."""
+        fetch_id = fr.take(cols, at, str, "fetch_id")
+        if not fetch_id:
+            return None
+        pos, grp, slot = (fr.ints(cols, at + i, w) for i, w in ((1, "rows.position"), (2, "rows.group"),
+                                                                 (3, "rows.slot")))
+        lease_id = fr.take(cols, at + 4, str, "lease_id")
+        if not lease_id:
+            return self._ack(fetch_id, "", _EMPTY)
+        ttl = float(fr.take(cols, at + 5, np.ndarray, "ttl_s")[0])
+        idx, off, size = (fr.ints(cols, at + i, w) for i, w in ((6, "slots.index"), (7, "slots.offset"),
+                                                                 (8, "slots.size")))
+        deadline = time.monotonic() + ttl
+        try:
+            jobs = self._read_jobs(m, bufs, grp, slot, idx, off, size)
+            self.borrower().copy_slots(jobs, into_slots=False)
+            if time.monotonic() >= deadline:
+                raise LeaseExpired(f"lease_id: lease {lease_id} expired during the copies")
+        except BaseException:
+            self._release_quietly(lease_id)
+            raise
+        # the node counts these rows only if the lease outlived the copies
+        return self._ack(fetch_id, lease_id, pos[idx])
+
+    def _ack(self, fetch_id: str, lease_id: str, positions: np.ndarray[Any, Any]) -> FetchResult:
+        return fr.result_from(self.call(fr.Op.ACK, [fetch_id, lease_id, np.ascontiguousarray(positions,
+                                                                                            dtype="<i8")]))
+
+    def _release_quietly(self, lease_id: str) -> None:
+        with contextlib.suppress(KvbankError):  # else the connection's close or the TTL ends it
+            self.release(lease_id)
+
+    def _read_jobs(self, m: Match, bufs: OutBuffers, grp: np.ndarray[Any, Any], slot: np.ndarray[Any, Any],
+                   idx: np.ndarray[Any, Any], off: np.ndarray[Any, Any],
+                   size: np.ndarray[Any, Any]) -> list[tuple[str, int, int, memoryview]]:
+        """The copies of a lent fetch, planned on arrays: the lent rows ``idx`` (of the
+        plan's ``grp``/``slot``) at ``off``/``size`` in the segment, merged into one copy
+        per run of rows back to back in both the segment and one destination tensor."""
+        n = len(idx)
+        if n == 0:
+            return []
+        g, s = grp[idx], slot[idx]
+        dests: dict[int, np.ndarray[Any, Any] | None] = {}
+        views: dict[int, list[memoryview]] | None = None
+        for gi in np.unique(g).tolist():
+            buf = bufs.get(gi) if hasattr(bufs, "get") else None
+            ok = (isinstance(buf, torch.Tensor) and buf.dtype == torch.uint8 and buf.dim() == 2
+                  and buf.device.type == "cpu" and buf.is_contiguous()
+                  and buf.shape[0] >= len(m.resume.pages[gi]) if gi < len(m.resume.pages) else False)
+            dests[gi] = buf.numpy() if ok and isinstance(buf, torch.Tensor) else None
+        whole = np.fromiter(((d := dests[gi]) is not None and d.shape[1] == z
+                             for gi, z in zip(g.tolist(), size.tolist(), strict=True)), dtype=bool, count=n)
+        brk = np.ones(n, dtype=bool)
+        if n > 1:
+            brk[1:] = ((g[1:] != g[:-1]) | (s[1:] != s[:-1] + 1) | (off[1:] != off[:-1] + size[:-1])
+                       | (size[1:] != size[:-1]) | ~whole[1:] | ~whole[:-1])
+        starts = np.flatnonzero(brk)
+        ends = np.append(starts[1:], n)
+        jobs: list[tuple[str, int, int, memoryview]] = []
+        for a, b in zip(starts.tolist(), ends.tolist(), strict=True):
+            gi, first, o, z = int(g[a]), int(s[a]), int(off[a]), int(size[a])
+            d = dests[gi]
+            if d is not None and whole[a]:
+                if first < 0 or first + (b - a) > d.shape[0]:
+                    raise TierUnavailable("node: a fetch answer names rows beyond the buffers", field="socket")
+                jobs.append((SEGMENT, o, (b - a) * z, d[first : first + (b - a)].data.cast("B")))
+                continue
+            if views is None:
+                views = out_views(self._layout_of(m), m.resume.pages, bufs)
+            for k in range(a, b):
+                gk, sk = int(g[k]), int(s[k])
+                jobs.append((SEGMENT, int(off[k]), int(size[k]), views[gk][sk][: int(size[k])]))
+        return jobs
+
+    layout_of: Any = None  # set by the client: layout id -> PageLayout
+
+    def _layout_of(self, m: Match) -> Any:
+        return self.layout_of(m.layout_id)
+
+    def put(self, head: bytes, views: Sequence[memoryview]) -> list[bytes] | None:
+        """Reserve, fill and commit; the row names, or None where the pages must go over
+        HTTP (no lease could be had)."""
+        cols = self.call(fr.Op.PUT_RESERVE, [head])
+        names = list(fr.names_of(fr.take(cols, 0, bytes, "names"), "names"))
+        fallback = bool(fr.ints(cols, 1, "fallback", 1)[0])
+        lease_id = fr.take(cols, 2, str, "lease_id")
+        if not lease_id:
+            return None if fallback else names
+        ttl = float(fr.take(cols, 3, np.ndarray, "ttl_s")[0])
+        idx = fr.ints(cols, 4, "slots.index").tolist()
+        off = fr.ints(cols, 5, "slots.offset").tolist()
+        size = fr.ints(cols, 6, "slots.size").tolist()
+        deadline = time.monotonic() + ttl
+        try:
+            if any(not 0 <= i < len(views) for i in idx):
+                raise TierUnavailable("node: a put answer names pages beyond the put", field="socket")
+            self.borrower().copy_slots([(SEGMENT, o, z, views[i]) for i, o, z in zip(idx, off, size, strict=True)],
+                                       into_slots=True)
+            if time.monotonic() >= deadline:
+                raise LeaseExpired(f"lease_id: lease {lease_id} expired during the copies")
+            self.commit(lease_id, [names[i] for i in idx])
+        except BaseException:
+            self._release_quietly(lease_id)
+            raise
+        return names
+
+
+__all__ = ["ChannelBroken", "LocalLink"]

@@ -1,0 +1,289 @@
+"""The node's local channel (its Unix socket) on a real ``kvbank serve``: a Client picks it
+by itself and answers as over HTTP; HTTP when told or when the node is elsewhere (the
+reason logged); the socket's mode, its uid check and tenant tokens; hostile frames
+answered and the node serving on; a worker killed holding a lease leaves none held."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from kvbank import Client, Scope, full_attention
+from kvbank.client.local import LocalLink
+from kvbank.client.paths import SharedMemory
+from kvbank.errors import Forbidden, InvalidInput, LeaseNotFound, TierUnavailable, Unauthorized
+from kvbank.service.launch import NodeProcess
+from kvbank.wire import local as fr
+from tests.service.conftest import NODE_ARGS
+
+LAYOUT = full_attention("local-channel@1", num_layers=2, num_kv_heads=2, head_dim=64)  # 16 KiB pages
+PAGE = LAYOUT.group_page_bytes[0]
+TA, TB = "tenant-a-token-0123456789abcdef", "tenant-b-token-0123456789abcdef"
+
+
+def rand(n: int, seed: int) -> torch.Tensor:
+    return torch.from_numpy(np.random.default_rng(seed).integers(0, 256, (n, PAGE), dtype=np.uint8))
+
+
+def socket_of(node: NodeProcess) -> str:
+    with Client(node.url, channel="http") as c:
+        doc = c._call("GET", "/v1/node")
+    path = doc["host"]["socket"]
+    assert isinstance(path, str) and path
+    return path
+
+
+def raw_call(path: str, frames: list[bytes]) -> list[tuple[fr.Kind, list[fr.Column]]]:
+    """Send each frame on one connection and read one answer to each (until it closes)."""
+    got: list[tuple[fr.Kind, list[fr.Column]]] = []
+    with socket.socket(socket.AF_UNIX) as s:
+        s.settimeout(10)
+        s.connect(path)
+        for f in frames:
+            try:
+                s.sendall(f)
+            except OSError:  # the node closed this connection after its last answer
+                break
+            head = _exact(s, fr.HEADER.size)
+            if head is None:
+                break
+            kind, _, n, body = fr.decode_header(head)
+            got.append((kind, fr.decode_body(_exact(s, body) or b"", n)))
+    return got
+
+
+def _exact(s: socket.socket, n: int) -> bytes | None:
+    buf = b""
+    while len(buf) < n:
+        try:
+            chunk = s.recv(n - len(buf))
+        except ConnectionResetError:  # the node closed it with our bytes unread
+            return None
+        if not chunk:
+            return None
+        buf += chunk
+    return buf
+
+
+HELLO = fr.encode_bytes(fr.Kind.REQUEST, fr.Op.HELLO, [""])
+
+
+def test_a_client_on_the_nodes_host_takes_the_channel_and_answers_as_over_http(node: NodeProcess) -> None:
+    data = rand(6, 1)
+    prompt = [*range(100, 100 + 6 * 16), 7]
+    with Client(node.url) as local, Client(node.url, channel="http") as http:
+        lid = local.register(LAYOUT)
+        names = local.put(lid, prompt[: 6 * 16], group=0, pages=data)
+        assert local._link is not None and local._link.memory and http._link is None
+        assert names == http.row_names(lid, prompt[: 6 * 16], group=0)
+        calls: list[str] = []
+        inner = local._call
+
+        def call(method: str, path: str, **kw: object) -> object:
+            calls.append(path)
+            return inner(method, path, **kw)  # type: ignore[arg-type]
+
+        local._call = call  # type: ignore[method-assign]
+        m = local.match(lid, prompt)
+        assert m == http.match(lid, prompt) and m.resume.tokens == 6 * 16
+        keys = [bytes([i]) * 32 for i in range(3)]
+        assert local.match(lid, keys=keys, prompt_tokens=49) == http.match(lid, keys=keys, prompt_tokens=49)
+        assert local.presence(lid, prompt) == http.presence(lid, prompt)
+        got = local.fetch_prefix(lid, prompt)
+        assert got.tokens == 6 * 16 and torch.equal(got.pages[0], data) and got.result is not None
+        assert got.result.complete and got.result.nbytes == 6 * PAGE
+        out = torch.zeros((6, PAGE), dtype=torch.uint8)
+        res = local.fetch(m, out={0: out})
+        assert res.complete and torch.equal(out, data)
+        rows = [bytearray(PAGE) for _ in range(6)]  # buffers that are not one tensor: a copy each
+        assert local.fetch_prefix(lid, prompt, out={0: rows}).tokens == 6 * 16
+        assert [bytes(r) for r in rows] == [bytes(data[i].numpy()) for i in range(6)]
+        lease = local.lend(names[:2], ttl_s=60)
+        local.check_live(lease.id)
+        assert local.release(lease.id) and not local.release(lease.id)
+        with pytest.raises(LeaseNotFound):  # the same class HTTP raises
+            local.check_live(lease.id)
+        with pytest.raises(LeaseNotFound):
+            http.check_live(lease.id)
+        assert calls == [], calls  # not one of these went over HTTP
+        assert local.stats().live_leases == 0
+
+
+def test_channel_http_or_another_host_means_http_and_local_means_required(
+        node: NodeProcess, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    with Client(node.url, channel="http") as c:
+        c.register(LAYOUT)
+        c.match(c.register(LAYOUT), list(range(40)))
+        assert c._link is None
+    with pytest.raises(InvalidInput, match="channel"):
+        Client(node.url, channel="unix")
+    monkeypatch.setattr(SharedMemory, "same_machine", staticmethod(lambda info: False))
+    with caplog.at_level(logging.INFO, logger="kvbank.client.client"), Client(node.url) as c:
+        lid = c.register(LAYOUT)
+        assert c.match(lid, list(range(40))).resume.tokens == 0
+        assert c._link is None
+    assert any("over HTTP" in r.getMessage() and "another host" in r.getMessage() for r in caplog.records)
+    with Client(node.url, channel="local") as c, pytest.raises(TierUnavailable, match="no local channel"):
+        c.match(lid, list(range(40)))
+
+
+def test_the_socket_is_the_nodes_uid_only(node: NodeProcess) -> None:
+    path = socket_of(node)
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    if os.getuid() != 0:
+        pytest.skip("another uid to connect as needs root")
+    # let uid 65534 reach the socket past the file mode (a hard link, opened up for the
+    # test): the node itself must still refuse it by its peer credentials
+    link = Path("/tmp") / f"kvbank-test-{os.getpid()}.sock"
+    os.link(path, link)
+    try:
+        os.chmod(link, 0o666)
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: uid 65534, one HELLO, whatever comes back into the pipe
+            try:
+                os.close(r)
+                os.setuid(65534)
+                with socket.socket(socket.AF_UNIX) as s:
+                    s.settimeout(10)
+                    s.connect(str(link))
+                    with contextlib.suppress(OSError):  # refused at once: the answer is there
+                        s.sendall(HELLO)
+                    while chunk := s.recv(65536):
+                        os.write(w, chunk)
+            except BaseException as exc:
+                os.write(w, repr(exc).encode())
+            finally:
+                os._exit(0)
+        os.close(w)
+        raw = b""
+        while chunk := os.read(r, 65536):
+            raw += chunk
+        os.close(r)
+        os.waitpid(pid, 0)
+    finally:
+        os.chmod(path, 0o600)
+        link.unlink()
+    assert raw[:2] == fr.MAGIC, raw
+    kind, _, n, body = fr.decode_header(raw[: fr.HEADER.size])
+    err = fr.raise_error(fr.decode_body(raw[fr.HEADER.size : fr.HEADER.size + body], n))
+    assert kind is fr.Kind.ERROR and isinstance(err, Forbidden) and "uid 65534" in str(err)
+
+
+def test_hostile_frames_are_answered_and_the_node_serves_on(node: NodeProcess) -> None:
+    path = socket_of(node)
+    # a call before HELLO, an unknown op, a body whose columns do not add up: typed
+    # errors, and the connection goes on serving
+    bad_body = fr.HEADER.pack(fr.MAGIC, fr.VERSION, 0, fr.Op.MATCH, 1, 8) + struct_col(4, 3) + b""
+    got = raw_call(path, [fr.encode_bytes(fr.Kind.REQUEST, fr.Op.MATCH, []), HELLO,
+                          fr.encode_bytes(fr.Kind.REQUEST, 999, []), bad_body,
+                          fr.encode_bytes(fr.Kind.REQUEST, fr.Op.MATCH, [b"short"]),
+                          fr.encode_bytes(fr.Kind.REQUEST, fr.Op.RELEASE, ["no-such-lease"])])
+    kinds = [k for k, _ in got]
+    assert kinds == [fr.Kind.ERROR, fr.Kind.OK, fr.Kind.ERROR, fr.Kind.ERROR, fr.Kind.ERROR, fr.Kind.ERROR], got
+    errs = [fr.raise_error(c) for k, c in got if k is fr.Kind.ERROR]
+    assert all(isinstance(e, InvalidInput) for e in errs[:4]), errs
+    assert isinstance(errs[4], LeaseNotFound)  # as HTTP answers a release of no lease
+    assert "HELLO" in str(errs[0]) and "unknown op" in str(errs[1]) and "layout_id" in str(errs[3])
+    # an unframeable header, or one declaring a body over the limit: answered, then closed
+    for head in (b"GET / HTTP/1.1\r\n\r\n",
+                 fr.HEADER.pack(fr.MAGIC, fr.VERSION, 0, fr.Op.MATCH, 1, fr.MAX_FRAME_BYTES + 1)):
+        got = raw_call(path, [HELLO, head, HELLO])
+        assert [k for k, _ in got] == [fr.Kind.OK, fr.Kind.ERROR], got
+        assert isinstance(fr.raise_error(got[1][1]), InvalidInput)
+    # a connection that sends half a frame and goes away
+    with socket.socket(socket.AF_UNIX) as s:
+        s.connect(path)
+        s.sendall(HELLO[:5])
+    with Client(node.url, channel="local") as c:  # and the node serves on
+        assert c.match(c.register(LAYOUT), list(range(40))).prompt_tokens == 40
+
+
+def struct_col(code: int, n: int) -> bytes:
+    return fr.COLUMN.pack(code, n)
+
+
+def test_a_worker_killed_holding_a_lease_leaves_none_held(node: NodeProcess, tmp_path: Path) -> None:
+    data = rand(3, 5)
+    prompt = list(range(900, 900 + 3 * 16))
+    with Client(node.url, channel="local") as c:
+        lid = c.register(LAYOUT)
+        names = c.put(lid, prompt, group=0, pages=data)
+        before = {x.id for x in c.leases()}
+        script = (f"import sys; from kvbank import Client; c = Client({node.url!r}, channel='local'); "
+                  f"lease = c.lend([bytes.fromhex(h) for h in sys.argv[1:]], ttl_s=600); "
+                  f"print(lease.id, flush=True); sys.stdin.readline()")
+        p = subprocess.Popen([sys.executable, "-c", script, *(n.hex() for n in names)], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": os.getcwd()})
+        assert p.stdout is not None
+        lease_id = p.stdout.readline().strip()
+        assert lease_id and lease_id in {x.id for x in c.leases()}
+        os.kill(p.pid, signal.SIGKILL)
+        p.communicate()
+        for _ in range(200):  # its connection's close releases it (its ttl is 600 s)
+            if lease_id not in {x.id for x in c.leases()}:
+                break
+            time.sleep(0.05)
+        assert {x.id for x in c.leases()} == before
+
+
+@pytest.fixture(scope="module")
+def tenant_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeProcess]:
+    env = {**os.environ, "KVBANK_TENANTS": f"a={TA},b={TB}", "KVBANK_ADMIN_TOKEN": "admin-" + "0" * 32}
+    proc = NodeProcess.start(["--data-dir", str(tmp_path_factory.mktemp("tenants")), *NODE_ARGS], env=env)
+    try:
+        yield proc
+    finally:
+        assert proc.stop() == 0
+
+
+def test_tenant_tokens_hold_on_the_channel_and_no_memory_reaches_a_tenant(tenant_node: NodeProcess) -> None:
+    path = socket_of_tenant(tenant_node)
+    for token, exc in ((None, Unauthorized), ("wrong-token", Forbidden)):
+        with pytest.raises(exc):
+            LocalLink(path, token, 10.0).open()
+    data = rand(2, 9)
+    prompt = list(range(50, 50 + 2 * 16))
+    with Client(tenant_node.url, token=TA) as a, Client(tenant_node.url, token=TB) as b:
+        doc = a._call("GET", "/v1/node")
+        assert doc["host"]["segment"] is None  # nothing to open by name
+        lid = a.register(LAYOUT)
+        names = a.put(lid, prompt, group=0, pages=data)
+        assert a._link is not None and not a._link.memory  # control calls here, bodies over HTTP
+        got = a.fetch_prefix(lid, [*prompt, 1])
+        assert got.tokens == 32 and torch.equal(got.pages[0], data)
+        assert a.match(lid, prompt).scope == Scope(tenant="a")
+        with pytest.raises(Forbidden):
+            b.match(lid, prompt, scope=Scope(tenant="a"))
+        with pytest.raises(Forbidden):
+            b.lend(names)
+        lease = a.lend(names, ttl_s=60)
+        with pytest.raises(Forbidden):
+            b.release(lease.id)
+        assert a.release(lease.id)
+        assert b.match(lid, prompt).resume.tokens == 0  # B's own scope: none of A's rows
+
+
+def socket_of_tenant(node: NodeProcess) -> str:
+    with Client(node.url, token=TA, channel="http") as c:
+        return str(c._call("GET", "/v1/node")["host"]["socket"])
+
+
+def test_the_node_document_names_the_socket(node: NodeProcess) -> None:
+    with Client(node.url, channel="http") as c:
+        doc = c._call("GET", "/v1/node")
+    assert doc["host"]["socket"].endswith("node.sock") and json.dumps(doc)

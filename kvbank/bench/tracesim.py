@@ -35,6 +35,7 @@ class Rule:
     def __init__(self, rows: int) -> None:
         self.rows = rows
         self.clock = 0
+        self.held = 0  # blocks held at this use, this one included (the caller sets it)
 
     def use(self, block: int) -> float:
         """The key of ``block`` after this use; the smallest key is evicted first."""
@@ -43,8 +44,9 @@ class Rule:
 
 
 class Value(Rule):
-    """The store's value rule: the stamp, plus ``span`` tier-fulls of stamps for a block
-    used at least twice (counted across evictions, as the store's reuse history does)."""
+    """The store's value rule: the stamp, plus ``span`` times the blocks held at this use
+    for a block used at least twice (counted across evictions, as the store's reuse
+    history does)."""
 
     def __init__(self, rows: int, span: float = REUSE_SPAN) -> None:
         super().__init__(rows)
@@ -54,7 +56,7 @@ class Value(Rule):
     def use(self, block: int) -> float:
         self.clock += 1
         self.uses[block] += 1
-        return self.clock + (self.span * self.rows if self.uses[block] >= REUSED else 0)
+        return self.clock + (self.span * self.held if self.uses[block] >= REUSED else 0)
 
 
 RULES = {"lru": Rule, "value": Value}
@@ -76,12 +78,14 @@ def simulate(reqs: Sequence[Request], rows: int, rule: Rule) -> float:
         hit += bound * BLOCK
         total += r.tokens
         for b in full[:bound]:  # the reads of the resume bound
+            rule.held = len(key)
             key[b] = kb = rule.use(b)
             if kids[b] == 0:
                 heapq.heappush(heap, (kb, b))
         for d, b in enumerate(full):  # the puts (held blocks are skipped)
             if b in key:
                 continue
+            rule.held = len(key) + 1
             key[b] = kb = rule.use(b)
             p = parent.setdefault(b, full[d - 1] if d else None)
             if p is not None and p in key:

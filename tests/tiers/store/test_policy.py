@@ -130,7 +130,7 @@ def test_victims_keep_every_guarantee(data: st.DataObject, rule: EvictionPolicy)
     n = data.draw(st.integers(1, 80))
     parents = [data.draw(st.integers(-1, i - 1)) if i else -1 for i in range(n)]
     ix = _index(n, parents)
-    if data.draw(st.booleans()):  # a late clock: the value order merges two LRU orders
+    if data.draw(st.booleans()):  # a late clock: the next use renumbers stamps and value keys
         ix.clock = 2**31
     for rid in data.draw(st.lists(st.integers(0, n - 1), max_size=60)):
         ix.touch(rid)

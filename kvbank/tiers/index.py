@@ -1,4 +1,4 @@
-"""The store's row index: one dict entry plus ~32 bytes of parallel arrays per row.
+"""The store's row index: one dict entry plus ~36 bytes of parallel arrays per row.
 
 A Python object per row (a dataclass, even a tuple) costs 60-100 bytes on top of the dict
 entry, which would put a million-row index well past 200 bytes a row. Instead each row
@@ -22,6 +22,12 @@ checksum   uint64   xxh3-64 of the row's bytes (:func:`kvbank.codec.checksum`), 
 freq       uint8    uses of the row's name (puts and reads), saturating at 255, counted
                     from the :class:`ReuseHistory` at add: a row evicted and put again
                     remembers that it was used before
+vkey       uint32   the value eviction rule's key, written with ``atime`` at each use:
+                    ``2 * (stamp + head) + 1`` for a reused row (``freq`` >= REUSED),
+                    ``2 * stamp`` for a first-time one; ``head`` is REUSE_SPAN times the
+                    index's live rows at that use. Unique like the stamps, so an
+                    eviction orders it exactly as it orders ``atime`` under LRU, at the
+                    same cost (:mod:`kvbank.tiers.store.policy`)
 =========  =======  ================================================================
 
 Reuse history: :class:`ReuseHistory` is a small count sketch (two uint8 slots per name,
@@ -72,7 +78,15 @@ MOVING = 1  # bit in `flags`
 SUMMED = 2  # bit in `flags`: `checksum` holds the row's checksum
 OFF_SHIFT = 6  # memory slot offsets are multiples of 64 (slots.SMALL_ALIGN)
 _MIN_CAP = 1024
-_CLOCK_MAX = 2**32 - 2
+# The value rule (kvbank.tiers.store.policy): a row used at least REUSED times counts as
+# reused and is keyed REUSE_SPAN times the live rows later than its stamp. Chosen on the
+# first half of the Mooncake trace and checked on its second half and on generated
+# traces (docs/tiers.md); 1 to 8 score within a point of each other there.
+REUSE_SPAN = 4
+REUSED = 2
+_HEAD_MAX = 2**29  # the head start's cap (a 134 M-row index), so value keys fit 32 bits
+# Stamps are renumbered before the value keys, 2 * (stamp + head) + 1, would pass 32 bits.
+_CLOCK_MAX = 2**31 - 1 - _HEAD_MAX
 _MARK_S = 0.05  # seconds between clock marks at most (the resolution of ages)
 _MAX_MARKS = 4096
 
@@ -265,6 +279,7 @@ class RowIndex:
         self.flags = np.zeros(cap, np.uint8)
         self.freq = np.zeros(cap, np.uint8)
         self.checksum = np.zeros(cap, np.uint64)
+        self.vkey = np.zeros(cap, np.uint32)
         self.history = ReuseHistory()
         self._mark_c: list[int] = []  # stamps of the clock marks, increasing
         self._mark_t: list[float] = []  # when each was issued
@@ -351,6 +366,10 @@ class RowIndex:
         self.atime[rid] = self.clock
         if self.freq[rid] < 255:
             self.freq[rid] += 1
+        if self.freq[rid] >= REUSED:
+            self.vkey[rid] = 2 * (self.clock + self._head()) + 1
+        else:
+            self.vkey[rid] = 2 * self.clock
         name = self.names[rid]
         if name is not None:
             self.history.note(name)
@@ -364,7 +383,9 @@ class RowIndex:
             self.renumber()
         stamps = np.arange(self.clock + 1, self.clock + k + 1, dtype=np.int64)
         self.atime[rids] = stamps
-        self.freq[rids] = np.minimum(self.freq[rids], 254) + 1
+        freq = np.minimum(self.freq[rids], 254) + 1
+        self.freq[rids] = freq
+        self.vkey[rids] = self._value_keys(stamps, freq)
         for rid in rids.tolist():
             name = self.names[rid]
             if name is not None:
@@ -385,10 +406,21 @@ class RowIndex:
         self.atime[:n] = 0
         self.atime[order] = np.arange(1, order.size + 1, dtype=np.uint32)
         self.clock = int(order.size)
+        # The value keys of the ranks, with the head start of the live rows now (a
+        # reused row keeps its head start over the first-time rows, in ranks).
+        self.vkey[order] = self._value_keys(self.atime[order].astype(np.int64), self.freq[order])
         # A mark (c, t) says "stamps >= c were issued at or after t"; in ranks that is the
         # rank of the first live stamp >= c.
         ranks = np.searchsorted(old, np.asarray(self._mark_c, dtype=np.int64), side="left") + 1
         self._mark_c = ranks.tolist()
+
+    def _head(self) -> int:
+        """The value rule's head start for a reused row, in stamps (see ``vkey``)."""
+        return min(REUSE_SPAN * len(self.ids), _HEAD_MAX)
+
+    def _value_keys(self, stamps: I64, freq: npt.NDArray[Any]) -> npt.NDArray[np.uint32]:
+        reused = (freq >= REUSED).astype(np.int64)
+        return (2 * (stamps + reused * self._head()) + reused).astype(np.uint32)
 
     def get_off(self, rid: int) -> int:
         v = int(self.off[rid])
@@ -452,4 +484,4 @@ class RowIndex:
         return max(0.0, self._now() - since)
 
 
-_ARRAYS = ("size", "where", "off", "dtype", "parent", "atime", "flags", "freq", "checksum")
+_ARRAYS = ("size", "where", "off", "dtype", "parent", "atime", "flags", "freq", "checksum", "vkey")

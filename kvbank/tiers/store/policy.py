@@ -11,21 +11,20 @@ Two rules give the key (:class:`~kvbank.config.EvictionPolicy`):
 
 - ``lru``: the row's stamp (the index's logical clock at its last put or read).
 - ``value`` (the default): the stamp, plus a head start of :data:`REUSE_SPAN` times the
-  tier's candidate rows for a row whose name was used at least twice (``freq``, which the
+  index's live rows for a row whose name was used at least twice (``freq``, which the
   index's reuse history carries across evictions). On prompt traces most pages are used
   once and never again, and a page that was used before is several times likelier to be
   used again (docs/tiers.md, "Eviction"); under LRU the one-time pages push the reused
   ones out. The head start is a bounded age bonus, not a class: a reused row that stops
-  being used still ages out, one tier's worth of uses later than a first-time row.
+  being used still ages out, REUSE_SPAN index-fulls of uses later than a first-time row.
 
-The value order merges two LRU orders (first-time rows; reused rows shifted by the head
-start), so a value eviction costs what an LRU one does (``kvbank bench tiers``,
-``evict-1m-value-choice``).
+The index writes each row's value key (``vkey``) at each use, as it writes the stamp, so
+the value order is read exactly like the LRU order and a value eviction costs what an
+LRU one does (``kvbank bench tiers``, ``evict-1m-value-choice``).
 """
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Callable, Iterable, Iterator
 
 import numpy as np
@@ -33,16 +32,10 @@ import numpy.typing as npt
 
 from kvbank.config import EvictionPolicy
 from kvbank.tiers.allocator import PAGE_ALIGN, SMALL_ALIGN
-from kvbank.tiers.index import HOST, MOVING, OFF_SHIFT, RowIndex
+from kvbank.tiers.index import HOST, MOVING, OFF_SHIFT, REUSE_SPAN, REUSED, RowIndex
 
 LRU_FIRST_K = 64  # victims ordered in the first chunk at least (see lru_order)
-# The value rule's head start for a reused row, in tier-fulls of stamps: a reused row
-# outlives first-time rows put up to this many tier-fulls after it. Chosen on the first
-# half of the Mooncake trace and checked on its second half and on generated traces
-# (docs/tiers.md); 1 to 8 score within a point of each other there.
-REUSE_SPAN = 4
-REUSED = 2  # uses (freq) from which a row counts as reused
-_U32 = 2**32
+__all__ = ["REUSED", "REUSE_SPAN", "keys", "lru_order", "order", "victims"]
 
 
 def victims(
@@ -121,42 +114,22 @@ def victims(
 def keys(ix: RowIndex, idx: npt.NDArray[np.int64],
          rule: EvictionPolicy = EvictionPolicy.LRU) -> npt.NDArray[np.int64]:
     """The eviction keys of the candidate ids ``idx`` under ``rule``, smallest first out:
-    the rule's definition (:func:`order` yields this order without building them)."""
-    stamps = ix.atime[idx].astype(np.int64)
-    if rule is EvictionPolicy.VALUE:
-        # Doubled, plus the class bit: keys stay unique (a reused row whose head start
-        # lands on a first-time row's stamp sorts after it), so chunks sort exactly.
-        reused = (ix.freq[idx] >= REUSED).astype(np.int64)
-        stamps = (stamps + reused * (REUSE_SPAN * idx.size)) * 2 + reused
-    return stamps
+    the stamps, or the value keys the index wrote at each row's last use (``vkey``:
+    doubled, plus the class bit, so they stay unique — a reused row whose head start
+    lands on a first-time row's stamp sorts after it — and chunks sort exactly).
+    :func:`order` yields this order without building all of them."""
+    keys_of = ix.vkey if rule is EvictionPolicy.VALUE else ix.atime
+    return keys_of[idx].astype(np.int64)
 
 
 def order(ix: RowIndex, idx: npt.NDArray[np.int64], need: int,
           first_k: int = LRU_FIRST_K,
           rule: EvictionPolicy = EvictionPolicy.LRU) -> Iterator[int]:
     """The candidate ids ``idx`` in the order of :func:`keys`, sorting only what the
-    caller consumes. The value keys are built as 32-bit integers (the width of the
-    stamps, so the partial sort costs what LRU's does); in the rare index whose clock
-    leaves no room for them, two LRU orders (first-time rows; reused rows shifted by the
-    head start) are merged one victim at a time instead."""
-    if rule is EvictionPolicy.LRU:
-        yield from lru_order(ix, idx, need, first_k)
-        return
-    head = REUSE_SPAN * int(idx.size)
-    reused = ix.freq[idx] >= REUSED
-    if 2 * (ix.clock + head) + 1 < _U32:
-        stamps = ix.atime[idx]
-        stamps <<= 1
-        stamps += reused.view(np.uint8) * np.uint32(2 * head + 1)
-        yield from lru_order(ix, idx, need, first_k, stamps)
-        return
-    # take(flatnonzero) rather than a boolean index: 60x faster on a random mask of 1 M.
-    firsts, reuses = idx.take(np.flatnonzero(~reused)), idx.take(np.flatnonzero(reused))
-    atime = ix.atime
-    fresh = ((int(atime[r]), 0, r) for r in lru_order(ix, firsts, need, first_k))
-    again = ((int(atime[r]) + head, 1, r) for r in lru_order(ix, reuses, need, first_k))
-    for _, _, rid in heapq.merge(fresh, again):  # on a tie the first-time row goes first
-        yield rid
+    caller consumes: the stored 32-bit keys of the rule (the stamps, or the value keys
+    the index wrote beside them), so both rules' partial sorts cost the same."""
+    keys_of = ix.vkey if rule is EvictionPolicy.VALUE else ix.atime
+    yield from lru_order(ix, idx, need, first_k, keys_of[idx])
 
 
 def lru_order(ix: RowIndex, idx: npt.NDArray[np.int64], need: int,

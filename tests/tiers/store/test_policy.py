@@ -37,34 +37,63 @@ def _victims(ix: RowIndex, need: int, rule: EvictionPolicy, keep: tuple[int, ...
 
 def test_value_rule_keeps_a_reused_row_that_lru_evicts() -> None:
     """A row read once since its put (used twice) outlives rows put after it that were
-    never read; LRU takes it first because its last use is the oldest."""
-    ix = _index(1)
+    never read; LRU takes it first because its last use is the oldest. (The head start
+    is REUSE_SPAN times the rows the index held at the read: eight here.)"""
+    ix = _index(8)
     ix.touch(0)  # read: used twice
     for i in range(1, 8):
-        ix.add(name_of(i), 64, 0, -1)
-        ix.where[i] = HOST
-        ix.set_off(i, 64 * i)
+        ix.remove(i)
+    fresh = []
+    for i in range(8, 15):
+        rid = ix.add(name_of(i), 64, 0, -1)
+        ix.where[rid] = HOST
+        ix.set_off(rid, 64 * rid)
+        fresh.append(rid)
     assert _victims(ix, 64, LRU) == [0]
-    assert _victims(ix, 64, VALUE) == [1]
+    assert _victims(ix, 64, VALUE) == [fresh[0]]
     assert 0 not in _victims(ix, 64 * 7, VALUE)[:7]
     assert _victims(ix, 64 * 8, VALUE)[-1] == 0  # the last to go, but it can go
 
 
 def test_value_rule_head_start_is_bounded() -> None:
-    """A reused row that stops being used ages out: once more than REUSE_SPAN tier-fulls
+    """A reused row that stops being used ages out: once more than REUSE_SPAN index-fulls
     of first-time rows came after it, it goes before them."""
     n = 4
-    ix = _index(1)
-    ix.touch(0)
-    for i in range(1, n):
-        ix.add(name_of(i), 64, 0, -1)
-        ix.where[i] = HOST
-        ix.set_off(i, 64 * i)
-    assert _victims(ix, 64, VALUE) != [0]
-    for _ in range(policy.REUSE_SPAN * n + 1):  # later uses of the other rows
-        ix.atime[1:n] = [ix.touch(i) for i in range(1, n)]
-        ix.freq[1:n] = 1  # ... as if each were a fresh first-time put
+    ix = _index(n)
+    ix.touch(0)  # reused: a head start of REUSE_SPAN * 4 stamps
+    others = list(range(1, n))
+    # Fresh first-time rows replace the others, one stamp each: row 0 goes first exactly
+    # when the oldest of them is newer than its stamp plus the head start.
+    for i in range(policy.REUSE_SPAN * n + n - 1):
+        assert _victims(ix, 64, VALUE) != [0]
+        ix.remove(others.pop(0))
+        rid = ix.add(name_of(100 + i), 64, 0, -1)
+        ix.where[rid] = HOST
+        ix.set_off(rid, 64 * rid)
+        others.append(rid)
     assert _victims(ix, 64, VALUE) == [0]
+    assert _victims(ix, 64, LRU) == [0]
+
+
+def test_value_keys_are_written_at_each_use() -> None:
+    """The index writes the value key beside the stamp: twice the stamp for a first-time
+    row, twice the stamp plus the head start, plus one, for a reused row; a renumbering
+    keeps the order and the head start."""
+    n = 6
+    ix = _index(n)
+    ix.touch(2)
+    ix.touch_many(np.asarray([4, 5], dtype=np.int64))
+    head = policy.REUSE_SPAN * n
+    for rid in range(n):
+        reused = int(ix.freq[rid]) >= policy.REUSED
+        assert reused == (rid in (2, 4, 5))
+        assert int(ix.vkey[rid]) == 2 * (int(ix.atime[rid]) + reused * head) + reused
+    idx = np.arange(n, dtype=np.int64)
+    before = idx[np.argsort(policy.keys(ix, idx, VALUE))].tolist()
+    assert before == [0, 1, 3, 2, 4, 5]
+    ix.renumber()
+    assert idx[np.argsort(policy.keys(ix, idx, VALUE))].tolist() == before
+    assert int(ix.vkey[2]) == 2 * (int(ix.atime[2]) + head) + 1
 
 
 def test_reuse_history_remembers_an_evicted_row() -> None:
@@ -101,7 +130,7 @@ def test_victims_keep_every_guarantee(data: st.DataObject, rule: EvictionPolicy)
     n = data.draw(st.integers(1, 80))
     parents = [data.draw(st.integers(-1, i - 1)) if i else -1 for i in range(n)]
     ix = _index(n, parents)
-    if data.draw(st.booleans()):  # a late clock: the value order merges two LRU orders
+    if data.draw(st.booleans()):  # a late clock: the next use renumbers stamps and value keys
         ix.clock = 2**31
     for rid in data.draw(st.lists(st.integers(0, n - 1), max_size=60)):
         ix.touch(rid)

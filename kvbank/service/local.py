@@ -17,9 +17,11 @@ Access, checked once per connection:
   binds a request (401/403 as :class:`Unauthorized` / :class:`Forbidden`), and every call
   on it goes through the same :class:`~kvbank.service.admin.tenants.TenantGuard` checks;
 - the host segment's descriptor is passed only to a connection bound to no tenant (a node
-  without tenant tokens: one trust domain). A tenant's worker gets the control calls here
-  and moves its page bodies over HTTP or the data port, through the node's own copies:
-  a mapping of the segment would reach every tenant's rows (docs/admin.md).
+  without tenant tokens: one trust domain; a node with them opens no descriptor of it,
+  and unlinks its name at start: :meth:`~kvbank.service.node.Node.unlink_segment`). A
+  tenant's worker gets the control calls here and moves its page bodies over HTTP or
+  the data port, through the node's own copies: a mapping of the segment would reach
+  every tenant's rows (docs/admin.md).
 
 Serving: a thread per connection (at most ``MAX_CONNECTIONS``), each calling the bank
 directly, so eight workers are not queued behind one thread; the bank's calls release
@@ -157,7 +159,7 @@ class LocalChannel:
         os.chmod(path, 0o600)
         sock.listen(128)
         self._sock = sock
-        if self._segment is not None:
+        if self._segment is not None and not self.guard.tokens:  # a tenant node passes it to no one
             from kvbank.tiers.host import SHM_DIR
 
             try:

@@ -235,7 +235,6 @@ def client_restart(workdir: Path, *, rounds: int = 2, transfers: int = 8) -> Res
 
 # ---- tenant-neighbour ------------------------------------------------------------------
 
-NEIGHBOUR_TOKENS = {"a": "tenant-a-neighbour-0123456789", "b": "tenant-b-neighbour-0123456789"}
 SCRIBBLE = b"\xee" * 64  # what B writes over the start of a page of A's
 
 
@@ -247,18 +246,18 @@ class NeighbourResult:
 
 
 def tenant_neighbour(workdir: Path, *, rounds: int = 2, pages: int = 4) -> NeighbourResult:
-    """A node with two tenants. Each round, on each path, A puts a prompt; B learns the
-    segment from ``GET /v1/node``, maps it writable with no lease, finds one of A's pages
-    by its bytes and overwrites its first 64 bytes; A fetches the prompt. Value: the
-    fetches that handed A the overwritten page (goal 0: the page is a miss, never B's
-    bytes)."""
-    tenants = ",".join(f"{k}={v}" for k, v in NEIGHBOUR_TOKENS.items())
-    node = NodeProcess.start(node_args(workdir / "data"), env={**_env(), "KVBANK_TENANTS": tenants})
+    """A node without tenant tokens (on a node with them the segment's name is unlinked at
+    start, so no neighbour can open it: ``tests/reliability/test_tenant_neighbour.py``),
+    and a neighbour process of its uid. Each round, on each path, A puts a prompt; the
+    neighbour learns the segment from ``GET /v1/node``, maps it writable with no lease,
+    finds one of A's pages by its bytes and overwrites its first 64 bytes; A fetches the
+    prompt. Value: the fetches that handed A the overwritten page (goal 0: the page is a
+    miss, never the neighbour's bytes)."""
+    node = NodeProcess.start(node_args(workdir / "data"), env=_env())
     res = NeighbourResult(0, 0, 0)
     try:
-        info = httpx.get(node.url + "/v1/node", timeout=60,
-                         headers={"Authorization": f"Bearer {NEIGHBOUR_TOKENS['b']}"})
-        segment = info.json()["host"]["segment"]  # B's token is enough to learn it
+        info = httpx.get(node.url + "/v1/node", timeout=60)
+        segment = info.json()["host"]["segment"]  # named on a node without tenant tokens
         with Borrower(writable=True) as mapped:
             seg = mapped.segment(segment)
             for r in range(rounds):
@@ -266,7 +265,7 @@ def tenant_neighbour(workdir: Path, *, rounds: int = 2, pages: int = 4) -> Neigh
                     put = 50_000 + r * 100 + j
                     want = prompt_pages(3000, 0, put, pages)
                     toks = chain_tokens(3000, put, pages)
-                    with path_client(node.url, path, token=NEIGHBOUR_TOKENS["a"]) as a:
+                    with path_client(node.url, path) as a:
                         a.register(LAYOUT)
                         a.put(LAYOUT.layout_id, toks, group=0, pages=want)
                         victim = want[(r + j) % pages]

@@ -185,13 +185,16 @@ def _client(spec: dict[str, Any]) -> dict[str, Any]:
         client.put(lid, _tokens(counter[0], PAGES), group=0, pages=pages)
 
     if case == "fetch-local-check":
-        from unittest import mock
-
-        from kvbank.client import paths
+        link = client._chan()
+        if link is None or not link.memory:
+            raise RuntimeError("bench client: fetch-local-check needs the local channel with host memory")
 
         def unchecked() -> None:  # the same path with the client's checksum check left out
-            with mock.patch.object(paths, "changed_copies", lambda *_, **__: set()):
+            link._verify = False
+            try:
                 fetch()
+            finally:
+                link._verify = True
         fetch()
         unchecked()
         return _turns(fetch, unchecked, reps, nbytes)

@@ -12,8 +12,12 @@ connection of the client.
 - :meth:`fetch_prefix` — one call matches and lends (READ lease) the rows of the bound;
   the copies go straight into the caller's ``out`` buffers, rows that lie back to back
   in the segment and in one destination tensor merged into one copy (planned on arrays,
-  not row by row); then the acknowledgement names the rows copied, and the node counts
-  them only if the lease outlived the copies (bytes read after expiry are never counted).
+  not row by row); each row's copy is then verified against the checksum the node sent
+  for it (xxh3-64, docs/reliability.md "Checksums in memory"): one that fails is a miss,
+  left out of the acknowledgement and named in it as changed, so the node checks that
+  row itself and drops its host copy. The acknowledgement names the rows copied, and the
+  node counts them only if the lease outlived the copies (bytes read after expiry are
+  never counted).
 - :meth:`put` — one call reserves (WRITE lease) the rows not yet stored, the pages are
   copied into their slots, one call commits those that arrived whole.
 - :meth:`lend` / :meth:`check_live` / :meth:`release` / :meth:`commit`.
@@ -290,21 +294,47 @@ class LocalLink:
         ttl = float(fr.take(cols, at + 5, np.ndarray, "ttl_s")[0])
         idx, off, size = (fr.ints(cols, at + i, w) for i, w in ((6, "slots.index"), (7, "slots.offset"),
                                                                  (8, "slots.size")))
+        # each slot's checksum (0: none recorded); an older node sends no column
+        sums = fr.ints(cols, at + 9, "slots.sums", len(idx)) if len(cols) > at + 9 else None
         deadline = time.monotonic() + ttl
         try:
-            jobs = self._read_jobs(m, bufs, grp, slot, idx, off, size)
-            self.borrower().copy_slots(jobs, into_slots=False)
+            borrower = self.borrower()
+            jobs, dsts = self._read_jobs(m, bufs, grp, slot, idx, off, size)
+            borrower.copy_slots(jobs, into_slots=False)
             if time.monotonic() >= deadline:
                 raise LeaseExpired(f"lease_id: lease {lease_id} expired during the copies")
+            bad = self._changed(borrower, dsts, sums)
         except BaseException:
             self._release_quietly(lease_id)
             raise
+        lent = pos[idx]
+        if len(bad):  # a miss, never wrong bytes; the node checks these rows and drops them
+            keep = np.ones(len(idx), dtype=bool)
+            keep[bad] = False
+            return self._ack(fetch_id, lease_id, lent[keep], lent[bad])
         # the node counts these rows only if the lease outlived the copies
-        return self._ack(fetch_id, lease_id, pos[idx])
+        return self._ack(fetch_id, lease_id, lent)
 
-    def _ack(self, fetch_id: str, lease_id: str, positions: np.ndarray[Any, Any]) -> FetchResult:
-        return fr.result_from(self.call(fr.Op.ACK, [fetch_id, lease_id, np.ascontiguousarray(positions,
-                                                                                            dtype="<i8")]))
+    def _changed(self, borrower: Borrower, dsts: list[memoryview],
+                 sums: np.ndarray[Any, Any] | None) -> np.ndarray[Any, Any]:
+        """The lent rows (indexes into ``dsts``) whose copy does not hash to the checksum
+        the node sent: bytes changed in the host segment since the row was committed."""
+        if sums is None or not self._verify:
+            return _EMPTY
+        want = sums.astype("<u8", copy=False)
+        check = np.flatnonzero(want)
+        if not len(check):
+            return _EMPTY
+        got = np.fromiter(borrower.checksums([dsts[k] for k in check.tolist()]), dtype="<u8", count=len(check))
+        bad: np.ndarray[Any, Any] = check[got != want[check]]
+        return bad
+
+    _verify = True  # verify each copy against its row's checksum (a bench turns it off for a baseline)
+
+    def _ack(self, fetch_id: str, lease_id: str, positions: np.ndarray[Any, Any],
+             changed: np.ndarray[Any, Any] = _EMPTY) -> FetchResult:
+        return fr.result_from(self.call(fr.Op.ACK, [fetch_id, lease_id, np.ascontiguousarray(positions, dtype="<i8"),
+                                                    np.ascontiguousarray(changed, dtype="<i8")]))
 
     def _release_quietly(self, lease_id: str) -> None:
         with contextlib.suppress(KvbankError):  # else the connection's close or the TTL ends it
@@ -312,13 +342,14 @@ class LocalLink:
 
     def _read_jobs(self, m: Match, bufs: OutBuffers, grp: np.ndarray[Any, Any], slot: np.ndarray[Any, Any],
                    idx: np.ndarray[Any, Any], off: np.ndarray[Any, Any],
-                   size: np.ndarray[Any, Any]) -> list[tuple[str, int, int, memoryview]]:
+                   size: np.ndarray[Any, Any]) -> tuple[list[tuple[str, int, int, memoryview]], list[memoryview]]:
         """The copies of a lent fetch, planned on arrays: the lent rows ``idx`` (of the
         plan's ``grp``/``slot``) at ``off``/``size`` in the segment, merged into one copy
-        per run of rows back to back in both the segment and one destination tensor."""
+        per run of rows back to back in both the segment and one destination tensor; and
+        each lent row's own destination (what its copy is verified in)."""
         n = len(idx)
         if n == 0:
-            return []
+            return [], []
         g, s = grp[idx], slot[idx]
         dests: dict[int, np.ndarray[Any, Any] | None] = {}
         views: dict[int, list[memoryview]] | None = None
@@ -337,20 +368,25 @@ class LocalLink:
         starts = np.flatnonzero(brk)
         ends = np.append(starts[1:], n)
         jobs: list[tuple[str, int, int, memoryview]] = []
+        rows: list[memoryview] = []
         for a, b in zip(starts.tolist(), ends.tolist(), strict=True):
             gi, first, o, z = int(g[a]), int(s[a]), int(off[a]), int(size[a])
             d = dests[gi]
             if d is not None and whole[a]:
                 if first < 0 or first + (b - a) > d.shape[0]:
                     raise TierUnavailable("node: a fetch answer names rows beyond the buffers", field="socket")
-                jobs.append((SEGMENT, o, (b - a) * z, d[first : first + (b - a)].data.cast("B")))
+                run = d[first : first + (b - a)].data.cast("B")
+                jobs.append((SEGMENT, o, (b - a) * z, run))
+                rows.extend(run[k * z : (k + 1) * z] for k in range(b - a))
                 continue
             if views is None:
                 views = out_views(self._layout_of(m), m.resume.pages, bufs)
             for k in range(a, b):
                 gk, sk = int(g[k]), int(s[k])
-                jobs.append((SEGMENT, int(off[k]), int(size[k]), views[gk][sk][: int(size[k])]))
-        return jobs
+                dst = views[gk][sk][: int(size[k])]
+                jobs.append((SEGMENT, int(off[k]), int(size[k]), dst))
+                rows.append(dst)
+        return jobs, rows
 
     layout_of: Any = None  # set by the client: layout id -> PageLayout
 

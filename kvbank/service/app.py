@@ -251,7 +251,8 @@ def create_app(node: Node) -> FastAPI:
         doc = node.info()
         if guard.tokens:
             # tenants reach the host memory only as a descriptor the local channel passes
-            # (never to a tenant-bound caller): no name of it to open (served-node review D1)
+            # (never to a tenant-bound caller): the segment's name is unlinked at start,
+            # and none is named here (served-node review D1)
             doc["host"]["segment"] = None
         return _json(doc)
 
@@ -313,11 +314,13 @@ def create_app(node: Node) -> FastAPI:
                                               "parameters": [_VIA_DATA]},
               responses=_lease_links("$response.body#/lease/id"))
     async def put_lease(request: Request) -> Response:
+        if request.query_params.get("via") != "data":
+            node.check_named()  # a same-host put maps the segment by its name
         names, lease, fallback = await receive_put_lease(node, request)
         guard.own_lease(request, lease)
         doc: dict[str, Any] = {"names": [n.hex() for n in names], "fallback": fallback, "lease": None}
         if lease is not None:
-            doc["lease"] = slots_doc(lease, names, Delivery.RESERVED, bank.clock())
+            doc["lease"] = slots_doc(lease, names, Delivery.RESERVED, bank.clock(), named=node.segment_named)
             if request.query_params.get("via") == "data":
                 doc["ticket"] = _data_plane(node).issue(Op.PUT, lease, slot_names(doc["lease"], names))
         return _json(doc)
@@ -392,6 +395,8 @@ def create_app(node: Node) -> FastAPI:
             # ticket to read the lent slots over the data port; refused before lending
             # where the node serves none); with a prompt, match it first in that hop
             plane = _data_plane(node) if body.via == "data" else None
+            if plane is None:
+                node.check_named()  # a same-host fetch maps the segment by its name
             if m is None:
                 assert body.prompt is not None  # one of the two, checked above
                 lid, args = prompt_args(request, body.prompt)
@@ -414,7 +419,8 @@ def create_app(node: Node) -> FastAPI:
                 # the client verifies what it copied (same host) or received (data port)
                 # against the rows' checksums; the data port's sends are verified here too
                 sums = await node.call(bank.checksums, lease.id)
-                doc["lease"] = slots_doc(lease, opened.names, Delivery.READY, bank.clock(), sums)
+                doc["lease"] = slots_doc(lease, opened.names, Delivery.READY, bank.clock(), sums,
+                                         named=node.segment_named)
             if plane is not None:
                 doc["ticket"] = None if lease is None else plane.issue(
                     Op.FETCH, lease, slot_names(doc["lease"], opened.names))

@@ -139,6 +139,7 @@ def install_engine(app: FastAPI, node: Node, admin: Any, json: Any) -> None:
             m, start = await node.call(bank.load_match, target, shard=body.shard, start_page=body.start_page)
             response: Response = json({"match": wire.to_dict(m), "start_page": start})
             return response
+        node.check_named()  # the engine reads the lent rows in place, mapping the segment by its name
         plan, lease = await node.call(bank.lend_load, target, shard=body.shard, start_page=body.start_page)
         layout = bank.layout(plan.match.layout_id)
         doc: dict[str, Any] = {"layout_id": plan.match.layout_id.hex(), "start_page": plan.start_page,
@@ -188,6 +189,7 @@ def install_engine(app: FastAPI, node: Node, admin: Any, json: Any) -> None:
         lid = _hex(body.layout_id, "layout_id", 32)
         scope = guard.scope(request, lid, Scope(body.scope.tenant, body.scope.cache_salt, body.scope.lora))
         keys = [_hex(k, f"keys[{i}]") for i, k in enumerate(body.keys)]
+        node.check_named()  # the engine fills the reserved rows in place, by the segment's name
         names, lease = await node.call(bank.lend_put_groups, lid, pages=body.pages, keys=keys,
                                        first_page=body.first_page, scope=scope, shard=body.shard)
         guard.own_lease(request, lease)

@@ -17,9 +17,11 @@ Access, checked once per connection:
   binds a request (401/403 as :class:`Unauthorized` / :class:`Forbidden`), and every call
   on it goes through the same :class:`~kvbank.service.admin.tenants.TenantGuard` checks;
 - the host segment's descriptor is passed only to a connection bound to no tenant (a node
-  without tenant tokens: one trust domain). A tenant's worker gets the control calls here
-  and moves its page bodies over HTTP or the data port, through the node's own copies:
-  a mapping of the segment would reach every tenant's rows (docs/admin.md).
+  without tenant tokens: one trust domain; a node with them opens no descriptor of it,
+  and unlinks its name at start: :meth:`~kvbank.service.node.Node.unlink_segment`). A
+  tenant's worker gets the control calls here and moves its page bodies over HTTP or
+  the data port, through the node's own copies: a mapping of the segment would reach
+  every tenant's rows (docs/admin.md).
 
 Serving: a thread per connection (at most ``MAX_CONNECTIONS``), each calling the bank
 directly, so eight workers are not queued behind one thread; the bank's calls release
@@ -157,7 +159,7 @@ class LocalChannel:
         os.chmod(path, 0o600)
         sock.listen(128)
         self._sock = sock
-        if self._segment is not None:
+        if self._segment is not None and not self.guard.tokens:  # a tenant node passes it to no one
             from kvbank.tiers.host import SHM_DIR
 
             try:
@@ -332,9 +334,12 @@ class LocalChannel:
         lid, args = self._prompt(c, cols)
         return fr.match_columns(self.node.match(lid, args))
 
-    def _slots(self, lease: Lease, names: Sequence[bytes], delivery: Delivery) -> list[fr.Column]:
+    def _slots(self, lease: Lease, names: Sequence[bytes], delivery: Delivery,
+               checksums: dict[bytes, int] | None = None) -> list[fr.Column]:
         """The lease's id, seconds left, and for each entry ``i`` of ``names`` whose row is
-        in the passed segment with ``delivery``: ``i``, offset, size (three arrays)."""
+        in the passed segment with ``delivery``: ``i``, offset, size (three arrays); with
+        ``checksums`` (a READ lease's) a fourth, each slot's xxh3-64 as uint64 (0: none
+        recorded, the copy is not checked)."""
         idx: list[int] = []
         off: list[int] = []
         size: list[int] = []
@@ -350,8 +355,11 @@ class LocalChannel:
                 off.append(loc.offset)
                 size.append(loc.size)
         ttl = lease.expires_at - self.node.bank.clock()
-        return [lease.id, np.array([ttl], dtype="<f8"), np.array(idx, dtype="<i8"),
-                np.array(off, dtype="<i8"), np.array(size, dtype="<i8")]
+        out: list[fr.Column] = [lease.id, np.array([ttl], dtype="<f8"), np.array(idx, dtype="<i8"),
+                                np.array(off, dtype="<i8"), np.array(size, dtype="<i8")]
+        if checksums is not None:
+            out.append(np.fromiter((checksums.get(names[i], 0) for i in idx), dtype="<u8", count=len(idx)))
+        return out
 
     def _own(self, c: _Conn, lease: Lease | None) -> None:
         if lease is not None:
@@ -378,29 +386,35 @@ class LocalChannel:
         return self._lent(c, opened, lease)
 
     def _lent(self, c: _Conn, opened: OpenFetch | None, lease: Lease | None) -> list[fr.Column]:
-        """A lent fetch's 9 columns: fetch id ("" when none was opened), each planned
-        row's position, group and slot, then the lease's id, seconds left and slots."""
+        """A lent fetch's 10 columns: fetch id ("" when none was opened), each planned
+        row's position, group and slot, then the lease's id, seconds left, slots and each
+        slot's checksum (the client verifies its copies: docs/reliability.md)."""
         none = np.zeros(0, "<i8")
+        sums = np.zeros(0, "<u8")
         if opened is None:
-            return ["", none, none, none, "", np.zeros(1, "<f8"), none, none, none]
+            return ["", none, none, none, "", np.zeros(1, "<f8"), none, none, none, sums]
         self.guard.own_fetch(c.caller, opened.fetch_id)
         rows = opened.rows
         pos = np.fromiter((r.position for r in rows), dtype="<i8", count=len(rows))
         grp = np.fromiter((r.group for r in rows), dtype="<i8", count=len(rows))
         slot = np.fromiter((r.slot for r in rows), dtype="<i8", count=len(rows))
         if lease is None:
-            return [opened.fetch_id, pos, grp, slot, "", np.zeros(1, "<f8"), none, none, none]
+            return [opened.fetch_id, pos, grp, slot, "", np.zeros(1, "<f8"), none, none, none, sums]
         self._own(c, lease)
-        return [opened.fetch_id, pos, grp, slot, *self._slots(lease, opened.names, Delivery.READY)]
+        checksums = self.node.bank.checksums(lease.id)
+        return [opened.fetch_id, pos, grp, slot, *self._slots(lease, opened.names, Delivery.READY, checksums)]
 
     def _ack(self, c: _Conn, cols: list[fr.Column]) -> list[fr.Column]:
         fetch_id = fr.take(cols, 0, str, "fetch_id")
         lease_id = fr.take(cols, 1, str, "lease_id") or None
         positions = fr.ints(cols, 2, "rows").tolist()
+        # lent rows whose copies failed their checksum: the node checks them and drops
+        # the host copies that fail, as on the HTTP path (an older client sends none)
+        changed = fr.ints(cols, 3, "changed").tolist() if len(cols) > 3 else []
         self.guard.fetch(c.caller, fetch_id)
         if lease_id is not None:
             self.guard.lease(c.caller, lease_id)
-        result = self.node.acknowledge(fetch_id, positions, lease_id, None)
+        result = self.node.acknowledge(fetch_id, positions, lease_id, None, changed=changed)
         if lease_id is not None:
             c.leases.discard(lease_id)
         metrics = self.admin.metrics

@@ -35,6 +35,7 @@ and ``/v1/stats`` reports this ledger's open entries beside it as ``served_fetch
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import secrets
 import threading
@@ -51,7 +52,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from kvbank import fastrows as columns
 from kvbank._version import __version__
 from kvbank.bank.bank import Bank
-from kvbank.errors import Busy, CorruptPage, InvalidInput, KvbankError
+from kvbank.errors import Busy, CorruptPage, InvalidInput, KvbankError, TierUnavailable
 from kvbank.lender.base import Delivery, HostLocation, Lease, LeaseMode, MemoryKind
 from kvbank.lender.ledger import FetchLedger, PlannedRow
 from kvbank.results import FetchResult, Match
@@ -82,14 +83,15 @@ def host_identity() -> dict[str, Any]:
 
 
 def slots_doc(lease: Lease, names: list[bytes], delivery: Delivery, now: float,
-              checksums: dict[bytes, int] | None = None) -> dict[str, Any]:
+              checksums: dict[bytes, int] | None = None, *, named: bool = True) -> dict[str, Any]:
     """A HOST lease in the form a same-host client copies by: its id, the seconds it has
     left at ``now`` (on the bank's clock), the segments, and ``slots`` — for each entry
     ``i`` of ``names`` whose row has ``delivery`` (READY to read, RESERVED to fill)
     ``[i, segment index, offset, size]``. A 64-row lease's full wire form lists every
     row's buffer regions, which neither side needs to copy. With ``checksums`` (a READ
     lease's), ``sums`` holds each slot's checksum (16 hex digits of the xxh3-64, or null
-    where none is recorded): the client verifies its copy of each row against it."""
+    where none is recorded): the client verifies its copy of each row against it. Not
+    ``named`` (a node whose segment's name is unlinked): each segment's name is empty."""
     segments: dict[str, int] = {}
     slots: list[list[int]] = []
     for i, name in enumerate(names):
@@ -101,7 +103,8 @@ def slots_doc(lease: Lease, names: list[bytes], delivery: Delivery, now: float,
         if row.delivery is delivery and isinstance(loc, HostLocation):
             seg = segments.setdefault(loc.segment, len(segments))
             slots.append([i, seg, loc.offset, loc.size])
-    doc = {"id": lease.id, "ttl_s": lease.expires_at - now, "segments": list(segments),
+    doc = {"id": lease.id, "ttl_s": lease.expires_at - now,
+           "segments": list(segments) if named else [""] * len(segments),
            "slots": slots}
     if checksums is not None:
         doc["sums"] = [None if (v := checksums.get(names[s[0]])) is None else f"{v:016x}"
@@ -205,6 +208,29 @@ class Node:
         except KvbankError:
             pass  # no host tier: clients take the TCP path
         self.segment = next((p for p in pools if isinstance(p, HostSlot)), None)
+        # False once the segment's name is unlinked (a node with tenant tokens): nothing
+        # can open it by name, and no answer names it (see unlink_segment)
+        self.segment_named = self.segment is not None
+
+    def unlink_segment(self) -> None:
+        """Unlink the host segment's name from the shm directory (a node with tenant
+        tokens, right after it starts): the node keeps its mapping, and the local channel
+        the descriptor it opened, which it passes only to connections bound to no tenant;
+        no other process can open the segment by its name from now on (admin.md, trust
+        model). The memory is freed when the node's mapping and descriptors are closed."""
+        seg = self.segment
+        if seg is None:
+            return
+        with contextlib.suppress(FileNotFoundError):
+            (SHM_DIR / seg.segment).unlink()
+        self.segment_named = False
+
+    def check_named(self) -> None:
+        """TierUnavailable where the host segment has no name a same-host client could map
+        (a node with tenant tokens): its page bodies go over the data port or HTTP."""
+        if not self.segment_named:
+            raise TierUnavailable("host memory: this node has tenant tokens and its segment has no name to "
+                                  "map; move page bodies over the data port or HTTP", field="via")
 
     async def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """``fn(*args, **kwargs)`` on the node's bounded pool."""
@@ -219,7 +245,8 @@ class Node:
             # this process: a client that sees it change knows the node restarted (and
             # reads the rest of this document again: the data port is a new one)
             "instance": self.instance,
-            "host": {**self.identity, "segment": None if segment is None else segment.segment,
+            "host": {**self.identity, "segment": None if segment is None or not self.segment_named
+                     else segment.segment,
                      "segment_bytes": None if segment is None else segment.size,
                      # kept resident (reserve_host): a same-host client may build its page
                      # tables for the whole segment up front without claiming new memory

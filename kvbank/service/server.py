@@ -128,6 +128,10 @@ def serve(config: ServiceConfig, *, out: TextIO = sys.stdout) -> int:
         app = create_app(node)
         node.dataplane = _dataplane(node, app)
         channel = _channel(node, app)
+        if admin_of(app).guard.tokens:
+            # tenants share this host: the segment's name goes (the channel opened its
+            # descriptor already), so no tenant's process can open it (admin.md, trust model)
+            node.unlink_segment()
         # The protocol (httptools, with the node's header timeout, header-size and
         # connection limits) answers 503 to a connection over max_connections at accept,
         # so uvicorn's own limit_concurrency (checked only once headers arrive) is not used.

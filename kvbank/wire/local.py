@@ -64,15 +64,15 @@ class Op(enum.IntEnum):
 
     HELLO = 1  # token -> tenant bound, the host segment's fd (SCM_RIGHTS) where allowed
     MATCH = 2  # a prompt (tokens or keys) -> a Match
-    FETCH_PREFIX = 3  # a prompt -> a Match, a fetch id, its rows and their READ lease's slots
-    ACK = 4  # fetch id, lease id, positions read -> a FetchResult
+    FETCH_PREFIX = 3  # a prompt -> a Match, a fetch id, its rows, their READ lease's slots and checksums
+    ACK = 4  # fetch id, lease id, positions read, positions whose copy failed its checksum -> a FetchResult
     LEND = 5  # row names -> a Lease (its wire form)
     CHECK = 6  # lease id -> nothing (LeaseExpired if it ended)
     RELEASE = 7  # lease id -> whether it was live
     PUT_RESERVE = 8  # a put head -> row names, a WRITE lease's slots (or fallback)
     COMMIT = 9  # lease id, names that arrived -> a CommitResult
     PRESENCE = 10  # a prompt, shards -> a Presence
-    FETCH = 11  # a Match -> a fetch id, its rows and their READ lease's slots
+    FETCH = 11  # a Match -> a fetch id, its rows, their READ lease's slots and checksums
 
 
 # dtype codes: 0 raw bytes, 1 text, then numpy arrays

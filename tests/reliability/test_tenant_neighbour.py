@@ -1,12 +1,16 @@
-"""A hostile neighbour on the node's host, against a real ``kvbank serve`` with two tenants.
+"""A hostile neighbour on the node's host, against a real ``kvbank serve``.
 
 The served-node review's D1: tenant B's worker runs on the node's host under the node's
-uid, learns the host segment's name from ``GET /v1/node``, maps it writable without any
-lease and overwrites a page of tenant A's. What must hold on every path A fetches by —
-same-host shared memory, the data port, the HTTP stream — is that A is never handed B's
-bytes: the changed row is a miss (or the fetch a typed error), and its host copy is
-dropped on the node. And the node process is not dumpable: a process of its uid opens
-none of its ``/proc/<pid>/fd`` entries or its memory.
+uid, opens the host segment by its name, maps it writable without any lease and
+overwrites a page of tenant A's. On a node with tenant tokens the segment has no name
+(unlinked at start, named in no answer): the attack finds nothing to open, and A still
+fetches its own bytes on every path. On a node without tenant tokens (one trust domain,
+the segment named) a neighbour process can still write into it; what must hold on every
+path a client fetches by — the local channel, same-host shared memory, the data port,
+the HTTP stream — is that it is never handed the neighbour's bytes: the changed row is a
+miss (or the fetch a typed error), and its host copy is dropped on the node. And the
+node process is not dumpable: a process of its uid opens none of its
+``/proc/<pid>/fd`` entries or its memory.
 """
 
 from __future__ import annotations
@@ -26,23 +30,38 @@ import torch
 
 from kvbank import Client, full_attention
 from kvbank.client.shm import Borrower
-from kvbank.errors import KvbankError
+from kvbank.errors import KvbankError, TierUnavailable
 from kvbank.service.launch import NodeProcess
 from kvbank.service.server import READY
+from kvbank.tiers.host import SHM_DIR
 
 TA, TB = "tenant-a-token-0123456789", "tenant-b-token-0123456789"
 LAYOUT = full_attention("neighbour@1", num_layers=1, num_kv_heads=2, head_dim=64)
 P, PAGE = LAYOUT.tokens_per_page, LAYOUT.group_page_bytes[0]
-SCRIBBLE = b"\xee" * 64  # what B writes over the start of A's page
+SCRIBBLE = b"\xee" * 64  # what the neighbour writes over the start of A's page
+ARGS = ["--host-bytes", "64M", "--disk-bytes", "256M", "--device-bytes", "0"]
+
+
+def _env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k != "KVBANK_ADMIN_TOKEN"}
 
 
 @pytest.fixture(scope="module")
 def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeProcess]:
-    env = {k: v for k, v in os.environ.items() if k != "KVBANK_ADMIN_TOKEN"}
-    env.update(KVBANK_TENANTS=f"a={TA},b={TB}")
+    """A node with two tenants."""
     d = tmp_path_factory.mktemp("neighbour")
-    proc = NodeProcess.start(["--data-dir", str(d), "--host-bytes", "64M", "--disk-bytes", "256M",
-                              "--device-bytes", "0"], env=env)
+    proc = NodeProcess.start(["--data-dir", str(d), *ARGS], env={**_env(), "KVBANK_TENANTS": f"a={TA},b={TB}"})
+    try:
+        yield proc
+    finally:
+        assert proc.stop() == 0, "".join(proc.lines)[-3000:]
+
+
+@pytest.fixture(scope="module")
+def open_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeProcess]:
+    """A node without tenant tokens: its segment is named."""
+    d = tmp_path_factory.mktemp("open-neighbour")
+    proc = NodeProcess.start(["--data-dir", str(d), *ARGS], env=_env())
     try:
         yield proc
     finally:
@@ -54,17 +73,19 @@ def _pages(n: int, seed: int) -> torch.Tensor:
     return torch.from_numpy(rng.integers(0, 256, (n, PAGE), dtype=np.uint8))
 
 
-def _client(url: str, path: str) -> Client:
-    if path == "shm":
-        return Client(url, token=TA, same_host=True)
-    return Client(url, token=TA, same_host=False, data_plane=path == "data")
+def _client(url: str, path: str, token: str | None = None) -> Client:
+    if path == "local":  # the node's local channel (its socket), found by the client itself
+        return Client(url, token=token)
+    if path == "shm":  # the HTTP same-host path
+        return Client(url, token=token, same_host=True, channel="http")
+    return Client(url, token=token, same_host=False, data_plane=path == "data", channel="http")
 
 
-def _scribble(url: str, page: bytes) -> None:
-    """Tenant B: the segment named to any tenant, mapped writable with no lease; A's page
-    found by its bytes and its first 64 bytes overwritten."""
-    info = httpx.get(url + "/v1/node", headers={"Authorization": f"Bearer {TB}"}, timeout=30)
-    segment = info.json()["host"]["segment"]
+def _scribble(url: str, page: bytes, token: str | None = None) -> None:
+    """The neighbour: the segment named in ``GET /v1/node``, mapped writable with no
+    lease, A's page found by its bytes and its first 64 bytes overwritten."""
+    auth = {} if token is None else {"Authorization": f"Bearer {token}"}
+    segment = httpx.get(url + "/v1/node", headers=auth, timeout=30).json()["host"]["segment"]
     with Borrower(writable=True) as b:
         mm = b.segment(segment)
         at = bytes(mm).find(page)
@@ -72,10 +93,10 @@ def _scribble(url: str, page: bytes) -> None:
         mm[at : at + len(SCRIBBLE)] = SCRIBBLE
 
 
-def _served_pages(url: str, path: str, lid: bytes, toks: list[int]) -> list[bytes]:
+def _served_pages(url: str, path: str, lid: bytes, toks: list[int], token: str | None = None) -> list[bytes]:
     """A's fetch of its prompt on ``path``: the bytes of each row it was told arrived
     whole (a typed refusal of the whole fetch delivers none)."""
-    with _client(url, path) as a:
+    with _client(url, path, token) as a:
         try:
             f = a.fetch_prefix(lid, [*toks, 0])
         except KvbankError:
@@ -87,16 +108,18 @@ def _served_pages(url: str, path: str, lid: bytes, toks: list[int]) -> list[byte
         return [rows[planned.index(k)].numpy().tobytes() for k in f.result.delivered[0]]
 
 
-@pytest.mark.parametrize("path", ["shm", "data", "http"])
+@pytest.mark.parametrize("path", ["local", "shm", "data", "http"])
 def test_a_neighbours_write_into_the_segment_is_never_served_to_the_owner(
-        node: NodeProcess, path: str) -> None:
-    """B overwrites one of A's committed pages in the shared segment; A's next fetch on
-    each path returns only A's own bytes (the changed row a miss, never B's bytes), the
-    node drops that host copy, and a fetch after that is still never B's bytes."""
-    seed = {"shm": 1, "data": 2, "http": 3}[path]
+        open_node: NodeProcess, path: str) -> None:
+    """A neighbour overwrites one of A's committed pages in the named segment; A's next
+    fetch on each path returns only A's own bytes (the changed row a miss, never the
+    neighbour's bytes), the node drops that host copy, and a fetch after that is still
+    never the neighbour's bytes."""
+    node = open_node
+    seed = {"local": 4, "shm": 1, "data": 2, "http": 3}[path]
     pages = _pages(4, seed)
     toks = list(range(1000 * seed, 1000 * seed + 4 * P))
-    with Client(node.url, token=TA, same_host=False, data_plane=False) as a:
+    with Client(node.url, same_host=False, data_plane=False, channel="http") as a:
         lid = a.register(LAYOUT)
         a.put(lid, toks, group=0, pages=pages)
     own = [pages[k].numpy().tobytes() for k in range(4)]
@@ -104,12 +127,43 @@ def test_a_neighbours_write_into_the_segment_is_never_served_to_the_owner(
     before = sum("host copy dropped" in line for line in node.lines)
     for attempt in range(2):
         served = _served_pages(node.url, path, lid, toks)
-        assert not any(p.startswith(SCRIBBLE) for p in served), f"{path}: B's bytes served to A"
+        assert not any(p.startswith(SCRIBBLE) for p in served), f"{path}: the neighbour's bytes served to A"
         assert all(p in own for p in served), f"{path}: bytes that are not A's served"
         if attempt == 0:
             assert len(served) < 4, f"{path}: the changed page counted as delivered"
     dropped = sum("host copy dropped" in line for line in node.lines)
     assert dropped > before, f"{path}: the changed row's host copy was not dropped"
+
+
+def test_on_a_tenant_node_the_segment_has_no_name_to_open_and_tenants_fetch_exact(node: NodeProcess) -> None:
+    """D1 on a node with tenant tokens: B finds no segment to open — none named in
+    ``GET /v1/node``, no file of the node's under the shm directory (its name was
+    unlinked at start), opening the segments there finds none holding A's page — and a
+    same-host lease is refused as the typed TierUnavailable; A fetches its pages byte for
+    byte on the local channel (control calls there, bodies through the node's copies),
+    the data port and HTTP."""
+    pages = _pages(4, 9)
+    toks = list(range(9000, 9000 + 4 * P))
+    with Client(node.url, token=TA, same_host=False, data_plane=False) as a:
+        lid = a.register(LAYOUT)
+        a.put(lid, toks, group=0, pages=pages)
+    own = [pages[k].numpy().tobytes() for k in range(4)]
+    info = httpx.get(node.url + "/v1/node", headers={"Authorization": f"Bearer {TB}"}, timeout=30).json()
+    assert info["host"]["segment"] is None
+    ours = [p for p in SHM_DIR.iterdir() if p.name.startswith(f"kvbank-{node.pid}-")]
+    assert ours == [], f"the node's segment is still named: {ours}"
+    with pytest.raises(KvbankError, match="not a shared-memory name"):
+        _scribble(node.url, own[1], TB)  # the review's attack: there is no name to open
+    for path in ("local", "data", "http"):
+        with _client(node.url, path, TA) as a:
+            f = a.fetch_prefix(lid, [*toks, 0])
+            assert f.result is not None and f.result.complete, path
+            assert [f.pages[0][k].numpy().tobytes() for k in range(4)] == own, path
+            if path == "local":
+                link = a._link
+                assert link is not None and not link.memory  # the socket passed it no memory
+    with _client(node.url, "shm", TA) as a, pytest.raises(TierUnavailable, match="no name"):
+        a.fetch_prefix(lid, [*toks, 0])
 
 
 PR_CAPBSET_DROP, CAP_SYS_PTRACE = 24, 19

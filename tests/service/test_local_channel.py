@@ -287,3 +287,60 @@ def test_the_node_document_names_the_socket(node: NodeProcess) -> None:
     with Client(node.url, channel="http") as c:
         doc = c._call("GET", "/v1/node")
     assert doc["host"]["socket"].endswith("node.sock") and json.dumps(doc)
+
+
+SCRIBBLE = b"\xee" * 64
+OVERWRITE = """
+import sys
+from kvbank.client.shm import Borrower
+segment, page = sys.argv[1], bytes.fromhex(sys.stdin.read())
+with Borrower(writable=True) as b:
+    mm = b.segment(segment)
+    at = bytes(mm).find(page)
+    assert at >= 0, "the page is not in the segment"
+    mm[at : at + 64] = b"\\xee" * 64
+"""
+
+
+def test_a_row_changed_in_the_segment_is_a_miss_on_the_channel_and_dropped(node: NodeProcess) -> None:
+    """Another process of the node's uid maps the host segment by its name (an untenanted
+    node names it) and overwrites a committed row: the channel client's next fetch — by
+    fetch_prefix and by fetch of a held match — copies it, finds it fails its checksum,
+    and leaves it out (a miss, never the changed bytes); the node drops that host copy."""
+    data = rand(4, 77)
+    prompt = [*range(9000, 9000 + 4 * 16), 1]
+    own = [bytes(data[i].numpy()) for i in range(4)]
+    with Client(node.url) as c:
+        lid = c.register(LAYOUT)
+        c.put(lid, prompt[:-1], group=0, pages=data)
+        m = c.match(lid, prompt)
+        assert c._link is not None and c._link.memory
+        segment = c._host_info()["segment"]
+        before = sum("host copy dropped" in line for line in node.lines)
+        subprocess.run([sys.executable, "-c", OVERWRITE, segment], input=own[2].hex(), text=True,
+                       check=True, timeout=120, env={**os.environ, "PYTHONPATH": os.getcwd()})
+        calls: list[str] = []
+        inner = c._call
+
+        def call(method: str, path: str, **kw: object) -> object:
+            calls.append(path)
+            return inner(method, path, **kw)  # type: ignore[arg-type]
+
+        c._call = call  # type: ignore[method-assign]
+        out = torch.zeros((4, PAGE), dtype=torch.uint8)
+        res = c.fetch(m, out={0: out})  # the held match: the FETCH call
+        planned = m.resume.pages[0]
+        assert not res.complete and 2 not in [planned.index(k) for k in res.delivered[0]]
+        for k in res.delivered[0]:
+            assert bytes(out[planned.index(k)].numpy()) == own[planned.index(k)]
+        assert calls == [], calls  # the fetch went over the channel
+        for _ in range(50):  # the log line comes from the node's process
+            if sum("host copy dropped" in line for line in node.lines) > before:
+                break
+            time.sleep(0.1)
+        assert sum("host copy dropped" in line for line in node.lines) > before, "".join(node.lines)[-2000:]
+        got = c.fetch_prefix(lid, prompt)  # the row is gone from the host tier: never B's bytes
+        assert got.result is not None
+        for k in got.result.delivered[0]:
+            row = bytes(got.pages[0][got.match.resume.pages[0].index(k)].numpy())
+            assert not row.startswith(SCRIBBLE) and row in own

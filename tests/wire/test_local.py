@@ -170,3 +170,23 @@ def test_a_match_form_with_counts_that_do_not_add_up_is_refused() -> None:
         fr.match_from(cols)
     with pytest.raises(InvalidInput, match=r"match\.prompt_tokens"):
         fr.match_from([*cols[:4], "not ints", *cols[5:]])
+
+
+def test_a_lent_fetch_carries_its_checksums_and_an_ack_its_changed_rows() -> None:
+    """A lent fetch's answer ends with each slot's xxh3-64 as a uint64 column (every bit
+    kept: values past 2**63 too; 0 for none recorded), and an ACK carries the positions
+    whose copies failed it after the positions read."""
+    sums = np.array([0, 1, 2**63 + 5, 2**64 - 1], dtype="<u8")
+    lent: list[fr.Column] = ["fid", np.arange(4, dtype="<i8"), np.zeros(4, "<i8"), np.arange(4, dtype="<i8"), "lease",
+            np.array([9.5]), np.arange(4, dtype="<i8"), np.arange(4, dtype="<i8") * 4096,
+            np.full(4, 4096, dtype="<i8"), sums]
+    k, o, got = _roundtrip(fr.Kind.OK, fr.Op.FETCH, lent)
+    assert (k, o, len(got)) == (fr.Kind.OK, fr.Op.FETCH, 10)
+    back = fr.ints(got, 9, "slots.sums", 4)
+    assert back.dtype == np.dtype("<u8") and back.tolist() == [0, 1, 2**63 + 5, 2**64 - 1]
+    with pytest.raises(InvalidInput, match=r"slots\.sums"):
+        fr.ints(got, 9, "slots.sums", 3)
+    ack: list[fr.Column] = ["fid", "lease", np.array([0, 1, 3], dtype="<i8"), np.array([2], dtype="<i8")]
+    _, o, got = _roundtrip(fr.Kind.REQUEST, fr.Op.ACK, ack)
+    assert o == fr.Op.ACK and fr.ints(got, 2, "rows").tolist() == [0, 1, 3]
+    assert fr.ints(got, 3, "changed").tolist() == [2]

@@ -64,7 +64,8 @@ Where Bank and Client differ, and why (``tests/test_api.py`` keeps the same list
    (``held``, ``load_match``, ``lend_load``, ``lend_put_groups``: a handle's match, a
    load's match on a shard, a load's or a multi-group put's plan and lease in one call;
    ``match_with``: the node's own match, from its remote tier and fleet, for
-   ``match_many``);
+   ``match_many``; ``checksums``: a READ lease's rows' checksums, which the node sends
+   with a lent fetch so its client verifies the copies);
    and the Client's own ``same_host`` and ``map_host`` (its page path) and ``breaker``
    (``match_many``'s circuit breaker).
 3. **Deadlines** (``timeout=`` of ``put``, ``fetch``, ``lend``, ``fetch_into``,

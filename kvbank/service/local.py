@@ -25,8 +25,10 @@ Access, checked once per connection:
 
 Serving: a thread per connection (at most ``MAX_CONNECTIONS``), each calling the bank
 directly, so eight workers are not queued behind one thread; the bank's calls release
-the GIL in their copies and locks. A connection's unreleased leases are released when it
-closes (a worker killed mid-call leaves none held until its TTL). A frame the node cannot
+the GIL in their copies and locks. The leases a connection's fetches and puts opened are
+released when it closes (a worker killed mid-copy leaves none held until its TTL); a lease
+taken by ``lend`` is not: its holder may have handed it to another process (``Lease.to_json``
+and a ``Borrower``), so it ends at its release or its TTL, as over HTTP. A frame the node cannot
 read answers a typed error; one it cannot even frame (bad header, over the size limit)
 answers the error and closes that connection; the node keeps serving the others.
 """
@@ -361,10 +363,13 @@ class LocalChannel:
             out.append(np.fromiter((checksums.get(names[i], 0) for i in idx), dtype="<u8", count=len(idx)))
         return out
 
-    def _own(self, c: _Conn, lease: Lease | None) -> None:
+    def _own(self, c: _Conn, lease: Lease | None, *, tied: bool = True) -> None:
+        """``lease`` is ``c``'s caller's; ``tied``: the call's own lease (a fetch's, a
+        put's), released when the connection closes before its acknowledgement or commit."""
         if lease is not None:
             self.guard.own_lease(c.caller, lease)
-            c.leases.add(lease.id)
+            if tied:
+                c.leases.add(lease.id)
 
     def _fetch_prefix(self, c: _Conn, cols: list[fr.Column]) -> list[fr.Column]:
         if c.tenant is not None or self._fd is None:
@@ -438,7 +443,7 @@ class LocalChannel:
         self.guard.names(c.caller, names)
         bank = self.node.bank
         lease = bank.lend(names, mode=mode, kind=kind, ttl_s=None if ttl != ttl else ttl)
-        self._own(c, lease)
+        self._own(c, lease, tied=False)  # it may be handed on: it ends at release or TTL
         # a lease's full form (regions, locations) stays the JSON one: lend by name is not
         # a per-request call of a worker (fetch_prefix and put carry slots as columns)
         return [wire.to_json(lease, now=bank.clock())]

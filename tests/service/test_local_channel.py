@@ -217,28 +217,56 @@ def struct_col(code: int, n: int) -> bytes:
     return fr.COLUMN.pack(code, n)
 
 
-def test_a_worker_killed_holding_a_lease_leaves_none_held(node: NodeProcess, tmp_path: Path) -> None:
+def _killed_holding(node: NodeProcess, script: str, names: list[bytes]) -> str:
+    """Run ``script`` (it prints a lease id, then waits) and SIGKILL it: the lease's id."""
+    p = subprocess.Popen([sys.executable, "-c", script, *(n.hex() for n in names)], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": os.getcwd()})
+    assert p.stdout is not None
+    lease_id = p.stdout.readline().strip()
+    os.kill(p.pid, signal.SIGKILL)
+    p.communicate()
+    return lease_id
+
+
+def test_a_worker_killed_mid_fetch_leaves_no_lease_held(node: NodeProcess) -> None:
+    """A fetch's own lease ends with its connection: the worker died before its copies'
+    acknowledgement, and the rows are not held until the TTL."""
     data = rand(3, 5)
     prompt = list(range(900, 900 + 3 * 16))
     with Client(node.url, channel="local") as c:
         lid = c.register(LAYOUT)
-        names = c.put(lid, prompt, group=0, pages=data)
+        c.put(lid, prompt, group=0, pages=data)
         before = {x.id for x in c.leases()}
-        script = (f"import sys; from kvbank import Client; c = Client({node.url!r}, channel='local'); "
-                  f"lease = c.lend([bytes.fromhex(h) for h in sys.argv[1:]], ttl_s=600); "
-                  f"print(lease.id, flush=True); sys.stdin.readline()")
-        p = subprocess.Popen([sys.executable, "-c", script, *(n.hex() for n in names)], stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": os.getcwd()})
-        assert p.stdout is not None
-        lease_id = p.stdout.readline().strip()
-        assert lease_id and lease_id in {x.id for x in c.leases()}
-        os.kill(p.pid, signal.SIGKILL)
-        p.communicate()
-        for _ in range(200):  # its connection's close releases it (its ttl is 600 s)
+        script = (f"import sys; from kvbank import Client; from kvbank.client import local as L\n"
+                  f"def hold(self, m, bufs, cols, at):\n"
+                  f"    print(cols[at + 4], flush=True); sys.stdin.readline()\n"
+                  f"L.LocalLink._read = hold\n"
+                  f"c = Client({node.url!r}, channel='local'); lid = bytes.fromhex({lid.hex()!r})\n"
+                  f"c.layout(lid); c.fetch_prefix(lid, {prompt!r})\n")
+        lease_id = _killed_holding(node, script, [])
+        assert lease_id, "the worker opened no lease"
+        for _ in range(200):  # its connection's close releases it
             if lease_id not in {x.id for x in c.leases()}:
                 break
             time.sleep(0.05)
         assert {x.id for x in c.leases()} == before
+
+
+def test_a_lent_lease_outlives_the_connection_that_took_it(node: NodeProcess) -> None:
+    """A lease taken by ``lend`` may have been handed to another process: its taker's
+    death does not end it (its release or its TTL does), as over HTTP."""
+    data = rand(3, 6)
+    prompt = list(range(1900, 1900 + 3 * 16))
+    with Client(node.url, channel="local") as c:
+        lid = c.register(LAYOUT)
+        names = c.put(lid, prompt, group=0, pages=data)
+        script = (f"import sys; from kvbank import Client; c = Client({node.url!r}, channel='local'); "
+                  f"lease = c.lend([bytes.fromhex(h) for h in sys.argv[1:]], ttl_s=600); "
+                  f"print(lease.id, flush=True); sys.stdin.readline()")
+        lease_id = _killed_holding(node, script, names)
+        assert lease_id in {x.id for x in c.leases()}
+        c.check_live(lease_id)  # still live after its taker's connection closed
+        assert c.release(lease_id)
 
 
 @pytest.fixture(scope="module")

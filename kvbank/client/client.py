@@ -341,7 +341,7 @@ class Client(EngineCalls):
                deadline: Deadline | None = None) -> list[bytes]:
         link = self._local_memory()
         if link is not None:
-            got = link.put(head, views)
+            got = link.put(head, views, deadline)
             return self._stream.put(kind, head, views, deadline) if got is None else got
         names = self._path().put(kind, head, views, deadline)
         return self._stream.put(kind, head, views, deadline) if names is None else names
@@ -525,7 +525,7 @@ class Client(EngineCalls):
         views = out_views(self.layout(match.layout_id), match.resume.pages, out)
         link = self._local_memory() if fetch_id is None and any(match.resume.pages) else None
         if link is not None:  # one call lends, the copies, one call acknowledges
-            return link.fetch(match, out, max_rows)
+            return link.fetch(match, out, max_rows, deadline)
         req = {"match": self._match_doc(match), "fetch_id": fetch_id, "max_rows": max_rows}
         got = self._path().fetch(req, views, out, deadline)
         return self._stream.fetch(req, views, out, deadline) if got is None else got
@@ -564,7 +564,7 @@ class Client(EngineCalls):
             names = list(names)
             for i, n in enumerate(names):
                 name_hex(n, i)
-            lease = link.lend(names, mode, kind, ttl_s)
+            lease = link.lend(names, mode, kind, ttl_s, deadline)
             if deadline is not None and deadline.passed():
                 self.release(lease.id)
                 raise deadline.busy("the lease was not ready (it came later and was released)")

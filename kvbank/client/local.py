@@ -36,7 +36,7 @@ import socket
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -49,6 +49,9 @@ from kvbank.keys import Scope
 from kvbank.lender.base import CommitResult, Lease, LeaseMode, MemoryKind
 from kvbank.results import FetchResult, Match, Presence
 from kvbank.wire import local as fr
+
+if TYPE_CHECKING:
+    from kvbank.client.io import Deadline
 
 logger = logging.getLogger(__name__)
 
@@ -164,10 +167,20 @@ class LocalLink:
             if old_mm is not None:
                 old_mm.close()
 
-    def call(self, op: fr.Op, cols: Sequence[fr.Column]) -> list[fr.Column]:
+    def call(self, op: fr.Op, cols: Sequence[fr.Column], deadline: Deadline | None = None) -> list[fr.Column]:
         """One call: a REQUEST frame out, its answer's columns back (an ERROR raised as the
-        typed error it names). A broken connection is dropped (the next call opens one)."""
+        typed error it names). A broken connection is dropped (the next call opens one).
+
+        ``deadline`` (a call's ``timeout=``, kvbank.api difference 3): :class:`Busy` before
+        anything is sent where it passed already, else the wait for the answer ends with
+        it (:class:`Busy`, the connection dropped: an answer may still be on its way)."""
         sock = self._sock()
+        what = f"the local channel's {op.name} was not answered"
+        if deadline is not None:
+            left = deadline.left()
+            if left <= 0:
+                raise deadline.busy(what)
+            sock.settimeout(min(self.timeout_s, left))
         try:
             sock.sendmsg(fr.encode(fr.Kind.REQUEST, op, cols))
             head = bytearray(fr.HEADER.size)
@@ -178,10 +191,14 @@ class LocalLink:
                 _recv_exact(sock, memoryview(body))
         except (OSError, ChannelBroken) as exc:
             self._drop(sock)
+            if deadline is not None and isinstance(exc, TimeoutError) and deadline.passed():
+                raise deadline.busy(what) from exc
             raise ChannelBroken(f"node: the local channel broke off: {exc}", field="socket") from exc
         except KvbankError:
             self._drop(sock)
             raise
+        if deadline is not None:
+            sock.settimeout(self.timeout_s)
         out = fr.decode_body(body, ncols)
         if kind is fr.Kind.ERROR:
             raise fr.raise_error(out)
@@ -241,7 +258,8 @@ class LocalLink:
     def presence(self, prompt: list[fr.Column], shards: Sequence[int] | None) -> Presence:
         return fr.presence_from(self.call(fr.Op.PRESENCE, [*prompt, np.asarray(list(shards or ()), dtype="<i8")]))
 
-    def lend(self, names: Sequence[bytes], mode: LeaseMode, kind: MemoryKind, ttl_s: float | None) -> Lease:
+    def lend(self, names: Sequence[bytes], mode: LeaseMode, kind: MemoryKind, ttl_s: float | None,
+             deadline: Deadline | None = None) -> Lease:
         if any(type(n) is not bytes or len(n) != fr.NAME_BYTES for n in names):
             for i, n in enumerate(names):
                 if type(n) is not bytes:
@@ -249,7 +267,8 @@ class LocalLink:
             raise InvalidInput(f"names: a row name is {fr.NAME_BYTES} bytes", field="names")
         cols = self.call(fr.Op.LEND, [b"".join(names), np.array([list(LeaseMode).index(mode),
                                                                   list(MemoryKind).index(kind)], dtype="<i8"),
-                                      np.array([float("nan") if ttl_s is None else ttl_s], dtype="<f8")])
+                                      np.array([float("nan") if ttl_s is None else ttl_s], dtype="<f8")],
+                         deadline)
         return wire.from_json(Lease, fr.take(cols, 0, str, "lease"))
 
     def check_live(self, lease_id: str) -> None:
@@ -258,8 +277,8 @@ class LocalLink:
     def release(self, lease_id: str) -> bool:
         return bool(fr.ints(self.call(fr.Op.RELEASE, [lease_id]), 0, "released", 1)[0])
 
-    def commit(self, lease_id: str, arrived: Sequence[bytes]) -> CommitResult:
-        return fr.commit_from(self.call(fr.Op.COMMIT, [lease_id, b"".join(arrived)]))
+    def commit(self, lease_id: str, arrived: Sequence[bytes], deadline: Deadline | None = None) -> CommitResult:
+        return fr.commit_from(self.call(fr.Op.COMMIT, [lease_id, b"".join(arrived)], deadline))
 
     def fetch_prefix(self, prompt: list[fr.Column], max_rows: int | None,
                      out_of: Any) -> tuple[Match, FetchResult | None, OutBuffers]:
@@ -271,10 +290,13 @@ class LocalLink:
         bufs: OutBuffers = out_of(m)
         return m, self._read(m, bufs, cols, fr.MATCH_COLUMNS), bufs
 
-    def fetch(self, m: Match, bufs: OutBuffers, max_rows: int | None) -> FetchResult:
-        """``Client.fetch`` of ``m``: lent in one call, copied into ``bufs``, acknowledged."""
+    def fetch(self, m: Match, bufs: OutBuffers, max_rows: int | None,
+              deadline: Deadline | None = None) -> FetchResult:
+        """``Client.fetch`` of ``m``: lent in one call, copied into ``bufs``, acknowledged.
+        ``deadline`` bounds the lending call (:class:`Busy`: no fetch was opened); once
+        lent, the copies (memory of this host) and the acknowledgement go on."""
         cols = self.call(fr.Op.FETCH, [*fr.match_columns(m), np.array([-1 if max_rows is None else max_rows],
-                                                                      dtype="<i8")])
+                                                                      dtype="<i8")], deadline)
         got = self._read(m, bufs, cols, 0)
         if got is None:  # nothing to fetch: the node opened nothing
             raise InvalidInput("match: its resume bound needs no rows; nothing to fetch", field="match")
@@ -393,10 +415,12 @@ class LocalLink:
     def _layout_of(self, m: Match) -> Any:
         return self.layout_of(m.layout_id)
 
-    def put(self, head: bytes, views: Sequence[memoryview]) -> list[bytes] | None:
+    def put(self, head: bytes, views: Sequence[memoryview],
+            deadline: Deadline | None = None) -> list[bytes] | None:
         """Reserve, fill and commit; the row names, or None where the pages must go over
-        HTTP (no lease could be had)."""
-        cols = self.call(fr.Op.PUT_RESERVE, [head])
+        HTTP (no lease could be had). ``deadline`` bounds the reserving and the committing
+        call (:class:`Busy`; a lease taken is released, pages committed before stay)."""
+        cols = self.call(fr.Op.PUT_RESERVE, [head], deadline)
         names = list(fr.names_of(fr.take(cols, 0, bytes, "names"), "names"))
         fallback = bool(fr.ints(cols, 1, "fallback", 1)[0])
         lease_id = fr.take(cols, 2, str, "lease_id")
@@ -406,15 +430,15 @@ class LocalLink:
         idx = fr.ints(cols, 4, "slots.index").tolist()
         off = fr.ints(cols, 5, "slots.offset").tolist()
         size = fr.ints(cols, 6, "slots.size").tolist()
-        deadline = time.monotonic() + ttl
+        expires = time.monotonic() + ttl  # the lease's
         try:
             if any(not 0 <= i < len(views) for i in idx):
                 raise TierUnavailable("node: a put answer names pages beyond the put", field="socket")
             self.borrower().copy_slots([(SEGMENT, o, z, views[i]) for i, o, z in zip(idx, off, size, strict=True)],
                                        into_slots=True)
-            if time.monotonic() >= deadline:
+            if time.monotonic() >= expires:
                 raise LeaseExpired(f"lease_id: lease {lease_id} expired during the copies")
-            self.commit(lease_id, [names[i] for i in idx])
+            self.commit(lease_id, [names[i] for i in idx], deadline)
         except BaseException:
             self._release_quietly(lease_id)
             raise

@@ -14,6 +14,7 @@ import socket
 import stat
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,9 +24,17 @@ import pytest
 import torch
 
 from kvbank import Client, Scope, full_attention
+from kvbank.client.io import deadline_of
 from kvbank.client.local import LocalLink
 from kvbank.client.paths import SharedMemory
-from kvbank.errors import Forbidden, InvalidInput, LeaseNotFound, TierUnavailable, Unauthorized
+from kvbank.errors import (
+    Busy,
+    Forbidden,
+    InvalidInput,
+    LeaseNotFound,
+    TierUnavailable,
+    Unauthorized,
+)
 from kvbank.service.launch import NodeProcess
 from kvbank.wire import local as fr
 from tests.service.conftest import NODE_ARGS
@@ -372,3 +381,74 @@ def test_a_row_changed_in_the_segment_is_a_miss_on_the_channel_and_dropped(node:
         for k in got.result.delivered[0]:
             row = bytes(got.pages[0][got.match.resume.pages[0].index(k)].numpy())
             assert not row.startswith(SCRIBBLE) and row in own
+
+
+def test_timeout_on_the_channel_is_a_deadline_as_over_http(node: NodeProcess) -> None:
+    """kvbank.api, difference 3: a passed deadline raises Busy on the channel as over HTTP,
+    before anything is sent (nothing stored, nothing lent, not one call over HTTP)."""
+    data = rand(2, 11)
+    prompt = [*range(1200, 1200 + 2 * 16), 7]  # its last token is never a resume's
+    with Client(node.url, channel="local") as c:
+        lid = c.register(LAYOUT)
+        before = c.stats().live_leases
+        assert c.match(lid, prompt).resume.tokens == 0  # the channel opened
+        calls: list[str] = []
+        inner = c._call
+
+        def call(method: str, path: str, **kw: object) -> object:
+            calls.append(path)
+            return inner(method, path, **kw)  # type: ignore[arg-type]
+
+        c._call = call  # type: ignore[method-assign]
+        with pytest.raises(Busy, match="timeout"):
+            c.put(lid, prompt[:32], group=0, pages=data, timeout=0)
+        assert c.match(lid, prompt).resume.tokens == 0  # nothing was stored
+        names = c.put(lid, prompt[:32], group=0, pages=data, timeout=30)
+        m = c.match(lid, prompt)
+        assert m.resume.tokens == 32
+        out = torch.zeros((2, PAGE), dtype=torch.uint8)
+        with pytest.raises(Busy, match="timeout"):
+            c.fetch(m, out={0: out}, timeout=0)
+        with pytest.raises(Busy, match="timeout"):
+            c.lend(names, timeout=0)
+        assert c.fetch(m, out={0: out}, timeout=30).complete and torch.equal(out, data)
+        assert c.release(c.lend(names, timeout=30).id)
+        assert calls == [], calls
+        c._call = inner  # type: ignore[method-assign]
+        assert c.stats().live_leases == before
+
+
+def test_a_channel_call_unanswered_by_its_deadline_is_busy_and_its_connection_dropped(tmp_path: Path) -> None:
+    """A node that takes the HELLO but never answers the call: Busy once the deadline
+    passes (not the link's own timeout_s), and the connection dropped (a late answer
+    never read as the next call's)."""
+    path = str(tmp_path / "mute.sock")
+    srv = socket.socket(socket.AF_UNIX)
+    srv.bind(path)
+    srv.listen(1)
+    kept: list[socket.socket] = []
+
+    def serve() -> None:
+        conn, _ = srv.accept()
+        kept.append(conn)
+        head = _exact(conn, fr.HEADER.size)
+        assert head is not None
+        _exact(conn, fr.decode_header(head)[3])
+        conn.sendall(fr.encode_bytes(fr.Kind.OK, fr.Op.HELLO, [np.array([0, 0, 0, os.getpid()], dtype="<i8")]))
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    link = LocalLink(path, None, timeout_s=600)
+    try:
+        link.open()
+        t.join(10)
+        start = time.monotonic()
+        with pytest.raises(Busy, match="timeout"):
+            link.call(fr.Op.CHECK, ["x"], deadline_of(0.2))
+        assert time.monotonic() - start < 60  # the deadline ended the wait, not timeout_s
+        assert getattr(link._tls, "sock", None) is None
+    finally:
+        link.close()
+        for s in kept:
+            s.close()
+        srv.close()

@@ -87,7 +87,7 @@ from kvbank.client.io import (
 )
 from kvbank.client.local import ChannelBroken, LocalLink
 from kvbank.client.paths import DataPort, PagePath, SharedMemory, Stream
-from kvbank.errors import Busy, InvalidInput, TierUnavailable
+from kvbank.errors import Busy, InvalidInput, TierFull, TierUnavailable
 from kvbank.keys import DEFAULT_SCOPE, Scope, TokenIds, namespace, prompt_keys, tokens_to_bytes
 from kvbank.keys import row_names as _row_names
 from kvbank.layout import PageLayout
@@ -473,6 +473,7 @@ class Client(EngineCalls):
         one control call matches and lends (then the copies, then the acknowledgement);
         over HTTP streams it is :meth:`match`, then :meth:`fetch`."""
         link = self._local_memory()
+        full = False  # the channel's lend did not fit the host tier
         if link is not None:
             prompt = self._prompt_columns(layout_id, tokens, scope, shard, keys, prompt_tokens)
             if prompt is not None:
@@ -480,12 +481,16 @@ class Client(EngineCalls):
                     if not any(m.resume.pages):
                         return {} if out is None else out
                     return out_buffers(self.layout(m.layout_id), m.resume.pages) if out is None else out
-                m, result, bufs = link.fetch_prefix(prompt, max_rows, out_of)
-                return Fetched(m, result, bufs)
-        body = prompt_doc(layout_id, tokens, scope, shard, keys, prompt_tokens)
-        fast = self._path().prefix(body, out, max_rows)
-        if fast is not None:
-            return fast
+                try:
+                    m, result, bufs = link.fetch_prefix(prompt, max_rows, out_of)
+                    return Fetched(m, result, bufs)
+                except TierFull:  # more rows than the host tier can lend at once: as on HTTP,
+                    full = True  # match, then the fetch streams them in batches
+        if not full:
+            body = prompt_doc(layout_id, tokens, scope, shard, keys, prompt_tokens)
+            fast = self._path().prefix(body, out, max_rows)
+            if fast is not None:
+                return fast
         m = self.match(layout_id, tokens, scope=scope, shard=shard, keys=keys, prompt_tokens=prompt_tokens)
         return fetched(self.layout(layout_id), m, out, lambda bufs: self.fetch(m, out=bufs, max_rows=max_rows))
 
@@ -525,9 +530,12 @@ class Client(EngineCalls):
         views = out_views(self.layout(match.layout_id), match.resume.pages, out)
         link = self._local_memory() if fetch_id is None and any(match.resume.pages) else None
         if link is not None:  # one call lends, the copies, one call acknowledges
-            return link.fetch(match, out, max_rows, deadline)
+            try:
+                return link.fetch(match, out, max_rows, deadline)
+            except TierFull:
+                pass  # the host tier cannot lend every row at once: the stream sends them in batches
         req = {"match": self._match_doc(match), "fetch_id": fetch_id, "max_rows": max_rows}
-        got = self._path().fetch(req, views, out, deadline)
+        got = None if link is not None else self._path().fetch(req, views, out, deadline)
         return self._stream.fetch(req, views, out, deadline) if got is None else got
 
     def _ack(self, fetch_id: str, rows: list[int], lease_id: str | None,

@@ -80,6 +80,32 @@ def test_paths_through_the_disk_tier_and_many_clients(small_node: NodeProcess) -
             assert result == digest
 
 
+def test_local_channel_fetches_more_rows_than_the_host_tier_can_lend_at_once(
+        small_node: NodeProcess) -> None:
+    """40 pages on a node whose host tier holds 24: the local channel cannot lend them all
+    in one lease (TierFull), so fetch and fetch_prefix go on as the HTTP path does, the
+    stream sending them in batches, and every byte arrives."""
+    data = pages(40, 5)
+    toks = list(range(70_000, 70_000 + 40 * 16))
+    with Client(small_node.url, same_host=False) as c:
+        lid = c.register(BIG)
+        for k in range(0, 40, 8):
+            c.put(lid, toks, group=0, pages=data[k : k + 8], first_page=k)
+    with Client(small_node.url, channel="local") as cl:
+        assert cl._local_memory() is not None  # the channel, with the host memory passed
+        m = cl.match(lid, [*toks, 1])
+        assert m.resume.tokens == 40 * 16
+        out = torch.zeros((40, BIG_PAGE), dtype=torch.uint8)
+        got = cl.fetch(m, out={0: out})
+        assert got.complete, got.missing
+        assert torch.equal(out, data)
+        out2 = torch.zeros((40, BIG_PAGE), dtype=torch.uint8)
+        f = cl.fetch_prefix(lid, [*toks, 1], out={0: out2})
+        assert f.match.resume.tokens == 40 * 16
+        assert f.result is not None and f.result.complete, f.result
+        assert torch.equal(out2, data)
+
+
 def test_fetch_of_disk_rows_completes_while_other_readers_hold_the_host_tier(
         small_node: NodeProcess) -> None:
     """Rows on disk are still served whole when another client's READ leases hold every

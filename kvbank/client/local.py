@@ -32,6 +32,7 @@ import contextlib
 import logging
 import mmap
 import os
+import select
 import socket
 import threading
 import time
@@ -63,6 +64,8 @@ class ChannelBroken(TierUnavailable):
     """The local channel's connection broke off (the node stopped, or restarted): the
     call's answer never came. An idempotent call may be made again over HTTP."""
 
+    before_answer = False  # no byte of the answer had come (the call may be made again)
+
 
 def _recv_exact(sock: socket.socket, view: memoryview) -> None:
     got, n = 0, len(view)
@@ -71,6 +74,23 @@ def _recv_exact(sock: socket.socket, view: memoryview) -> None:
         if k == 0:
             raise ChannelBroken("node: the local channel closed mid-answer", field="socket")
         got += k
+
+
+def _alive(sock: socket.socket) -> bool:
+    """Whether an idle connection is still open at the node's end (as a pooled HTTP
+    connection is checked before it is used): no bytes wait on it, and no end of file."""
+    # (a poll, not a recv: a socket with a timeout waits that long in recv before it looks)
+    p = select.poll()
+    p.register(sock, select.POLLIN)
+    return not p.poll(0)  # readable: the node closed it, or bytes no call waits for
+
+
+# The calls made once more on a new connection where the one they went on broke off before
+# any answer: those that change nothing (a match, presence, a lease's check) and those whose
+# lease the node ends when the broken connection closes (a lent fetch, a put's reserve). A
+# restarted node answers them as the first call of a fresh client would.
+RETRY = frozenset({fr.Op.MATCH, fr.Op.PRESENCE, fr.Op.CHECK, fr.Op.FETCH_PREFIX, fr.Op.FETCH,
+                   fr.Op.PUT_RESERVE})
 
 
 class LocalLink:
@@ -99,7 +119,9 @@ class LocalLink:
     def _sock(self) -> socket.socket:
         sock: socket.socket | None = getattr(self._tls, "sock", None)
         if sock is not None and self._tls.pid == os.getpid():
-            return sock  # (a forked child opens its own: frames of two processes never mix)
+            if _alive(sock):
+                return sock  # (a forked child opens its own: frames of two processes never mix)
+            self._drop(sock)  # the node closed it while idle (it stopped, or restarted): a new one
         if self._closed:
             raise TierUnavailable("client: closed", field="client")
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -169,11 +191,22 @@ class LocalLink:
 
     def call(self, op: fr.Op, cols: Sequence[fr.Column], deadline: Deadline | None = None) -> list[fr.Column]:
         """One call: a REQUEST frame out, its answer's columns back (an ERROR raised as the
-        typed error it names). A broken connection is dropped (the next call opens one).
+        typed error it names). A broken connection is dropped (the next call opens one,
+        and maps the memory of a node that restarted); a call of :data:`RETRY` whose
+        connection broke before any answer is made once more on a new one.
 
         ``deadline`` (a call's ``timeout=``, kvbank.api difference 3): :class:`Busy` before
         anything is sent where it passed already, else the wait for the answer ends with
         it (:class:`Busy`, the connection dropped: an answer may still be on its way)."""
+        try:
+            return self._call_once(op, cols, deadline)
+        except ChannelBroken as exc:
+            if op not in RETRY or not exc.before_answer:
+                raise
+            logger.info("client: the local channel broke off (%s); calling again on a new connection", exc)
+        return self._call_once(op, cols, deadline)
+
+    def _call_once(self, op: fr.Op, cols: Sequence[fr.Column], deadline: Deadline | None) -> list[fr.Column]:
         sock = self._sock()
         what = f"the local channel's {op.name} was not answered"
         if deadline is not None:
@@ -181,10 +214,15 @@ class LocalLink:
             if left <= 0:
                 raise deadline.busy(what)
             sock.settimeout(min(self.timeout_s, left))
+        answered = False
         try:
             sock.sendmsg(fr.encode(fr.Kind.REQUEST, op, cols))
             head = bytearray(fr.HEADER.size)
-            _recv_exact(sock, memoryview(head))
+            k = sock.recv_into(head)
+            if k == 0:
+                raise ChannelBroken("node: the local channel closed before the answer", field="socket")
+            answered = True
+            _recv_exact(sock, memoryview(head)[k:])
             kind, _, ncols, nbody = fr.decode_header(head)
             body = bytearray(nbody)
             if nbody:
@@ -193,7 +231,9 @@ class LocalLink:
             self._drop(sock)
             if deadline is not None and isinstance(exc, TimeoutError) and deadline.passed():
                 raise deadline.busy(what) from exc
-            raise ChannelBroken(f"node: the local channel broke off: {exc}", field="socket") from exc
+            broken = ChannelBroken(f"node: the local channel broke off: {exc}", field="socket")
+            broken.before_answer = not answered and not isinstance(exc, TimeoutError)  # slow: not again
+            raise broken from exc
         except KvbankError:
             self._drop(sock)
             raise

@@ -25,7 +25,7 @@ import torch
 
 from kvbank import Client, Scope, full_attention
 from kvbank.client.io import deadline_of
-from kvbank.client.local import LocalLink
+from kvbank.client.local import ChannelBroken, LocalLink
 from kvbank.client.paths import SharedMemory
 from kvbank.errors import (
     Busy,
@@ -452,3 +452,39 @@ def test_a_channel_call_unanswered_by_its_deadline_is_busy_and_its_connection_dr
         for s in kept:
             s.close()
         srv.close()
+
+
+def test_a_connection_that_broke_while_idle_or_before_an_answer_is_opened_anew(node: NodeProcess) -> None:
+    """A node that restarted closed every connection of a long-lived client: the next call
+    opens a new one (and HELLO maps the memory again) instead of failing; a call that
+    changes nothing, broken off before any answer, is made once more. A commit is not."""
+    data = rand(2, 5)
+    prompt = [*range(500, 500 + 2 * 16), 7]
+    with Client(node.url) as c:
+        lid = c.register(LAYOUT)
+        c.put(lid, prompt[: 2 * 16], group=0, pages=data)
+        link = c._link
+        assert link is not None and link.memory
+        old = link._tls.sock
+        old.shutdown(socket.SHUT_RD)  # as the node's end closing it: end of file waits on it
+        f = c.fetch_prefix(lid, prompt)
+        assert link._tls.sock is not old and old.fileno() == -1
+        assert f.pages is not None and torch.equal(f.pages[0][:2], data)
+
+        inner, calls = link._call_once, []
+
+        def broken_once(op: fr.Op, cols: object, deadline: object = None) -> object:
+            calls.append(op)
+            if len(calls) == 1:
+                exc = ChannelBroken("node: the local channel broke off", field="socket")
+                exc.before_answer = True
+                raise exc
+            return inner(op, cols, deadline)  # type: ignore[arg-type]
+
+        link._call_once = broken_once  # type: ignore[method-assign,assignment]
+        assert c.match(lid, prompt).resume.tokens == 2 * 16
+        assert calls == [fr.Op.MATCH, fr.Op.MATCH]
+        calls.clear()
+        with pytest.raises(ChannelBroken):
+            link.call(fr.Op.COMMIT, ["0" * 32, b""])
+        assert calls == [fr.Op.COMMIT]

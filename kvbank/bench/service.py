@@ -216,17 +216,9 @@ def _client(spec: dict[str, Any]) -> dict[str, Any]:
                 f()
             times[side] = [t0, time.monotonic()]
         return {**times, "bytes": reps * nbytes}
-    ours, base = [], []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        t1 = time.perf_counter()
-        baseline()
-        t2 = time.perf_counter()
-        ours.append(t1 - t0)
-        base.append(t2 - t1)
+    timed = _turns(fn, baseline, reps, nbytes)
     client.close()
-    return {"ours": ours, "base": base, "bytes": nbytes}
+    return timed
 
 
 def _turns(fn: Any, baseline: Any, reps: int, nbytes: int) -> dict[str, Any]:

@@ -405,9 +405,11 @@ class DataPlane:
         finally:
             for v in views:
                 v.release()  # before the client's commit: the slab must never outlive an export
-        conn.sendall(_reply(GO, total))
+        # counted before the reply: a client that reads the node's counters once its put
+        # returned must find these bytes there (under load the reply could win the race)
         if self.moved is not None:
             self.moved("in", total)
+        conn.sendall(_reply(GO, total))
 
 
 __all__ = ["DataPlane", "Op", "Ticket", "Tickets", "slot_names"]

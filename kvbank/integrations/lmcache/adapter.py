@@ -68,18 +68,22 @@ from kvbank.codec.planes import copy_bytes
 from kvbank.errors import InvalidInput, KvbankError, LeaseExpired, TierUnavailable
 from kvbank.integrations.guard import Guard, registered, safe
 from kvbank.integrations.lmcache.layout import ObjectShape, object_layout, scope_of
+from kvbank.integrations.settings import (
+    CONNECTION_KEYS,
+    DEFAULT_BREAKER_S,
+    DEFAULT_RETRY_S,
+    DEFAULT_URL,
+    Reader,
+)
 from kvbank.lender.base import HostLocation, Lease, LeaseMode, MemoryKind
 
 __all__ = ["KvbankL2Adapter", "KvbankL2AdapterConfig"]
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_URL = "http://127.0.0.1:7410"
 # Every call runs on the adapter's threads, never on LMCache's: a slow node delays a task,
 # not LMCache. A store of 64 chunks is 150 MB (the node checksums it as it commits).
 DEFAULT_TIMEOUT_S = 30.0
-DEFAULT_RETRY_S = 0.5
-DEFAULT_BREAKER_S = 10.0
 DEFAULT_LOCK_TTL_S = 300.0  # LMCache's own L1 read lock; the node's max_lease_ttl_s is 600
 DEFAULT_WORKERS = 4
 UNLOCK_TRIES = 5  # a release the node cannot take now: then the lease's TTL ends it
@@ -90,8 +94,7 @@ PRUNE_S = 60.0  # how often the lock table drops locks whose lease has ended
 class KvbankL2AdapterConfig(L2AdapterConfigBase):  # type: ignore[misc,unused-ignore]
     """``adapter_params``, validated (see the module docstring)."""
 
-    KNOWN = ("url", "kvbank_url", "tenant", "token", "timeout_s", "retry_s", "breaker_s",
-             "lock_ttl_s", "workers")
+    KNOWN = (*CONNECTION_KEYS, "lock_ttl_s", "workers")
 
     def __init__(self, url: str = DEFAULT_URL, tenant: str = "", token: str | None = None,
                  timeout_s: float = DEFAULT_TIMEOUT_S, retry_s: float = DEFAULT_RETRY_S,
@@ -103,23 +106,14 @@ class KvbankL2AdapterConfig(L2AdapterConfigBase):  # type: ignore[misc,unused-ig
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> KvbankL2AdapterConfig:
-        doc = dict(d or {})
-        unknown = sorted(set(doc) - set(cls.KNOWN))
-        if unknown:
-            raise InvalidInput(f"adapter_params: unknown keys {unknown} (known: {sorted(cls.KNOWN)})")
-        out = cls(url=str(doc.get("url", doc.get("kvbank_url", DEFAULT_URL))),
-                  tenant=str(doc.get("tenant", "")), token=doc.get("token"))
-        for name, default in (("timeout_s", DEFAULT_TIMEOUT_S), ("retry_s", DEFAULT_RETRY_S),
-                              ("breaker_s", DEFAULT_BREAKER_S), ("lock_ttl_s", DEFAULT_LOCK_TTL_S)):
-            v = doc.get(name, default)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
-                raise InvalidInput(f"adapter_params.{name}: a number >= 0, got {v!r}")
-            setattr(out, name, float(v))
-        workers = doc.get("workers", DEFAULT_WORKERS)
-        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
-            raise InvalidInput(f"adapter_params.workers: an integer >= 1, got {workers!r}")
-        out.workers = workers
-        return out
+        r = Reader(d, "adapter_params")
+        r.refuse_unknown(cls.KNOWN)
+        return cls(url=r.url(), tenant=r.text("tenant", ""), token=r.token(),
+                   timeout_s=r.seconds("timeout_s", DEFAULT_TIMEOUT_S),
+                   retry_s=r.seconds("retry_s", DEFAULT_RETRY_S),
+                   breaker_s=r.seconds("breaker_s", DEFAULT_BREAKER_S),
+                   lock_ttl_s=r.seconds("lock_ttl_s", DEFAULT_LOCK_TTL_S),
+                   workers=r.count("workers", DEFAULT_WORKERS))
 
     @classmethod
     def help(cls) -> str:

@@ -76,6 +76,13 @@ from sglang.srt.mem_cache.hicache_storage import (
 
 from kvbank.errors import InvalidInput
 from kvbank.integrations.guard import Guard, ThreadClients, registered, safe
+from kvbank.integrations.settings import (
+    CONNECTION_KEYS,
+    DEFAULT_BREAKER_S,
+    DEFAULT_RETRY_S,
+    DEFAULT_URL,
+    Reader,
+)
 from kvbank.integrations.sglang.pools import PoolMap, UnsupportedPool, pool_map
 from kvbank.keys import Scope
 
@@ -83,10 +90,7 @@ __all__ = ["KvbankHiCacheStorage", "StorageSettings"]
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_URL = "http://127.0.0.1:7410"
 DEFAULT_TIMEOUT_S = 5.0
-DEFAULT_RETRY_S = 0.5
-DEFAULT_BREAKER_S = 10.0
 KV = "kv"
 # the extra config's keys that are SGLang's (the factory's and the controller's)
 RECENT_S = 10.0  # how long a hit query's match serves the load after it
@@ -106,29 +110,13 @@ class StorageSettings:
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> StorageSettings:
-        doc = dict(extra or {})
-        known = {"url", "kvbank_url", "tenant", "token", "timeout_s", "retry_s", "breaker_s"}
-        unknown = sorted(set(doc) - known - SGLANG_KEYS)
-        if unknown:  # other backends' keys are harmless; a typo of ours is worth a word
-            logger.warning("kvbank: hicache extra config keys %s are not the kvbank backend's "
-                           "(known: %s)", unknown, sorted(known))
-        url = doc.get("kvbank_url", doc.get("url", DEFAULT_URL))
-        if not isinstance(url, str):
-            raise InvalidInput(f"hicache extra config kvbank_url: a string, got {url!r}")
-        tenant = doc.get("tenant", "")
-        if not isinstance(tenant, str):
-            raise InvalidInput(f"hicache extra config tenant: a string, got {tenant!r}")
-        token = doc.get("token")
-        if token is not None and not isinstance(token, str):
-            raise InvalidInput("hicache extra config token: a string")
-        times = {}
-        for name, default in (("timeout_s", DEFAULT_TIMEOUT_S), ("retry_s", DEFAULT_RETRY_S),
-                              ("breaker_s", DEFAULT_BREAKER_S)):
-            v = doc.get(name, default)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0 or (name == "timeout_s" and v == 0):
-                raise InvalidInput(f"hicache extra config {name}: a number >= 0 (timeout_s > 0), got {v!r}")
-            times[name] = float(v)
-        return cls(url=url, tenant=tenant, token=token, **times)
+        r = Reader(extra, "hicache extra config")
+        # other backends' keys are harmless there; a typo of ours is worth a word
+        r.refuse_unknown(CONNECTION_KEYS, foreign=SGLANG_KEYS, warn_only=True)
+        return cls(url=r.url(), tenant=r.text("tenant", ""), token=r.token(),
+                   timeout_s=r.seconds("timeout_s", DEFAULT_TIMEOUT_S, positive=True),
+                   retry_s=r.seconds("retry_s", DEFAULT_RETRY_S),
+                   breaker_s=r.seconds("breaker_s", DEFAULT_BREAKER_S))
 
 
 def _key(k: str) -> bytes:

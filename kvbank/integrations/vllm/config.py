@@ -37,15 +37,19 @@ from kvbank.errors import InvalidInput
 
 # the guard around kvbank calls is shared by every engine adapter
 from kvbank.integrations.guard import Guard, registered, safe
+from kvbank.integrations.settings import (
+    CONNECTION_KEYS,
+    DEFAULT_BREAKER_S,
+    DEFAULT_RETRY_S,
+    DEFAULT_URL,
+    Reader,
+)
 
 __all__ = ["DEFAULT_URL", "ConnectorConfig", "Guard", "registered", "safe"]
 
-DEFAULT_URL = "http://127.0.0.1:7410"
 # A lookup blocks vLLM's scheduler loop: the Client's own defaults (120 s, 5 s of retries)
 # would stall every running request that long on a dead node.
 DEFAULT_TIMEOUT_S = 5.0
-DEFAULT_RETRY_S = 0.5
-DEFAULT_BREAKER_S = 10.0
 # A batched lookup's deadline: far under Client's 120 s, yet above what a busy 2-core host
 # answers a 64-prompt match in (a timed-out lookup trips the breaker: misses for breaker_s).
 DEFAULT_LOOKUP_TIMEOUT_S = 2.0
@@ -72,37 +76,19 @@ class ConnectorConfig:
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
-        doc = dict(extra or {})
-        known = {"url", "tenant", "token", "timeout_s", "retry_s", "breaker_s", "load_async",
-                 "kvbank_url", "lookup_timeout_s", "lookup_batch", "pin", "hold_s", "audit_fraction"}
-        unknown = sorted(set(doc) - known)
-        if unknown:
-            raise InvalidInput(f"kv_connector_extra_config: unknown keys {unknown} "
-                               f"(known: {sorted(known)})")
-        url = str(doc.get("url", doc.get("kvbank_url", DEFAULT_URL)))
-        la = doc.get("load_async", "auto")
+        r = Reader(extra, "kv_connector_extra_config")
+        r.refuse_unknown((*CONNECTION_KEYS, "load_async", "lookup_timeout_s", "lookup_batch", "pin",
+                          "hold_s", "audit_fraction"))
+        la = r.doc.get("load_async", "auto")
         if la not in ("auto", True, False, None):
             raise InvalidInput(f"kv_connector_extra_config.load_async: true, false or 'auto', "
                                f"got {la!r}")
-        pin = doc.get("pin", True)
-        if not isinstance(pin, bool):
-            raise InvalidInput(f"kv_connector_extra_config.pin: true or false, got {pin!r}")
-        batch = doc.get("lookup_batch", DEFAULT_LOOKUP_BATCH)
-        if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
-            raise InvalidInput(f"kv_connector_extra_config.lookup_batch: an integer >= 1, got {batch!r}")
-        out = cls(url=url, tenant=str(doc.get("tenant", "")), token=doc.get("token"),
-                  load_async=None if la in ("auto", None) else bool(la), pin=pin, lookup_batch=batch)
-        defaults = {"timeout_s": DEFAULT_TIMEOUT_S, "retry_s": DEFAULT_RETRY_S,
-                    "breaker_s": DEFAULT_BREAKER_S, "lookup_timeout_s": DEFAULT_LOOKUP_TIMEOUT_S,
-                    "hold_s": DEFAULT_HOLD_S}
-        for name, default in defaults.items():
-            v = doc.get(name, default)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
-                raise InvalidInput(f"kv_connector_extra_config.{name}: a number >= 0, got {v!r}")
-            object.__setattr__(out, name, float(v))
-        fraction = doc.get("audit_fraction", 0.0)
-        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 <= fraction <= 1:
-            raise InvalidInput("kv_connector_extra_config.audit_fraction: a number in [0, 1], "
-                               f"got {fraction!r}")
-        object.__setattr__(out, "audit_fraction", float(fraction))
-        return out
+        return cls(url=r.url(), tenant=r.text("tenant", ""), token=r.token(),
+                   timeout_s=r.seconds("timeout_s", DEFAULT_TIMEOUT_S),
+                   retry_s=r.seconds("retry_s", DEFAULT_RETRY_S),
+                   breaker_s=r.seconds("breaker_s", DEFAULT_BREAKER_S),
+                   load_async=None if la in ("auto", None) else bool(la),
+                   lookup_timeout_s=r.seconds("lookup_timeout_s", DEFAULT_LOOKUP_TIMEOUT_S),
+                   lookup_batch=r.count("lookup_batch", DEFAULT_LOOKUP_BATCH),
+                   pin=r.flag("pin", True), hold_s=r.seconds("hold_s", DEFAULT_HOLD_S),
+                   audit_fraction=r.fraction("audit_fraction", 0.0))

@@ -31,7 +31,6 @@ engine's local hit and ``r``. A page vLLM expects that kvbank did not deliver fa
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -42,6 +41,7 @@ import torch
 
 from kvbank import Client, Scope
 from kvbank.errors import FetchNotFound
+from kvbank.integrations.guard import ThreadClients
 from kvbank.integrations.vllm.audit import WorkerAudit
 from kvbank.integrations.vllm.blocks import (
     BlockAdapter,
@@ -77,33 +77,6 @@ def tp_rank(vllm_config: Any) -> int:
     return int(get_tensor_model_parallel_rank())
 
 
-class _Clients:
-    """One Client a thread role (main, loader, saver), each registering the layout once."""
-
-    def __init__(self, cfg: ConnectorConfig, vl: VllmLayout) -> None:
-        self._cfg, self._vl = cfg, vl
-        self._local = threading.local()
-        self._all: list[Client] = []
-        self._lock = threading.Lock()
-
-    def get(self) -> Client:
-        c: Client | None = getattr(self._local, "client", None)
-        if c is None:
-            c = Client(self._cfg.url, timeout_s=self._cfg.timeout_s, retry_s=self._cfg.retry_s,
-                       token=self._cfg.token)
-            c.register(self._vl.layout)
-            self._local.client = c
-            with self._lock:
-                self._all.append(c)
-        return c
-
-    def close(self) -> None:
-        with self._lock:
-            for c in self._all:
-                c.close()
-            self._all.clear()
-
-
 class KvbankWorker:
     """See the module docstring. One per TP rank, in the worker's process."""
 
@@ -125,7 +98,9 @@ class KvbankWorker:
         self.cache_views: dict[tuple[int, Role], torch.Tensor] = {}  # fetch_into's pool
         self.pool = PagePool()  # staging for fallback fetches and saves, reused (see PagePool)
         self.guard = Guard(cfg.breaker_s)
-        self.clients = _Clients(cfg, self.vl)
+        # one Client a thread role (main, loader, saver), each registering the layout once
+        self.clients = ThreadClients(cfg.url, timeout_s=cfg.timeout_s, retry_s=cfg.retry_s,
+                                     token=cfg.token, layouts=lambda: [self.vl.layout])
         self.audit = WorkerAudit(self.vl, self.scope, self.rank, self.clients, self.guard)
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="kvbank-load")
         self._saver = ThreadPoolExecutor(1, thread_name_prefix="kvbank-save")

@@ -178,14 +178,24 @@ class Client(EngineCalls):
               idempotent: bool = False, deadline: Deadline | None = None,
               wait_s: float | None = None) -> Any:
         """One control call (:meth:`kvbank.client.http.Pool.call`); the page paths make
-        theirs through here too."""
+        theirs through here too. This thread's one-way acknowledgements on the local
+        channel are applied first (:meth:`LocalLink.settle`): what the call reads of the
+        node (its counters, its leases) includes the fetches this thread saw return."""
         self._check_open()
+        link = self._link
+        if link is not None:
+            link.settle()
         return self._pool.call(method, path, body=body, content=content, idempotent=idempotent,
                                deadline=deadline, wait_s=wait_s)
 
     def _conn(self, timeout: float | None = None) -> http.client.HTTPConnection:
-        """A pooled (or new) connection whose waits end after ``timeout`` (default ``timeout_s``)."""
+        """A pooled (or new) connection whose waits end after ``timeout`` (default
+        ``timeout_s``); this thread's one-way acknowledgements applied first, as in
+        :meth:`_call`."""
         self._check_open()
+        link = self._link
+        if link is not None:
+            link.settle()
         return self._pool.conn(timeout)
 
     def _check_open(self) -> None:

@@ -539,7 +539,7 @@ class Client(EngineCalls):
         check_shard(match, shard)
         views = out_views(self.layout(match.layout_id), match.resume.pages, out)
         link = self._local_memory() if fetch_id is None and any(match.resume.pages) else None
-        if link is not None:  # one call lends, the copies, one call acknowledges
+        if link is not None:  # one call lends, the copies, a one-way acknowledgement
             try:
                 return link.fetch(match, out, max_rows, deadline)
             except TierFull:

@@ -178,14 +178,24 @@ class Client(EngineCalls):
               idempotent: bool = False, deadline: Deadline | None = None,
               wait_s: float | None = None) -> Any:
         """One control call (:meth:`kvbank.client.http.Pool.call`); the page paths make
-        theirs through here too."""
+        theirs through here too. This thread's one-way acknowledgements on the local
+        channel are applied first (:meth:`LocalLink.settle`): what the call reads of the
+        node (its counters, its leases) includes the fetches this thread saw return."""
         self._check_open()
+        link = self._link
+        if link is not None:
+            link.settle()
         return self._pool.call(method, path, body=body, content=content, idempotent=idempotent,
                                deadline=deadline, wait_s=wait_s)
 
     def _conn(self, timeout: float | None = None) -> http.client.HTTPConnection:
-        """A pooled (or new) connection whose waits end after ``timeout`` (default ``timeout_s``)."""
+        """A pooled (or new) connection whose waits end after ``timeout`` (default
+        ``timeout_s``); this thread's one-way acknowledgements applied first, as in
+        :meth:`_call`."""
         self._check_open()
+        link = self._link
+        if link is not None:
+            link.settle()
         return self._pool.conn(timeout)
 
     def _check_open(self) -> None:
@@ -529,7 +539,7 @@ class Client(EngineCalls):
         check_shard(match, shard)
         views = out_views(self.layout(match.layout_id), match.resume.pages, out)
         link = self._local_memory() if fetch_id is None and any(match.resume.pages) else None
-        if link is not None:  # one call lends, the copies, one call acknowledges
+        if link is not None:  # one call lends, the copies, a one-way acknowledgement
             try:
                 return link.fetch(match, out, max_rows, deadline)
             except TierFull:

@@ -17,7 +17,13 @@ connection of the client.
   left out of the acknowledgement and named in it as changed, so the node checks that
   row itself and drops its host copy. The acknowledgement names the rows copied, and the
   node counts them only if the lease outlived the copies (bytes read after expiry are
-  never counted).
+  never counted). It is one-way where the node takes that (its HELLO says so): a frame
+  sent, no answer awaited, so a fetch is one round trip; the result is built here from
+  what was copied and verified before the lease's deadline (the client's, from the TTL
+  the node sent: never later than the node's), as the node builds it. The node applies
+  the acknowledgement before any later call of this connection; :meth:`settle` makes a
+  thread's pending one-way acknowledgements applied before it calls the node another
+  way (the client calls it before each HTTP call, so counters it reads include them).
 - :meth:`put` — one call reserves (WRITE lease) the rows not yet stored, the pages are
   copied into their slots, one call commits those that arrived whole.
 - :meth:`lend` / :meth:`check_live` / :meth:`release` / :meth:`commit`.
@@ -48,6 +54,7 @@ from kvbank.client.shm import Borrower
 from kvbank.errors import InvalidInput, KvbankError, LeaseExpired, TierUnavailable
 from kvbank.keys import Scope
 from kvbank.lender.base import CommitResult, Lease, LeaseMode, MemoryKind
+from kvbank.lender.resume import resume_bound
 from kvbank.results import FetchResult, Match, Presence
 from kvbank.wire import local as fr
 
@@ -107,6 +114,7 @@ class LocalLink:
         self.resident = False
         self._mm: mmap.mmap | None = None
         self._pid = 0  # the node process whose memory is mapped
+        self.oneway = False  # the node takes acknowledgements one-way (and SYNC)
         self._borrower: Borrower | None = None
         self._closed = False
 
@@ -140,12 +148,15 @@ class LocalLink:
             sock.close()
             raise
         info = fr.ints(cols, 0, "hello", 4).tolist()
+        # what the node takes beyond the first version (an older node sends no column 1)
+        features = int(fr.ints(cols, 1, "hello.features", 1)[0]) if len(cols) > 1 else 0
+        self.oneway = bool(features & fr.FEATURE_ONEWAY_ACK)
         try:
             self._adopt(fds[0] if info[0] and fds else None, info[1], bool(info[2]), info[3])
         finally:
             for fd in fds:
                 os.close(fd)
-        self._tls.sock, self._tls.pid = sock, os.getpid()
+        self._tls.sock, self._tls.pid, self._tls.unsettled = sock, os.getpid(), False
         with self._lock:
             self._socks.append(sock)
         return sock
@@ -239,13 +250,41 @@ class LocalLink:
             raise
         if deadline is not None:
             sock.settimeout(self.timeout_s)
+        self._tls.unsettled = False  # answered: the node applied every earlier frame of sock
         out = fr.decode_body(body, ncols)
         if kind is fr.Kind.ERROR:
             raise fr.raise_error(out)
         return out
 
+    def send_oneway(self, op: fr.Op, cols: Sequence[fr.Column]) -> None:
+        """A ONEWAY frame on this thread's connection: sent, no answer awaited (the node
+        applies it before any later frame of the connection; an error in it is logged
+        there). :class:`ChannelBroken` where it could not be sent whole."""
+        sock = self._sock()
+        try:
+            sock.sendall(b"".join(fr.encode(fr.Kind.ONEWAY, op, cols)))
+        except OSError as exc:
+            self._drop(sock)
+            raise ChannelBroken(f"node: the local channel broke off: {exc}", field="socket") from exc
+        self._tls.unsettled = True
+
+    def settle(self) -> None:
+        """Wait until the node applied this thread's one-way frames (one SYNC round trip,
+        only where one was sent since the last call that waited for an answer): what this
+        thread asks the node next, on any connection, sees them. A connection that broke
+        meanwhile is left alone (the node applied what reached it before the end)."""
+        if not getattr(self._tls, "unsettled", False):
+            return
+        sock = getattr(self._tls, "sock", None)
+        if sock is None or self._tls.pid != os.getpid():
+            self._tls.unsettled = False
+            return
+        with contextlib.suppress(KvbankError):
+            self._call_once(fr.Op.SYNC, [], None)
+
     def _drop(self, sock: socket.socket) -> None:
         self._tls.sock = None
+        self._tls.unsettled = False
         with self._lock:
             if sock in self._socks:
                 self._socks.remove(sock)
@@ -352,7 +391,7 @@ class LocalLink:
                                                                  (3, "rows.slot")))
         lease_id = fr.take(cols, at + 4, str, "lease_id")
         if not lease_id:
-            return self._ack(fetch_id, "", _EMPTY)
+            return self._ack(m, fetch_id, "", _EMPTY)
         ttl = float(fr.take(cols, at + 5, np.ndarray, "ttl_s")[0])
         idx, off, size = (fr.ints(cols, at + i, w) for i, w in ((6, "slots.index"), (7, "slots.offset"),
                                                                  (8, "slots.size")))
@@ -373,9 +412,9 @@ class LocalLink:
         if len(bad):  # a miss, never wrong bytes; the node checks these rows and drops them
             keep = np.ones(len(idx), dtype=bool)
             keep[bad] = False
-            return self._ack(fetch_id, lease_id, lent[keep], lent[bad])
+            return self._ack(m, fetch_id, lease_id, lent[keep], lent[bad])
         # the node counts these rows only if the lease outlived the copies
-        return self._ack(fetch_id, lease_id, lent)
+        return self._ack(m, fetch_id, lease_id, lent)
 
     def _changed(self, borrower: Borrower, dsts: list[memoryview],
                  sums: np.ndarray[Any, Any] | None) -> np.ndarray[Any, Any]:
@@ -393,10 +432,49 @@ class LocalLink:
 
     _verify = True  # verify each copy against its row's checksum (a bench turns it off for a baseline)
 
-    def _ack(self, fetch_id: str, lease_id: str, positions: np.ndarray[Any, Any],
+    def _ack(self, m: Match, fetch_id: str, lease_id: str, positions: np.ndarray[Any, Any],
              changed: np.ndarray[Any, Any] = _EMPTY) -> FetchResult:
-        return fr.result_from(self.call(fr.Op.ACK, [fetch_id, lease_id, np.ascontiguousarray(positions, dtype="<i8"),
-                                                    np.ascontiguousarray(changed, dtype="<i8")]))
+        """Acknowledge ``positions`` (the rows copied and verified before the lease's
+        deadline) and name ``changed`` (copies that failed their checksum); the fetch's
+        result. One-way where the node takes it: the result is then :meth:`_result`, built
+        here; else the node's answer."""
+        cols: list[fr.Column] = [fetch_id, lease_id, np.ascontiguousarray(positions, dtype="<i8"),
+                                 np.ascontiguousarray(changed, dtype="<i8")]
+        if not self.oneway:
+            return fr.result_from(self.call(fr.Op.ACK, cols))
+        self.send_oneway(fr.Op.ACK, cols)
+        return self._result(m, fetch_id, positions)
+
+    def _result(self, m: Match, fetch_id: str, positions: np.ndarray[Any, Any]) -> FetchResult:
+        """The FetchResult the node answers an acknowledgement of ``positions`` with, built
+        as it builds it (kvbank.service.node ``Node._result``): the fetch was opened by
+        this very call (a lent fetch over the channel never resumes an earlier one), so
+        the rows delivered are exactly those acknowledged (those ``max_rows`` left out are
+        missing). Each group's delivered and missing key indexes in plan order, the page
+        bytes of the rows delivered, and the resume bound recomputed from them alone."""
+        pages, rows = m.resume.pages, m.resume.rows
+        layout = self._layout_of(m)
+        got = np.zeros(sum(map(len, pages)), dtype=bool)
+        if len(positions) and (int(positions.min()) < 0 or int(positions.max()) >= len(got)):
+            raise TierUnavailable("node: a fetch answer names rows beyond the match", field="socket")
+        got[positions] = True
+        delivered: list[tuple[int, ...]] = []
+        missing: list[tuple[int, ...]] = []
+        names: set[bytes] = set()
+        sizes = layout.group_page_bytes
+        nbytes = 0
+        at = 0
+        for g, idx in enumerate(pages):
+            mask = got[at : at + len(idx)]
+            keys = np.asarray(idx, dtype="<i8")
+            delivered.append(tuple(keys[mask].tolist()))
+            missing.append(tuple(keys[~mask].tolist()))
+            names.update(rows[g][k] for k in np.flatnonzero(mask).tolist())
+            nbytes += int(mask.sum()) * sizes[g]
+            at += len(idx)
+        chain = m.names
+        bound = resume_bound(layout, m.prompt_tokens, lambda g, j: chain[g][j] in names, chain)
+        return FetchResult(fetch_id, tuple(delivered), tuple(missing), bound, nbytes, not any(missing))
 
     def _release_quietly(self, lease_id: str) -> None:
         with contextlib.suppress(KvbankError):  # else the connection's close or the TTL ends it

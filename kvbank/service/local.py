@@ -31,6 +31,15 @@ taken by ``lend`` is not: its holder may have handed it to another process (``Le
 and a ``Borrower``), so it ends at its release or its TTL, as over HTTP. A frame the node cannot
 read answers a typed error; one it cannot even frame (bad header, over the size limit)
 answers the error and closes that connection; the node keeps serving the others.
+
+A lent fetch's acknowledgement comes as a ONEWAY frame (the client does not wait: it
+built its result from its own copies and its own lease deadline, docs/wire.md): it is
+applied as any call is — the rows count only if the lease is still live when the node
+applies it, a lease already ended counts nothing — and a failure in it, having no one
+to answer, is logged here (warning). A connection's frames are applied in order, each
+before the next is read, and all of them before its end is handled: an acknowledgement
+sent just before a worker closed its connection is still applied, and any later call on
+that connection (SYNC, which does nothing else, included) is answered after it.
 """
 
 from __future__ import annotations
@@ -86,6 +95,13 @@ def socket_path(data_dir: Path | None) -> Path:
     return Path(tempfile.mkdtemp(prefix="kvbank-")) / SOCKET_NAME
 
 
+def _op_name(op: int) -> str:
+    try:
+        return fr.Op(op).name
+    except ValueError:
+        return f"op {op}"
+
+
 def peer_uid(conn: socket.socket) -> int:
     raw = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
     return int(_UCRED.unpack(raw)[1])
@@ -137,7 +153,7 @@ class LocalChannel:
             fr.Op.MATCH: self._match, fr.Op.FETCH_PREFIX: self._fetch_prefix, fr.Op.ACK: self._ack,
             fr.Op.LEND: self._lend, fr.Op.CHECK: self._check, fr.Op.RELEASE: self._release,
             fr.Op.PUT_RESERVE: self._put_reserve, fr.Op.COMMIT: self._commit, fr.Op.PRESENCE: self._presence,
-            fr.Op.FETCH: self._fetch,
+            fr.Op.FETCH: self._fetch, fr.Op.SYNC: self._sync,
         }
 
     # ---- lifecycle ---------------------------------------------------------------------
@@ -257,6 +273,9 @@ class LocalChannel:
             sock.close()
 
     def _one(self, c: _Conn, kind: fr.Kind, op: int, ncols: int, body: bytearray) -> None:
+        if kind is fr.Kind.ONEWAY:
+            self._oneway(c, op, ncols, body)
+            return
         fds: list[int] = []
         try:
             if kind is not fr.Kind.REQUEST:
@@ -279,6 +298,21 @@ class LocalChannel:
             self._send(c, fr.Kind.ERROR, op, ["KvbankError", "", f"node: internal error: {exc!r}"])
             return
         self._send(c, fr.Kind.OK, op, out, fds)
+
+    def _oneway(self, c: _Conn, op: int, ncols: int, body: bytearray) -> None:
+        """A frame no answer follows: applied as a request is; its error only logged
+        (the caller goes on without waiting, and its next answer must be its own)."""
+        try:
+            if not c.hello:
+                raise InvalidInput("frame: the first call on a connection is HELLO", field="frame")
+            if op not in fr.ONEWAY_OPS:
+                raise InvalidInput(f"frame: op {op} is not taken one-way", field="op")
+            self._ops[op](c, fr.decode_body(body, ncols))
+        except KvbankError as exc:  # e.g. a lease that ended before it was applied: nothing counted
+            logger.warning("local channel: a one-way %s was not applied: %s: %s",
+                           _op_name(op), type(exc).__name__, exc)
+        except Exception:  # a bug: said, and the connection served on
+            logger.exception("local channel: a one-way %s failed", _op_name(op))
 
     def _send(self, c: _Conn, kind: fr.Kind, op: int, cols: Sequence[fr.Column], fds: Sequence[int] = ()) -> None:
         parts = fr.encode(kind, op, cols)
@@ -307,8 +341,15 @@ class LocalChannel:
         seg = self.node.segment
         size = 0 if seg is None else seg.size
         resident = int(seg is not None and self.node.bank.reservation is not None)
-        return [np.array([int(fd is not None), size, resident, os.getpid()], dtype="<i8")], (
-            [] if fd is None else [fd])
+        # column 1: what this node takes beyond the first version's calls (an older client
+        # reads column 0 alone)
+        return [np.array([int(fd is not None), size, resident, os.getpid()], dtype="<i8"),
+                np.array([fr.FEATURE_ONEWAY_ACK], dtype="<i8")], ([] if fd is None else [fd])
+
+    def _sync(self, c: _Conn, cols: list[fr.Column]) -> list[fr.Column]:
+        """Nothing: answered after every earlier frame of ``c`` was applied (the frames of
+        one connection are applied in order), which is what a client waits for."""
+        return []
 
     def _prompt(self, c: _Conn, cols: list[fr.Column], what: str = "prompt") -> tuple[bytes, dict[str, Any]]:
         """``(layout id, Bank.match keyword arguments)`` of a prompt's 6 columns:

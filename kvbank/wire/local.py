@@ -6,9 +6,11 @@ A **frame** is a fixed 12-byte header and a body of typed columns::
     body     columns × (dtype u8 | 3 zero bytes | length u32), then each column's
              bytes, each padded with zeros to a multiple of 8
 
-``kind`` is REQUEST, OK (an answer) or ERROR (a typed error: three text columns, the
+``kind`` is REQUEST, OK (an answer), ERROR (a typed error: three text columns, the
 same ``type``, ``field`` and ``message`` as HTTP's ``{type, field, message}``, raised as
-the same :class:`~kvbank.errors.KvbankError` class by :func:`raise_error`). A column is
+the same :class:`~kvbank.errors.KvbankError` class by :func:`raise_error`) or ONEWAY (a
+request no frame answers: a lent fetch's acknowledgement, where the client builds its
+result itself; an error in one is logged by the node). A column is
 raw bytes, UTF-8 text or a little-endian numpy array (``int8`` .. ``float64``): row names
 go as one blob of 32-byte names, tiers, states and slot offsets as arrays, so neither side
 builds a Python object per row to cross the socket. Every call's columns are positional
@@ -22,7 +24,10 @@ is read.
 The match form (:func:`match_columns` / :func:`match_from`) carries a
 :class:`~kvbank.results.Match` as 15 columns; a fetch result and a commit result have
 theirs. Lifecycle of one call: the client sends a REQUEST frame; the node answers exactly
-one OK or ERROR frame on the same connection, in order.
+one OK or ERROR frame on the same connection, in order. The node reads a connection's
+frames in order and applies each before it reads the next, so a ONEWAY frame is applied
+before any later call of that connection is answered (:data:`Op.SYNC` is such a call
+that does nothing else), and before the node sees that connection's end.
 """
 
 from __future__ import annotations
@@ -57,6 +62,7 @@ class Kind(enum.IntEnum):
     REQUEST = 0
     OK = 1
     ERROR = 2
+    ONEWAY = 3  # a request nothing answers (only the ops of ONEWAY_OPS)
 
 
 class Op(enum.IntEnum):
@@ -73,6 +79,13 @@ class Op(enum.IntEnum):
     COMMIT = 9  # lease id, names that arrived -> a CommitResult
     PRESENCE = 10  # a prompt, shards -> a Presence
     FETCH = 11  # a Match -> a fetch id, its rows, their READ lease's slots and checksums
+    SYNC = 12  # nothing -> nothing, answered once every earlier frame of the connection was applied
+
+
+ONEWAY_OPS = frozenset({Op.ACK})  # the ops a ONEWAY frame may carry
+# what a node's HELLO answer says it takes (its second column, a bit mask; an older node
+# sends none): FEATURE_ONEWAY_ACK, acknowledgements as ONEWAY frames and SYNC
+FEATURE_ONEWAY_ACK = 1
 
 
 # dtype codes: 0 raw bytes, 1 text, then numpy arrays
@@ -134,7 +147,7 @@ def decode_header(data: bytes | bytearray | memoryview, limit: int = MAX_FRAME_B
         raise InvalidInput(f"frame: bad magic {bytes(magic)!r} (expected {MAGIC!r})", field="frame")
     if version != VERSION:
         raise InvalidInput(f"frame: version {version}, this end speaks {VERSION}", field="frame")
-    if kind not in (0, 1, 2):
+    if kind not in (0, 1, 2, 3):
         raise InvalidInput(f"frame: unknown kind {kind}", field="frame")
     if ncols > MAX_COLUMNS:
         raise InvalidInput(f"frame: {ncols} columns, at most {MAX_COLUMNS}", field="frame")
@@ -376,8 +389,10 @@ def presence_from(cols: Sequence[Column]) -> Presence:
 
 
 __all__ = [
+    "FEATURE_ONEWAY_ACK",
     "HEADER",
     "MAX_FRAME_BYTES",
+    "ONEWAY_OPS",
     "Column",
     "Kind",
     "Op",

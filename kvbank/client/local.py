@@ -83,6 +83,21 @@ def _recv_exact(sock: socket.socket, view: memoryview) -> None:
         got += k
 
 
+CLOSE_SYNC_S = 2.0  # at most this long a close waits for the node to apply a connection's ACKs
+
+
+def _sync(sock: socket.socket, timeout_s: float) -> None:
+    """A SYNC on ``sock`` and its answer read (discarded): the node applied every earlier
+    frame of the connection."""
+    sock.settimeout(timeout_s)
+    sock.sendmsg(fr.encode(fr.Kind.REQUEST, fr.Op.SYNC, []))
+    head = bytearray(fr.HEADER.size)
+    _recv_exact(sock, memoryview(head))
+    _, _, _, nbody = fr.decode_header(head)
+    if nbody:
+        _recv_exact(sock, memoryview(bytearray(nbody)))
+
+
 def _alive(sock: socket.socket) -> bool:
     """Whether an idle connection is still open at the node's end (as a pooled HTTP
     connection is checked before it is used): no bytes wait on it, and no end of file."""
@@ -110,6 +125,7 @@ class LocalLink:
         self._tls = threading.local()
         self._lock = threading.Lock()
         self._socks: list[socket.socket] = []
+        self._unsettled: set[socket.socket] = set()  # sent a one-way frame since their last answer
         self.memory = False  # the node passed its host memory: page bodies go through it
         self.resident = False
         self._mm: mmap.mmap | None = None
@@ -251,6 +267,9 @@ class LocalLink:
         if deadline is not None:
             sock.settimeout(self.timeout_s)
         self._tls.unsettled = False  # answered: the node applied every earlier frame of sock
+        if self._unsettled:
+            with self._lock:
+                self._unsettled.discard(sock)
         out = fr.decode_body(body, ncols)
         if kind is fr.Kind.ERROR:
             raise fr.raise_error(out)
@@ -267,6 +286,8 @@ class LocalLink:
             self._drop(sock)
             raise ChannelBroken(f"node: the local channel broke off: {exc}", field="socket") from exc
         self._tls.unsettled = True
+        with self._lock:
+            self._unsettled.add(sock)
 
     def settle(self) -> None:
         """Wait until the node applied this thread's one-way frames (one SYNC round trip,
@@ -288,14 +309,22 @@ class LocalLink:
         with self._lock:
             if sock in self._socks:
                 self._socks.remove(sock)
+            self._unsettled.discard(sock)
         sock.close()
 
     def close(self) -> None:
+        """Close every connection, each after the node applied its one-way frames (a SYNC
+        round trip on those that sent one since their last answer): what anyone asks the
+        node after a client closed sees every fetch it made."""
         self._closed = True
         with self._lock:
             socks, self._socks = self._socks, []
+            unsettled, self._unsettled = self._unsettled, set()
             b, self._borrower = self._borrower, None
             mm, self._mm = self._mm, None
+        for s in unsettled:
+            with contextlib.suppress(OSError, KvbankError):
+                _sync(s, min(self.timeout_s, CLOSE_SYNC_S))
         for s in socks:
             s.close()
         if b is not None:

@@ -267,3 +267,47 @@ def test_an_ack_sent_just_before_the_connection_closed_is_applied(served: NodePr
         assert lease_id not in {x.id for x in h.leases()}
         # released by the ack, not by the close: its rows counted delivered
         assert metric(served, SHM_OUT) - moved == 3 * PAGE
+
+
+def test_a_client_closes_each_connection_after_the_node_applied_its_acks(
+        served: NodeProcess, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Three threads fetch, each on a connection of its own, and leave an ACK not yet
+    answered; ``close`` syncs each of those connections (and no other), so a reader on
+    another connection right after it sees every row counted."""
+    import threading
+
+    from kvbank.client import local as client_local
+
+    synced: list[socket.socket] = []
+    sync = client_local._sync
+
+    def counted(sock: socket.socket, timeout_s: float) -> None:
+        synced.append(sock)
+        sync(sock, timeout_s)
+
+    monkeypatch.setattr(client_local, "_sync", counted)
+    data = pages(4, 6)
+    toks = list(range(6000, 6000 + 4 * P))
+    with Client(served.url, channel="http") as h:
+        lid = h.register(LAYOUT)
+        h.put(lid, toks, group=0, pages=data)
+    moved = metric(served, SHM_OUT)
+    c = Client(served.url, channel="local")
+    c.register(LAYOUT)
+    c.match(lid, [*toks, 1])  # this thread's connection: answered, nothing pending on it
+    got: list[int] = []
+
+    def fetch() -> None:
+        res = c.fetch_prefix(lid, [*toks, 1]).result
+        assert res is not None
+        got.append(res.nbytes)
+
+    threads = [threading.Thread(target=fetch) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert got == [4 * PAGE] * 3
+    c.close()
+    assert len(synced) == 3 and len(set(synced)) == 3
+    assert metric(served, SHM_OUT) - moved == 3 * 4 * PAGE

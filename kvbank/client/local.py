@@ -12,8 +12,10 @@ connection of the client.
 - :meth:`fetch_prefix` — one call matches and lends (READ lease) the rows of the bound;
   the copies go straight into the caller's ``out`` buffers, rows that lie back to back
   in the segment and in one destination tensor merged into one copy (planned on arrays,
-  not row by row); each row's copy is then verified against the checksum the node sent
-  for it (xxh3-64, docs/reliability.md "Checksums in memory"): one that fails is a miss,
+  not row by row); where the node sent checksums, each row is instead copied on its own
+  and hashed as it is copied (:meth:`Borrower.copy_slots_summed`), and verified against
+  the checksum the node sent for it (xxh3-64, docs/reliability.md "Checksums in
+  memory"): one that fails is a miss,
   left out of the acknowledgement and named in it as changed, so the node checks that
   row itself and drops its host copy. The acknowledgement names the rows copied, and the
   node counts them only if the lease outlived the copies (bytes read after expiry are
@@ -362,10 +364,16 @@ class LocalLink:
         try:
             borrower = self.borrower()
             jobs, dsts = self._read_jobs(m, bufs, grp, slot, idx, off, size)
-            borrower.copy_slots(jobs, into_slots=False)
+            want = self._sums_to_check(sums)
+            if want is None:
+                borrower.copy_slots(jobs, into_slots=False)
+            else:  # row by row, each hashed as it is copied (not merged: a row's digest is its own)
+                got = np.fromiter(borrower.copy_slots_summed(
+                    [(SEGMENT, o, z, d) for o, z, d in zip(off.tolist(), size.tolist(), dsts, strict=True)]),
+                    dtype="<u8", count=len(dsts))
             if time.monotonic() >= deadline:
                 raise LeaseExpired(f"lease_id: lease {lease_id} expired during the copies")
-            bad = self._changed(borrower, dsts, sums)
+            bad = _EMPTY if want is None else np.flatnonzero((want != 0) & (got != want))
         except BaseException:
             self._release_quietly(lease_id)
             raise
@@ -377,19 +385,14 @@ class LocalLink:
         # the node counts these rows only if the lease outlived the copies
         return self._ack(fetch_id, lease_id, lent)
 
-    def _changed(self, borrower: Borrower, dsts: list[memoryview],
-                 sums: np.ndarray[Any, Any] | None) -> np.ndarray[Any, Any]:
-        """The lent rows (indexes into ``dsts``) whose copy does not hash to the checksum
-        the node sent: bytes changed in the host segment since the row was committed."""
+    def _sums_to_check(self, sums: np.ndarray[Any, Any] | None) -> np.ndarray[Any, Any] | None:
+        """The checksums the node sent (uint64, 0: none recorded) where any row's copy is
+        to be verified against them (the bytes changed in the host segment since the row
+        was committed fail); None where nothing is checked."""
         if sums is None or not self._verify:
-            return _EMPTY
+            return None
         want = sums.astype("<u8", copy=False)
-        check = np.flatnonzero(want)
-        if not len(check):
-            return _EMPTY
-        got = np.fromiter(borrower.checksums([dsts[k] for k in check.tolist()]), dtype="<u8", count=len(check))
-        bad: np.ndarray[Any, Any] = check[got != want[check]]
-        return bad
+        return want if want.any() else None
 
     _verify = True  # verify each copy against its row's checksum (a bench turns it off for a baseline)
 

@@ -92,6 +92,10 @@ def _copy_summed(jobs: Sequence[Job], chunk: int) -> list[int]:
     hash's update free the GIL."""
     out: list[int] = []
     for dst, src in jobs:
+        if dst.nbytes <= chunk:  # one chunk (a 32 KiB row): no streaming state to set up
+            copy_bytes(dst, src)
+            out.append(xxhash.xxh3_64_intdigest(dst.data))
+            continue
         h = xxhash.xxh3_64()
         for pos in range(0, dst.nbytes, chunk):
             d = dst[pos : pos + chunk]

@@ -317,11 +317,13 @@ def changed_copies(doc: dict[str, Any], bufs: Sequence[memoryview],
         raise TierUnavailable(f"node: a lease answer of an unexpected shape: {exc!r}") from exc
 
 
-def merged_copies(slots: list[tuple[int, Slot]], rows: Sequence[Sequence[int]], out: OutBuffers) -> list[Slot]:
+def merged_copies(slots: list[tuple[int, Slot]], rows: Sequence[Sequence[int]], out: OutBuffers,
+                  sizes: list[int] | None = None) -> list[Slot]:
     """The copies of a same-host fetch, rows merged into one copy where they lie back to
     back both in the node's segment and in one destination tensor (rows ``k, k+1, ...``
     of ``out[g]``): a lease's slots are usually handed out in order, and a copy per 32 KiB
-    row costs more in per-row work than in bytes."""
+    row costs more in per-row work than in bytes. ``sizes`` gets each copy's row size
+    (a checked read hashes each row of a merged copy on its own)."""
     jobs: list[Slot] = []
     # the open run: its group, destination rows, first row, segment, offset, row size, rows
     run: tuple[int, np.ndarray, int, str, int, int] | None = None
@@ -331,6 +333,8 @@ def merged_copies(slots: list[tuple[int, Slot]], rows: Sequence[Sequence[int]], 
         if run is not None:
             _, arr, first, seg, off, size = run
             jobs.append((seg, off, count * size, arr[first : first + count].data.cast("B")))
+            if sizes is not None:
+                sizes.append(size)
 
     for i, job in slots:
         seg, off, size, _ = job
@@ -347,5 +351,7 @@ def merged_copies(slots: list[tuple[int, Slot]], rows: Sequence[Sequence[int]], 
             run, count = (g, dst.numpy(), slot, seg, off, size), 1
         else:
             jobs.append(job)
+            if sizes is not None:
+                sizes.append(size)
     close()
     return jobs

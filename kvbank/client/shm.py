@@ -85,19 +85,45 @@ def _copy_all(jobs: Sequence[Job]) -> None:
         copy_bytes(dst, src)  # not np.copyto: it picks the faster routine by length (see it)
 
 
-def _copy_summed(jobs: Sequence[Job], chunk: int) -> list[int]:
-    """Copy each job ``chunk`` bytes at a time, each destination chunk fed to the job's
-    streaming xxh3-64 right after it is copied; each job's digest (that of
-    :func:`kvbank.codec.frame.checksum` over its destination). Both the copy and the
-    hash's update free the GIL."""
+Unit = tuple[np.ndarray, np.ndarray, int]  # (destination, source, row size): rows back to back
+
+
+def _units(jobs: Sequence[Job], rows: Sequence[int], chunk: int) -> list[Unit]:
+    """A checked read's jobs (each ``rows[i]``-byte rows back to back) as units of work:
+    a row over ``chunk`` alone (hashed as it streams), else as many whole rows as fit in
+    ``chunk`` (copied at once, then each row hashed while the unit is still in cache)."""
+    units: list[Unit] = []
+    for (dst, src), row in zip(jobs, rows, strict=True):
+        n = dst.nbytes
+        if n == 0:  # an empty row: its digest is that of no bytes
+            units.append((dst, src, 0))
+            continue
+        if row <= 0 or n % row:
+            raise InvalidInput(f"rows: a run of {n} bytes is not made of rows of {row}")
+        step = row if row > chunk else chunk // row * row
+        for pos in range(0, n, step):
+            units.append((dst[pos : pos + step], src[pos : pos + step], row))
+    return units
+
+
+def _copy_summed(units: Sequence[Unit], chunk: int) -> list[int]:
+    """Copy each unit and return the xxh3-64 of each row copied (that of
+    :func:`kvbank.codec.frame.checksum` over the row's destination bytes), in order. A
+    row over ``chunk`` is copied ``chunk`` bytes at a time, each chunk fed to the row's
+    streaming hash right after it lands; a unit of smaller rows is copied in one go, then
+    each row hashed. The copy and xxhash both free the GIL."""
     out: list[int] = []
-    for dst, src in jobs:
-        if dst.nbytes <= chunk:  # one chunk (a 32 KiB row): no streaming state to set up
+    for dst, src, row in units:
+        n = dst.nbytes
+        if row <= chunk:
             copy_bytes(dst, src)
-            out.append(xxhash.xxh3_64_intdigest(dst.data))
+            if row == n:
+                out.append(xxhash.xxh3_64_intdigest(dst.data))
+            else:
+                out.extend(xxhash.xxh3_64_intdigest(dst[k : k + row].data) for k in range(0, n, row))
             continue
         h = xxhash.xxh3_64()
-        for pos in range(0, dst.nbytes, chunk):
+        for pos in range(0, n, chunk):
             d = dst[pos : pos + chunk]
             copy_bytes(d, src[pos : pos + chunk])
             h.update(d.data)
@@ -105,10 +131,10 @@ def _copy_summed(jobs: Sequence[Job], chunk: int) -> list[int]:
     return out
 
 
-def _cut(jobs: Sequence[Job]) -> int:
-    """Where a batch of two or more whole rows splits into two lanes of the nearest to
-    equal bytes: the first row of the second lane (1 to ``len(jobs) - 1``)."""
-    total = sum(d.nbytes for d, _ in jobs)
+def _cut(jobs: Sequence[Job] | Sequence[Unit]) -> int:
+    """Where a batch of two or more units of whole rows splits into two lanes of the
+    nearest to equal bytes: the first unit of the second lane (1 to ``len(jobs) - 1``)."""
+    total = sum(j[0].nbytes for j in jobs)
     acc, best, cut = 0, -1, 1
     for k in range(1, len(jobs)):
         acc += jobs[k - 1][0].nbytes
@@ -281,33 +307,40 @@ class Borrower:
         return jobs
 
     def copy_slots_summed(self, slots: Sequence[tuple[str, int, int, memoryview]], *,
-                          chunk: int = HASH_CHUNK) -> list[int]:
+                          rows: Sequence[int] | None = None, chunk: int = HASH_CHUNK) -> list[int]:
         """Copy each slot of ``(segment, offset, size, buffer)`` into its buffer, as
-        :meth:`copy_slots` does, and return the checksum of each copy (xxh3-64 of the
-        ``size`` bytes that landed in the buffer, as the node records a row's).
+        :meth:`copy_slots` does, and return the checksum of each row copied (xxh3-64 of
+        the bytes that landed, as the node records a row's), in order. ``rows``: the row
+        size of each slot, a slot being that many rows back to back in the segment and
+        in its buffer (rows merged into one copy); default, each slot is one row.
 
-        A checked read hashes while it copies: each row is copied ``chunk`` bytes at a
-        time and each chunk is hashed right after, while it is still in cache. Copying
-        everything first and hashing after read every byte from memory a second time
-        (the check cost a third of a same-host fetch). The lanes split at row boundaries
-        (a streaming hash runs in order): a batch of ``LANE_MIN_BYTES`` or more of at
-        least two rows takes both. The caller checks its lease's deadline after."""
+        A checked read hashes while it copies, in units of ``chunk`` bytes: a larger row
+        is copied a chunk at a time and each chunk hashed right after, while it is still
+        in cache; smaller rows are copied as many at once as fit in a chunk, then each
+        hashed. Copying everything first and hashing after read every byte a second time
+        (the check cost a third of a same-host fetch). The lanes split between units (a
+        streaming hash runs in order): a batch of ``LANE_MIN_BYTES`` or more of at least
+        two units takes both. The caller checks its lease's deadline after."""
         if chunk <= 0:
             raise InvalidInput(f"chunk: must be positive, got {chunk}")
+        if rows is not None and len(rows) != len(slots):
+            raise InvalidInput(f"rows: {len(rows)} row sizes for {len(slots)} slots")
         jobs = self._jobs(slots, into_slots=False)
-        total = sum(d.nbytes for d, _ in jobs)
+        units = _units(jobs, [z for _, _, z, _ in slots] if rows is None else rows, chunk)
+        del jobs
+        total = sum(d.nbytes for d, _, _ in units)
         try:
-            if total < LANE_MIN_BYTES or len(jobs) < 2:
-                return _copy_summed(jobs, chunk)
-            k = _cut(jobs)
-            lane = self._lanes().submit(_copy_summed, jobs[k:], chunk)
+            if total < LANE_MIN_BYTES or len(units) < 2:
+                return _copy_summed(units, chunk)
+            k = _cut(units)
+            lane = self._lanes().submit(_copy_summed, units[k:], chunk)
             try:
-                first = _copy_summed(jobs[:k], chunk)
+                first = _copy_summed(units[:k], chunk)
             finally:
                 second = lane.result()
             return first + second
         finally:
-            del jobs  # no array may keep the mapping exported
+            del units  # no array may keep the mapping exported
 
     def _lanes(self) -> ThreadPoolExecutor:
         if self._pool is None:

@@ -166,6 +166,36 @@ def test_borrow_copy_slots_summed_copies_each_row_and_returns_its_checksum(
         assert got == checksum(data[o : o + n].data)
 
 
+@pytest.mark.parametrize("runs", [
+    [(40_000, 20)],  # one merged copy of small rows: under LANE_MIN_BYTES, one lane
+    [(40_000, 90), (HASH_CHUNK + 5, 3), (7, 1)],  # small rows, rows over a chunk, a lone row
+])
+def test_borrow_copy_slots_summed_hashes_each_row_of_a_merged_copy(
+        segment: tuple[str, np.ndarray], runs: list[tuple[int, int]]) -> None:
+    """Rows merged into one copy (back to back in the segment and in the buffer) are
+    still each verified on their own: one digest per row, in order, each the checksum of
+    that row's bytes, the units of work and the lanes cut between rows."""
+    name, data = segment
+    slots, rows, want = [], [], []
+    at, bufs = 3, []
+    for row, count in runs:
+        buf = np.zeros(row * count, dtype=np.uint8)
+        bufs.append((buf, at))
+        slots.append((name, at, row * count, buf.data))
+        rows.append(row)
+        want.extend(checksum(data[at + k * row : at + (k + 1) * row].data) for k in range(count))
+        at += row * count + 11
+    with Borrower() as b:
+        got = b.copy_slots_summed(slots, rows=rows)
+        with pytest.raises(InvalidInput, match="rows"):
+            b.copy_slots_summed(slots[:1], rows=[runs[0][0] + 1])  # not a whole number of rows
+        with pytest.raises(InvalidInput, match="rows"):
+            b.copy_slots_summed(slots, rows=rows[:-1])
+    assert got == want
+    for buf, at in bufs:
+        assert np.array_equal(buf, data[at : at + buf.nbytes])
+
+
 def test_borrow_copy_slots_summed_refuses_a_slot_beyond_its_segment_and_a_bad_chunk(
         segment: tuple[str, np.ndarray]) -> None:
     name, data = segment

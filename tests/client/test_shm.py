@@ -176,8 +176,11 @@ def test_borrow_copy_slots_summed_hashes_each_row_of_a_merged_copy(
     still each verified on their own: one digest per row, in order, each the checksum of
     that row's bytes, the units of work and the lanes cut between rows."""
     name, data = segment
-    slots, rows, want = [], [], []
-    at, bufs = 3, []
+    slots: list[tuple[str, int, int, memoryview]] = []
+    rows: list[int] = []
+    want: list[int] = []
+    bufs: list[tuple[np.ndarray, int]] = []
+    at = 3
     for row, count in runs:
         buf = np.zeros(row * count, dtype=np.uint8)
         bufs.append((buf, at))

@@ -50,6 +50,8 @@ class TierStats:
     evictions: int  # rows dropped out of the store from this tier
     demotions: int  # rows moved (or copied, then dropped) to a lower tier
     promotions: int  # rows copied into this tier from a lower one on read
+    # Rows found corrupt and dropped: on disk a frame that failed its checks (deleted); in
+    # memory a copy whose bytes no longer matched its checksum (the read a miss).
     corrupt_rows: int
     # Page bytes of the rows held, as stored before any codec: with ``used_bytes`` of a
     # compressed tier (disk), the codec ratio. Rebuilt with the index at open.

@@ -22,7 +22,7 @@ import base64
 import http.client
 import json
 import time
-from collections.abc import Callable, Container, Mapping, Sequence
+from collections.abc import Container, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -296,12 +296,13 @@ def lease_slots(doc: dict[str, Any], bufs: Sequence[memoryview]) -> list[tuple[i
 
 def changed_copies(doc: dict[str, Any], bufs: Sequence[memoryview],
                    only: Container[int] | None = None,
-                   hasher: Callable[[Sequence[memoryview]], list[int]] | None = None) -> set[int]:
+                   digests: Mapping[int, int] | None = None) -> set[int]:
     """The entries ``i`` (of ``only``, default all) of a READ lease's slots form whose copy
     in ``bufs[i]`` does not match the checksum the node sent for it (``sums``, 16 hex
     digits of the xxh3-64 the row was committed with): bytes changed in the node's host
     memory since commit. A form without ``sums`` (an older node) checks nothing.
-    ``hasher``: hashes a batch of buffers (default: one after the other)."""
+    ``digests``: entry ``i``'s checksum taken as its copy landed (default: each buffer
+    hashed now)."""
     only = range(len(bufs)) if only is None else only
     sums = doc.get("sums")
     if sums is None:
@@ -309,18 +310,20 @@ def changed_copies(doc: dict[str, Any], bufs: Sequence[memoryview],
     try:
         todo = [(int(i), int(size), want) for (i, _, _, size), want
                 in zip(doc["slots"], sums, strict=True) if want is not None and i in only]
-        views = [bufs[i][:size] for i, size, _ in todo]
-        got = hasher(views) if hasher is not None else [checksum(v) for v in views]
+        got = ([digests[i] for i, _, _ in todo] if digests is not None
+               else [checksum(bufs[i][:size]) for i, size, _ in todo])
         return {i for (i, _, want), h in zip(todo, got, strict=True) if f"{h:016x}" != want}
     except (KeyError, IndexError, TypeError, ValueError) as exc:
         raise TierUnavailable(f"node: a lease answer of an unexpected shape: {exc!r}") from exc
 
 
-def merged_copies(slots: list[tuple[int, Slot]], rows: Sequence[Sequence[int]], out: OutBuffers) -> list[Slot]:
+def merged_copies(slots: list[tuple[int, Slot]], rows: Sequence[Sequence[int]], out: OutBuffers,
+                  sizes: list[int] | None = None) -> list[Slot]:
     """The copies of a same-host fetch, rows merged into one copy where they lie back to
     back both in the node's segment and in one destination tensor (rows ``k, k+1, ...``
     of ``out[g]``): a lease's slots are usually handed out in order, and a copy per 32 KiB
-    row costs more in per-row work than in bytes."""
+    row costs more in per-row work than in bytes. ``sizes`` gets each copy's row size
+    (a checked read hashes each row of a merged copy on its own)."""
     jobs: list[Slot] = []
     # the open run: its group, destination rows, first row, segment, offset, row size, rows
     run: tuple[int, np.ndarray, int, str, int, int] | None = None
@@ -330,6 +333,8 @@ def merged_copies(slots: list[tuple[int, Slot]], rows: Sequence[Sequence[int]], 
         if run is not None:
             _, arr, first, seg, off, size = run
             jobs.append((seg, off, count * size, arr[first : first + count].data.cast("B")))
+            if sizes is not None:
+                sizes.append(size)
 
     for i, job in slots:
         seg, off, size, _ = job
@@ -346,5 +351,7 @@ def merged_copies(slots: list[tuple[int, Slot]], rows: Sequence[Sequence[int]], 
             run, count = (g, dst.numpy(), slot, seg, off, size), 1
         else:
             jobs.append(job)
+            if sizes is not None:
+                sizes.append(size)
     close()
     return jobs

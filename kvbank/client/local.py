@@ -12,8 +12,10 @@ connection of the client.
 - :meth:`fetch_prefix` — one call matches and lends (READ lease) the rows of the bound;
   the copies go straight into the caller's ``out`` buffers, rows that lie back to back
   in the segment and in one destination tensor merged into one copy (planned on arrays,
-  not row by row); each row's copy is then verified against the checksum the node sent
-  for it (xxh3-64, docs/reliability.md "Checksums in memory"): one that fails is a miss,
+  not row by row); where the node sent checksums, each row is hashed as it is copied
+  (:meth:`Borrower.copy_slots_summed`) and verified against the checksum the node sent
+  for it (xxh3-64, docs/reliability.md "Checksums in
+  memory"): one that fails is a miss,
   left out of the acknowledgement and named in it as changed, so the node checks that
   row itself and drops its host copy. The acknowledgement names the rows copied, and the
   node counts them only if the lease outlived the copies (bytes read after expiry are
@@ -429,11 +431,15 @@ class LocalLink:
         deadline = time.monotonic() + ttl
         try:
             borrower = self.borrower()
-            jobs, dsts = self._read_jobs(m, bufs, grp, slot, idx, off, size)
-            borrower.copy_slots(jobs, into_slots=False)
+            jobs, rows, dsts = self._read_jobs(m, bufs, grp, slot, idx, off, size)
+            want = self._sums_to_check(sums)
+            if want is None:
+                borrower.copy_slots(jobs, into_slots=False)
+            else:  # each row hashed as it is copied: one digest per lent row, in order
+                got = np.fromiter(borrower.copy_slots_summed(jobs, rows=rows), dtype="<u8", count=len(dsts))
             if time.monotonic() >= deadline:
                 raise LeaseExpired(f"lease_id: lease {lease_id} expired during the copies")
-            bad = self._changed(borrower, dsts, sums)
+            bad = _EMPTY if want is None else np.flatnonzero((want != 0) & (got != want))
         except BaseException:
             self._release_quietly(lease_id)
             raise
@@ -445,19 +451,14 @@ class LocalLink:
         # the node counts these rows only if the lease outlived the copies
         return self._ack(m, fetch_id, lease_id, lent)
 
-    def _changed(self, borrower: Borrower, dsts: list[memoryview],
-                 sums: np.ndarray[Any, Any] | None) -> np.ndarray[Any, Any]:
-        """The lent rows (indexes into ``dsts``) whose copy does not hash to the checksum
-        the node sent: bytes changed in the host segment since the row was committed."""
+    def _sums_to_check(self, sums: np.ndarray[Any, Any] | None) -> np.ndarray[Any, Any] | None:
+        """The checksums the node sent (uint64, 0: none recorded) where any row's copy is
+        to be verified against them (the bytes changed in the host segment since the row
+        was committed fail); None where nothing is checked."""
         if sums is None or not self._verify:
-            return _EMPTY
+            return None
         want = sums.astype("<u8", copy=False)
-        check = np.flatnonzero(want)
-        if not len(check):
-            return _EMPTY
-        got = np.fromiter(borrower.checksums([dsts[k] for k in check.tolist()]), dtype="<u8", count=len(check))
-        bad: np.ndarray[Any, Any] = check[got != want[check]]
-        return bad
+        return want if want.any() else None
 
     _verify = True  # verify each copy against its row's checksum (a bench turns it off for a baseline)
 
@@ -511,14 +512,16 @@ class LocalLink:
 
     def _read_jobs(self, m: Match, bufs: OutBuffers, grp: np.ndarray[Any, Any], slot: np.ndarray[Any, Any],
                    idx: np.ndarray[Any, Any], off: np.ndarray[Any, Any],
-                   size: np.ndarray[Any, Any]) -> tuple[list[tuple[str, int, int, memoryview]], list[memoryview]]:
+                   size: np.ndarray[Any, Any]) -> tuple[list[tuple[str, int, int, memoryview]], list[int],
+                                                        list[memoryview]]:
         """The copies of a lent fetch, planned on arrays: the lent rows ``idx`` (of the
         plan's ``grp``/``slot``) at ``off``/``size`` in the segment, merged into one copy
-        per run of rows back to back in both the segment and one destination tensor; and
-        each lent row's own destination (what its copy is verified in)."""
+        per run of rows back to back in both the segment and one destination tensor; the
+        row size of each copy (a run is rows of one size); and each lent row's own
+        destination."""
         n = len(idx)
         if n == 0:
-            return [], []
+            return [], [], []
         g, s = grp[idx], slot[idx]
         dests: dict[int, np.ndarray[Any, Any] | None] = {}
         views: dict[int, list[memoryview]] | None = None
@@ -537,6 +540,7 @@ class LocalLink:
         starts = np.flatnonzero(brk)
         ends = np.append(starts[1:], n)
         jobs: list[tuple[str, int, int, memoryview]] = []
+        sizes: list[int] = []
         rows: list[memoryview] = []
         for a, b in zip(starts.tolist(), ends.tolist(), strict=True):
             gi, first, o, z = int(g[a]), int(s[a]), int(off[a]), int(size[a])
@@ -546,6 +550,7 @@ class LocalLink:
                     raise TierUnavailable("node: a fetch answer names rows beyond the buffers", field="socket")
                 run = d[first : first + (b - a)].data.cast("B")
                 jobs.append((SEGMENT, o, (b - a) * z, run))
+                sizes.append(z)
                 rows.extend(run[k * z : (k + 1) * z] for k in range(b - a))
                 continue
             if views is None:
@@ -554,8 +559,9 @@ class LocalLink:
                 gk, sk = int(g[k]), int(s[k])
                 dst = views[gk][sk][: int(size[k])]
                 jobs.append((SEGMENT, int(off[k]), int(size[k]), dst))
+                sizes.append(int(size[k]))
                 rows.append(dst)
-        return jobs, rows
+        return jobs, sizes, rows
 
     layout_of: Any = None  # set by the client: layout id -> PageLayout
 

@@ -226,8 +226,11 @@ class SharedMemory(_Lent):
         except (KeyError, IndexError, TypeError, ValueError) as exc:
             c.release(lease["id"])
             raise TierUnavailable(f"node: a fetch answer of an unexpected shape: {exc!r}") from exc
-        got = self._copy(lease, bufs, into_slots=False, jobs=lambda ss: merged_copies(ss, rows, out))
-        bad = changed_copies(lease, bufs, hasher=self.borrower(writable=False).checksums)
+        # each row hashed as it is copied, where the node sent checksums
+        digests: dict[int, int] | None = {} if any(v is not None for v in lease.get("sums") or ()) else None
+        got = self._copy(lease, bufs, into_slots=False, jobs=lambda ss, sizes: merged_copies(ss, rows, out, sizes),
+                         digests=digests)
+        bad = set() if digests is None else changed_copies(lease, bufs, digests=digests)
         if bad:  # a miss, never wrong bytes; the node checks these rows and drops them
             got = [i for i in got if i not in bad]
         # the node counts these rows only if the lease outlived the copies
@@ -235,17 +238,25 @@ class SharedMemory(_Lent):
                       changed=[rows[i][0] for i in sorted(bad)])
 
     def _copy(self, lease: Doc, bufs: Sequence[memoryview], *, into_slots: bool,
-              jobs: Callable[[list[tuple[int, Slot]]], list[Slot]] | None = None) -> list[int]:
+              jobs: Callable[[list[tuple[int, Slot]], list[int]], list[Slot]] | None = None,
+              digests: dict[int, int] | None = None) -> list[int]:
         """Copy between ``bufs`` and a HOST lease in slots form (``slots_doc``): into its
-        slots (a WRITE lease) or out of them, ``jobs`` merging the copies where it can;
-        the entries copied. The lease is released
+        slots (a WRITE lease) or out of them, ``jobs`` merging the copies where it can
+        (and noting each copy's row size); the entries copied. With ``digests`` (a read)
+        each entry's row is hashed as it lands, its checksum put there. The lease is released
         if anything fails first, or if its deadline passed by the end of the copies (the
         node checks again when it is committed or acknowledged)."""
         deadline = time.monotonic() + float(lease["ttl_s"])
         try:
             slots = lease_slots(lease, bufs)
-            copies = [job for _, job in slots] if jobs is None else jobs(slots)
-            self.borrower(writable=into_slots).copy_slots(copies, into_slots=into_slots)
+            sizes: list[int] = []
+            copies = [job for _, job in slots] if jobs is None else jobs(slots, sizes)
+            if digests is not None:
+                sums = self.borrower(writable=False).copy_slots_summed(
+                    copies, rows=sizes if jobs is not None else None)
+                digests.update(zip((i for i, _ in slots), sums, strict=True))
+            else:
+                self.borrower(writable=into_slots).copy_slots(copies, into_slots=into_slots)
             if time.monotonic() >= deadline:
                 raise LeaseExpired(f"lease_id: lease {lease['id']} expired during the copies")
         except BaseException:

@@ -14,6 +14,7 @@ Lifecycle in the borrowing process::
         n = b.read_into(lease, name, out)  # copy, then check the deadline again
         b.view(lease, name)[:] = page      # WRITE lease: fill in place; the owner commits
         b.copy_rows(lease, [(name, out), ...], into_rows=False)  # a batch, on two lanes
+        sums = b.copy_slots_summed(slots)  # a checked read: each copy hashed as it lands
 
 ``Borrower(populate=True)`` also builds this process's page tables for each segment it
 maps, in the background (``madvise(MADV_POPULATE_READ/WRITE)`` in 64 MiB steps, through
@@ -40,8 +41,8 @@ from concurrent.futures import ThreadPoolExecutor
 from types import TracebackType
 
 import numpy as np
+import xxhash
 
-from kvbank.codec.frame import checksum
 from kvbank.codec.planes import copy_bytes
 from kvbank.errors import InvalidInput, LeaseExpired
 from kvbank.lender.base import HostLocation, Lease, MemoryKind
@@ -52,6 +53,10 @@ logger = logging.getLogger(__name__)
 POPULATE_STEP = 64 << 20  # populated per madvise call: a close waits at most one step
 LANE_MIN_BYTES = 2 << 20  # a batch this large is copied on two lanes (below: one; the
 # hand-off to the second lane costs ~0.05 ms, a 2 MiB copy ~0.2)
+HASH_CHUNK = 512 << 10  # a checked read copies and hashes this much at a time: the chunk
+# (and its source, 1 MiB together) is still in this core's L2 (2 MiB a core on the Xeon it
+# was tuned on) when it is hashed, so the check reads no byte from memory again. 256 KiB
+# to 1 MiB ran alike there; 64-128 KiB paid more per-chunk calls (copy_slots_summed)
 
 
 Job = tuple[np.ndarray, np.ndarray]  # (destination, source), flat uint8 of one length
@@ -78,6 +83,65 @@ def _halves(jobs: list[Job], half: int) -> tuple[list[Job], list[Job]]:
 def _copy_all(jobs: Sequence[Job]) -> None:
     for dst, src in jobs:
         copy_bytes(dst, src)  # not np.copyto: it picks the faster routine by length (see it)
+
+
+Unit = tuple[np.ndarray, np.ndarray, int]  # (destination, source, row size): rows back to back
+
+
+def _units(jobs: Sequence[Job], rows: Sequence[int], chunk: int) -> list[Unit]:
+    """A checked read's jobs (each ``rows[i]``-byte rows back to back) as units of work:
+    a row over ``chunk`` alone (hashed as it streams), else as many whole rows as fit in
+    ``chunk`` (copied at once, then each row hashed while the unit is still in cache)."""
+    units: list[Unit] = []
+    for (dst, src), row in zip(jobs, rows, strict=True):
+        n = dst.nbytes
+        if n == 0:  # an empty row: its digest is that of no bytes
+            units.append((dst, src, 0))
+            continue
+        if row <= 0 or n % row:
+            raise InvalidInput(f"rows: a run of {n} bytes is not made of rows of {row}")
+        step = row if row > chunk else chunk // row * row
+        for pos in range(0, n, step):
+            units.append((dst[pos : pos + step], src[pos : pos + step], row))
+    return units
+
+
+def _copy_summed(units: Sequence[Unit], chunk: int) -> list[int]:
+    """Copy each unit and return the xxh3-64 of each row copied (that of
+    :func:`kvbank.codec.frame.checksum` over the row's destination bytes), in order. A
+    row over ``chunk`` is copied ``chunk`` bytes at a time, each chunk fed to the row's
+    streaming hash right after it lands; a unit of smaller rows is copied in one go, then
+    each row hashed. The copy and xxhash both free the GIL."""
+    out: list[int] = []
+    for dst, src, row in units:
+        n = dst.nbytes
+        if row <= chunk:
+            copy_bytes(dst, src)
+            if row == n:
+                out.append(xxhash.xxh3_64_intdigest(dst.data))
+            else:
+                out.extend(xxhash.xxh3_64_intdigest(dst[k : k + row].data) for k in range(0, n, row))
+            continue
+        h = xxhash.xxh3_64()
+        for pos in range(0, n, chunk):
+            d = dst[pos : pos + chunk]
+            copy_bytes(d, src[pos : pos + chunk])
+            h.update(d.data)
+        out.append(h.intdigest())
+    return out
+
+
+def _cut(jobs: Sequence[Job] | Sequence[Unit]) -> int:
+    """Where a batch of two or more units of whole rows splits into two lanes of the
+    nearest to equal bytes: the first unit of the second lane (1 to ``len(jobs) - 1``)."""
+    total = sum(j[0].nbytes for j in jobs)
+    acc, best, cut = 0, -1, 1
+    for k in range(1, len(jobs)):
+        acc += jobs[k - 1][0].nbytes
+        gap = abs(total - 2 * acc)
+        if best < 0 or gap < best:
+            best, cut = gap, k
+    return cut
 
 
 class _Populate:
@@ -213,19 +277,8 @@ class Borrower:
         both too) and the copies (:func:`~kvbank.codec.planes.copy_bytes`, which frees
         the GIL) run at once. The caller checks its lease's deadline after a read (bytes read
         after it may be another row's)."""
-        jobs: list[Job] = []
-        total = 0
-        for segment, offset, size, buf in slots:
-            seg = self.segment(segment)
-            if offset < 0 or size < 0 or offset + size > len(seg):
-                raise InvalidInput(f"lease: slot at {offset}+{size} is beyond segment {segment}")
-            dst = memoryview(buf).cast("B")
-            if len(dst) < size:
-                raise InvalidInput(f"out: {len(dst)} bytes, the slot at {segment}+{offset} holds {size}")
-            a = np.frombuffer(seg, dtype=np.uint8, count=size, offset=offset)
-            b = np.frombuffer(dst, dtype=np.uint8, count=size)
-            jobs.append((a, b) if into_slots else (b, a))
-            total += size
+        jobs = self._jobs(slots, into_slots=into_slots)
+        total = sum(d.nbytes for d, _ in jobs)
         if total >= LANE_MIN_BYTES:
             first, second = _halves(jobs, total // 2)
             lane = self._lanes().submit(_copy_all, second)
@@ -237,18 +290,57 @@ class Borrower:
             _copy_all(jobs)
         del jobs  # no array may keep the mapping exported
 
-    def checksums(self, bufs: Sequence[memoryview]) -> list[int]:
-        """The checksum (xxh3-64) of each buffer, as the node records a row's: a batch of
-        ``LANE_MIN_BYTES`` or more is hashed on both lanes (xxhash frees the GIL)."""
-        if len(bufs) < 2 or sum(len(b) for b in bufs) < LANE_MIN_BYTES:
-            return [checksum(b) for b in bufs]
-        half = len(bufs) // 2
-        lane = self._lanes().submit(lambda: [checksum(b) for b in bufs[half:]])
+    def _jobs(self, slots: Sequence[tuple[str, int, int, memoryview]], *, into_slots: bool) -> list[Job]:
+        """The ``(destination, source)`` arrays of a batch; a slot beyond its segment or
+        a buffer too small refused before anything is copied."""
+        jobs: list[Job] = []
+        for segment, offset, size, buf in slots:
+            seg = self.segment(segment)
+            if offset < 0 or size < 0 or offset + size > len(seg):
+                raise InvalidInput(f"lease: slot at {offset}+{size} is beyond segment {segment}")
+            dst = memoryview(buf).cast("B")
+            if len(dst) < size:
+                raise InvalidInput(f"out: {len(dst)} bytes, the slot at {segment}+{offset} holds {size}")
+            a = np.frombuffer(seg, dtype=np.uint8, count=size, offset=offset)
+            b = np.frombuffer(dst, dtype=np.uint8, count=size)
+            jobs.append((a, b) if into_slots else (b, a))
+        return jobs
+
+    def copy_slots_summed(self, slots: Sequence[tuple[str, int, int, memoryview]], *,
+                          rows: Sequence[int] | None = None, chunk: int = HASH_CHUNK) -> list[int]:
+        """Copy each slot of ``(segment, offset, size, buffer)`` into its buffer, as
+        :meth:`copy_slots` does, and return the checksum of each row copied (xxh3-64 of
+        the bytes that landed, as the node records a row's), in order. ``rows``: the row
+        size of each slot, a slot being that many rows back to back in the segment and
+        in its buffer (rows merged into one copy); default, each slot is one row.
+
+        A checked read hashes while it copies, in units of ``chunk`` bytes: a larger row
+        is copied a chunk at a time and each chunk hashed right after, while it is still
+        in cache; smaller rows are copied as many at once as fit in a chunk, then each
+        hashed. Copying everything first and hashing after read every byte a second time
+        (the check cost a third of a same-host fetch). The lanes split between units (a
+        streaming hash runs in order): a batch of ``LANE_MIN_BYTES`` or more of at least
+        two units takes both. The caller checks its lease's deadline after."""
+        if chunk <= 0:
+            raise InvalidInput(f"chunk: must be positive, got {chunk}")
+        if rows is not None and len(rows) != len(slots):
+            raise InvalidInput(f"rows: {len(rows)} row sizes for {len(slots)} slots")
+        jobs = self._jobs(slots, into_slots=False)
+        units = _units(jobs, [z for _, _, z, _ in slots] if rows is None else rows, chunk)
+        del jobs
+        total = sum(d.nbytes for d, _, _ in units)
         try:
-            first = [checksum(b) for b in bufs[:half]]
+            if total < LANE_MIN_BYTES or len(units) < 2:
+                return _copy_summed(units, chunk)
+            k = _cut(units)
+            lane = self._lanes().submit(_copy_summed, units[k:], chunk)
+            try:
+                first = _copy_summed(units[:k], chunk)
+            finally:
+                second = lane.result()
+            return first + second
         finally:
-            second = lane.result()
-        return first + second
+            del units  # no array may keep the mapping exported
 
     def _lanes(self) -> ThreadPoolExecutor:
         if self._pool is None:

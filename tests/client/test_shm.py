@@ -14,7 +14,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvbank.client.shm import POPULATE_STEP, Borrower, _halves
+from kvbank.client.shm import HASH_CHUNK, LANE_MIN_BYTES, POPULATE_STEP, Borrower, _cut, _halves
+from kvbank.codec.frame import checksum
 from kvbank.errors import InvalidInput, LeaseExpired
 from kvbank.lender.base import (
     Delivery,
@@ -142,6 +143,85 @@ def test_lease_row_finds_every_row_by_name_and_the_first_of_a_repeated_name() ->
     with pytest.raises(KeyError):
         lease.row(b"\x09" * 54)
     assert lease == Lease("L", MemoryKind.HOST, LeaseMode.READ, Selection.NAMED, 1.0, 0.0, rows)
+
+
+@pytest.mark.parametrize("sizes", [
+    [0, 1, HASH_CHUNK - 1, HASH_CHUNK, HASH_CHUNK + 1],  # one lane: under LANE_MIN_BYTES
+    [2 << 20] * 6 + [3 * HASH_CHUNK + 17, 5],  # two lanes, rows cut into chunks and a tail
+    [LANE_MIN_BYTES + 12345],  # one row over the lane size: one lane (a hash runs in order)
+])
+def test_borrow_copy_slots_summed_copies_each_row_and_returns_its_checksum(
+        segment: tuple[str, np.ndarray], sizes: list[int]) -> None:
+    """A checked read hashes each row as it is copied: every row lands whole, in its own
+    buffer, and its digest is the node's checksum of those bytes (the one definition,
+    :func:`kvbank.codec.frame.checksum`) whatever the row's size against the chunk."""
+    name, data = segment
+    offsets = np.cumsum([7, *sizes[:-1]]).tolist()  # odd offsets: no row starts aligned
+    bufs = [np.zeros(n + 3, dtype=np.uint8) for n in sizes]  # larger than the row
+    with Borrower() as b:
+        sums = b.copy_slots_summed([(name, o, n, buf.data) for o, n, buf in zip(offsets, sizes, bufs, strict=True)])
+    for o, n, buf, got in zip(offsets, sizes, bufs, sums, strict=True):
+        assert np.array_equal(buf[:n], data[o : o + n])
+        assert not buf[n:].any()  # nothing past the row is written
+        assert got == checksum(data[o : o + n].data)
+
+
+@pytest.mark.parametrize("runs", [
+    [(40_000, 20)],  # one merged copy of small rows: under LANE_MIN_BYTES, one lane
+    [(40_000, 90), (HASH_CHUNK + 5, 3), (7, 1)],  # small rows, rows over a chunk, a lone row
+])
+def test_borrow_copy_slots_summed_hashes_each_row_of_a_merged_copy(
+        segment: tuple[str, np.ndarray], runs: list[tuple[int, int]]) -> None:
+    """Rows merged into one copy (back to back in the segment and in the buffer) are
+    still each verified on their own: one digest per row, in order, each the checksum of
+    that row's bytes, the units of work and the lanes cut between rows."""
+    name, data = segment
+    slots: list[tuple[str, int, int, memoryview]] = []
+    rows: list[int] = []
+    want: list[int] = []
+    bufs: list[tuple[np.ndarray, int]] = []
+    at = 3
+    for row, count in runs:
+        buf = np.zeros(row * count, dtype=np.uint8)
+        bufs.append((buf, at))
+        slots.append((name, at, row * count, buf.data))
+        rows.append(row)
+        want.extend(checksum(data[at + k * row : at + (k + 1) * row].data) for k in range(count))
+        at += row * count + 11
+    with Borrower() as b:
+        got = b.copy_slots_summed(slots, rows=rows)
+        with pytest.raises(InvalidInput, match="rows"):
+            b.copy_slots_summed(slots[:1], rows=[runs[0][0] + 1])  # not a whole number of rows
+        with pytest.raises(InvalidInput, match="rows"):
+            b.copy_slots_summed(slots, rows=rows[:-1])
+    assert got == want
+    for buf, at in bufs:
+        assert np.array_equal(buf, data[at : at + buf.nbytes])
+
+
+def test_borrow_copy_slots_summed_refuses_a_slot_beyond_its_segment_and_a_bad_chunk(
+        segment: tuple[str, np.ndarray]) -> None:
+    name, data = segment
+    size = 1 << 20
+    bufs = [np.zeros(size, dtype=np.uint8) for _ in range(2)]
+    with Borrower() as b:
+        with pytest.raises(InvalidInput, match="beyond segment"):
+            b.copy_slots_summed([(name, 0, size, bufs[0].data), (name, len(data) - 1, size, bufs[1].data)])
+        with pytest.raises(InvalidInput, match="chunk"):
+            b.copy_slots_summed([(name, 0, size, bufs[0].data)], chunk=0)
+    assert not bufs[0].any()  # refused before anything was copied
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 40), min_size=2, max_size=8))
+def test_lanes_of_whole_rows_split_where_the_bytes_are_nearest_even(sizes: list[int]) -> None:
+    """A checked read's lanes split between rows (each lane hashes its rows in order),
+    each lane given at least one row, at the cut that leaves the two nearest to even."""
+    jobs = [(np.zeros(n, dtype=np.uint8), np.zeros(n, dtype=np.uint8)) for n in sizes]
+    k = _cut(jobs)
+    assert 1 <= k <= len(sizes) - 1
+    total = sum(sizes)
+    assert abs(total - 2 * sum(sizes[:k])) == min(abs(total - 2 * sum(sizes[:j])) for j in range(1, len(sizes)))
 
 
 @settings(max_examples=200, deadline=None)

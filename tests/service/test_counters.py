@@ -4,7 +4,8 @@ Every row a fetch serves counts once in the node's ``gets``, as a hit (in the ti
 served it, a miss in each faster tier) or as a miss: over shared memory, the data port,
 the HTTP stream (from READ leases, or from private copies when the host tier cannot
 hold a batch), and ``fetch_prefix`` on each. Peer fetches and remote recalls are in
-``tests/service/fleet/test_fleet.py``. ``gets == hits + misses`` throughout.
+``tests/service/fleet/test_fleet.py``. ``gets == hits + misses`` throughout. Rows whose
+host bytes fail their checksum are dropped, and counted once each, on every path.
 """
 
 from __future__ import annotations
@@ -18,7 +19,10 @@ import numpy as np
 import pytest
 import torch
 
-from kvbank import Client, full_attention
+from kvbank import Client, full_attention, wire
+from kvbank.client.shm import Borrower
+from kvbank.errors import KvbankError
+from kvbank.lender.base import Lease
 from kvbank.results import StoreStats
 from kvbank.service.launch import NodeProcess
 from kvbank.tiers.base import TierKind
@@ -126,3 +130,53 @@ def test_streamed_rows_copied_out_privately_count_once(tmp_path: Path) -> None:
         assert disk + host == 16 and disk > 0
     finally:
         assert node.stop() == 0
+
+
+def _scribble(c: Client, names: list[bytes]) -> None:
+    """Overwrite the first 64 bytes of each row's host copy in the node's segment, as
+    another process of the node's uid can (an untenanted node names its segment): the
+    rows' slots found through a raw READ lease, released before the writes."""
+    doc = c._call("POST", "/v1/leases", body={"names": [n.hex() for n in names], "mode": "READ"})
+    try:
+        doc.pop("sums")
+        lease = wire.from_dict(Lease, doc)
+    finally:
+        c.release(doc["id"])
+    with Borrower(writable=True) as b:
+        for n in names:
+            b.view(lease, n)[:64] = b"\xee" * 64
+
+
+@pytest.mark.parametrize("path", sorted(CLIENTS))
+def test_rows_that_fail_their_checksum_are_dropped_and_counted_once_each(
+        served: NodeProcess, path: str) -> None:
+    """2 of 5 committed rows changed in the host segment: a fetch on each path leaves
+    exactly those 2 out (the client's check on shared memory, the node's own before it
+    sends over the data port or the stream), the node drops their host copies, and the
+    host tier's ``corrupt_rows`` and ``kvbank_tier_corrupt_frames_total{tier="host"}``
+    rise by exactly 2; a second fetch drops nothing more."""
+    seed = 10 + sorted(CLIENTS).index(path)
+    data = _pages(5, seed)
+    toks = list(range(10_000 * (seed + 1), 10_000 * (seed + 1) + 5 * P))
+    label = 'kvbank_tier_corrupt_frames_total{tier="host"}'
+    with Client(served.url, **CLIENTS[path]) as c:  # type: ignore[arg-type]
+        lid = c.register(LAYOUT)
+        names = c.put(lid, toks, group=0, pages=data)
+        before, metric = c.stats().store.tier(TierKind.HOST).corrupt_rows, _metric(served, label)
+        _scribble(c, [names[1], names[3]])
+        m = c.match(lid, [*toks, 1])
+        out = torch.zeros((5, PAGE), dtype=torch.uint8)
+        try:
+            got = c.fetch(m, out={0: out})
+            kept = [m.resume.pages[0].index(k) for k in got.delivered[0]]
+        except KvbankError:  # the data port refuses a transfer the node's check failed
+            assert path == "data"
+            kept = []
+        assert 1 not in kept and 3 not in kept
+        for i in kept:
+            assert torch.equal(out[i], data[i])
+        after = c.stats().store.tier(TierKind.HOST)
+        assert after.corrupt_rows - before == 2
+        assert _metric(served, label) - metric == 2
+        c.fetch_prefix(lid, [*toks, 1])  # the dropped rows are gone: nothing more to drop
+        assert c.stats().store.tier(TierKind.HOST).corrupt_rows - before == 2

@@ -1,5 +1,6 @@
 """The same-host (shared memory) and TCP paths forced each way and compared byte for
-byte, with 2 MiB pages, rows staged back from disk, and many clients at once."""
+byte, with 2 MiB pages, rows staged back from disk, and many clients at once; a raw
+lease's answer carries what a worker needs to verify its reads."""
 
 from __future__ import annotations
 
@@ -12,8 +13,11 @@ import numpy as np
 import pytest
 import torch
 
-from kvbank import Client, full_attention
+from kvbank import Client, full_attention, wire
+from kvbank.client.shm import Borrower
+from kvbank.codec.frame import checksum
 from kvbank.errors import PageSizeMismatch
+from kvbank.lender.base import Lease
 from kvbank.service.launch import NodeProcess
 
 # 2 MiB pages: 32 layers x (K+V) x 8 heads x 128 dims x 16 tokens x 2 bytes
@@ -181,3 +185,34 @@ def test_paths_map_host_then_put_and_fetch_agree(node: NodeProcess) -> None:
     assert torch.equal(out, data)
     with Client(node.url, same_host=False) as tcp:
         assert tcp.map_host() is False  # the TCP path maps nothing
+
+
+def test_a_raw_read_lease_carries_each_rows_checksum(node: NodeProcess) -> None:
+    """A worker that takes a READ HOST lease over HTTP (``POST /v1/leases``, not the
+    local channel) can verify what it reads: the answer's ``sums`` hold, in the lease's
+    row order, each row's checksum, equal to the checksum of the bytes read through the
+    lease (and of the page put); a row with no bytes in the lease has none, and a WRITE
+    lease's answer carries no ``sums``."""
+    data = pages(3, 21)
+    toks = list(range(70_000, 70_000 + 3 * 16))
+    with Client(node.url, same_host=False) as c:
+        lid = c.register(BIG)
+        names = c.put(lid, toks, group=0, pages=data)
+        absent = bytes(names[0][:-1]) + bytes([names[0][-1] ^ 1])  # a row never stored
+        doc = c._call("POST", "/v1/leases", body={"names": [n.hex() for n in [*names, absent]],
+                                                  "mode": "READ", "kind": "HOST"})
+        try:
+            sums = doc.pop("sums")
+            lease = wire.from_dict(Lease, doc)
+            assert [r.name for r in lease.rows] == [*names, absent] and len(sums) == 4
+            with Borrower() as b:
+                read = [bytes(b.view(lease, n)) for n in names]
+            assert sums[3] is None
+            for i in range(3):
+                assert read[i] == bytes(data[i].numpy())
+                assert sums[i] == f"{checksum(read[i]):016x}"
+        finally:
+            c.release(doc["id"])
+        wdoc = c._call("POST", "/v1/leases", body={"names": [absent.hex()], "mode": "WRITE"})
+        c.release(wdoc["id"])
+        assert "sums" not in wdoc

@@ -69,7 +69,9 @@ class _BankCollector(Collector):
             "kvbank_tier_evictions": ("rows dropped out of the store from the tier", lambda t: t.evictions),
             "kvbank_tier_demotions": ("rows moved to a lower tier", lambda t: t.demotions),
             "kvbank_tier_promotions": ("rows copied into the tier on read", lambda t: t.promotions),
-            "kvbank_tier_corrupt_frames": ("corrupt frames found and dropped", lambda t: t.corrupt_rows),
+            "kvbank_tier_corrupt_frames": ("rows found corrupt and dropped: disk frames that failed "
+                                           "their checks, memory copies whose bytes no longer matched "
+                                           "their checksum", lambda t: t.corrupt_rows),
             "kvbank_tier_admitted_bytes": ("page bytes of puts stored into the tier", lambda t: t.admitted_bytes),
             "kvbank_tier_rejected_bytes": ("page bytes of puts refused for want of room",
                                            lambda t: t.rejected_bytes),

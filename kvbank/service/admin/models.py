@@ -68,7 +68,9 @@ class TierModel(BaseModel):
     evictions: int = Field(ge=0)
     demotions: int = Field(ge=0)
     promotions: int = Field(ge=0)
-    corrupt_frames: int = Field(ge=0)
+    corrupt_frames: int = Field(ge=0, description="rows found corrupt and dropped: disk frames that "
+                                "failed their checks; in a memory tier, copies whose bytes no longer "
+                                "matched their checksum")
     raw_bytes: int = Field(ge=0, description="page bytes of the rows held, before any codec")
     codec_ratio: float | None = Field(description="raw_bytes / used_bytes of the disk tier (its frames); "
                                       "null for memory tiers and an empty disk")

@@ -367,7 +367,9 @@ class TieredStore:
             for bit in (DEV, HOST, DISK):
                 c = st.counters[bit]
                 rows = int(np.count_nonzero(where & bit))
-                corrupt = 0
+                # memory: copies dropped because their bytes no longer matched their
+                # checksum (every serve path's verification ends in quarantine_host)
+                corrupt = c.corrupt
                 if bit == DISK:
                     disk = st.disk() if st.has_disk else None
                     enabled = disk is not None

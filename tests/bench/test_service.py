@@ -13,9 +13,10 @@ CASES = ["fetch-remote", "put-remote", "fetch-local", "put-local", "fetch-local-
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1200)  # a hang guard only: ~1 min on a quiet machine, 5 min and more beside other loads
 def test_bench_service_prints_one_row_per_case_with_its_baseline() -> None:
     res = subprocess.run([sys.executable, "-m", "kvbank.cli", "bench", "service", "--json", "--quick"],
-                         capture_output=True, text=True, timeout=600, check=False)
+                         capture_output=True, text=True, timeout=1100, check=False)
     assert res.returncode == 0, res.stderr[-3000:]
     rows = [json.loads(line) for line in res.stdout.splitlines()]
     assert [r["case"] for r in rows] == CASES

@@ -591,7 +591,6 @@ class Client(EngineCalls):
         doc = self._call("POST", "/v1/leases", body={"names": hexed, "mode": enum_name(mode, LeaseMode, "mode"),
                                                      "kind": enum_name(kind, MemoryKind, "kind"), "ttl_s": ttl_s},
                          deadline=deadline)
-        doc.pop("sums", None)  # a READ HOST lease's rows' checksums: not part of a Lease
         lease = wire.from_dict(Lease, doc)
         if deadline is not None and deadline.passed():
             self.release(lease.id)  # the caller gave up: hold nothing for it

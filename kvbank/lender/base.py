@@ -26,6 +26,7 @@ name) without pickle.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -156,6 +157,11 @@ class Lease:
     expires_wall: float  # the same deadline as a wall-clock time.time(), for display
     rows: tuple[LeaseRow, ...]
     pools: tuple[Location, ...] = ()  # ALL leases: every pool of the tier, offset 0
+    # A served READ HOST lease: each row's checksum as the node sent it, in row order (16
+    # hex digits of the xxh3-64 it was committed with; None where it has none), for a
+    # reader that copies the rows out to verify its copies. Empty where none were sent (a
+    # lender's own lease: ``Bank.checksums`` answers them).
+    sums: tuple[str | None, ...] = ()
     # name -> row, built on the first row() call (a batch looks up every row by name)
     _by_name: dict[bytes, LeaseRow] | None = field(default=None, init=False, repr=False, compare=False)
 
@@ -169,6 +175,18 @@ class Lease:
     @property
     def names(self) -> tuple[bytes, ...]:
         return tuple(r.name for r in self.rows)
+
+    def checksums(self) -> dict[bytes, int]:
+        """``sums`` by row name (rows without one left out)."""
+        return {r.name: int(v, 16) for r, v in zip(self.rows, self.sums, strict=False) if v is not None}
+
+    def with_sums(self, checksums: dict[bytes, int]) -> Lease:
+        """This READ HOST lease as a node serves it (``POST /v1/leases``, the local
+        channel's LEND): with ``sums`` from ``checksums`` (``Bank.checksums``), null for a
+        row with none (no bytes in the lease, or none recorded)."""
+        return dataclasses.replace(self, sums=tuple(
+            None if (v := checksums.get(r.name)) is None or not isinstance(r.location, HostSlot)
+            else f"{v:016x}" for r in self.rows))
 
 
 @dataclass(frozen=True, slots=True)

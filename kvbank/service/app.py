@@ -87,7 +87,7 @@ from kvbank.service.connections import RequestLimits
 from kvbank.service.dataplane import DataPlane, Op, slot_names
 from kvbank.service.engine_routes import install_engine
 from kvbank.service.fast_routes import NodeAPI
-from kvbank.service.node import Node, lease_sums, slots_doc
+from kvbank.service.node import Node, slots_doc
 from kvbank.service.stream import BodyTooLarge, RowStream, receive_put, receive_put_lease
 from kvbank.wire.forms import from_hex as _hex
 from kvbank.wire.framing import PutKind, decode_match, encode_fetch_prefix, fetch_stream_bytes
@@ -466,13 +466,11 @@ def create_app(node: Node) -> FastAPI:
             guard.names(request, names)
             lease = await node.call(bank.lend, names, mode=mode, kind=kind, ttl_s=body.ttl_s)
         guard.own_lease(request, lease)
-        doc = _lease(lease)
         if mode is LeaseMode.READ and kind is MemoryKind.HOST and not body.all:
             # a worker that reads the rows in place verifies its copies as a fetch's
             # client does: each row's checksum, in the lease's row order
-            sums = await node.call(bank.checksums, lease.id)
-            doc["sums"] = lease_sums(lease, sums)
-        return _json(doc)
+            lease = lease.with_sums(await node.call(bank.checksums, lease.id))
+        return _json(_lease(lease))
 
     @app.post("/v1/leases/{lease_id}/renew", responses=_lease_links("$response.body#/id"))
     async def renew(lease_id: str, body: RenewBody, request: Request) -> Response:

@@ -485,6 +485,8 @@ class LocalChannel:
         bank = self.node.bank
         lease = bank.lend(names, mode=mode, kind=kind, ttl_s=None if ttl != ttl else ttl)
         self._own(c, lease, tied=False)  # it may be handed on: it ends at release or TTL
+        if mode is LeaseMode.READ and kind is MemoryKind.HOST:  # the reader verifies its copies
+            lease = lease.with_sums(bank.checksums(lease.id))
         # a lease's full form (regions, locations) stays the JSON one: lend by name is not
         # a per-request call of a worker (fetch_prefix and put carry slots as columns)
         return [wire.to_json(lease, now=bank.clock())]

@@ -112,14 +112,6 @@ def slots_doc(lease: Lease, names: list[bytes], delivery: Delivery, now: float,
     return doc
 
 
-def lease_sums(lease: Lease, checksums: dict[bytes, int]) -> list[str | None]:
-    """The ``sums`` of a READ HOST lease's full form (``POST /v1/leases``): for each row,
-    in the lease's row order, its checksum (16 hex digits of the xxh3-64 it was committed
-    with), null where it has none (no bytes in the lease, or none recorded)."""
-    return [None if (v := checksums.get(r.name)) is None or not isinstance(r.location, HostLocation)
-            else f"{v:016x}" for r in lease.rows]
-
-
 @dataclass(frozen=True, slots=True)
 class OpenFetch:
     """The rows one fetch call will move, in plan order."""

@@ -17,7 +17,7 @@ from kvbank import Client, full_attention, wire
 from kvbank.client.shm import Borrower
 from kvbank.codec.frame import checksum
 from kvbank.errors import PageSizeMismatch
-from kvbank.lender.base import Lease
+from kvbank.lender.base import Lease, LeaseMode, MemoryKind
 from kvbank.service.launch import NodeProcess
 
 # 2 MiB pages: 32 layers x (K+V) x 8 heads x 128 dims x 16 tokens x 2 bytes
@@ -192,7 +192,7 @@ def test_a_raw_read_lease_carries_each_rows_checksum(node: NodeProcess) -> None:
     local channel) can verify what it reads: the answer's ``sums`` hold, in the lease's
     row order, each row's checksum, equal to the checksum of the bytes read through the
     lease (and of the page put); a row with no bytes in the lease has none, and a WRITE
-    lease's answer carries no ``sums``."""
+    lease's answer carries none."""
     data = pages(3, 21)
     toks = list(range(70_000, 70_000 + 3 * 16))
     with Client(node.url, same_host=False) as c:
@@ -202,8 +202,8 @@ def test_a_raw_read_lease_carries_each_rows_checksum(node: NodeProcess) -> None:
         doc = c._call("POST", "/v1/leases", body={"names": [n.hex() for n in [*names, absent]],
                                                   "mode": "READ", "kind": "HOST"})
         try:
-            sums = doc.pop("sums")
             lease = wire.from_dict(Lease, doc)
+            sums = list(lease.sums)
             assert [r.name for r in lease.rows] == [*names, absent] and len(sums) == 4
             with Borrower() as b:
                 read = [bytes(b.view(lease, n)) for n in names]
@@ -215,4 +215,28 @@ def test_a_raw_read_lease_carries_each_rows_checksum(node: NodeProcess) -> None:
             c.release(doc["id"])
         wdoc = c._call("POST", "/v1/leases", body={"names": [absent.hex()], "mode": "WRITE"})
         c.release(wdoc["id"])
-        assert "sums" not in wdoc
+        assert wdoc["sums"] == []
+
+
+@pytest.mark.parametrize("channel", ["local", "http"])
+def test_a_client_lease_carries_each_rows_checksum(node: NodeProcess, channel: str) -> None:
+    """``Client.lend`` of a READ HOST lease, on the local channel and over HTTP, hands
+    the reader each row's checksum (``Lease.sums``, ``Lease.checksums()``): equal to the
+    checksum of the bytes read through the lease; a WRITE lease carries none."""
+    data = pages(2, 23)
+    toks = list(range(80_000, 80_000 + 2 * 16))
+    with Client(node.url, channel=channel) as c:
+        lid = c.register(BIG)
+        names = c.put(lid, toks, group=0, pages=data)
+        lease = c.lend(names, mode=LeaseMode.READ, kind=MemoryKind.HOST)
+        try:
+            with Borrower() as b:
+                read = [bytes(b.view(lease, n)) for n in names]
+            assert read == [bytes(d.numpy()) for d in data]
+            assert lease.checksums() == {n: checksum(r) for n, r in zip(names, read, strict=True)}
+        finally:
+            c.release(lease.id)
+        absent = bytes(names[0][:-1]) + bytes([names[0][-1] ^ 1])
+        w = c.lend([absent], mode=LeaseMode.WRITE, kind=MemoryKind.HOST)
+        c.release(w.id)
+        assert w.sums == () and w.checksums() == {}

@@ -511,6 +511,7 @@ class KvbankL2Adapter(L2AdapterInterface):  # type: ignore[misc,unused-ignore]
         pairs: list[tuple[bytes, memoryview]] = []
         staged: list[tuple[int, bytearray]] = []
         got: list[int] = []
+        name_at: dict[int, bytes] = {}
         for i in idx:
             row = rows[i]
             assert row is not None
@@ -527,25 +528,35 @@ class KvbankL2Adapter(L2AdapterInterface):  # type: ignore[misc,unused-ignore]
                 staged.append((i, buf))
                 pairs.append((row.name, memoryview(buf)))
             got.append(i)
+            name_at[i] = row.name
         if not pairs:
             return []
         try:
-            self._copy_rows(lease, pairs)
+            changed = self._copy_rows(lease, pairs)
         except LeaseExpired:
             logger.warning("kvbank: lease %s ended before its rows were copied: %d misses",
                            lease.id, len(pairs))
             return []
+        if changed:  # a miss, never wrong bytes into LMCache
+            logger.warning("kvbank: %d of %d rows did not match their checksums (changed in the "
+                           "node's memory since commit): misses", len(changed), len(pairs))
+            got = [i for i in got if name_at[i] not in changed]
+            staged = [(i, buf) for i, buf in staged if name_at[i] not in changed]
         for i, buf in staged:
             dst = memoryview(objects[i].byte_array).cast("B")
             dst[:] = memoryview(buf)[: len(dst)]
         return got
 
-    def _copy_rows(self, lease: Lease, pairs: list[tuple[bytes, memoryview]]) -> None:
+    def _copy_rows(self, lease: Lease, pairs: list[tuple[bytes, memoryview]]) -> set[bytes]:
         """Copy a live READ lease's rows into their buffers, then check the lease outlived
-        the copies. One mapping of the node's segments for the adapter (mapped under a
-        lock, then only read); a large batch is cut into ``workers`` parts copied at once
-        (a load of 64 chunks is 150 MB, and one thread's copy is memory-latency bound)."""
-        jobs: list[tuple[np.ndarray, np.ndarray]] = []
+        the copies; the names whose copy does not hash to the checksum the node sent with
+        the lease (``Lease.sums``: bytes changed in the node's memory since commit), which
+        must not be loaded. One mapping of the node's segments for the adapter (mapped
+        under a lock, then only read). A verified batch is hashed as it is copied, on the
+        borrower's two lanes; a lease without sums (a node before them) is copied in up to
+        ``workers`` parts at once (a load of 64 chunks is 150 MB, and one thread's copy is
+        memory-latency bound)."""
+        slots: list[tuple[str, int, int, memoryview]] = []
         with self._map_lock:
             for name, buf in pairs:
                 loc = lease.row(name).location
@@ -555,8 +566,23 @@ class KvbankL2Adapter(L2AdapterInterface):  # type: ignore[misc,unused-ignore]
                 if loc.offset < 0 or loc.offset + loc.size > len(seg) or len(buf) < loc.size:
                     raise InvalidInput(f"lease: row at {loc.offset}+{loc.size} does not fit segment "
                                        f"{loc.segment} ({len(seg)} bytes) or its buffer ({len(buf)})")
-                jobs.append((np.frombuffer(buf, dtype=np.uint8, count=loc.size),
-                             np.frombuffer(seg, dtype=np.uint8, count=loc.size, offset=loc.offset)))
+                slots.append((loc.segment, loc.offset, loc.size, buf))
+        want = lease.checksums()
+        changed: set[bytes] = set()
+        if want:
+            got = self._borrower.copy_slots_summed(slots)
+            changed = {name for (name, _), g in zip(pairs, got, strict=True) if want.get(name, g) != g}
+        else:
+            self._copy_parts(slots)
+        self._borrower.check(lease)  # bytes copied after the lease ended are not used
+        return changed
+
+    def _copy_parts(self, slots: list[tuple[str, int, int, memoryview]]) -> None:
+        jobs: list[tuple[np.ndarray, np.ndarray]] = []
+        for segment, offset, size, buf in slots:
+            seg = self._borrower.segment(segment)  # mapped already: a lookup
+            jobs.append((np.frombuffer(buf, dtype=np.uint8, count=size),
+                         np.frombuffer(seg, dtype=np.uint8, count=size, offset=offset)))
         size = sum(d.nbytes for d, _ in jobs)
         parts = min(self.cfg.workers, len(jobs), max(1, size // PART_MIN_BYTES))
         cut = [jobs[k::parts] for k in range(parts)]
@@ -567,7 +593,6 @@ class KvbankL2Adapter(L2AdapterInterface):  # type: ignore[misc,unused-ignore]
             for f in futures:
                 f.result()
         del jobs, cut  # no array may keep the mapping exported
-        self._borrower.check(lease)  # bytes copied after the lease ended are not used
 
     def _fetch_in(self, keys: list[Any], objects: list[Any], rows: list[_Row | None]) -> list[int]:
         """Off the node's host: each row fetched by its key (the node's data path)."""

@@ -172,6 +172,48 @@ def test_store_lookup_load_roundtrip_byte_exact_and_locked(node: Any) -> None:
         reader.close()
 
 
+def test_a_row_changed_in_the_nodes_memory_is_a_miss_never_wrong_bytes(node: Any) -> None:
+    """A stored object whose bytes changed in the node's host segment after commit (as
+    another process of the node's uid can write them) fails its checksum when LMCache
+    loads it: that key is a miss, and the other keys of the load come back byte exact."""
+    from kvbank import Client, wire
+    from kvbank.client.shm import Borrower
+    from kvbank.lender.base import Lease
+
+    data = _data(4, seed=41)
+    keys = [_key(400 + i) for i in range(4)]
+    writer = _adapter(node.url)
+    try:
+        assert Driver(writer).store(keys, [_obj(t) for t in data])
+    finally:
+        writer.close()
+    reader = _adapter(node.url)
+    try:
+        shape = reader._desc_shape(keys[0], _desc())
+        rows = reader._rows(keys, [shape] * 4)
+        victim = rows[2]
+        assert victim is not None
+        with Client(node.url, channel="http") as c:
+            doc = c._call("POST", "/v1/leases", body={"names": [victim.name.hex()], "mode": "READ"})
+            try:
+                lease = wire.from_dict(Lease, doc)
+            finally:
+                c.release(lease.id)
+            with Borrower(writable=True) as b:
+                b.view(lease, victim.name)[:64] = b"\xee" * 64
+        d = Driver(reader)
+        out = [torch.zeros(SHAPE, dtype=DTYPE) for _ in range(4)]
+        assert d.lookup(keys, _desc()) == [True] * 4
+        assert d.load(keys, [_obj(t) for t in out]) == [True, True, False, True]
+        reader.submit_unlock(keys)
+        for i in (0, 1, 3):
+            assert torch.equal(out[i].view(torch.int16), data[i].view(torch.int16))
+        again = [torch.zeros(SHAPE, dtype=DTYPE) for _ in range(4)]
+        assert d.load(keys, [_obj(t) for t in again]) == [True, True, False, True]  # its own lease
+    finally:
+        reader.close()
+
+
 def test_other_model_group_salt_rank_or_layout_misses(node: Any) -> None:
     """Negative controls: the same chunk hashes under another model, object group, cache
     salt or kv rank, or with another shape or dtype, are misses; and a load into a buffer

@@ -333,7 +333,7 @@ def match_from(cols: Sequence[Column], at: int = 0) -> Match:
 
 
 def result_columns(r: FetchResult) -> list[Column]:
-    """A FetchResult as 10 columns."""
+    """A FetchResult as 11 columns: 6, then its ResumeBound's 5 (docs/wire.md)."""
     return [r.fetch_id, _i64([r.nbytes, int(r.complete)]), _i64([len(d) for d in r.delivered]),
             _i64([i for d in r.delivered for i in d]), _i64([len(d) for d in r.missing]),
             _i64([i for d in r.missing for i in d]), *bound_columns(r.resume)]

@@ -14,9 +14,9 @@
   the engine's pool per run of back-to-back slots and buffer
   (:func:`~kvbank.kernels.strided.scatter_strided`), one call that releases the lease and
   answers what counted (both calls on the local channel where the client has one and the
-  node takes them, LOAD and LOADED, else over HTTP). Elsewhere: the load's match for the caller's shard, trimmed to
-  the pages from ``start_page`` on, fetched into staging buffers (its page path: the data
-  port or the HTTP stream), then scattered into the pool.
+  node takes them, LOAD and LOADED, else over HTTP). Elsewhere: the load's match for the
+  caller's shard, trimmed to the pages from ``start_page`` on, fetched into staging
+  buffers (its page path: the data port or the HTTP stream), then scattered into the pool.
 - :meth:`~EngineCalls.put_from` — on the node's host: one control call plans every
   group's pages and takes one WRITE lease, the pages are gathered from the pool straight
   into the slots (:func:`~kvbank.kernels.strided.gather_strided`), one commit. Elsewhere:

@@ -26,8 +26,8 @@ Access, checked once per connection:
 
 Serving: a thread per connection (at most ``MAX_CONNECTIONS``), each calling the bank
 directly, so eight workers are not queued behind one thread; the bank's calls release
-the GIL in their copies and locks. The leases a connection's fetches, loads and puts opened are
-released when it closes (a worker killed mid-copy leaves none held until its TTL); a lease
+the GIL in their copies and locks. The leases a connection's fetches, loads and puts
+opened are released when it closes (a worker killed mid-copy leaves none held until its TTL); a lease
 taken by ``lend`` is not: its holder may have handed it to another process (``Lease.to_json``
 and a ``Borrower``), so it ends at its release or its TTL, as over HTTP. A frame the node cannot
 read answers a typed error; one it cannot even frame (bad header, over the size limit)

@@ -13,9 +13,10 @@
   plan and a READ lease, from a handle or a match), one copy from the node's segment into
   the engine's pool per run of back-to-back slots and buffer
   (:func:`~kvbank.kernels.strided.scatter_strided`), one call that releases the lease and
-  answers what counted. Elsewhere: the load's match for the caller's shard, trimmed to
-  the pages from ``start_page`` on, fetched into staging buffers (its page path: the data
-  port or the HTTP stream), then scattered into the pool.
+  answers what counted (both calls on the local channel where the client has one and the
+  node takes them, LOAD and LOADED, else over HTTP). Elsewhere: the load's match for the
+  caller's shard, trimmed to the pages from ``start_page`` on, fetched into staging
+  buffers (its page path: the data port or the HTTP stream), then scattered into the pool.
 - :meth:`~EngineCalls.put_from` — on the node's host: one control call plans every
   group's pages and takes one WRITE lease, the pages are gathered from the pool straight
   into the slots (:func:`~kvbank.kernels.strided.gather_strided`), one commit. Elsewhere:
@@ -45,6 +46,7 @@ from kvbank.results import Bound, FetchResult, Match
 
 if TYPE_CHECKING:
     from kvbank.client.client import Client
+    from kvbank.client.local import LocalLink
 
 __all__ = ["BREAKER_S", "MATCH_TIMEOUT_S", "Breaker", "EngineCalls"]
 
@@ -197,8 +199,10 @@ class EngineCalls:
         else:
             raise InvalidInput(f"match: expected a Match or a handle, got {type(match).__name__}")
         if c.same_host:
+            link = c._chan()
             try:
-                return _load_lent(c, body, pool, block_ids, deadline)
+                return _load_lent(c, link if link is not None and link.loads else None, body, pool,
+                                  block_ids, deadline)
             except TierUnavailable:
                 if c._shm.required:
                     raise
@@ -236,9 +240,15 @@ class EngineCalls:
         return _put_staged(c, layout, layout_id, pool, block_ids, keys, first_page, scope, shard, deadline)
 
 
-def _load_lent(c: Client, body: dict[str, Any], pool: PoolViews, block_ids: BlockIds,
+def _load_lent(c: Client, link: LocalLink | None, body: dict[str, Any], pool: PoolViews, block_ids: BlockIds,
                deadline: Deadline | None) -> FetchResult:
-    doc = c._call("POST", "/v1/engine/load", body={**body, "via": "lease"}, deadline=deadline)
+    """The plan and its READ lease, one copy per run of slots straight into ``pool``, the
+    release with what arrived: two calls on the local channel (``link``), else over HTTP."""
+    load = {**body, "via": "lease"}
+    if link is not None:
+        doc = link.load(load, deadline)
+    else:
+        doc = c._call("POST", "/v1/engine/load", body=load, deadline=deadline)
     lease = doc["lease"]
     if lease is None:
         return wire.from_dict(FetchResult, doc["result"])
@@ -280,7 +290,8 @@ def _load_lent(c: Client, body: dict[str, Any], pool: PoolViews, block_ids: Bloc
     except BaseException:
         c.release(lease["id"])
         raise
-    done = c._call("POST", "/v1/engine/loaded", body={"lease_id": lease["id"], "arrived": arrived})
+    ack = {"lease_id": lease["id"], "arrived": arrived}
+    done = link.loaded(ack) if link is not None else c._call("POST", "/v1/engine/loaded", body=ack)
     return wire.from_dict(FetchResult, done)
 
 

@@ -29,6 +29,9 @@ connection of the client.
 - :meth:`put` — one call reserves (WRITE lease) the rows not yet stored, the pages are
   copied into their slots, one call commits those that arrived whole.
 - :meth:`lend` / :meth:`check_live` / :meth:`release` / :meth:`commit`.
+- :meth:`load` / :meth:`loaded` — a paged engine's ``fetch_into`` on the node's host: the
+  plan and READ lease, then its release with what arrived, as the HTTP routes' JSON
+  (where the node's HELLO offers them; an older node's go over HTTP).
 
 A link that cannot connect raises :class:`TierUnavailable` from :meth:`open`; the client
 then logs why and falls back to HTTP.
@@ -37,6 +40,7 @@ then logs why and falls back to HTTP.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import mmap
 import os
@@ -114,7 +118,7 @@ def _alive(sock: socket.socket) -> bool:
 # lease the node ends when the broken connection closes (a lent fetch, a put's reserve). A
 # restarted node answers them as the first call of a fresh client would.
 RETRY = frozenset({fr.Op.MATCH, fr.Op.PRESENCE, fr.Op.CHECK, fr.Op.FETCH_PREFIX, fr.Op.FETCH,
-                   fr.Op.PUT_RESERVE})
+                   fr.Op.PUT_RESERVE, fr.Op.LOAD})
 
 
 class LocalLink:
@@ -133,6 +137,7 @@ class LocalLink:
         self._mm: mmap.mmap | None = None
         self._pid = 0  # the node process whose memory is mapped
         self.oneway = False  # the node takes acknowledgements one-way (and SYNC)
+        self.loads = False  # the node takes LOAD and LOADED (an older one: fetch_into's over HTTP)
         self._borrower: Borrower | None = None
         self._closed = False
 
@@ -169,6 +174,7 @@ class LocalLink:
         # what the node takes beyond the first version (an older node sends no column 1)
         features = int(fr.ints(cols, 1, "hello.features", 1)[0]) if len(cols) > 1 else 0
         self.oneway = bool(features & fr.FEATURE_ONEWAY_ACK)
+        self.loads = bool(features & fr.FEATURE_ENGINE_LOAD)
         try:
             self._adopt(fds[0] if info[0] and fds else None, info[1], bool(info[2]), info[3])
         finally:
@@ -389,6 +395,25 @@ class LocalLink:
 
     def commit(self, lease_id: str, arrived: Sequence[bytes], deadline: Deadline | None = None) -> CommitResult:
         return fr.commit_from(self.call(fr.Op.COMMIT, [lease_id, b"".join(arrived)], deadline))
+
+    def load(self, body: dict[str, Any], deadline: Deadline | None = None) -> dict[str, Any]:
+        """``POST /v1/engine/load`` (``via="lease"``) on the channel: the same JSON body
+        and answer, one frame each way; the lease is this connection's until :meth:`loaded`."""
+        return self._json(fr.Op.LOAD, body, deadline)
+
+    def loaded(self, body: dict[str, Any]) -> dict[str, Any]:
+        """``POST /v1/engine/loaded`` on the channel: the lease released, the FetchResult's JSON."""
+        return self._json(fr.Op.LOADED, body, None)
+
+    def _json(self, op: fr.Op, body: dict[str, Any], deadline: Deadline | None) -> dict[str, Any]:
+        text = fr.take(self.call(op, [json.dumps(body, separators=(",", ":"))], deadline), 0, str, op.name.lower())
+        try:
+            doc = json.loads(text)
+        except ValueError:
+            raise InvalidInput(f"{op.name.lower()}: the node's answer is not JSON", field=op.name.lower()) from None
+        if not isinstance(doc, dict):
+            raise InvalidInput(f"{op.name.lower()}: the node's answer is not a JSON object", field=op.name.lower())
+        return doc
 
     def fetch_prefix(self, prompt: list[fr.Column], max_rows: int | None,
                      out_of: Any) -> tuple[Match, FetchResult | None, OutBuffers]:

@@ -20,7 +20,10 @@ route                                    what it does
 
 A load's plan is remembered by its lease id until ``/loaded`` (bounded: the oldest go
 first; an unacknowledged load's lease ends at its ttl). With tenant tokens, a handle is
-its tenant's (as a fetch id), and a load's match is checked as a fetch's.
+its tenant's (as a fetch id), and a load's match is checked as a fetch's. :class:`Loads`
+holds those plans and is the one implementation of a lent load and its acknowledgement:
+the routes here and the local channel's LOAD and LOADED (:mod:`kvbank.service.local`,
+same JSON bodies) both call it.
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ from kvbank.service.admin.tenants import TenantGuard
 from kvbank.service.node import Node, slots_doc
 from kvbank.wire.forms import from_hex as _hex
 
-__all__ = ["install_engine"]
+__all__ = ["LoadBody", "LoadedBody", "Loads", "install_engine"]
 
 _LOADS = 4096  # load plans remembered until their acknowledgement
 
@@ -93,6 +96,80 @@ class PutGroupsBody(BaseModel):
     pages: dict[int, list[int]] = Field(description="group -> page indices to store")
 
 
+class Loads:
+    """A node's lent loads: ``/v1/engine/load`` (``via="lease"``) and ``/v1/engine/loaded``
+    written once, for the HTTP routes and the local channel's LOAD and LOADED alike (a
+    caller is a request or the channel's stand-in for one: the same tenant checks).
+
+    A load's plan is remembered by its lease id until its acknowledgement (at most
+    ``_LOADS``, the oldest forgotten first: an unacknowledged load's lease ends at its
+    ttl). Each call runs on a bank thread (it calls the bank directly)."""
+
+    def __init__(self, node: Node, guard: TenantGuard) -> None:
+        self.node = node
+        self.guard = guard
+        self._lock = threading.Lock()
+        self._plans: OrderedDict[str, Load] = OrderedDict()
+
+    def target(self, caller: Any, body: LoadBody) -> Match | str:
+        """The handle or Match ``body`` names, the caller's own (as a fetch id, as a fetch's match)."""
+        if (body.handle is None) == (body.match is None):
+            raise InvalidInput("match: give either handle or match, not both or neither")
+        if body.handle is not None:
+            self.guard.fetch(caller, body.handle)
+            self.guard.match(caller, self.node.bank.held(body.handle))
+            return body.handle
+        return self.guard.match(caller, wire.from_dict(Match, body.match))
+
+    def lend(self, caller: Any, body: LoadBody) -> dict[str, Any]:
+        """The plan of a load and a READ lease on its rows, in slots form (none where it
+        needs no rows: its ``result`` instead)."""
+        bank = self.node.bank
+        target = self.target(caller, body)
+        self.node.check_named()  # the engine reads the lent rows in place, mapping the segment by its name
+        plan, lease = bank.lend_load(target, shard=body.shard, start_page=body.start_page)
+        layout = bank.layout(plan.match.layout_id)
+        doc: dict[str, Any] = {"layout_id": plan.match.layout_id.hex(), "start_page": plan.start_page,
+                               "lease": None,
+                               "rows": [[g, j, layout.group_page_bytes[g]] for g, j, _ in plan.rows]}
+        if lease is None:
+            doc["result"] = wire.to_dict(load_result(layout, plan.match, plan.start_page, "", (), 0))
+            return doc
+        self.guard.own_lease(caller, lease)
+        doc["lease"] = slots_doc(lease, [n for _, _, n in plan.rows], Delivery.READY, bank.clock())
+        with self._lock:
+            self._plans[lease.id] = plan
+            while len(self._plans) > _LOADS:
+                self._plans.popitem(last=False)
+        return doc
+
+    def loaded(self, caller: Any, body: LoadedBody) -> dict[str, Any]:
+        """The load's lease released and its FetchResult (wire form): the rows that
+        arrived whole, still unchanged, under a lease still live."""
+        node, bank = self.node, self.node.bank
+        self.guard.lease(caller, body.lease_id)
+        with self._lock:
+            plan = self._plans.pop(body.lease_id, None)
+        if plan is None:
+            raise InvalidInput(f"lease_id: {body.lease_id} is not an open load")
+        layout = bank.layout(plan.match.layout_id)
+        planned = {(g, j) for g, j, _ in plan.rows}
+        arrived = {(g, j) for g, j in body.arrived if (g, j) in planned}
+        try:
+            # The engine read the rows in place, straight into its pool: verified here,
+            # after its reads, so that bytes changed in the segment since commit are a miss.
+            names = {(g, j): n for g, j, n in plan.rows}
+            kept = set(node.unchanged(body.lease_id, [names[a] for a in arrived]))
+            arrived = {a for a in arrived if names[a] in kept}
+            live = bank.release(body.lease_id)
+        except LeaseError:
+            live = False
+        if not live:  # the lease ended before the copies did: nothing read under it counts
+            arrived = set()
+        nbytes = sum(layout.group_page_bytes[g] for g, _ in arrived)
+        return wire.to_dict(load_result(layout, plan.match, plan.start_page, body.lease_id, arrived, nbytes))
+
+
 def install_engine(app: FastAPI, node: Node, admin: Any, json: Any) -> None:
     """Add the ``/v1/engine/`` routes to ``app`` (``admin``: the admin install's guard and
     drain state); ``json`` builds a JSON response."""
@@ -101,8 +178,7 @@ def install_engine(app: FastAPI, node: Node, admin: Any, json: Any) -> None:
     # a scheduler's matches see what the node's own match sees: rows the remote tier still
     # holds are recalled, rows a fleet peer holds are sent for
     bank.match_with(lambda layout_id, **args: node.match(layout_id, dict(args, tokens=None)))
-    lock = threading.Lock()
-    loads: OrderedDict[str, Load] = OrderedDict()
+    loads = node.loads = Loads(node, guard)
 
     @app.post("/v1/engine/match")
     async def match_many(body: MatchManyBody, request: Request) -> Response:
@@ -126,61 +202,17 @@ def install_engine(app: FastAPI, node: Node, admin: Any, json: Any) -> None:
 
     @app.post("/v1/engine/load")
     async def load(body: LoadBody, request: Request) -> Response:
-        if (body.handle is None) == (body.match is None):
-            raise InvalidInput("match: give either handle or match, not both or neither")
-        target: Match | str
-        if body.handle is not None:
-            guard.fetch(request, body.handle)
-            guard.match(request, await node.call(bank.held, body.handle))
-            target = body.handle
-        else:
-            target = guard.match(request, wire.from_dict(Match, body.match))
         if body.via == "match":
+            target = await node.call(loads.target, request, body)
             m, start = await node.call(bank.load_match, target, shard=body.shard, start_page=body.start_page)
             response: Response = json({"match": wire.to_dict(m), "start_page": start})
             return response
-        node.check_named()  # the engine reads the lent rows in place, mapping the segment by its name
-        plan, lease = await node.call(bank.lend_load, target, shard=body.shard, start_page=body.start_page)
-        layout = bank.layout(plan.match.layout_id)
-        doc: dict[str, Any] = {"layout_id": plan.match.layout_id.hex(), "start_page": plan.start_page,
-                               "lease": None,
-                               "rows": [[g, j, layout.group_page_bytes[g]] for g, j, _ in plan.rows]}
-        if lease is None:
-            doc["result"] = wire.to_dict(load_result(layout, plan.match, plan.start_page, "", (), 0))
-        else:
-            guard.own_lease(request, lease)
-            doc["lease"] = slots_doc(lease, [n for _, _, n in plan.rows], Delivery.READY, bank.clock())
-            with lock:
-                loads[lease.id] = plan
-                while len(loads) > _LOADS:
-                    loads.popitem(last=False)
-        response = json(doc)
+        response = json(await node.call(loads.lend, request, body))
         return response
 
     @app.post("/v1/engine/loaded")
     async def loaded(body: LoadedBody, request: Request) -> Response:
-        guard.lease(request, body.lease_id)
-        with lock:
-            plan = loads.pop(body.lease_id, None)
-        if plan is None:
-            raise InvalidInput(f"lease_id: {body.lease_id} is not an open load")
-        layout = bank.layout(plan.match.layout_id)
-        planned = {(g, j) for g, j, _ in plan.rows}
-        arrived = {(g, j) for g, j in body.arrived if (g, j) in planned}
-        try:
-            # The engine read the rows in place, straight into its pool: verified here,
-            # after its reads, so that bytes changed in the segment since commit are a miss.
-            names = {(g, j): n for g, j, n in plan.rows}
-            kept = set(await node.call(node.unchanged, body.lease_id, [names[a] for a in arrived]))
-            arrived = {a for a in arrived if names[a] in kept}
-            live = await node.call(bank.release, body.lease_id)
-        except LeaseError:
-            live = False
-        if not live:  # the lease ended before the copies did: nothing read under it counts
-            arrived = set()
-        nbytes = sum(layout.group_page_bytes[g] for g, _ in arrived)
-        result = load_result(layout, plan.match, plan.start_page, body.lease_id, arrived, nbytes)
-        response: Response = json(wire.to_dict(result))
+        response: Response = json(await node.call(loads.loaded, request, body))
         return response
 
     @app.post("/v1/engine/put")

@@ -3,7 +3,8 @@
 A worker asks its node on every scheduling step; over HTTP each of those calls paid JSON,
 HTTP framing and a hop to the event loop and back. This socket carries the per-request
 calls (match by tokens or engine keys, fetch_prefix and its acknowledgement, lend /
-check / release, a put's reserve and commit, presence) as binary frames of numpy columns
+check / release, a put's reserve and commit, presence, a paged engine's load and its
+acknowledgement) as binary frames of numpy columns
 (:mod:`kvbank.wire.local`), and hands the host tier's memory to the worker as a file
 descriptor (``SCM_RIGHTS``), never as a name it could open itself.
 
@@ -25,8 +26,8 @@ Access, checked once per connection:
 
 Serving: a thread per connection (at most ``MAX_CONNECTIONS``), each calling the bank
 directly, so eight workers are not queued behind one thread; the bank's calls release
-the GIL in their copies and locks. The leases a connection's fetches and puts opened are
-released when it closes (a worker killed mid-copy leaves none held until its TTL); a lease
+the GIL in their copies and locks. The leases a connection's fetches, loads and puts
+opened are released when it closes (a worker killed mid-copy leaves none held until its TTL); a lease
 taken by ``lend`` is not: its holder may have handed it to another process (``Lease.to_json``
 and a ``Borrower``), so it ends at its release or its TTL, as over HTTP. A frame the node cannot
 read answers a typed error; one it cannot even frame (bad header, over the size limit)
@@ -45,6 +46,7 @@ that connection (SYNC, which does nothing else, included) is answered after it.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import socket
@@ -54,18 +56,21 @@ import tempfile
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
+from pydantic import BaseModel, ValidationError
 
 from kvbank import wire
 from kvbank.errors import Forbidden, InvalidInput, KvbankError, TierUnavailable
 from kvbank.keys import Scope as KeyScope
 from kvbank.lender.base import Delivery, HostLocation, Lease, LeaseMode, MemoryKind
+from kvbank.service.engine_routes import LoadBody, LoadedBody
 from kvbank.wire import local as fr
 from kvbank.wire.framing import PREFIX, PUT_MAGIC, decode_prefix, decode_put_header
 
 if TYPE_CHECKING:
+    from kvbank.service.engine_routes import Loads
     from kvbank.service.node import Node, OpenFetch
 
 logger = logging.getLogger(__name__)
@@ -74,6 +79,7 @@ SOCKET_NAME = "node.sock"
 MAX_CONNECTIONS = 256
 _UCRED = struct.Struct("3i")  # pid, uid, gid
 _SUN_PATH_MAX = 107
+_M = TypeVar("_M", bound=BaseModel)
 
 
 class _Caller:
@@ -100,6 +106,18 @@ def _op_name(op: int) -> str:
         return fr.Op(op).name
     except ValueError:
         return f"op {op}"
+
+
+def _json_body(model: type[_M], text: str) -> _M:
+    """A JSON request body read as the HTTP route reads it (a field that does not fit is
+    :class:`InvalidInput` naming it, as the route's 422)."""
+    try:
+        return model.model_validate_json(text)
+    except ValidationError as exc:
+        errs = exc.errors()
+        loc = ".".join(str(p) for p in errs[0]["loc"]) if errs else ""
+        msg = errs[0]["msg"] if errs else "invalid body"
+        raise InvalidInput(f"{loc or 'body'}: {msg}", field=loc or "body") from None
 
 
 def peer_uid(conn: socket.socket) -> int:
@@ -153,7 +171,7 @@ class LocalChannel:
             fr.Op.MATCH: self._match, fr.Op.FETCH_PREFIX: self._fetch_prefix, fr.Op.ACK: self._ack,
             fr.Op.LEND: self._lend, fr.Op.CHECK: self._check, fr.Op.RELEASE: self._release,
             fr.Op.PUT_RESERVE: self._put_reserve, fr.Op.COMMIT: self._commit, fr.Op.PRESENCE: self._presence,
-            fr.Op.FETCH: self._fetch, fr.Op.SYNC: self._sync,
+            fr.Op.FETCH: self._fetch, fr.Op.SYNC: self._sync, fr.Op.LOAD: self._load, fr.Op.LOADED: self._loaded,
         }
 
     # ---- lifecycle ---------------------------------------------------------------------
@@ -343,8 +361,9 @@ class LocalChannel:
         resident = int(seg is not None and self.node.bank.reservation is not None)
         # column 1: what this node takes beyond the first version's calls (an older client
         # reads column 0 alone)
+        features = fr.FEATURE_ONEWAY_ACK | (fr.FEATURE_ENGINE_LOAD if self.node.loads is not None else 0)
         return [np.array([int(fd is not None), size, resident, os.getpid()], dtype="<i8"),
-                np.array([fr.FEATURE_ONEWAY_ACK], dtype="<i8")], ([] if fd is None else [fd])
+                np.array([features], dtype="<i8")], ([] if fd is None else [fd])
 
     def _sync(self, c: _Conn, cols: list[fr.Column]) -> list[fr.Column]:
         """Nothing: answered after every earlier frame of ``c`` was applied (the frames of
@@ -467,6 +486,33 @@ class LocalChannel:
         if metrics is not None and lease_id is not None:
             metrics.add_moved("out", "shm", result.nbytes)
         return fr.result_columns(result)
+
+    def _loads(self) -> Loads:
+        loads = self.node.loads
+        if loads is None:  # a node without the engine routes (its HELLO did not offer LOAD)
+            raise InvalidInput("op: this node serves no engine loads", field="op")
+        return loads
+
+    def _load(self, c: _Conn, cols: list[fr.Column]) -> list[fr.Column]:
+        """``POST /v1/engine/load`` with ``via="lease"``, its body and answer the same JSON
+        (:class:`~kvbank.service.engine_routes.Loads`: one implementation, the same tenant
+        checks). The load's lease is the connection's until LOADED: a worker gone before
+        it leaves none held until its ttl."""
+        body = _json_body(LoadBody, fr.take(cols, 0, str, "load"))
+        if body.via != "lease":
+            raise InvalidInput("via: LOAD lends the rows (\"lease\"); a match goes over HTTP", field="via")
+        doc = self._loads().lend(c.caller, body)
+        lease = doc["lease"]
+        if lease is not None:
+            c.leases.add(lease["id"])
+        return [json.dumps(doc, separators=(",", ":"))]
+
+    def _loaded(self, c: _Conn, cols: list[fr.Column]) -> list[fr.Column]:
+        """``POST /v1/engine/loaded``: the load's lease released, its FetchResult (JSON)."""
+        body = _json_body(LoadedBody, fr.take(cols, 0, str, "loaded"))
+        doc = self._loads().loaded(c.caller, body)
+        c.leases.discard(body.lease_id)
+        return [json.dumps(doc, separators=(",", ":"))]
 
     def _lend(self, c: _Conn, cols: list[fr.Column]) -> list[fr.Column]:
         names = list(fr.names_of(fr.take(cols, 0, bytes, "names"), "names"))

@@ -64,6 +64,7 @@ from kvbank.tiers.host import SHM_DIR
 from kvbank.wire.framing import StreamRow
 
 if TYPE_CHECKING:  # the fleet (and the fleet extra's redis) loads only in a node in a fleet
+    from kvbank.service.engine_routes import Loads
     from kvbank.service.fleet.fleet import Fleet
 
 T = TypeVar("T")
@@ -198,6 +199,9 @@ class Node:
         self.dataplane: DataPlane | None = None  # set by the server when it serves a data port
         # the local channel's socket (kvbank.service.local), set by the server once it listens
         self.channel_path: str | None = None
+        # a paged engine's lent loads (kvbank.service.engine_routes), set where its routes are
+        # installed: the HTTP routes and the local channel share their plans
+        self.loads: Loads | None = None
         # The host tier's segment, from an ALL lease (which describes the pools, locks
         # nothing): a same-host client checks it can map it before taking that path.
         pools: tuple[object, ...] = ()

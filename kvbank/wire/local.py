@@ -80,12 +80,16 @@ class Op(enum.IntEnum):
     PRESENCE = 10  # a prompt, shards -> a Presence
     FETCH = 11  # a Match -> a fetch id, its rows, their READ lease's slots and checksums
     SYNC = 12  # nothing -> nothing, answered once every earlier frame of the connection was applied
+    LOAD = 13  # a /v1/engine/load body (JSON text) -> its answer (JSON text): a load's plan, its READ lease
+    LOADED = 14  # a /v1/engine/loaded body (JSON text) -> its answer (JSON text): the FetchResult
 
 
 ONEWAY_OPS = frozenset({Op.ACK})  # the ops a ONEWAY frame may carry
 # what a node's HELLO answer says it takes (its second column, a bit mask; an older node
-# sends none): FEATURE_ONEWAY_ACK, acknowledgements as ONEWAY frames and SYNC
+# sends none): FEATURE_ONEWAY_ACK, acknowledgements as ONEWAY frames and SYNC;
+# FEATURE_ENGINE_LOAD, LOAD and LOADED (a paged engine's fetch_into)
 FEATURE_ONEWAY_ACK = 1
+FEATURE_ENGINE_LOAD = 2
 
 
 # dtype codes: 0 raw bytes, 1 text, then numpy arrays
@@ -389,6 +393,7 @@ def presence_from(cols: Sequence[Column]) -> Presence:
 
 
 __all__ = [
+    "FEATURE_ENGINE_LOAD",
     "FEATURE_ONEWAY_ACK",
     "HEADER",
     "MAX_FRAME_BYTES",

@@ -9,6 +9,7 @@ shard's bytes; a pin holds rows until released; the breaker answers a dead node 
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -287,6 +288,90 @@ def test_on_the_nodes_host_a_load_and_a_put_are_two_control_calls_each(node: Nod
         del calls[:]
         got = c.fetch_into(b.handle, pool=pool_of(cache([0, 1], 0)), block_ids={0: [0, 1, 2, 3], 1: [4, 5, 6, 7]})
         assert got.complete and calls == ["/v1/engine/load", "/v1/engine/loaded"], calls
+
+
+def test_on_the_nodes_host_a_load_goes_over_the_local_channel(node: NodeProcess) -> None:
+    """With a local channel, fetch_into's plan and release are its LOAD and LOADED: no
+    HTTP call, and the same result and bytes as the HTTP routes answer; a node whose
+    HELLO does not offer them is asked over HTTP."""
+    with Client(node.url, channel="local") as c, Client(node.url, same_host=True, channel="http") as h:
+        lid = c.register(LAYOUT)
+        keys = fresh_keys(5)
+        src = cache(list(range(L)), 15)
+        c.put_from(lid, pool=pool_of(src), block_ids={0: [2, 4, 6, 8, 10]}, keys=keys)
+        link = c._chan()
+        assert link is not None and link.loads
+        (b,) = c.match_many(lid, [keys], prompt_tokens=[5 * P + 1], have_pages=[1], hold=True)
+        assert b.handle is not None
+        h.layout(lid)  # known to both clients before the calls are counted
+        got = {}
+        dst = {}
+        for name, client in (("local", c), ("http", h)):
+            dst[name] = {i: torch.zeros(BLOCKS, H, 2 * P, D) for i in range(L)}
+            calls = counting(client)
+            got[name] = client.fetch_into(b.handle, pool=pool_of(dst[name]), block_ids={0: [None, 1, 3, None, 7]})
+            assert calls == ([] if name == "local" else ["/v1/engine/load", "/v1/engine/loaded"]), (name, calls)
+        for r in got.values():
+            assert not r.complete and r.delivered == ((1, 2, 4),) and r.missing == ((3,),)
+            assert r.nbytes == 3 * PAGE and r.resume.tokens == 3 * P
+        assert got["local"].resume == got["http"].resume
+        for i in range(L):
+            assert torch.equal(dst["local"][i], dst["http"][i])
+            assert torch.equal(dst["local"][i][1], src[i][4]) and torch.equal(dst["local"][i][3], src[i][6])
+            assert torch.equal(dst["local"][i][7], src[i][10])
+        assert not {lease.id for lease in c.leases()} & {r.fetch_id for r in got.values()}  # released
+        link.loads = False  # as after the HELLO of a node without LOAD: over HTTP
+        calls = counting(c)
+        again = c.fetch_into(b.handle, pool=pool_of(dst["local"]), block_ids={0: [None, 1, 3, None, 7]})
+        assert calls == ["/v1/engine/load", "/v1/engine/loaded"] and again.delivered == ((1, 2, 4),)
+        c.release_match(b.handle)
+
+
+@pytest.mark.parametrize("channel", ["local", "http"])
+def test_a_stale_load_acknowledgement_is_refused_alike(node: NodeProcess, channel: str) -> None:
+    """LOADED of a lease that is no open load (acknowledged already, or never lent) is
+    InvalidInput on the channel as on HTTP; a load's lease dropped with its connection."""
+    with Client(node.url, same_host=True, channel=channel) as c:
+        lid = c.register(LAYOUT)
+        keys = fresh_keys(2)
+        c.put_from(lid, pool=pool_of(cache(list(range(L)), 16)), block_ids={0: [0, 1]}, keys=keys)
+        m = c.match(lid, keys=keys, prompt_tokens=2 * P + 1)
+        link = c._chan()
+
+        def load(body: dict[str, Any]) -> dict[str, Any]:
+            if link is not None:
+                return link.load(body)
+            doc: dict[str, Any] = c._call("POST", "/v1/engine/load", body=body)
+            return doc
+
+        def loaded(body: dict[str, Any]) -> dict[str, Any]:
+            if link is not None:
+                return link.loaded(body)
+            doc: dict[str, Any] = c._call("POST", "/v1/engine/loaded", body=body)
+            return doc
+
+        assert (link is not None) == (channel == "local")
+        doc = load({"match": c._match_doc(m), "via": "lease"})
+        lease_id = doc["lease"]["id"]
+        done = loaded({"lease_id": lease_id, "arrived": [[0, 0], [0, 1]]})
+        assert done["nbytes"] == 2 * PAGE
+        for stale in (lease_id, "no-such-lease"):
+            with pytest.raises(InvalidInput, match="not an open load"):
+                loaded({"lease_id": stale, "arrived": []})
+        with pytest.raises(InvalidInput):
+            load({"via": "lease"})  # neither a handle nor a match
+    if channel == "local":  # a load never acknowledged: its lease ends with its connection
+        with Client(node.url, channel="http") as h:
+            with Client(node.url, channel="local") as c:
+                link = c._chan()
+                assert link is not None
+                lease_id = link.load({"match": c._match_doc(m), "via": "lease"})["lease"]["id"]
+                assert lease_id in {x.id for x in h.leases()}
+            for _ in range(200):  # its connection's close releases it
+                if lease_id not in {x.id for x in h.leases()}:
+                    break
+                time.sleep(0.05)
+            assert lease_id not in {x.id for x in h.leases()}
 
 
 def test_a_page_without_a_block_is_not_moved_and_counts_missing(api: Any) -> None:

@@ -18,7 +18,7 @@ import torch
 from kvbank import LeaseMode, Scope, full_attention
 from kvbank.client.client import Client
 from kvbank.client.io import put_head
-from kvbank.errors import Forbidden, InvalidInput, Unauthorized
+from kvbank.errors import Forbidden, InvalidInput, TierUnavailable, Unauthorized
 from kvbank.keys import namespace
 from kvbank.service.launch import NodeProcess
 from kvbank.wire.framing import PutKind
@@ -241,6 +241,20 @@ def test_tenant_b_never_redeems_tenant_a_s_handle_or_rows(node: NodeProcess) -> 
                          block_ids={0: [3, 4, 5]})
         with pytest.raises(Forbidden):
             b.release_match(ha.handle)
+        # the local channel's LOAD and LOADED check as their HTTP routes do: b never redeems
+        # a's handle nor acknowledges a lease not its own, and a's own lent load is refused
+        # on a tenant node (its segment has no name to map)
+        link_a, link_b = a._chan(), b._chan()
+        assert link_a is not None and link_b is not None and link_a.loads
+        for load in (link_b.load, lambda body: b._call("POST", "/v1/engine/load", body=body)):
+            with pytest.raises(Forbidden):
+                load({"handle": ha.handle, "via": "lease"})
+        for load in (link_a.load, lambda body: a._call("POST", "/v1/engine/load", body=body)):
+            with pytest.raises(TierUnavailable):
+                load({"handle": ha.handle, "via": "lease"})
+        for loaded in (link_b.loaded, lambda body: b._call("POST", "/v1/engine/loaded", body=body)):
+            with pytest.raises(Forbidden):
+                loaded({"lease_id": "no-such-lease", "arrived": []})
         assert a.fetch_into(ha.handle, pool=pool, block_ids={0: [3, 4, 5]}).complete
         assert a.release_match(ha.handle)
 

@@ -56,16 +56,16 @@ import tempfile
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from pydantic import BaseModel, ValidationError
 
 from kvbank import wire
 from kvbank.errors import Forbidden, InvalidInput, KvbankError, TierUnavailable
 from kvbank.keys import Scope as KeyScope
 from kvbank.lender.base import Delivery, HostLocation, Lease, LeaseMode, MemoryKind
 from kvbank.service.engine_routes import LoadBody, LoadedBody
+from kvbank.service.fast_routes import validate_body
 from kvbank.wire import local as fr
 from kvbank.wire.framing import PREFIX, PUT_MAGIC, decode_prefix, decode_put_header
 
@@ -79,7 +79,6 @@ SOCKET_NAME = "node.sock"
 MAX_CONNECTIONS = 256
 _UCRED = struct.Struct("3i")  # pid, uid, gid
 _SUN_PATH_MAX = 107
-_M = TypeVar("_M", bound=BaseModel)
 
 
 class _Caller:
@@ -106,18 +105,6 @@ def _op_name(op: int) -> str:
         return fr.Op(op).name
     except ValueError:
         return f"op {op}"
-
-
-def _json_body(model: type[_M], text: str) -> _M:
-    """A JSON request body read as the HTTP route reads it (a field that does not fit is
-    :class:`InvalidInput` naming it, as the route's 422)."""
-    try:
-        return model.model_validate_json(text)
-    except ValidationError as exc:
-        errs = exc.errors()
-        loc = ".".join(str(p) for p in errs[0]["loc"]) if errs else ""
-        msg = errs[0]["msg"] if errs else "invalid body"
-        raise InvalidInput(f"{loc or 'body'}: {msg}", field=loc or "body") from None
 
 
 def peer_uid(conn: socket.socket) -> int:
@@ -498,7 +485,7 @@ class LocalChannel:
         (:class:`~kvbank.service.engine_routes.Loads`: one implementation, the same tenant
         checks). The load's lease is the connection's until LOADED: a worker gone before
         it leaves none held until its ttl."""
-        body = _json_body(LoadBody, fr.take(cols, 0, str, "load"))
+        body = validate_body(LoadBody, fr.take(cols, 0, str, "load"))
         if body.via != "lease":
             raise InvalidInput("via: LOAD lends the rows (\"lease\"); a match goes over HTTP", field="via")
         doc = self._loads().lend(c.caller, body)
@@ -509,7 +496,7 @@ class LocalChannel:
 
     def _loaded(self, c: _Conn, cols: list[fr.Column]) -> list[fr.Column]:
         """``POST /v1/engine/loaded``: the load's lease released, its FetchResult (JSON)."""
-        body = _json_body(LoadedBody, fr.take(cols, 0, str, "loaded"))
+        body = validate_body(LoadedBody, fr.take(cols, 0, str, "loaded"))
         doc = self._loads().loaded(c.caller, body)
         c.leases.discard(body.lease_id)
         return [json.dumps(doc, separators=(",", ":"))]

@@ -64,7 +64,6 @@ from lmcache.v1.platform import create_event_notifier
 
 from kvbank import Client, PageLayout, Scope
 from kvbank.client.shm import Borrower
-from kvbank.codec.planes import copy_bytes
 from kvbank.errors import InvalidInput, KvbankError, LeaseExpired, TierUnavailable
 from kvbank.integrations.guard import Guard, registered, safe
 from kvbank.integrations.lmcache.layout import ObjectShape, object_layout, scope_of
@@ -87,7 +86,6 @@ DEFAULT_TIMEOUT_S = 30.0
 DEFAULT_LOCK_TTL_S = 300.0  # LMCache's own L1 read lock; the node's max_lease_ttl_s is 600
 DEFAULT_WORKERS = 4
 UNLOCK_TRIES = 5  # a release the node cannot take now: then the lease's TTL ends it
-PART_MIN_BYTES = 8 << 20  # a load copies in parts of at least this (see _copy_rows)
 PRUNE_S = 60.0  # how often the lock table drops locks whose lease has ended
 
 
@@ -166,7 +164,6 @@ class KvbankL2Adapter(L2AdapterInterface):  # type: ignore[misc,unused-ignore]
         self._known: set[tuple[int, bytes, bytes]] = set()  # (client, layout id, scope digest)
         self._borrower = Borrower()  # the node's segments, mapped once (see _copy_rows)
         self._map_lock = threading.Lock()
-        self._copies = ThreadPoolExecutor(max(cfg.workers - 1, 1), thread_name_prefix="kvbank-lmcache-copy")
         self._pool = ThreadPoolExecutor(cfg.workers, thread_name_prefix="kvbank-lmcache")
         self._closed = False
 
@@ -235,7 +232,6 @@ class KvbankL2Adapter(L2AdapterInterface):  # type: ignore[misc,unused-ignore]
             self._release(list(leases.values()), tries=1)
         for c in self._clients:
             safe("close", c.close, None)
-        self._copies.shutdown(wait=True)
         with self._map_lock:
             self._borrower.close()
         for efd in (self._store_efd, self._lookup_efd, self._load_efd):
@@ -552,10 +548,9 @@ class KvbankL2Adapter(L2AdapterInterface):  # type: ignore[misc,unused-ignore]
         the copies; the names whose copy does not hash to the checksum the node sent with
         the lease (``Lease.sums``: bytes changed in the node's memory since commit), which
         must not be loaded. One mapping of the node's segments for the adapter (mapped
-        under a lock, then only read). A verified batch is hashed as it is copied, on the
-        borrower's two lanes; a lease without sums (a node before them) is copied in up to
-        ``workers`` parts at once (a load of 64 chunks is 150 MB, and one thread's copy is
-        memory-latency bound)."""
+        under a lock, then only read). The borrower copies on its two lanes: a verified
+        batch hashed as it is copied, a lease without sums (a node before them) copied
+        only."""
         slots: list[tuple[str, int, int, memoryview]] = []
         with self._map_lock:
             for name, buf in pairs:
@@ -573,26 +568,9 @@ class KvbankL2Adapter(L2AdapterInterface):  # type: ignore[misc,unused-ignore]
             got = self._borrower.copy_slots_summed(slots)
             changed = {name for (name, _), g in zip(pairs, got, strict=True) if want.get(name, g) != g}
         else:
-            self._copy_parts(slots)
+            self._borrower.copy_slots(slots, into_slots=False)
         self._borrower.check(lease)  # bytes copied after the lease ended are not used
         return changed
-
-    def _copy_parts(self, slots: list[tuple[str, int, int, memoryview]]) -> None:
-        jobs: list[tuple[np.ndarray, np.ndarray]] = []
-        for segment, offset, size, buf in slots:
-            seg = self._borrower.segment(segment)  # mapped already: a lookup
-            jobs.append((np.frombuffer(buf, dtype=np.uint8, count=size),
-                         np.frombuffer(seg, dtype=np.uint8, count=size, offset=offset)))
-        size = sum(d.nbytes for d, _ in jobs)
-        parts = min(self.cfg.workers, len(jobs), max(1, size // PART_MIN_BYTES))
-        cut = [jobs[k::parts] for k in range(parts)]
-        futures = [self._copies.submit(_copy_all, part) for part in cut[1:]]
-        try:
-            _copy_all(cut[0])
-        finally:
-            for f in futures:
-                f.result()
-        del jobs, cut  # no array may keep the mapping exported
 
     def _fetch_in(self, keys: list[Any], objects: list[Any], rows: list[_Row | None]) -> list[int]:
         """Off the node's host: each row fetched by its key (the node's data path)."""
@@ -611,11 +589,6 @@ class KvbankL2Adapter(L2AdapterInterface):  # type: ignore[misc,unused-ignore]
             dst[:] = memoryview(out[0])[: len(dst)]
             done.append(i)
         return done
-
-
-def _copy_all(jobs: list[tuple[np.ndarray, np.ndarray]]) -> None:
-    for dst, src in jobs:
-        copy_bytes(dst, src)  # frees the GIL
 
 
 def _page(obj: Any, size: int) -> memoryview:

@@ -36,11 +36,12 @@ import torch
 
 from kvbank import wire
 from kvbank.client.io import Deadline, deadline_of, scope_doc
+from kvbank.codec.frame import checksum
 from kvbank.errors import Busy, InvalidInput, TierFull, TierUnavailable
 from kvbank.kernels.strided import PoolViews, check_pool, gather_strided, scatter_strided
 from kvbank.keys import DEFAULT_SCOPE, Scope
 from kvbank.layout import PageLayout
-from kvbank.lender.loads import load_result, load_rows
+from kvbank.lender.loads import load_result, load_rows, match_shard
 from kvbank.lender.resume import picked
 from kvbank.results import Bound, FetchResult, Match
 
@@ -200,9 +201,10 @@ class EngineCalls:
             raise InvalidInput(f"match: expected a Match or a handle, got {type(match).__name__}")
         if c.same_host:
             link = c._chan()
+            own = match if isinstance(match, Match) and _same_shard(match, shard) else None
             try:
                 return _load_lent(c, link if link is not None and link.loads else None, body, pool,
-                                  block_ids, deadline)
+                                  block_ids, deadline, own)
             except TierUnavailable:
                 if c._shm.required:
                     raise
@@ -240,11 +242,23 @@ class EngineCalls:
         return _put_staged(c, layout, layout_id, pool, block_ids, keys, first_page, scope, shard, deadline)
 
 
+def _same_shard(m: Match, shard: int | None) -> bool:
+    """Whether a load of ``m`` for ``shard`` is planned from ``m`` itself (the node
+    translates a match of another shard's rows to the caller's)."""
+    own = match_shard(m)
+    return shard is None or own is None or own[1] == shard
+
+
 def _load_lent(c: Client, link: LocalLink | None, body: dict[str, Any], pool: PoolViews, block_ids: BlockIds,
-               deadline: Deadline | None) -> FetchResult:
+               deadline: Deadline | None, own: Match | None = None) -> FetchResult:
     """The plan and its READ lease, one copy per run of slots straight into ``pool``, the
-    release with what arrived: two calls on the local channel (``link``), else over HTTP."""
+    release with what arrived: two calls on the local channel (``link``), else over HTTP.
+    ``own``: the match the node plans the load from, where the caller knows it; with it,
+    on a channel whose node takes LOADED one-way, the release is one-way and the result
+    built here as the node builds it (if the lease's deadline had not passed by the end
+    of the copies: else the node answers what counted)."""
     load = {**body, "via": "lease"}
+    sent = time.monotonic()
     if link is not None:
         doc = link.load(load, deadline)
     else:
@@ -253,6 +267,7 @@ def _load_lent(c: Client, link: LocalLink | None, body: dict[str, Any], pool: Po
     if lease is None:
         return wire.from_dict(FetchResult, doc["result"])
     arrived: list[list[int]] = []
+    changed: list[list[int]] = []
     try:
         layout = c.layout(bytes.fromhex(doc["layout_id"]))
         rows = doc["rows"]
@@ -269,6 +284,7 @@ def _load_lent(c: Client, link: LocalLink | None, body: dict[str, Any], pool: Po
         segments = lease["segments"]
         entries = [(int(i), rows[i][0], str(segments[seg]), int(off), int(size))
                    for i, seg, off, size in lease["slots"] if _block(block_ids, rows[i][0], rows[i][1]) is not None]
+        want = _sums_of(lease)
         borrower = c._shm.borrower(writable=True)
         whole: dict[str, torch.Tensor] = {}
         try:
@@ -283,16 +299,52 @@ def _load_lent(c: Client, link: LocalLink | None, body: dict[str, Any], pool: Po
                 if off + size * len(idx) > t.numel():
                     raise TierUnavailable(f"node: a slot at {off} is beyond segment {seg}")
                 src = t[off : off + size * len(idx)].view(len(idx), size)
-                scatter_strided(layout, g, src, pool, [int(block_ids[g][rows[i][1]]) for i in idx])
-                arrived.extend([g, rows[i][1]] for i in idx)
+                if want is None:
+                    scatter_strided(layout, g, src, pool, [int(block_ids[g][rows[i][1]]) for i in idx])
+                    arrived.extend([g, rows[i][1]] for i in idx)
+                    continue
+                # each row read in place is hashed right after its part of the scatter, on the
+                # lane that copied it, while still in cache: a row whose bytes changed since
+                # commit is a miss (the pool's copy is the engine's to overwrite; it never
+                # counts as loaded), and the node reads only those again
+                got = [0] * len(idx)
+
+                def hashed(first: int, end: int, src: torch.Tensor = src, got: list[int] = got) -> None:
+                    for k in range(first, end):
+                        got[k] = checksum(src[k].numpy().data)
+
+                scatter_strided(layout, g, src, pool, [int(block_ids[g][rows[i][1]]) for i in idx], then=hashed)
+                for i, h in zip(idx, got, strict=True):
+                    w = want.get(i)
+                    (changed if w is not None and w != h else arrived).append([g, rows[i][1]])
         finally:
             whole.clear()  # no tensor may keep the mapping exported
     except BaseException:
         c.release(lease["id"])
         raise
-    ack = {"lease_id": lease["id"], "arrived": arrived}
+    ack: dict[str, Any] = {"lease_id": lease["id"], "arrived": arrived}
+    if want is not None:
+        ack["changed"] = changed  # every arrived row was checked: the node need not read them again
+    if link is not None and link.oneway_loaded and own is not None and time.monotonic() < sent + float(lease["ttl_s"]):
+        # every copy ended before the lease could have: the node counts what arrived
+        link.loaded_oneway(ack)
+        pages = {(g, j) for g, j in arrived}
+        return load_result(layout, own, int(doc["start_page"]), lease["id"], pages,
+                           sum(layout.group_page_bytes[g] for g, _ in pages))
     done = link.loaded(ack) if link is not None else c._call("POST", "/v1/engine/loaded", body=ack)
     return wire.from_dict(FetchResult, done)
+
+
+def _sums_of(lease: dict[str, Any]) -> dict[int, int] | None:
+    """Each lent entry's checksum (a READ lease's ``sums``, aligned with its ``slots``),
+    by entry; None where the node sent none (an older node: it checks the rows itself)."""
+    sums = lease.get("sums")
+    if sums is None:
+        return None
+    try:
+        return {int(slot[0]): int(v, 16) for slot, v in zip(lease["slots"], sums, strict=True) if v is not None}
+    except (KeyError, IndexError, TypeError, ValueError) as exc:
+        raise TierUnavailable(f"node: a lease answer of an unexpected shape: {exc!r}") from exc
 
 
 def _load_staged(c: Client, body: dict[str, Any], pool: PoolViews, block_ids: BlockIds,

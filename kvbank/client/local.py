@@ -138,6 +138,7 @@ class LocalLink:
         self._pid = 0  # the node process whose memory is mapped
         self.oneway = False  # the node takes acknowledgements one-way (and SYNC)
         self.loads = False  # the node takes LOAD and LOADED (an older one: fetch_into's over HTTP)
+        self.oneway_loaded = False  # the node takes LOADED one-way too
         self._borrower: Borrower | None = None
         self._closed = False
 
@@ -175,6 +176,7 @@ class LocalLink:
         features = int(fr.ints(cols, 1, "hello.features", 1)[0]) if len(cols) > 1 else 0
         self.oneway = bool(features & fr.FEATURE_ONEWAY_ACK)
         self.loads = bool(features & fr.FEATURE_ENGINE_LOAD)
+        self.oneway_loaded = self.loads and bool(features & fr.FEATURE_ONEWAY_LOADED)
         try:
             self._adopt(fds[0] if info[0] and fds else None, info[1], bool(info[2]), info[3])
         finally:
@@ -404,6 +406,11 @@ class LocalLink:
     def loaded(self, body: dict[str, Any]) -> dict[str, Any]:
         """``POST /v1/engine/loaded`` on the channel: the lease released, the FetchResult's JSON."""
         return self._json(fr.Op.LOADED, body, None)
+
+    def loaded_oneway(self, body: dict[str, Any]) -> None:
+        """LOADED as a ONEWAY frame (the node took it at HELLO: ``oneway_loaded``): the
+        caller builds the FetchResult itself, as the node would (``load_result``)."""
+        self.send_oneway(fr.Op.LOADED, [json.dumps(body, separators=(",", ":"))])
 
     def _json(self, op: fr.Op, body: dict[str, Any], deadline: Deadline | None) -> dict[str, Any]:
         text = fr.take(self.call(op, [json.dumps(body, separators=(",", ":"))], deadline), 0, str, op.name.lower())

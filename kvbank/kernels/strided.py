@@ -28,7 +28,7 @@ threads of that module), as its own gathers and scatters are: one indexed copy p
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
@@ -112,9 +112,12 @@ def _rows(layout: PageLayout, group: int, rows: torch.Tensor, n: int) -> dict[tu
 
 
 def scatter_strided(layout: PageLayout, group: int, rows: torch.Tensor, pool: PoolViews,
-                    block_ids: Sequence[int]) -> None:
+                    block_ids: Sequence[int], then: Callable[[int, int], None] | None = None) -> None:
     """Write canonical ``rows`` (row ``k`` is the page for block ``block_ids[k]``) into
-    ``group``'s blocks of ``pool``. Everything is checked before anything moves."""
+    ``group``'s blocks of ``pool``. Everything is checked before anything moves.
+    ``then(first, end)``: called for each part of a CPU scatter right after rows
+    ``first..end-1`` were copied, on the lane that copied them (while they are still in
+    its cache: a reader's check hashes them there); the parts cover every row once."""
     tensors = check_pool(layout, group, pool)
     if not block_ids:
         return
@@ -130,6 +133,8 @@ def scatter_strided(layout: PageLayout, group: int, rows: torch.Tensor, pool: Po
                     for r, b, k in spans[sl]:
                         for src, dst in pairs:
                             dst[b : b + k].copy_(src[r : r + k])
+                        if then is not None:
+                            then(r, r + k)
 
                 _cpu_parts(runs, len(spans), len(block_ids) * rows.shape[1])
                 return
@@ -137,6 +142,8 @@ def scatter_strided(layout: PageLayout, group: int, rows: torch.Tensor, pool: Po
             def part(sl: slice) -> None:
                 for src, dst in pairs:
                     dst.index_put_((idx[sl],), src[sl])
+                if then is not None:
+                    then(sl.start, sl.stop)
 
             _cpu_parts(part, len(block_ids), len(block_ids) * rows.shape[1])
             return
@@ -144,6 +151,8 @@ def scatter_strided(layout: PageLayout, group: int, rows: torch.Tensor, pool: Po
             if src.device != dst.device:
                 src = src.to(dst.device)
             dst.index_put_((idx.to(dst.device),), src)
+        if then is not None:
+            then(0, len(block_ids))
     except TORCH_ERRORS as exc:
         raise torch_fault("scattering pages into the pool", exc) from exc
 

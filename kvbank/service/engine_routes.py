@@ -85,6 +85,10 @@ class LoadBody(BaseModel):
 class LoadedBody(BaseModel):
     lease_id: str
     arrived: list[tuple[int, int]] = Field(description="[group, page] of each row that arrived whole")
+    changed: list[tuple[int, int]] | None = Field(
+        None, description="given where the load's lease carried sums: the client hashed every row it read "
+        "and names here, [group, page], those whose bytes did not match (not in arrived); the node reads "
+        "only these again, dropping the host copies that fail. Absent: the node checks every arrived row")
 
 
 class PutGroupsBody(BaseModel):
@@ -136,7 +140,8 @@ class Loads:
             doc["result"] = wire.to_dict(load_result(layout, plan.match, plan.start_page, "", (), 0))
             return doc
         self.guard.own_lease(caller, lease)
-        doc["lease"] = slots_doc(lease, [n for _, _, n in plan.rows], Delivery.READY, bank.clock())
+        doc["lease"] = slots_doc(lease, [n for _, _, n in plan.rows], Delivery.READY, bank.clock(),
+                                 bank.checksums(lease.id))
         with self._lock:
             self._plans[lease.id] = plan
             while len(self._plans) > _LOADS:
@@ -155,12 +160,20 @@ class Loads:
         layout = bank.layout(plan.match.layout_id)
         planned = {(g, j) for g, j, _ in plan.rows}
         arrived = {(g, j) for g, j in body.arrived if (g, j) in planned}
+        names = {(g, j): n for g, j, n in plan.rows}
         try:
-            # The engine read the rows in place, straight into its pool: verified here,
-            # after its reads, so that bytes changed in the segment since commit are a miss.
-            names = {(g, j): n for g, j, n in plan.rows}
-            kept = set(node.unchanged(body.lease_id, [names[a] for a in arrived]))
-            arrived = {a for a in arrived if names[a] in kept}
+            if body.changed is None:
+                # The engine read the rows in place, straight into its pool, and checked none:
+                # verified here, after its reads, so that bytes changed since commit are a miss.
+                kept = set(node.unchanged(body.lease_id, [names[a] for a in arrived]))
+                arrived = {a for a in arrived if names[a] in kept}
+            else:
+                # The client hashed each row after its read and names those that failed (a
+                # miss for it): only they are read again, and their host copies dropped if
+                # they fail here too (a client cannot make the node drop a row that is right).
+                suspect = {(g, j) for g, j in body.changed if (g, j) in planned}
+                node.unchanged(body.lease_id, [names[a] for a in suspect])
+                arrived -= suspect
             live = bank.release(body.lease_id)
         except LeaseError:
             live = False

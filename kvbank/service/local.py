@@ -348,7 +348,8 @@ class LocalChannel:
         resident = int(seg is not None and self.node.bank.reservation is not None)
         # column 1: what this node takes beyond the first version's calls (an older client
         # reads column 0 alone)
-        features = fr.FEATURE_ONEWAY_ACK | (fr.FEATURE_ENGINE_LOAD if self.node.loads is not None else 0)
+        features = fr.FEATURE_ONEWAY_ACK | (fr.FEATURE_ENGINE_LOAD | fr.FEATURE_ONEWAY_LOADED
+                                            if self.node.loads is not None else 0)
         return [np.array([int(fd is not None), size, resident, os.getpid()], dtype="<i8"),
                 np.array([features], dtype="<i8")], ([] if fd is None else [fd])
 

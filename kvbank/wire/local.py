@@ -84,12 +84,14 @@ class Op(enum.IntEnum):
     LOADED = 14  # a /v1/engine/loaded body (JSON text) -> its answer (JSON text): the FetchResult
 
 
-ONEWAY_OPS = frozenset({Op.ACK})  # the ops a ONEWAY frame may carry
+ONEWAY_OPS = frozenset({Op.ACK, Op.LOADED})  # the ops a ONEWAY frame may carry
 # what a node's HELLO answer says it takes (its second column, a bit mask; an older node
 # sends none): FEATURE_ONEWAY_ACK, acknowledgements as ONEWAY frames and SYNC;
-# FEATURE_ENGINE_LOAD, LOAD and LOADED (a paged engine's fetch_into)
+# FEATURE_ENGINE_LOAD, LOAD and LOADED (a paged engine's fetch_into); FEATURE_ONEWAY_LOADED,
+# LOADED as a ONEWAY frame too
 FEATURE_ONEWAY_ACK = 1
 FEATURE_ENGINE_LOAD = 2
+FEATURE_ONEWAY_LOADED = 4
 
 
 # dtype codes: 0 raw bytes, 1 text, then numpy arrays
@@ -395,6 +397,7 @@ def presence_from(cols: Sequence[Column]) -> Presence:
 __all__ = [
     "FEATURE_ENGINE_LOAD",
     "FEATURE_ONEWAY_ACK",
+    "FEATURE_ONEWAY_LOADED",
     "HEADER",
     "MAX_FRAME_BYTES",
     "ONEWAY_OPS",

@@ -8,6 +8,7 @@ shard's bytes; a pin holds rows until released; the breaker answers a dead node 
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections.abc import Iterator
@@ -403,3 +404,121 @@ def test_presence_answers_for_every_shard_by_engine_keys(api: Any) -> None:
     seen = api.presence(lid, keys=keys, prompt_tokens=4 * P + 1)
     assert seen.shards == (0, 1) and seen.shard_tokens == (4 * P, 2 * P) and seen.tokens == 2 * P
     assert seen.held(1, 0, 1) and not seen.held(1, 0, 2)
+
+
+@pytest.mark.parametrize("channel", ["local", "http"])
+def test_a_row_changed_in_the_segment_is_a_miss_for_a_load_and_only_it_is_read_again(
+        node: NodeProcess, channel: str) -> None:
+    """A same-uid process overwrites a committed row in the node's segment. fetch_into
+    reads in place, hashes each row after its scatter against the lease's sums, and
+    leaves the changed row out (missing, never counted as loaded); its acknowledgement
+    names that row alone as changed, the node reads it again and drops its host copy. An
+    acknowledgement without ``changed`` (an older client) is checked by the node itself."""
+    with Client(node.url, same_host=True, channel=channel) as c:
+        lid = c.register(LAYOUT)
+        src = cache(list(range(L)), 21)
+
+        def stored(n: int, first_block: int) -> Any:
+            keys = fresh_keys(n)
+            c.put_from(lid, pool=pool_of(src), block_ids={0: list(range(first_block, first_block + n))}, keys=keys)
+            return c.match(lid, keys=keys, prompt_tokens=n * P + 1)
+
+        def overwrite(m: Any, page: int) -> None:
+            """Write over ``page``'s row where the node lends it from (a lease's slot)."""
+            link = c._chan()
+            body = {"match": c._match_doc(m), "via": "lease"}
+            doc = link.load(body) if link is not None else c._call("POST", "/v1/engine/load", body=body)
+            lease = doc["lease"]
+            (_, seg, off, _), = [s for s in lease["slots"] if doc["rows"][s[0]][1] == page]
+            c._shm.borrower(writable=True).segment(lease["segments"][seg])[off : off + 64] = b"\xee" * 64
+            done = link.loaded({"lease_id": lease["id"], "arrived": []}) if link is not None else \
+                c._call("POST", "/v1/engine/loaded", body={"lease_id": lease["id"], "arrived": []})
+            assert done["nbytes"] == 0
+
+        acks: list[dict[str, Any]] = []
+        link = c._chan()
+        assert (link is not None) == (channel == "local")
+        if link is not None:
+            inner_loaded = link.loaded_oneway
+
+            def loaded(body: dict[str, Any]) -> None:
+                acks.append(body)
+                inner_loaded(body)
+
+            link.loaded_oneway = loaded  # type: ignore[method-assign]
+        else:
+            inner = c._call
+
+            def call(method: str, path: str, **kw: Any) -> Any:
+                if path == "/v1/engine/loaded":
+                    acks.append(kw["body"])
+                return inner(method, path, **kw)
+
+            c._call = call  # type: ignore[method-assign]
+
+        m = stored(4, 0)
+        overwrite(m, 2)
+        before = sum("host copy dropped" in line for line in node.lines)
+        dst = {i: torch.zeros(BLOCKS, H, 2 * P, D) for i in range(L)}
+        got = c.fetch_into(m, pool=pool_of(dst), block_ids={0: [10, 11, 12, 13]})
+        assert got.delivered == ((0, 1, 3),) and got.missing == ((2,),) and got.nbytes == 3 * PAGE
+        assert acks[-1]["changed"] == [[0, 2]] and sorted(acks[-1]["arrived"]) == [[0, 0], [0, 1], [0, 3]]
+        for i in range(L):
+            for page in (0, 1, 3):
+                assert torch.equal(dst[i][10 + page], src[i][page])
+        for _ in range(50):  # the log line comes from the node's process
+            if sum("host copy dropped" in line for line in node.lines) > before:
+                break
+            time.sleep(0.1)
+        assert sum("host copy dropped" in line for line in node.lines) == before + 1, "".join(node.lines)[-2000:]
+
+        # an acknowledgement that names no changed rows: the node reads every arrived row
+        m2 = stored(3, 4)
+        overwrite(m2, 1)
+        body = {"match": c._match_doc(m2), "via": "lease"}
+        doc = link.load(body) if link is not None else c._call("POST", "/v1/engine/load", body=body)
+        assert doc["lease"]["sums"] and all(s is not None for s in doc["lease"]["sums"])
+        ack = {"lease_id": doc["lease"]["id"], "arrived": [[0, 0], [0, 1], [0, 2]]}
+        done = link.loaded(ack) if link is not None else c._call("POST", "/v1/engine/loaded", body=ack)
+        assert done["nbytes"] == 2 * PAGE and done["missing"] == [[1]]
+
+
+def test_a_one_way_load_release_builds_the_result_the_node_answers(node: NodeProcess) -> None:
+    """On a channel whose node takes LOADED one-way, fetch_into of a Match sends its
+    release without waiting and builds the FetchResult itself: equal (less its id) to what
+    the node answers the same load with over HTTP, for a whole load, one with a page the
+    engine does not need, and one cut at ``start_page``; a handle's load (whose match the
+    client does not hold) waits for the node's answer. Every lease is released."""
+    with Client(node.url, channel="local") as c, Client(node.url, same_host=True, channel="http") as h:
+        lid = c.register(LAYOUT)
+        keys = fresh_keys(4)
+        src = cache(list(range(L)), 23)
+        c.put_from(lid, pool=pool_of(src), block_ids={0: [0, 1, 2, 3]}, keys=keys)
+        m = c.match(lid, keys=keys, prompt_tokens=4 * P + 1)
+        h.layout(lid)
+        link = c._chan()
+        assert link is not None and link.oneway_loaded
+        sent: list[str] = []
+        inner = link.loaded_oneway
+
+        def oneway(body: dict[str, Any]) -> None:
+            sent.append(body["lease_id"])
+            inner(body)
+
+        link.loaded_oneway = oneway  # type: ignore[method-assign]
+        for ids, start in (([4, 5, 6, 7], None), ([4, None, 6, 7], None), ([4, 5, 6, 7], 2)):
+            dst = {name: {i: torch.zeros(BLOCKS, H, 2 * P, D) for i in range(L)} for name in ("local", "http")}
+            one = c.fetch_into(m, pool=pool_of(dst["local"]), block_ids={0: ids}, start_page=start)
+            assert sent and sent[-1] == one.fetch_id
+            two = h.fetch_into(m, pool=pool_of(dst["http"]), block_ids={0: ids}, start_page=start)
+            assert dataclasses.replace(one, fetch_id="") == dataclasses.replace(two, fetch_id=""), (ids, start)
+            for i in range(L):
+                assert torch.equal(dst["local"][i], dst["http"][i])
+        n = len(sent)
+        (b,) = c.match_many(lid, [keys], prompt_tokens=[4 * P + 1], hold=True)
+        assert b.handle is not None
+        c.fetch_into(b.handle, pool=pool_of(cache(list(range(L)), 0)), block_ids={0: [4, 5, 6, 7]})
+        assert len(sent) == n  # a handle's release waits for the node's answer
+        c.release_match(b.handle)
+        link.settle()
+        assert not {x.id for x in h.leases()} & set(sent)  # every one-way release applied

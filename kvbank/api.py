@@ -66,8 +66,11 @@ Where Bank and Client differ, and why (``tests/test_api.py`` keeps the same list
    ``match_with``: the node's own match, from its remote tier and fleet, for
    ``match_many``; ``checksums``: a READ lease's rows' checksums, which the node sends
    with a lent fetch so its client verifies the copies);
-   and the Client's own ``same_host`` and ``map_host`` (its page path) and ``breaker``
-   (``match_many``'s circuit breaker).
+   and the Client's own ``same_host`` and ``map_host`` (its page path), ``breaker``
+   (``match_many``'s circuit breaker), and ``prepare_load``, ``load_prepared`` and
+   ``release_prepared`` (a hit query that takes its load's lease on the node's host in
+   the same call, for an engine that asks whether pages exist and then loads them, as
+   SGLang's HiCache does: an embedded Bank's match and load are in-process calls already).
 3. **Deadlines** (``timeout=`` of ``put``, ``fetch``, ``lend``, ``fetch_into``,
    ``put_from``): the same parameter, but
    a Client bounds them on its own side, the node taking no deadline on these routes:

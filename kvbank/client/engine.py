@@ -49,7 +49,7 @@ if TYPE_CHECKING:
     from kvbank.client.client import Client
     from kvbank.client.local import LocalLink
 
-__all__ = ["BREAKER_S", "MATCH_TIMEOUT_S", "Breaker", "EngineCalls"]
+__all__ = ["BREAKER_S", "MATCH_TIMEOUT_S", "Breaker", "EngineCalls", "PreparedLoad"]
 
 MATCH_TIMEOUT_S = 0.5  # match_many's deadline when none is given: a scheduler step's budget
 BREAKER_S = 5.0  # how long a failed match_many keeps the breaker open before a probe
@@ -120,6 +120,28 @@ def _runs(entries: list[tuple[int, int, str, int, int]]) -> list[Run]:
                 continue
         runs.append((g, seg, off, size, [i]))
     return runs
+
+
+@dataclasses.dataclass(eq=False)
+class PreparedLoad:
+    """A hit query that also took its load's lease (:meth:`EngineCalls.prepare_load`):
+    ``match`` is the query's answer; on the node's host the plan and a READ lease on its
+    rows come with it, so the load that follows (:meth:`EngineCalls.load_prepared`) is
+    only the copies and a one-way release. Used once; a lease it still holds ends at
+    :meth:`EngineCalls.release_prepared` or at its ttl."""
+
+    match: Match
+    shard: int | None
+    sent: float  # time.monotonic() when the lease was asked for: its deadline counts from here
+    doc: dict[str, Any] | None = None  # the LOAD answer (None: no lease, load the match)
+    used: bool = False
+    _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
+
+    def take(self) -> dict[str, Any] | None:
+        """The lent plan, once (None: none, or taken already)."""
+        with self._lock:
+            doc, self.doc, self.used = (None if self.used else self.doc), None, True
+        return doc
 
 
 class EngineCalls:
@@ -213,6 +235,89 @@ class EngineCalls:
                 pass  # the host tier cannot lend every row at once: through staging
         return _load_staged(c, body, pool, block_ids, deadline)
 
+    def prepare_load(self, layout_id: bytes, *, keys: Sequence[bytes], prompt_tokens: int | None = None,
+                     scope: Scope = DEFAULT_SCOPE, shard: int | None = None,
+                     ttl_s: float | None = None) -> PreparedLoad:
+        """A hit query for a load that is likely to follow (SGLang asks ``batch_exists``,
+        then loads the hit): the match of ``keys`` (as :meth:`match`), and on the node's
+        host, in the same call on its local channel, the load's plan and a READ lease on
+        its rows for ``ttl_s`` (default: the node's). Load it with :meth:`load_prepared`;
+        one that will not be loaded, give back with :meth:`release_prepared` (else its
+        lease holds the rows from eviction until its ttl)."""
+        c = self._me()
+        if not isinstance(layout_id, bytes):
+            raise InvalidInput(f"layout_id: expected bytes, got {type(layout_id).__name__}")
+        if isinstance(keys, (str, bytes)) or not isinstance(keys, Sequence) or any(type(k) is not bytes for k in keys):
+            raise InvalidInput("keys: expected a sequence of page keys (bytes)")
+        link = c._chan() if c.same_host else None
+        sent = time.monotonic()
+        if link is not None and link.loads and keys:
+            # binary where the keys have that form (32 bytes each), else LOAD's JSON by keys
+            prompt = c._prompt_columns(layout_id, None, scope, shard, list(keys), prompt_tokens) \
+                if link.load_keys_op else None
+            try:
+                if prompt is not None:
+                    m, doc = link.load_keys(prompt, ttl_s)
+                else:
+                    doc = link.load({"layout_id": layout_id.hex(), "keys": [k.hex() for k in keys],
+                                     "prompt_tokens": prompt_tokens, "scope": scope_doc(scope), "shard": shard,
+                                     "ttl_s": ttl_s, "via": "lease"})
+                    m = wire.from_dict(Match, doc["match"])
+                    doc = doc if doc["lease"] is not None else None
+                c.layout(m.layout_id)
+                return PreparedLoad(m, shard, sent, doc)
+            except TierFull:  # the host tier cannot lend every row at once: the match alone
+                pass
+            except TierUnavailable:  # a node that lends no memory to this caller (tenant tokens)
+                if c._shm.required:
+                    raise
+        m = c.match(layout_id, keys=list(keys), prompt_tokens=prompt_tokens, scope=scope, shard=shard)
+        return PreparedLoad(m, shard, sent)
+
+    def load_prepared(self, prepared: PreparedLoad, *, pool: PoolViews, block_ids: BlockIds,
+                      timeout: float | None = None) -> FetchResult:
+        """:meth:`fetch_into` of a prepared load's match from its first page: through the
+        lease it holds (no control call before the copies), else (none, used already, or a
+        channel gone) as :meth:`fetch_into` loads it. ``block_ids`` as there: a page
+        whose block is None (or beyond the list's end) is not moved, a miss."""
+        c = self._me()
+        if not isinstance(prepared, PreparedLoad):
+            raise InvalidInput(f"prepared: expected a PreparedLoad, got {type(prepared).__name__}")
+        pages = [len(p) for p in prepared.match.resume.pages]
+        ids = {g: list(block_ids.get(g, ())) + [None] * max(0, n - len(block_ids.get(g, ())))
+               for g, n in enumerate(pages) if n or g in block_ids}
+        doc = prepared.take()
+        link = c._chan() if doc is not None and c.same_host else None
+        if doc is None or link is None or not link.loads:
+            if doc is not None:
+                c.release(doc["lease"]["id"])
+            return self.fetch_into(prepared.match, pool=pool, block_ids=ids, start_page=0, shard=prepared.shard,
+                                   timeout=timeout)
+        try:
+            return _load_lent(c, link, {}, pool, ids, deadline_of(timeout), prepared.match, (doc, prepared.sent))
+        except TierUnavailable:  # its lease released: loaded as fetch_into loads it
+            if c._shm.required:
+                raise
+            c._local = False
+        return self.fetch_into(prepared.match, pool=pool, block_ids=ids, start_page=0, shard=prepared.shard,
+                               timeout=timeout)
+
+    def release_prepared(self, prepared: PreparedLoad) -> None:
+        """Give back the lease of a prepared load that will not be loaded (none held, or
+        loaded already: nothing to do)."""
+        doc = prepared.take()
+        if doc is None:
+            return
+        c = self._me()
+        link = c._chan() if c.same_host else None
+        ack = {"lease_id": doc["lease"]["id"], "arrived": []}
+        if link is not None and link.oneway_loaded:
+            link.loaded_oneway(ack)
+        elif link is not None and link.loads:
+            link.loaded(ack)
+        else:
+            c.release(ack["lease_id"])
+
     def put_from(self, layout_id: bytes, *, pool: PoolViews,
                  block_ids: BlockIds, keys: Sequence[bytes], first_page: int = 0,
                  scope: Scope = DEFAULT_SCOPE, shard: int | None = None,
@@ -250,19 +355,24 @@ def _same_shard(m: Match, shard: int | None) -> bool:
 
 
 def _load_lent(c: Client, link: LocalLink | None, body: dict[str, Any], pool: PoolViews, block_ids: BlockIds,
-               deadline: Deadline | None, own: Match | None = None) -> FetchResult:
+               deadline: Deadline | None, own: Match | None = None,
+               lent: tuple[dict[str, Any], float] | None = None) -> FetchResult:
     """The plan and its READ lease, one copy per run of slots straight into ``pool``, the
     release with what arrived: two calls on the local channel (``link``), else over HTTP.
     ``own``: the match the node plans the load from, where the caller knows it; with it,
     on a channel whose node takes LOADED one-way, the release is one-way and the result
     built here as the node builds it (if the lease's deadline had not passed by the end
-    of the copies: else the node answers what counted)."""
-    load = {**body, "via": "lease"}
-    sent = time.monotonic()
-    if link is not None:
-        doc = link.load(load, deadline)
+    of the copies: else the node answers what counted). ``lent``: the plan and lease
+    already asked for (a prepared load's answer, and when it was asked)."""
+    if lent is not None:
+        doc, sent = lent
     else:
-        doc = c._call("POST", "/v1/engine/load", body=load, deadline=deadline)
+        load = {**body, "via": "lease"}
+        sent = time.monotonic()
+        if link is not None:
+            doc = link.load(load, deadline)
+        else:
+            doc = c._call("POST", "/v1/engine/load", body=load, deadline=deadline)
     lease = doc["lease"]
     if lease is None:
         return wire.from_dict(FetchResult, doc["result"])

@@ -139,6 +139,7 @@ class LocalLink:
         self.oneway = False  # the node takes acknowledgements one-way (and SYNC)
         self.loads = False  # the node takes LOAD and LOADED (an older one: fetch_into's over HTTP)
         self.oneway_loaded = False  # the node takes LOADED one-way too
+        self.load_keys_op = False  # the node takes LOAD_KEYS (a hit query with its load's lease)
         self._borrower: Borrower | None = None
         self._closed = False
 
@@ -177,6 +178,7 @@ class LocalLink:
         self.oneway = bool(features & fr.FEATURE_ONEWAY_ACK)
         self.loads = bool(features & fr.FEATURE_ENGINE_LOAD)
         self.oneway_loaded = self.loads and bool(features & fr.FEATURE_ONEWAY_LOADED)
+        self.load_keys_op = self.loads and bool(features & fr.FEATURE_LOAD_KEYS)
         try:
             self._adopt(fds[0] if info[0] and fds else None, info[1], bool(info[2]), info[3])
         finally:
@@ -406,6 +408,34 @@ class LocalLink:
     def loaded(self, body: dict[str, Any]) -> dict[str, Any]:
         """``POST /v1/engine/loaded`` on the channel: the lease released, the FetchResult's JSON."""
         return self._json(fr.Op.LOADED, body, None)
+
+    def load_keys(self, prompt: list[fr.Column], ttl_s: float | None) -> tuple[Match, dict[str, Any] | None]:
+        """LOAD_KEYS: the prompt's Match, and its load's plan and READ lease in the form
+        LOAD answers them (None where no row is lent), for ``Client.prepare_load``."""
+        cols = self.call(fr.Op.LOAD_KEYS, [*prompt, np.array([float("nan") if ttl_s is None else ttl_s],
+                                                             dtype="<f8")])
+        m = fr.match_from(cols)
+        at = fr.MATCH_COLUMNS
+        start = int(fr.ints(cols, at, "start_page", 1)[0])
+        grp, page, size = (fr.ints(cols, at + i, w) for i, w in ((1, "rows.group"), (2, "rows.page"),
+                                                                 (3, "rows.size")))
+        lease_id = fr.take(cols, at + 4, str, "lease_id")
+        if not lease_id:
+            return m, None
+        ttl = float(fr.take(cols, at + 5, np.ndarray, "ttl_s")[0])
+        idx, off, sz = (fr.ints(cols, at + i, w) for i, w in ((6, "slots.index"), (7, "slots.offset"),
+                                                               (8, "slots.size")))
+        sums = fr.ints(cols, at + 9, "slots.sums", len(idx))
+        segment = fr.take(cols, at + 10, str, "segment")
+        if len(page) != len(grp) or len(size) != len(grp) or len(off) != len(idx) or len(sz) != len(idx) \
+                or (len(idx) and (int(idx.min()) < 0 or int(idx.max()) >= len(grp))):
+            raise TierUnavailable("node: a LOAD_KEYS answer of an unexpected shape", field="socket")
+        rows = np.stack([grp, page, size], axis=1).tolist()
+        slots = np.stack([idx, np.zeros(len(idx), dtype="<i8"), off, sz], axis=1).tolist()
+        doc = {"layout_id": m.layout_id.hex(), "start_page": start, "rows": rows,
+               "lease": {"id": lease_id, "ttl_s": ttl, "segments": [segment], "slots": slots,
+                         "sums": [None if v == 0 else f"{v:016x}" for v in sums.astype("<u8").tolist()]}}
+        return m, doc
 
     def loaded_oneway(self, body: dict[str, Any]) -> None:
         """LOADED as a ONEWAY frame (the node took it at HELLO: ``oneway_loaded``): the

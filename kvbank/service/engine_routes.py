@@ -40,7 +40,7 @@ from kvbank import wire
 from kvbank.bank.engine import Load
 from kvbank.errors import InvalidInput, LeaseError
 from kvbank.keys import Scope
-from kvbank.lender.base import Delivery
+from kvbank.lender.base import Delivery, Lease
 from kvbank.lender.loads import load_result
 from kvbank.results import Match
 from kvbank.service.admin.tenants import TenantGuard
@@ -77,8 +77,15 @@ class HandleBody(BaseModel):
 class LoadBody(BaseModel):
     handle: str | None = None
     match: dict[str, Any] | None = Field(None, description="a Match in its wire form, instead of a handle")
+    layout_id: str | None = Field(None, description="with keys: hex of the 32-byte layout id")
+    keys: list[str] | None = Field(None, description="an engine's page-key chain (hex), matched here and "
+                                   "lent in the same call (its match comes back in the answer), instead "
+                                   "of a handle or a match")
+    prompt_tokens: int | None = Field(None, ge=1, description="with keys: the prompt's length")
+    scope: ScopeDoc = ScopeDoc()
     shard: int | None = Field(None, ge=0)
     start_page: int | None = Field(None, ge=0)
+    ttl_s: float | None = Field(None, gt=0, description="the load's lease's ttl (default: the node's)")
     via: Literal["lease", "match"] = "lease"
 
 
@@ -116,41 +123,61 @@ class Loads:
         self._plans: OrderedDict[str, Load] = OrderedDict()
 
     def target(self, caller: Any, body: LoadBody) -> Match | str:
-        """The handle or Match ``body`` names, the caller's own (as a fetch id, as a fetch's match)."""
-        if (body.handle is None) == (body.match is None):
-            raise InvalidInput("match: give either handle or match, not both or neither")
+        """The handle or Match ``body`` names, the caller's own (as a fetch id, as a fetch's
+        match), or the match of its ``keys`` in the caller's scope, taken here."""
+        if sum(x is not None for x in (body.handle, body.match, body.keys)) != 1:
+            raise InvalidInput("match: give one of handle, match or keys")
+        if body.keys is not None:
+            if body.layout_id is None:
+                raise InvalidInput("layout_id: keys need the layout they are of", field="layout_id")
+            lid = _hex(body.layout_id, "layout_id", 32)
+            scope = self.guard.scope(caller, lid, Scope(body.scope.tenant, body.scope.cache_salt, body.scope.lora))
+            keys = [_hex(k, f"keys[{i}]") for i, k in enumerate(body.keys)]
+            return self.node.match(lid, {"keys": keys, "prompt_tokens": body.prompt_tokens, "scope": scope,
+                                         "shard": body.shard})
         if body.handle is not None:
             self.guard.fetch(caller, body.handle)
             self.guard.match(caller, self.node.bank.held(body.handle))
             return body.handle
         return self.guard.match(caller, wire.from_dict(Match, body.match))
 
+    def lend_plan(self, caller: Any, target: Match | str, shard: int | None, start_page: int | None,
+                  ttl_s: float | None) -> tuple[Load, Lease | None]:
+        """The plan of a load of ``target`` (the caller's: :meth:`target`) and a READ lease
+        on its rows, the caller's, remembered until LOADED (None: no rows to move)."""
+        self.node.check_named()  # the engine reads the lent rows in place, mapping the segment by its name
+        plan, lease = self.node.bank.lend_load(target, shard=shard, start_page=start_page, ttl_s=ttl_s)
+        if lease is not None:
+            self.guard.own_lease(caller, lease)
+            with self._lock:
+                self._plans[lease.id] = plan
+                while len(self._plans) > _LOADS:
+                    self._plans.popitem(last=False)
+        return plan, lease
+
     def lend(self, caller: Any, body: LoadBody) -> dict[str, Any]:
         """The plan of a load and a READ lease on its rows, in slots form (none where it
         needs no rows: its ``result`` instead)."""
         bank = self.node.bank
         target = self.target(caller, body)
-        self.node.check_named()  # the engine reads the lent rows in place, mapping the segment by its name
-        plan, lease = bank.lend_load(target, shard=body.shard, start_page=body.start_page)
+        plan, lease = self.lend_plan(caller, target, body.shard, body.start_page, body.ttl_s)
         layout = bank.layout(plan.match.layout_id)
         doc: dict[str, Any] = {"layout_id": plan.match.layout_id.hex(), "start_page": plan.start_page,
                                "lease": None,
                                "rows": [[g, j, layout.group_page_bytes[g]] for g, j, _ in plan.rows]}
+        if body.keys is not None:  # the caller has not seen this match
+            doc["match"] = wire.to_dict(plan.match)
         if lease is None:
             doc["result"] = wire.to_dict(load_result(layout, plan.match, plan.start_page, "", (), 0))
             return doc
-        self.guard.own_lease(caller, lease)
         doc["lease"] = slots_doc(lease, [n for _, _, n in plan.rows], Delivery.READY, bank.clock(),
                                  bank.checksums(lease.id))
-        with self._lock:
-            self._plans[lease.id] = plan
-            while len(self._plans) > _LOADS:
-                self._plans.popitem(last=False)
         return doc
 
-    def loaded(self, caller: Any, body: LoadedBody) -> dict[str, Any]:
+    def loaded(self, caller: Any, body: LoadedBody, answer: bool = True) -> dict[str, Any] | None:
         """The load's lease released and its FetchResult (wire form): the rows that
-        arrived whole, still unchanged, under a lease still live."""
+        arrived whole, still unchanged, under a lease still live. Not ``answer`` (a
+        one-way LOADED, whose client built the result itself): None, no result built."""
         node, bank = self.node, self.node.bank
         self.guard.lease(caller, body.lease_id)
         with self._lock:
@@ -177,6 +204,8 @@ class Loads:
             live = bank.release(body.lease_id)
         except LeaseError:
             live = False
+        if not answer:
+            return None
         if not live:  # the lease ended before the copies did: nothing read under it counts
             arrived = set()
         nbytes = sum(layout.group_page_bytes[g] for g, _ in arrived)

@@ -159,6 +159,7 @@ class LocalChannel:
             fr.Op.LEND: self._lend, fr.Op.CHECK: self._check, fr.Op.RELEASE: self._release,
             fr.Op.PUT_RESERVE: self._put_reserve, fr.Op.COMMIT: self._commit, fr.Op.PRESENCE: self._presence,
             fr.Op.FETCH: self._fetch, fr.Op.SYNC: self._sync, fr.Op.LOAD: self._load, fr.Op.LOADED: self._loaded,
+            fr.Op.LOAD_KEYS: self._load_keys,
         }
 
     # ---- lifecycle ---------------------------------------------------------------------
@@ -312,7 +313,8 @@ class LocalChannel:
                 raise InvalidInput("frame: the first call on a connection is HELLO", field="frame")
             if op not in fr.ONEWAY_OPS:
                 raise InvalidInput(f"frame: op {op} is not taken one-way", field="op")
-            self._ops[op](c, fr.decode_body(body, ncols))
+            handler = self._loaded_oneway if op == fr.Op.LOADED else self._ops[op]
+            handler(c, fr.decode_body(body, ncols))
         except KvbankError as exc:  # e.g. a lease that ended before it was applied: nothing counted
             logger.warning("local channel: a one-way %s was not applied: %s: %s",
                            _op_name(op), type(exc).__name__, exc)
@@ -348,7 +350,7 @@ class LocalChannel:
         resident = int(seg is not None and self.node.bank.reservation is not None)
         # column 1: what this node takes beyond the first version's calls (an older client
         # reads column 0 alone)
-        features = fr.FEATURE_ONEWAY_ACK | (fr.FEATURE_ENGINE_LOAD | fr.FEATURE_ONEWAY_LOADED
+        features = fr.FEATURE_ONEWAY_ACK | (fr.FEATURE_ENGINE_LOAD | fr.FEATURE_ONEWAY_LOADED | fr.FEATURE_LOAD_KEYS
                                             if self.node.loads is not None else 0)
         return [np.array([int(fd is not None), size, resident, os.getpid()], dtype="<i8"),
                 np.array([features], dtype="<i8")], ([] if fd is None else [fd])
@@ -495,12 +497,47 @@ class LocalChannel:
             c.leases.add(lease["id"])
         return [json.dumps(doc, separators=(",", ":"))]
 
+    def _load_keys(self, c: _Conn, cols: list[fr.Column]) -> list[fr.Column]:
+        """A hit query and its load's lease in one call (``Client.prepare_load``): the
+        prompt's Match (16 columns), then its load's plan from page 0 — [start page], each
+        row's group, page and size — and the READ lease on them as LOAD answers it in
+        slots form: its id ("" when none), [seconds left], each slot's plan entry, offset,
+        size and checksum, and the segment's name. The lease is the connection's until
+        LOADED, as LOAD's."""
+        lid, args = self._prompt(c, cols)
+        ttls = fr.take(cols, 6, np.ndarray, "ttl_s")
+        if len(ttls) != 1 or ttls.dtype.kind != "f" or not (np.isnan(ttls[0]) or ttls[0] > 0):
+            raise InvalidInput("ttl_s: expected one positive number of seconds (NaN: the default)", field="ttl_s")
+        loads = self._loads()
+        m = self.node.match(lid, args)
+        plan, lease = loads.lend_plan(c.caller, m, args["shard"], 0, None if np.isnan(ttls[0]) else float(ttls[0]))
+        layout = self.node.bank.layout(m.layout_id)
+        grp = np.fromiter((g for g, _, _ in plan.rows), dtype="<i8", count=len(plan.rows))
+        page = np.fromiter((j for _, j, _ in plan.rows), dtype="<i8", count=len(plan.rows))
+        size = np.array([layout.group_page_bytes[g] for g, _, _ in plan.rows], dtype="<i8")
+        out: list[fr.Column] = [*fr.match_columns(m), np.array([plan.start_page], dtype="<i8"), grp, page, size]
+        if lease is None:
+            none = np.zeros(0, "<i8")
+            return [*out, "", np.zeros(1, "<f8"), none, none, none, np.zeros(0, "<u8"), ""]
+        c.leases.add(lease.id)
+        names = [n for _, _, n in plan.rows]
+        return [*out, *self._slots(lease, names, Delivery.READY, self.node.bank.checksums(lease.id)),
+                self._segment or ""]
+
     def _loaded(self, c: _Conn, cols: list[fr.Column]) -> list[fr.Column]:
         """``POST /v1/engine/loaded``: the load's lease released, its FetchResult (JSON)."""
         body = validate_body(LoadedBody, fr.take(cols, 0, str, "loaded"))
         doc = self._loads().loaded(c.caller, body)
         c.leases.discard(body.lease_id)
         return [json.dumps(doc, separators=(",", ":"))]
+
+    def _loaded_oneway(self, c: _Conn, cols: list[fr.Column]) -> list[fr.Column]:
+        """LOADED as a ONEWAY frame: the same release and checks; no result built (its
+        client built it)."""
+        body = validate_body(LoadedBody, fr.take(cols, 0, str, "loaded"))
+        self._loads().loaded(c.caller, body, answer=False)
+        c.leases.discard(body.lease_id)
+        return []
 
     def _lend(self, c: _Conn, cols: list[fr.Column]) -> list[fr.Column]:
         names = list(fr.names_of(fr.take(cols, 0, bytes, "names"), "names"))

@@ -82,16 +82,18 @@ class Op(enum.IntEnum):
     SYNC = 12  # nothing -> nothing, answered once every earlier frame of the connection was applied
     LOAD = 13  # a /v1/engine/load body (JSON text) -> its answer (JSON text): a load's plan, its READ lease
     LOADED = 14  # a /v1/engine/loaded body (JSON text) -> its answer (JSON text): the FetchResult
+    LOAD_KEYS = 15  # a prompt, [ttl_s] -> a Match, then its load's plan and READ lease (binary columns)
 
 
 ONEWAY_OPS = frozenset({Op.ACK, Op.LOADED})  # the ops a ONEWAY frame may carry
 # what a node's HELLO answer says it takes (its second column, a bit mask; an older node
 # sends none): FEATURE_ONEWAY_ACK, acknowledgements as ONEWAY frames and SYNC;
 # FEATURE_ENGINE_LOAD, LOAD and LOADED (a paged engine's fetch_into); FEATURE_ONEWAY_LOADED,
-# LOADED as a ONEWAY frame too
+# LOADED as a ONEWAY frame too; FEATURE_LOAD_KEYS, LOAD_KEYS
 FEATURE_ONEWAY_ACK = 1
 FEATURE_ENGINE_LOAD = 2
 FEATURE_ONEWAY_LOADED = 4
+FEATURE_LOAD_KEYS = 8  # LOAD_KEYS: a hit query and its load's lease in one call (Client.prepare_load)
 
 
 # dtype codes: 0 raw bytes, 1 text, then numpy arrays
@@ -396,6 +398,7 @@ def presence_from(cols: Sequence[Column]) -> Presence:
 
 __all__ = [
     "FEATURE_ENGINE_LOAD",
+    "FEATURE_LOAD_KEYS",
     "FEATURE_ONEWAY_ACK",
     "FEATURE_ONEWAY_LOADED",
     "HEADER",

@@ -522,3 +522,68 @@ def test_a_one_way_load_release_builds_the_result_the_node_answers(node: NodePro
         c.release_match(b.handle)
         link.settle()
         assert not {x.id for x in h.leases()} & set(sent)  # every one-way release applied
+
+
+def test_a_prepared_load_lends_with_its_hit_query_and_loads_without_a_control_call(node: NodeProcess) -> None:
+    """prepare_load on the node's host is one LOAD_KEYS call: the match and a READ lease in
+    the same answer. load_prepared then copies straight into the pool and releases
+    one-way (no answered call), with the bytes and result of fetch_into of the same match;
+    a shorter list of blocks loads only those pages (the rest missing, the lease released
+    whole); release_prepared gives back a lease never loaded; a prepared load used twice
+    is loaded the second time as fetch_into loads it."""
+    with Client(node.url, channel="local") as c, Client(node.url, same_host=True, channel="http") as h:
+        lid = c.register(LAYOUT)
+        keys = fresh_keys(4)
+        src = cache(list(range(L)), 29)
+        c.put_from(lid, pool=pool_of(src), block_ids={0: [0, 1, 2, 3]}, keys=keys)
+        h.layout(lid)
+        link = c._chan()
+        assert link is not None and link.oneway_loaded
+        answered: list[str] = []
+        keys32 = [k * 2 for k in fresh_keys(4)]  # 32-byte keys (SGLang's): the binary LOAD_KEYS
+        c.put_from(lid, pool=pool_of(src), block_ids={0: [0, 1, 2, 3]}, keys=keys32)
+        for name in ("load_keys", "load", "loaded", "call"):
+            inner = getattr(link, name)
+
+            def counted(*a: Any, _inner: Any = inner, _name: str = name, **kw: Any) -> Any:
+                answered.append(_name)
+                return _inner(*a, **kw)
+
+            setattr(link, name, counted)
+        p16 = c.prepare_load(lid, keys=keys, prompt_tokens=4 * P + 1)  # 16-byte keys: LOAD's JSON
+        assert answered == ["load", "call"] and p16.doc is not None and p16.match.resume.tokens == 4 * P
+        c.release_prepared(p16)
+        del answered[:]
+        p = c.prepare_load(lid, keys=keys32, prompt_tokens=4 * P + 1)
+        assert answered == ["load_keys", "call"] and p.doc is not None and p.match.resume.tokens == 4 * P
+        lease_id = p.doc["lease"]["id"]
+        assert lease_id in {x.id for x in h.leases()}
+        del answered[:]
+        dst = {i: torch.zeros(BLOCKS, H, 2 * P, D) for i in range(L)}
+        got = c.load_prepared(p, pool=pool_of(dst), block_ids={0: [4, 5, 6, 7]})
+        assert answered == [], answered
+        ref = {i: torch.zeros(BLOCKS, H, 2 * P, D) for i in range(L)}
+        want = h.fetch_into(p.match, pool=pool_of(ref), block_ids={0: [4, 5, 6, 7]})
+        assert dataclasses.replace(got, fetch_id="") == dataclasses.replace(want, fetch_id="") and got.complete
+        for i in range(L):
+            assert torch.equal(dst[i], ref[i]) and torch.equal(dst[i][4:8], src[i][0:4])
+        link.settle()
+        assert lease_id not in {x.id for x in h.leases()}
+
+        short = c.prepare_load(lid, keys=keys, prompt_tokens=4 * P + 1)
+        assert short.doc is not None
+        short_lease = short.doc["lease"]["id"]
+        part = c.load_prepared(short, pool=pool_of(dst), block_ids={0: [8, 9]})
+        assert part.delivered == ((0, 1),) and part.missing == ((2, 3),) and part.nbytes == 2 * PAGE
+        for i in range(L):
+            assert torch.equal(dst[i][8:10], src[i][0:2])
+        again = c.load_prepared(short, pool=pool_of(dst), block_ids={0: [10, 11, 12, 13]})  # used: loaded anew
+        assert again.complete and all(torch.equal(dst[i][10:14], src[i][0:4]) for i in range(L))
+
+        unused = c.prepare_load(lid, keys=keys, prompt_tokens=4 * P + 1)
+        assert unused.doc is not None
+        held = unused.doc["lease"]["id"]
+        c.release_prepared(unused)
+        c.release_prepared(unused)  # nothing left to give back
+        link.settle()
+        assert not {x.id for x in h.leases()} & {held, short_lease}

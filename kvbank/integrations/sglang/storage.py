@@ -74,6 +74,7 @@ from sglang.srt.mem_cache.hicache_storage import (
     PoolTransferResult,
 )
 
+from kvbank.client.engine import PreparedLoad
 from kvbank.errors import InvalidInput
 from kvbank.integrations.guard import Guard, ThreadClients, registered, safe
 from kvbank.integrations.settings import (
@@ -85,6 +86,7 @@ from kvbank.integrations.settings import (
 )
 from kvbank.integrations.sglang.pools import PoolMap, UnsupportedPool, pool_map
 from kvbank.keys import Scope
+from kvbank.results import Match
 
 __all__ = ["KvbankHiCacheStorage", "StorageSettings"]
 
@@ -155,31 +157,48 @@ class _Recent:
     """The KV matches of the latest hit queries, for the load that follows each: SGLang asks
     ``batch_exists`` for a span, then loads (a prefix of) the same span; the load reuses the
     query's match instead of matching again (a match is a pure query: rows gone since are
-    not delivered, a miss). Each is used once, and only within ``RECENT_S``."""
+    not delivered, a miss). Each is used once, and only within ``RECENT_S``.
 
-    def __init__(self, keep: int = 64) -> None:
-        self._keep = keep
+    On the node's host a hit query is a prepared load (``Client.prepare_load``: its match
+    and a READ lease on the hit's rows, in one call), so the load is only the copies. At
+    most ``held`` of them keep their leases here (the oldest beyond are handed back by
+    :meth:`add`); one never loaded (SGLang revoked the prefetch) is handed back by
+    :meth:`take` or :meth:`add` when found stale, else its lease ends at its ttl."""
+
+    def __init__(self, keep: int = 64, held: int = 8) -> None:
+        self._keep, self._held = keep, held
         self._lock = threading.Lock()
         self._by_first: OrderedDict[tuple[bytes, bytes], tuple[float, tuple[bytes, ...], Any]] = OrderedDict()
 
-    def add(self, layout_id: bytes, keys: Sequence[bytes], match: Any) -> None:
+    def add(self, layout_id: bytes, keys: Sequence[bytes], match: Any) -> list[PreparedLoad]:
+        """Keep ``match`` (a Match or a PreparedLoad); the prepared loads put out by it,
+        whose leases the caller gives back."""
         if not keys:
-            return
+            return [match] if isinstance(match, PreparedLoad) else []
+        now = time.monotonic()
         with self._lock:
-            self._by_first[(layout_id, keys[0])] = (time.monotonic(), tuple(keys), match)
-            self._by_first.move_to_end((layout_id, keys[0]))
+            out = self._by_first.pop((layout_id, keys[0]), None)
+            dropped = [] if out is None else [out[2]]
+            self._by_first[(layout_id, keys[0])] = (now, tuple(keys), match)
             while len(self._by_first) > self._keep:
-                self._by_first.popitem(last=False)
+                dropped.append(self._by_first.popitem(last=False)[1][2])
+            held = [k for k, (t, _, m) in self._by_first.items() if isinstance(m, PreparedLoad) and m.doc is not None]
+            for k in held[: max(0, len(held) - self._held)]:
+                dropped.append(self._by_first.pop(k)[2])
+            for k in [k for k, (t, _, _) in self._by_first.items() if now - t > RECENT_S]:
+                dropped.append(self._by_first.pop(k)[2])
+        return [m for m in dropped if isinstance(m, PreparedLoad)]
 
-    def take(self, layout_id: bytes, keys: Sequence[bytes]) -> Any:
-        """The match of a query whose keys start with ``keys`` (None: none recent)."""
+    def take(self, layout_id: bytes, keys: Sequence[bytes]) -> tuple[Any, PreparedLoad | None]:
+        """The match of a query whose keys start with ``keys`` (None: none recent), and a
+        prepared load found stale instead (its lease for the caller to give back)."""
         if not keys:
-            return None
+            return None, None
         with self._lock:
             got = self._by_first.pop((layout_id, keys[0]), None)
         if got is None or time.monotonic() - got[0] > RECENT_S or got[1][: len(keys)] != tuple(keys):
-            return None
-        return got[2]
+            return None, (got[2] if got is not None and isinstance(got[2], PreparedLoad) else None)
+        return got[2], None
 
 
 class KvbankHiCacheStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore]
@@ -245,12 +264,22 @@ class KvbankHiCacheStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore]
             pm.layout_id, keys=list(keys), prompt_tokens=len(keys) * pm.tokens_per_page + 1,
             scope=self.scope, shard=pm.shard))
 
+    def _prepared(self, pm: PoolMap, keys: Sequence[bytes]) -> Match:
+        """A hit query of ``keys`` as a prepared load (its match, and on the node's host
+        its lease: ``Client.prepare_load``), kept for the load SGLang makes next; its match."""
+        c = self.clients.get()
+        p: PreparedLoad = registered(c, pm.layout, lambda: c.prepare_load(
+            pm.layout_id, keys=list(keys), prompt_tokens=len(keys) * pm.tokens_per_page + 1,
+            scope=self.scope, shard=pm.shard, ttl_s=RECENT_S))
+        for stale in self.recent.add(pm.layout_id, keys, p):
+            c.release_prepared(stale)
+        return p.match
+
     def _leading(self, pm: PoolMap, keys: Sequence[bytes]) -> int:
+        """The leading pages of ``keys`` present."""
         if not keys:
             return 0
-        m = self._match(pm, keys)
-        self.recent.add(pm.layout_id, keys, m)
-        return int(m.resume.tokens) // pm.tokens_per_page
+        return int(self._prepared(pm, keys).resume.tokens) // pm.tokens_per_page
 
     def _chain(self, keys: Sequence[str], extra_info: HiCacheStorageExtraInfo | None
                ) -> tuple[list[bytes], int]:
@@ -268,7 +297,18 @@ class KvbankHiCacheStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore]
             return []
         t0 = time.perf_counter()
         c = self.clients.get()
-        m = self.recent.take(pm.layout_id, keys)
+        m, stale = self.recent.take(pm.layout_id, keys)
+        if stale is not None:
+            c.release_prepared(stale)
+        if isinstance(m, PreparedLoad):
+            if m.match.resume.tokens == 0:
+                return [False] * len(keys)
+            # its pages past the load's keys (a prefix of the query's) have no block: not moved
+            prepared = m
+            got = registered(c, pm.layout, lambda: c.load_prepared(prepared, pool=pool, block_ids={0: blocks}))
+            ok = set(got.delivered[0])
+            self.metrics.add(True, len(ok), int(got.nbytes), time.perf_counter() - t0)
+            return [i in ok for i in range(len(keys))]
         if m is None:
             m = self._match(pm, keys)
         elif m.resume.tokens > len(keys) * pm.tokens_per_page:  # the load is a prefix of the query
@@ -380,9 +420,7 @@ class KvbankHiCacheStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore]
         kb = [_key(k) for k in keys]
         kv = self._pool(KV)
         p = kv.tokens_per_page
-        m = self._match(kv, kb) if kb else None
-        if m is not None:
-            self.recent.add(kv.layout_id, kb, m)
+        m = self._prepared(kv, kb) if kb else None
         kv_pages = 0 if m is None else int(m.resume.tokens) // p
         hits: dict[str, int] = {KV: kv_pages} if kv_pages else {}
         restorable = [b // p for b in (m.boundaries if m is not None else ()) if b // p <= kv_pages]

@@ -255,6 +255,19 @@ def test_tenant_b_never_redeems_tenant_a_s_handle_or_rows(node: NodeProcess) -> 
         for loaded in (link_b.loaded, lambda body: b._call("POST", "/v1/engine/loaded", body=body)):
             with pytest.raises(Forbidden):
                 loaded({"lease_id": "no-such-lease", "arrived": []})
+        # a load by keys matches in the caller's own scope: b's is empty, a's scope is
+        # Forbidden to b; a's own prepared load on a tenant node is its match alone
+        by_keys = {"layout_id": lid.hex(), "keys": [k.hex() for k in keys], "prompt_tokens": 3 * P + 1,
+                   "via": "match"}
+        got = b._call("POST", "/v1/engine/load", body=by_keys)
+        assert got["match"]["resume"]["tokens"] == 0
+        with pytest.raises(Forbidden):
+            b._call("POST", "/v1/engine/load", body={**by_keys, "scope": {"tenant": "a"}})
+        with pytest.raises(TierUnavailable):
+            link_a.load({**by_keys, "via": "lease"})
+        prepared = a.prepare_load(lid, keys=keys, prompt_tokens=3 * P + 1, scope=Scope("a"))
+        assert prepared.doc is None and prepared.match.resume.tokens == 3 * P
+        assert a.load_prepared(prepared, pool=pool, block_ids={0: [3, 4, 5]}).complete
         assert a.fetch_into(ha.handle, pool=pool, block_ids={0: [3, 4, 5]}).complete
         assert a.release_match(ha.handle)
 

@@ -334,8 +334,8 @@ class HybridController(_KvSlots):
             prefetch_threshold=page_size, model_name=model_name,
             storage_backend_extra_config=extra or {}, transfer_layer_id_max=top)
         self.backend = self.cc.storage_backend
-        self.kv_stored: list[torch.Tensor] = []  # the KV pages :meth:`store` backed up, in order
-        self.states_stored: dict[int, torch.Tensor] = {}  # node's end page -> its state's bytes
+        self.kv_stored: list[torch.Tensor] = []  # the KV pages the last :meth:`store` backed up
+        self.states_stored: dict[int, torch.Tensor] = {}  # its nodes' end pages -> their states
         self._requests = 0
 
     def state(self, slot: torch.Tensor) -> torch.Tensor:
@@ -343,15 +343,17 @@ class HybridController(_KvSlots):
         page: torch.Tensor = self.mamba.get_data_page(int(slot[0]), flat=True)
         return page.clone()
 
-    def store(self, tokens: Sequence[int], nodes: Sequence[int], seed: int = 0,
-              timeout_s: float = 60.0) -> list[tuple[int, dict[str, int]]]:
+    def store(self, tokens: Sequence[int], nodes: Sequence[int], seed: int = 0, *,
+              prefix_keys: bool = False, timeout_s: float = 60.0) -> list[tuple[int, dict[str, int]]]:
         """Back up the prompt as radix nodes ending at pages ``nodes`` (ascending), each as
         ``UnifiedRadixCache.write_backup_storage`` backs up a node of a Mamba model: the
         node's KV host slots, tokens and page keys go to ``write_storage`` with its state
         slot as a ``TRAILING_PAGES`` transfer keyed by the node's last page (random bytes in
         every slot, put there here). Waits for each backup's ack, as the scheduler drains
-        them; per node: (KV tokens stored, pages each sidecar stored). What was stored is
-        kept in :attr:`kv_stored` and :attr:`states_stored`."""
+        them; per node: (KV tokens stored, pages each sidecar stored). What this call
+        stored is kept in :attr:`kv_stored` and :attr:`states_stored`. ``prefix_keys``: each node's
+        backup carries the keys of the pages before it, as the scheduler passes them under
+        ``hicache_storage_pass_prefix_keys``."""
         from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
 
         p = self.page_size
@@ -359,6 +361,7 @@ class HybridController(_KvSlots):
         if list(nodes) != sorted(set(nodes)) or not nodes or nodes[0] < 1 or nodes[-1] > len(keys):
             raise ValueError(f"nodes: ascending end pages within the prompt's {len(keys)}, got {nodes}")
         out: list[tuple[int, dict[str, int]]] = []
+        self.kv_stored, self.states_stored = [], {}
         start = 0
         for end in nodes:
             idx = self.host.alloc((end - start) * p)
@@ -370,8 +373,8 @@ class HybridController(_KvSlots):
                                                                            dtype=torch.uint8))
             state = PoolTransfer(name=PoolName.MAMBA, host_indices=slot, keys=[keys[end - 1]],
                                  hit_policy=PoolHitPolicy.TRAILING_PAGES)
-            op_id = self.cc.write_storage(idx, list(tokens[start * p:end * p]), keys[start:end], None,
-                                          extra_pools=[state])
+            op_id = self.cc.write_storage(idx, list(tokens[start * p:end * p]), keys[start:end],
+                                          keys[:start] if prefix_keys else None, extra_pools=[state])
             op = _take(self.cc.ack_backup_queue, lambda o, i=op_id: o.id == i,
                        time.monotonic() + timeout_s, "the backup thread")
             out.append((int(op.completed_tokens),

@@ -23,8 +23,9 @@ SGLang's backup, prefetch and IO threads do).
 Started with ``"hybrid": true``, the process holds SGLang's real ``HybridCacheController``
 instead, over a ``HostPoolGroup`` of the KV pool and the Mamba pool (the harness's
 :class:`HybridController`), and takes two commands: ``{"op": "store", "seed": s, "tokens":
-n, "nodes": [pages], "path": p}`` (the prompt backed up as radix nodes ending at those pages,
-each with its state; the KV pages and the states saved to ``path``) and ``{"op": "load",
+n, "nodes": [pages], "path": p, "prefix_keys": b}`` (the prompt backed up as radix nodes ending
+at those pages, each with its state, with its parent's keys when ``b``; the KV pages and the
+states saved to ``path``) and ``{"op": "load",
 "seed": s, "tokens": n, "keep": k, "path": p}`` (a prefetch of the prompt, its tokens from
 ``k`` on replaced when ``k`` is given; the loaded pages and state compared with the saved
 ones). Both answer the page counts of the backend's calls (SGLang's ``get_stats``).
@@ -124,7 +125,8 @@ def hybrid_main(arg: dict[str, object]) -> None:
                 break
             toks = prompt(cmd["tokens"], cmd["seed"])
             if cmd["op"] == "store":
-                out["stored"] = cc.store(toks, cmd["nodes"], seed=cmd["seed"])
+                out["stored"] = cc.store(toks, cmd["nodes"], seed=cmd["seed"],
+                                         prefix_keys=bool(cmd.get("prefix_keys")))
                 torch.save({"kv": cc.kv_stored, "states": cc.states_stored}, cmd["path"])
             elif cmd["op"] == "load":
                 if cmd.get("keep") is not None:

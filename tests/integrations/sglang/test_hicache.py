@@ -72,14 +72,19 @@ def test_hybrid_controller_pages_and_state_stored_by_one_process_load_in_a_fresh
     query finds both resume points, the IO thread loads the ten KV pages (``batch_get_v1``)
     then the state at page 10 (``batch_get_v2``), byte for byte. A prompt that leaves the
     stored one inside page 7 resumes at page 4, the last with a state, and gets that state;
-    another model name finds nothing."""
-    saved = tmp_path / "hybrid.pt"
+    nodes backed up with their parents' keys load the same way; another model name finds
+    nothing."""
+    saved, chained = tmp_path / "hybrid.pt", tmp_path / "chained.pt"
     a = Engine(node.url, "tiny-mamba", tmp_path / "a.log", hybrid=True)
     try:
         assert a.ready == {"backend": "KvbankHiCacheStorage", "pools": ["kv", "mamba"]}
         got = a.call(op="store", seed=1, tokens=160, nodes=[4, 10], path=str(saved))
         assert got == {"stored": [[64, {"mamba": 1}], [96, {"mamba": 1}]],
                        "calls": {"backup_pages": [1, 4, 1, 6], "prefetch_pages": []}}
+        # the nodes' backups carrying their parents' keys (hicache_storage_pass_prefix_keys)
+        got = a.call(op="store", seed=2, tokens=96, nodes=[2, 6], prefix_keys=True, path=str(chained))
+        assert got == {"stored": [[32, {"mamba": 1}], [64, {"mamba": 1}]],
+                       "calls": {"backup_pages": [1, 2, 1, 4], "prefetch_pages": []}}
     finally:
         a.close()
     b = Engine(node.url, "tiny-mamba", tmp_path / "b.log", hybrid=True)
@@ -93,6 +98,10 @@ def test_hybrid_controller_pages_and_state_stored_by_one_process_load_in_a_fresh
         assert got == {"hit": 64, "restorable": [4], "loaded": 64, "pool_hits": {"mamba": 1},
                        "kv_equal": True, "state_equal": True,
                        "calls": {"backup_pages": [], "prefetch_pages": [4, 1]}}
+        got = b.call(op="load", seed=2, tokens=96, path=str(chained))
+        assert got == {"hit": 96, "restorable": [2, 6], "loaded": 96, "pool_hits": {"mamba": 1},
+                       "kv_equal": True, "state_equal": True,
+                       "calls": {"backup_pages": [], "prefetch_pages": [6, 1]}}
         assert other.call(op="load", seed=1, tokens=160, path=str(saved)) == \
             {"hit": 0, "restorable": [], "loaded": 0, "pool_hits": {},
              "calls": {"backup_pages": [], "prefetch_pages": []}}

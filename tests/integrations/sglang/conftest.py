@@ -34,13 +34,15 @@ def require_sglang() -> None:
 
 
 class Engine:
-    """A :mod:`driver` process: SGLang's controller with the kvbank backend attached."""
+    """A :mod:`driver` process: SGLang's controller with the kvbank backend attached
+    (``hybrid``: its ``HybridCacheController`` over a KV and a Mamba pool)."""
 
-    def __init__(self, url: str, model: str, log: Path) -> None:
+    def __init__(self, url: str, model: str, log: Path, *, hybrid: bool = False) -> None:
         self._err = open(log, "w")  # noqa: SIM115 - closed in close()
         self.log = log
+        arg = {"url": url, "model": model, "hybrid": hybrid}
         self.proc = subprocess.Popen(
-            [sys.executable, str(HERE / "driver.py"), json.dumps({"url": url, "model": model})],
+            [sys.executable, str(HERE / "driver.py"), json.dumps(arg)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._err, text=True,
             env={**os.environ, "PYTHONPATH": str(HERE.parents[2])})
         self.ready = self._read()

@@ -19,6 +19,16 @@ each host layout, with ``interface_v1`` and with the legacy flat-page calls, loa
 pool of every layout, compared as SGLang's own buffers hold them); ``{"op": "threads", ...}`` (four threads
 storing, querying and loading prompts of their own through the one backend at once, as
 SGLang's backup, prefetch and IO threads do).
+
+Started with ``"hybrid": true``, the process holds SGLang's real ``HybridCacheController``
+instead, over a ``HostPoolGroup`` of the KV pool and the Mamba pool (the harness's
+:class:`HybridController`), and takes two commands: ``{"op": "store", "seed": s, "tokens":
+n, "nodes": [pages], "path": p, "prefix_keys": b}`` (the prompt backed up as radix nodes ending
+at those pages, each with its state, with its parent's keys when ``b``; the KV pages and the
+states saved to ``path``) and ``{"op": "load",
+"seed": s, "tokens": n, "keep": k, "path": p}`` (a prefetch of the prompt, its tokens from
+``k`` on replaced when ``k`` is given; the loaded pages and state compared with the saved
+ones). Both answer the page counts of the backend's calls (SGLang's ``get_stats``).
 """
 
 from __future__ import annotations
@@ -40,6 +50,9 @@ def prompt(n: int, seed: int) -> list[int]:
 
 def main() -> None:
     arg = json.loads(sys.argv[1])
+    if arg.get("hybrid"):
+        hybrid_main(arg)
+        return
     import torch
 
     from kvbank.integrations.sglang.harness import Controller, mamba_pool, mha_pools
@@ -85,6 +98,53 @@ def main() -> None:
                 out.update(threads(cc, toks, cmd["seed"]))
             elif cmd["op"] == "diff":
                 out.update(diff(arg["url"], host, mamba, cmd["cases"], cmd["dir"], cmd["seed"]))
+        except Exception as exc:  # the test asserts no exception reached the controller
+            out["error"] = f"{type(exc).__name__}: {exc}"
+        print("RESULT " + json.dumps(out), flush=True)
+    cc.close()
+
+
+def hybrid_main(arg: dict[str, object]) -> None:
+    """The ``"hybrid": true`` process (module docstring)."""
+    import torch
+
+    from kvbank.integrations.sglang.harness import HybridController, mamba_pool, mha_pools
+
+    extra = {"backend_name": "kvbank", "module_path": "kvbank.integrations.sglang",
+             "class_name": "KvbankHiCacheStorage", "interface_v1": 1, "kvbank_url": arg["url"],
+             "timeout_s": 2, "retry_s": 0.2}
+    dev, alloc, host = mha_pools(tokens=512)
+    cc = HybridController(dev, alloc, host, mamba_pool(), extra=extra, model_name=str(arg["model"]))
+    print("RESULT " + json.dumps({"backend": type(cc.backend).__name__,
+                                  "pools": [str(e.name) for e in cc.group.entries]}), flush=True)
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        out: dict[str, object] = {}
+        try:
+            if cmd["op"] == "quit":
+                break
+            toks = prompt(cmd["tokens"], cmd["seed"])
+            if cmd["op"] == "store":
+                out["stored"] = cc.store(toks, cmd["nodes"], seed=cmd["seed"],
+                                         prefix_keys=bool(cmd.get("prefix_keys")))
+                torch.save({"kv": cc.kv_stored, "states": cc.states_stored}, cmd["path"])
+            elif cmd["op"] == "load":
+                if cmd.get("keep") is not None:
+                    toks = toks[: cmd["keep"]] + prompt(len(toks) - cmd["keep"], cmd["seed"] + 1)
+                got = cc.load([*toks, 7])
+                out.update(hit=got.hit_tokens, restorable=got.restorable, loaded=got.loaded_tokens,
+                           pool_hits=got.pool_hits)
+                if got.kv_slots is not None and got.state_slot is not None:
+                    want = torch.load(cmd["path"])
+                    pages = cc.pages(got.kv_slots)
+                    out["kv_equal"] = len(pages) <= len(want["kv"]) and all(
+                        torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+                        for a, b in zip(pages, want["kv"], strict=False))
+                    end = got.hit_tokens // cc.page_size
+                    out["state_equal"] = end in want["states"] and torch.equal(cc.state(got.state_slot),
+                                                                                want["states"][end])
+            stats = cc.backend.get_stats()
+            out["calls"] = {"backup_pages": stats.backup_pgs, "prefetch_pages": stats.prefetch_pgs}
         except Exception as exc:  # the test asserts no exception reached the controller
             out["error"] = f"{type(exc).__name__}: {exc}"
         print("RESULT " + json.dumps(out), flush=True)

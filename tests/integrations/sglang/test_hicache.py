@@ -60,3 +60,53 @@ def test_pages_and_state_stored_by_one_process_load_in_a_fresh_one_byte_for_byte
         b.close()
         other.close()
     assert "Traceback" not in (tmp_path / "b.log").read_text()
+
+
+def test_hybrid_controller_pages_and_state_stored_by_one_process_load_in_a_fresh_one_byte_for_byte(
+        node: Any, tmp_path: Path) -> None:
+    """SGLang's real ``HybridCacheController`` (a ``HostPoolGroup`` of the KV pool and the
+    Mamba pool, kvbank attached through the ``dynamic`` factory) backs a prompt up as two
+    radix nodes, pages 0-3 and 4-9, each with the state after it: per node its backup
+    thread stores the state (``batch_set_v2``, one page) before the KV pages
+    (``batch_set_v1``). A second one, in a fresh process, prefetches the prompt: the hit
+    query finds both resume points, the IO thread loads the ten KV pages (``batch_get_v1``)
+    then the state at page 10 (``batch_get_v2``), byte for byte. A prompt that leaves the
+    stored one inside page 7 resumes at page 4, the last with a state, and gets that state;
+    nodes backed up with their parents' keys load the same way; another model name finds
+    nothing."""
+    saved, chained = tmp_path / "hybrid.pt", tmp_path / "chained.pt"
+    a = Engine(node.url, "tiny-mamba", tmp_path / "a.log", hybrid=True)
+    try:
+        assert a.ready == {"backend": "KvbankHiCacheStorage", "pools": ["kv", "mamba"]}
+        got = a.call(op="store", seed=1, tokens=160, nodes=[4, 10], path=str(saved))
+        assert got == {"stored": [[64, {"mamba": 1}], [96, {"mamba": 1}]],
+                       "calls": {"backup_pages": [1, 4, 1, 6], "prefetch_pages": []}}
+        # the nodes' backups carrying their parents' keys (hicache_storage_pass_prefix_keys)
+        got = a.call(op="store", seed=2, tokens=96, nodes=[2, 6], prefix_keys=True, path=str(chained))
+        assert got == {"stored": [[32, {"mamba": 1}], [64, {"mamba": 1}]],
+                       "calls": {"backup_pages": [1, 2, 1, 4], "prefetch_pages": []}}
+    finally:
+        a.close()
+    b = Engine(node.url, "tiny-mamba", tmp_path / "b.log", hybrid=True)
+    other = Engine(node.url, "other-model", tmp_path / "c.log", hybrid=True)
+    try:
+        got = b.call(op="load", seed=1, tokens=160, path=str(saved))
+        assert got == {"hit": 160, "restorable": [4, 10], "loaded": 160, "pool_hits": {"mamba": 1},
+                       "kv_equal": True, "state_equal": True,
+                       "calls": {"backup_pages": [], "prefetch_pages": [10, 1]}}
+        got = b.call(op="load", seed=1, tokens=160, keep=100, path=str(saved))
+        assert got == {"hit": 64, "restorable": [4], "loaded": 64, "pool_hits": {"mamba": 1},
+                       "kv_equal": True, "state_equal": True,
+                       "calls": {"backup_pages": [], "prefetch_pages": [4, 1]}}
+        got = b.call(op="load", seed=2, tokens=96, path=str(chained))
+        assert got == {"hit": 96, "restorable": [2, 6], "loaded": 96, "pool_hits": {"mamba": 1},
+                       "kv_equal": True, "state_equal": True,
+                       "calls": {"backup_pages": [], "prefetch_pages": [6, 1]}}
+        assert other.call(op="load", seed=1, tokens=160, path=str(saved)) == \
+            {"hit": 0, "restorable": [], "loaded": 0, "pool_hits": {},
+             "calls": {"backup_pages": [], "prefetch_pages": []}}
+    finally:
+        b.close()
+        other.close()
+    for log in ("a.log", "b.log", "c.log"):
+        assert "Traceback" not in (tmp_path / log).read_text()

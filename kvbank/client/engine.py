@@ -418,12 +418,17 @@ def _load_lent(c: Client, link: LocalLink | None, body: dict[str, Any], pool: Po
                 # commit is a miss (the pool's copy is the engine's to overwrite; it never
                 # counts as loaded), and the node reads only those again
                 got = [0] * len(idx)
+                flat = src.numpy().data.cast("B")  # the run's rows back to back, in the segment
 
-                def hashed(first: int, end: int, src: torch.Tensor = src, got: list[int] = got) -> None:
+                def hashed(first: int, end: int, flat: memoryview = flat, got: list[int] = got,
+                           size: int = size) -> None:
                     for k in range(first, end):
-                        got[k] = checksum(src[k].numpy().data)
+                        got[k] = checksum(flat[k * size : (k + 1) * size])
 
-                scatter_strided(layout, g, src, pool, [int(block_ids[g][rows[i][1]]) for i in idx], then=hashed)
+                try:
+                    scatter_strided(layout, g, src, pool, [int(block_ids[g][rows[i][1]]) for i in idx], then=hashed)
+                finally:
+                    flat.release()  # no view may keep the mapping exported
                 for i, h in zip(idx, got, strict=True):
                     w = want.get(i)
                     (changed if w is not None and w != h else arrived).append([g, rows[i][1]])

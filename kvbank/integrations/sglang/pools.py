@@ -101,12 +101,13 @@ class PoolMap:
         idx = torch.as_tensor(host_indices).reshape(-1)
         if idx.numel() != count * p:
             raise InvalidInput(f"host_indices: {idx.numel()} slots for {count} pages of {p}")
-        firsts = idx[::p].tolist()
-        if p > 1:
-            want = (idx[::p].repeat_interleave(p) + torch.arange(p).repeat(count))
-            if not torch.equal(idx.to(want.dtype), want) or any(f % p for f in firsts):
-                raise UnsupportedPool(f"pool {self.name!r}: host slots are not whole aligned pages")
-        return [int(f) // p for f in firsts]
+        if p == 1:
+            return [int(f) for f in idx.tolist()]
+        pages = idx.view(count, p)
+        firsts = pages[:, 0]
+        if bool((pages != firsts[:, None] + torch.arange(p, dtype=idx.dtype)).any()) or bool((firsts % p).any()):
+            raise UnsupportedPool(f"pool {self.name!r}: host slots are not whole aligned pages")
+        return (firsts // p).tolist()
 
 
 def _model(cfg: Any, pool: str, host: Any) -> str:

@@ -362,7 +362,7 @@ class LocalLink:
                        keys: Sequence[bytes] | None, prompt_tokens: int | None) -> list[fr.Column] | None:
         """A prompt's 6 columns; None where it has no form here (keys not all 32 bytes)."""
         if keys is not None:
-            if any(type(k) is not bytes or len(k) != fr.KEY_BYTES for k in keys):
+            if keys and (set(map(type, keys)) != {bytes} or set(map(len, keys)) != {fr.KEY_BYTES}):
                 return None
             data: fr.Column = b"".join(keys)
         else:

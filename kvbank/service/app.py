@@ -78,7 +78,7 @@ from kvbank.errors import (
 from kvbank.keys import ROW_NAME_BYTES
 from kvbank.keys import Scope as KeyScope
 from kvbank.layout import PageLayout
-from kvbank.lender.base import Delivery, Lease, LeaseMode, MemoryKind
+from kvbank.lender.base import Delivery, Lease, LeaseMode, MemoryKind, Selection
 from kvbank.results import Match
 from kvbank.service.admin.auth import Forbidden, Unauthorized
 from kvbank.service.admin.quarantine import install_audit
@@ -475,7 +475,11 @@ def create_app(node: Node) -> FastAPI:
     @app.post("/v1/leases/{lease_id}/renew", responses=_lease_links("$response.body#/id"))
     async def renew(lease_id: str, body: RenewBody, request: Request) -> Response:
         guard.lease(request, lease_id)
-        return _json(_lease(await node.call(bank.renew, lease_id, body.ttl_s)))
+        lease = await node.call(bank.renew, lease_id, body.ttl_s)
+        if lease.mode is LeaseMode.READ and lease.kind is MemoryKind.HOST and lease.selection is Selection.NAMED:
+            # the renewed snapshot replaces the lent one: the same checksums, for the same reader
+            lease = lease.with_sums(await node.call(bank.checksums, lease.id))
+        return _json(_lease(lease))
 
     @app.post("/v1/leases/{lease_id}/commit")
     async def commit(lease_id: str, body: CommitBody, request: Request) -> Response:

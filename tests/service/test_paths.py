@@ -222,7 +222,8 @@ def test_a_raw_read_lease_carries_each_rows_checksum(node: NodeProcess) -> None:
 def test_a_client_lease_carries_each_rows_checksum(node: NodeProcess, channel: str) -> None:
     """``Client.lend`` of a READ HOST lease, on the local channel and over HTTP, hands
     the reader each row's checksum (``Lease.sums``, ``Lease.checksums()``): equal to the
-    checksum of the bytes read through the lease; a WRITE lease carries none."""
+    checksum of the bytes read through the lease, and so does its renewal; a WRITE lease
+    carries none."""
     data = pages(2, 23)
     toks = list(range(80_000, 80_000 + 2 * 16))
     with Client(node.url, channel=channel) as c:
@@ -234,6 +235,8 @@ def test_a_client_lease_carries_each_rows_checksum(node: NodeProcess, channel: s
                 read = [bytes(b.view(lease, n)) for n in names]
             assert read == [bytes(d.numpy()) for d in data]
             assert lease.checksums() == {n: checksum(r) for n, r in zip(names, read, strict=True)}
+            renewed = c.renew(lease.id, ttl_s=60)  # the new snapshot carries them too
+            assert renewed.sums == lease.sums and renewed.expires_at >= lease.expires_at
         finally:
             c.release(lease.id)
         absent = bytes(names[0][:-1]) + bytes([names[0][-1] ^ 1])

@@ -261,12 +261,14 @@ class Controller(_KvSlots):
         idx = self.host.alloc(hit)
         op.host_indices = idx
         self.cc.prefetch_buffer.put(op)
-        while op.completed_tokens < hit and time.monotonic() < deadline:
-            time.sleep(0.01)
-            if op.is_terminated():
-                break
-        time.sleep(0.05)  # the IO thread's last batch
-        return hit, int(op.completed_tokens), idx
+        # the IO thread reports through its acks (the operation's own count is not kept)
+        loaded = 0
+        while True:
+            ack = _take(self.cc.ack_prefetch_queue, lambda a: a.operation is op, deadline, "the IO thread")
+            if ack.completed_tokens is not None:
+                loaded = int(ack.completed_tokens)
+            if ack.completed_req:
+                return hit, loaded, idx
 
     def close(self) -> None:
         self.cc.detach_storage_backend()

@@ -10,6 +10,8 @@ expects of a server process, and nothing more:
   rank reductions are skipped).
 - :func:`mha_pools` — a real device pool, its allocator and a real
   ``MHATokenToKVPoolHost`` on the CPU.
+- :func:`mla_pools` — a real ``MLATokenToKVPool`` device pool, its allocator and a real
+  ``MLATokenToKVPoolHost`` over its buffers on the CPU (one latent a token and layer).
 - :func:`mamba_pool` — a real ``MambaPoolHost`` (conv and temporal state of two layers),
   the sidecar pool SGLang's hybrid controller registers for a Mamba model.
 - :func:`storage_config`, :func:`file_backend` — the config SGLang hands a backend (TP 1),
@@ -51,7 +53,7 @@ from typing import Any
 import torch
 
 __all__ = ["Controller", "HybridController", "HybridLoad", "cpu_runtime", "file_backend", "mamba_pool",
-           "mha_pools", "page_hashes", "storage_config"]
+           "mha_pools", "mla_pools", "page_hashes", "storage_config"]
 
 HOST_BUDGET_BYTES = 4 << 30  # what the harness's host pools may take (they take MiB)
 _READY = threading.Lock()
@@ -141,6 +143,31 @@ def mha_pools(tokens: int = 256, page_size: int = 16, heads: int = 2, head_dim: 
         host = MHATokenToKVPoolHost(dev._mha_buffer_info(), host_ratio, 0, page_size, layout,
                                     pin_memory=False, device="cpu", device_capacity_tokens=tokens,
                                     start_layer=0, end_layer=layers)
+    return dev, alloc, host
+
+
+def mla_pools(tokens: int = 256, page_size: int = 16, kv_lora_rank: int = 32, qk_rope_head_dim: int = 8,
+              layers: int = 2, dtype: torch.dtype = torch.bfloat16, layout: str = "page_first",
+              host_ratio: float = 2.0) -> tuple[Any, Any, Any]:
+    """(device pool, its allocator, host pool): SGLang's real MLA pools on the CPU, a latent of
+    ``kv_lora_rank + qk_rope_head_dim`` a token and layer. The host pool is built from the
+    device pool's buffer info as SGLang's ``_build_mha_mla_host_pool`` builds it
+    (``hybrid_cache/hybrid_pool_assembler.py``)."""
+    cpu_runtime()
+    from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
+    from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
+    from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
+    from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
+
+    dev = MLATokenToKVPool(size=tokens, page_size=page_size, dtype=dtype, kv_lora_rank=kv_lora_rank,
+                           qk_rope_head_dim=qk_rope_head_dim, layer_num=layers, device="cpu",
+                           enable_memory_saver=False)
+    alloc = PagedTokenToKVPoolAllocator(tokens, page_size, dtype, "cpu", dev, False)
+    with host_memory_budget_scope(HOST_BUDGET_BYTES):  # as in mha_pools
+        host = MLATokenToKVPoolHost(dev.get_device_pool_infos()[0].buffer_info, host_ratio, 0, page_size,
+                                    layout, pin_memory=False, device="cpu", device_capacity_tokens=tokens,
+                                    start_layer=dev.start_layer, end_layer=dev.end_layer,
+                                    target_layer_num=dev.layer_num, override_kv_cache_dim=dev.kv_cache_dim)
     return dev, alloc, host
 
 
@@ -261,12 +288,14 @@ class Controller(_KvSlots):
         idx = self.host.alloc(hit)
         op.host_indices = idx
         self.cc.prefetch_buffer.put(op)
-        while op.completed_tokens < hit and time.monotonic() < deadline:
-            time.sleep(0.01)
-            if op.is_terminated():
-                break
-        time.sleep(0.05)  # the IO thread's last batch
-        return hit, int(op.completed_tokens), idx
+        # the IO thread reports through its acks (the operation's own count is not kept)
+        loaded = 0
+        while True:
+            ack = _take(self.cc.ack_prefetch_queue, lambda a: a.operation is op, deadline, "the IO thread")
+            if ack.completed_tokens is not None:
+                loaded = int(ack.completed_tokens)
+            if ack.completed_req:
+                return hit, loaded, idx
 
     def close(self) -> None:
         self.cc.detach_storage_backend()

@@ -382,18 +382,20 @@ def _load_lent(c: Client, link: LocalLink | None, body: dict[str, Any], pool: Po
         layout = c.layout(bytes.fromhex(doc["layout_id"]))
         rows = doc["rows"]
         _check_ids(layout, block_ids)
+        bid = [_block(block_ids, g, j) for g, j, _ in rows]  # each planned row's block (None: not moved)
         blocks: dict[int, list[int]] = {}
-        for g, j, _ in rows:
+        for (g, _, _), b in zip(rows, bid, strict=True):
             if g not in blocks:
                 check_pool(layout, g, pool)
-            b = _block(block_ids, g, j)
-            blocks.setdefault(g, []).extend(() if b is None else (b,))
+                blocks[g] = []
+            if b is not None:
+                blocks[g].append(b)
         for g, ids in blocks.items():
             if len(set(ids)) != len(ids):
                 raise InvalidInput(f"block_ids[{g}]: a block id appears twice (two pages into one block)")
         segments = lease["segments"]
         entries = [(int(i), rows[i][0], str(segments[seg]), int(off), int(size))
-                   for i, seg, off, size in lease["slots"] if _block(block_ids, rows[i][0], rows[i][1]) is not None]
+                   for i, seg, off, size in lease["slots"] if bid[i] is not None]
         want = _sums_of(lease)
         borrower = c._shm.borrower(writable=True)
         whole: dict[str, torch.Tensor] = {}
@@ -410,7 +412,7 @@ def _load_lent(c: Client, link: LocalLink | None, body: dict[str, Any], pool: Po
                     raise TierUnavailable(f"node: a slot at {off} is beyond segment {seg}")
                 src = t[off : off + size * len(idx)].view(len(idx), size)
                 if want is None:
-                    scatter_strided(layout, g, src, pool, [int(block_ids[g][rows[i][1]]) for i in idx])
+                    scatter_strided(layout, g, src, pool, [cast(int, bid[i]) for i in idx])
                     arrived.extend([g, rows[i][1]] for i in idx)
                     continue
                 # each row read in place is hashed right after its part of the scatter, on the
@@ -426,7 +428,7 @@ def _load_lent(c: Client, link: LocalLink | None, body: dict[str, Any], pool: Po
                         got[k] = checksum(flat[k * size : (k + 1) * size])
 
                 try:
-                    scatter_strided(layout, g, src, pool, [int(block_ids[g][rows[i][1]]) for i in idx], then=hashed)
+                    scatter_strided(layout, g, src, pool, [cast(int, bid[i]) for i in idx], then=hashed)
                 finally:
                     flat.release()  # no view may keep the mapping exported
                 for i, h in zip(idx, got, strict=True):

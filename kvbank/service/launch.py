@@ -20,6 +20,10 @@ from dataclasses import dataclass, field
 
 from kvbank.errors import TierUnavailable
 
+# set in a node's environment by the process that starts it for itself (its pid): the node
+# then ends with it (kvbank.service.server.die_with_starter)
+DIE_WITH_ENV = "KVBANK_DIE_WITH_PID"
+
 _READY = re.compile(r"kvbank serve: ready on (http://\S+)")
 
 
@@ -39,6 +43,12 @@ class NodeProcess:
         # timeout_s is a hang bound: a start (torch's import, the bank's open) took over
         # 40 s on a loaded machine, so a tighter bound failed tests for a slow machine
         cmd = [sys.executable, "-m", "kvbank.cli", "serve", "--port", "0", *args]
+        if threading.current_thread() is threading.main_thread():
+            # the node stops when this process ends, however it ends (a killed test run
+            # left nodes holding GiBs). Only from the main thread: the kernel sends the
+            # parent-death signal when the thread that forked ends, and only the main
+            # thread lasts as long as the process
+            env = {**(os.environ if env is None else env), DIE_WITH_ENV: str(os.getpid())}
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 env=env, bufsize=1)
         lines: list[str] = []

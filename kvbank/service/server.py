@@ -32,6 +32,8 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
+import signal
 import socket
 import sys
 import threading
@@ -39,7 +41,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
-from typing import TextIO
+from typing import Any, TextIO
 
 import uvicorn
 
@@ -51,6 +53,7 @@ from kvbank.service.app import create_app
 from kvbank.service.config import DATA_PORT_OFF, ServiceConfig
 from kvbank.service.connections import protocol
 from kvbank.service.dataplane import DataPlane
+from kvbank.service.launch import DIE_WITH_ENV
 from kvbank.service.local import LocalChannel, socket_path
 from kvbank.service.node import Node
 from kvbank.service.sockets import listen
@@ -65,6 +68,36 @@ STOP_REPEAT_S = 5.0  # and says it again this often while the wait lasts
 
 PR_SET_DUMPABLE = 4  # <linux/prctl.h>
 PR_GET_DUMPABLE = 3
+PR_SET_PDEATHSIG = 1
+
+
+def _prctl() -> Any:
+    """libc's ``prctl`` (None off Linux or where libc has none)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    prctl.argtypes = (ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong)
+    prctl.restype = ctypes.c_int
+    return prctl
+
+
+def die_with_starter() -> None:
+    """Where ``KVBANK_DIE_WITH_PID`` names this process's parent: SIGTERM when that
+    parent ends (``PR_SET_PDEATHSIG``), so a node a test or a bench started stops with it
+    however it ends (a hang guard's kill included) and frees its memory; a parent gone
+    already ends the node at once."""
+    want = os.environ.get(DIE_WITH_ENV)
+    if not want:
+        return
+    prctl = _prctl()
+    if prctl is None or prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0) != 0:
+        logger.warning("kvbank serve: cannot stop with the process that started it (no prctl)")
+        return
+    if str(os.getppid()) != want:  # the parent died before the prctl took effect
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def forbid_dumps() -> bool:
@@ -72,14 +105,9 @@ def forbid_dumps() -> bool:
     environ, maps) and ``ptrace`` become root's only, so another process of this uid
     reaches none of this process's descriptors or memory. Whether it took effect (False
     off Linux or where libc has no prctl: the node then runs as before, and says so)."""
-    if not sys.platform.startswith("linux"):
+    prctl = _prctl()
+    if prctl is None:
         return False
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return False
-    prctl.argtypes = (ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong)
-    prctl.restype = ctypes.c_int
     if prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) != 0:
         logger.warning("kvbank serve: prctl(PR_SET_DUMPABLE, 0) failed (errno %d): processes "
                        "of this uid can open its /proc entries", ctypes.get_errno())
@@ -102,6 +130,7 @@ def _bind(config: ServiceConfig) -> socket.socket:
 
 def serve(config: ServiceConfig, *, out: TextIO = sys.stdout) -> int:
     """Run the node until SIGTERM/SIGINT; 0 after a clean shutdown."""
+    die_with_starter()
     if not forbid_dumps():
         logger.warning("kvbank serve: this process stays dumpable: a process of its uid can "
                        "read its memory and descriptors (docs/admin.md, trust model)")

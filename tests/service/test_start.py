@@ -101,3 +101,63 @@ def test_a_fleet_error_is_named_fleet_once_in_health() -> None:
     assert reasons("Error 111 connecting") == ["fleet: Error 111 connecting"]
     assert reasons(None) == ["fleet: not registered yet"]
     assert reasons("fleet: x", degraded=False) == []
+
+
+STARTER = """
+import sys, threading
+from kvbank.service.launch import NodeProcess
+data_dir, where = sys.argv[1], sys.argv[2]
+got = []
+if where == "main":
+    got.append(NodeProcess.start(["--data-dir", data_dir + "/main", "--host-bytes", "16M", "--disk-bytes", "0",
+                                   "--device-bytes", "0"]))
+else:
+    t = threading.Thread(target=lambda: got.append(NodeProcess.start(
+        ["--data-dir", data_dir + "/thread", "--host-bytes", "16M", "--disk-bytes", "0", "--device-bytes", "0"])))
+    t.start()
+    t.join()
+print(got[0].pid, flush=True)
+sys.stdin.read()  # until killed
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ", 1)[1][0] != "Z"  # a zombie has ended
+    except FileNotFoundError:
+        return False
+
+
+def test_a_node_started_by_a_process_ends_when_that_process_is_killed(tmp_path: Path) -> None:
+    """A test or bench killed on its hang guard left the nodes it started running (one held
+    3 GB). A node that NodeProcess.start launched from the main thread now stops when its
+    starter ends, SIGKILL included; one launched from another thread (which may end before
+    the process: the kernel's signal follows the thread) is not tied, and is stopped here."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    pids = {}
+    for where in ("main", "thread"):
+        with subprocess.Popen([sys.executable, "-c", STARTER, str(tmp_path), where], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONPATH": os.getcwd()}) as starter:
+            assert starter.stdout is not None
+            pids[where] = int(starter.stdout.readline())
+            assert _alive(pids[where])
+            starter.kill()
+            starter.wait(30)
+    try:
+        for _ in range(600):  # a hang bound: the node's stop takes a moment
+            if not _alive(pids["main"]):
+                break
+            time.sleep(0.1)
+        assert not _alive(pids["main"]), "the node outlived the process that started it"
+        assert _alive(pids["thread"])
+    finally:
+        for pid in pids.values():
+            if _alive(pid):
+                os.kill(pid, signal.SIGTERM)

@@ -38,6 +38,8 @@ import logging
 import random
 import sys
 import warnings
+from collections.abc import Callable
+from typing import Any
 
 warnings.simplefilter("ignore")
 logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
@@ -54,53 +56,45 @@ def main() -> None:
         hybrid_main(arg)
         return
     import torch
+    from sglang.srt.mem_cache.hicache_storage import PoolName
 
     from kvbank.integrations.sglang.harness import Controller, mamba_pool, mha_pools
 
-    extra = {"backend_name": "kvbank", "module_path": "kvbank.integrations.sglang",
-             "class_name": "KvbankHiCacheStorage", "interface_v1": arg.get("v1", 1),
-             "kvbank_url": arg["url"], "timeout_s": 2, "retry_s": 0.2}
-    from sglang.srt.mem_cache.hicache_storage import PoolName
-
     _, alloc, host = mha_pools(tokens=512)
-    cc = Controller(alloc, host, extra=extra, model_name=arg["model"])
+    cc = Controller(alloc, host, extra=_extra(arg), model_name=arg["model"])
     mamba = mamba_pool()
     cc.backend.register_mem_host_pool_v2(host, PoolName.KV)
     cc.backend.register_mem_host_pool_v2(mamba, PoolName.MAMBA)
     print("RESULT " + json.dumps({"backend": type(cc.backend).__name__}), flush=True)
-    for line in sys.stdin:
-        cmd = json.loads(line)
+
+    def handle(cmd: dict[str, Any], toks: list[int]) -> dict[str, object]:
         out: dict[str, object] = {}
-        try:
-            if cmd["op"] == "quit":
-                break
-            toks = prompt(cmd["tokens"], cmd["seed"])
-            if cmd["op"] == "store":
-                out["stored"] = cc.store(toks)
-                torch.save(cc.pages(cc.stored), cmd["path"])
-            elif cmd["op"] == "load":
-                hit, _, idx = cc.load([*toks, 7])
-                out["hit"] = hit
-                if idx is not None:
-                    want = torch.load(cmd["path"])
-                    got = cc.pages(idx)
-                    out["pages"] = len(got)
-                    out["equal"] = len(got) == len(want) and all(
-                        torch.equal(a.view(torch.uint8), b.view(torch.uint8))
-                        for a, b in zip(want, got, strict=True))
-            elif cmd["op"] == "state_store":
-                out.update(state_store(cc, mamba, toks, cmd["at"], cmd["path"]))
-            elif cmd["op"] == "state_load":
-                out.update(state_load(cc, mamba, toks, cmd["path"]))
-            elif cmd["op"] == "layouts":
-                out.update(layouts(arg["url"], toks, cmd["seed"]))
-            elif cmd["op"] == "threads":
-                out.update(threads(cc, toks, cmd["seed"]))
-            elif cmd["op"] == "diff":
-                out.update(diff(arg["url"], host, mamba, cmd["cases"], cmd["dir"], cmd["seed"]))
-        except Exception as exc:  # the test asserts no exception reached the controller
-            out["error"] = f"{type(exc).__name__}: {exc}"
-        print("RESULT " + json.dumps(out), flush=True)
+        if cmd["op"] == "store":
+            out["stored"] = cc.store(toks)
+            torch.save(cc.pages(cc.stored), cmd["path"])
+        elif cmd["op"] == "load":
+            hit, _, idx = cc.load([*toks, 7])
+            out["hit"] = hit
+            if idx is not None:
+                want = torch.load(cmd["path"])
+                got = cc.pages(idx)
+                out["pages"] = len(got)
+                out["equal"] = len(got) == len(want) and all(
+                    torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+                    for a, b in zip(want, got, strict=True))
+        elif cmd["op"] == "state_store":
+            out.update(state_store(cc, mamba, toks, cmd["at"], cmd["path"]))
+        elif cmd["op"] == "state_load":
+            out.update(state_load(cc, mamba, toks, cmd["path"]))
+        elif cmd["op"] == "layouts":
+            out.update(layouts(arg["url"], toks, cmd["seed"]))
+        elif cmd["op"] == "threads":
+            out.update(threads(cc, toks, cmd["seed"]))
+        elif cmd["op"] == "diff":
+            out.update(diff(arg["url"], host, mamba, cmd["cases"], cmd["dir"], cmd["seed"]))
+        return out
+
+    _serve(handle)
     cc.close()
 
 
@@ -110,45 +104,61 @@ def hybrid_main(arg: dict[str, object]) -> None:
 
     from kvbank.integrations.sglang.harness import HybridController, mamba_pool, mha_pools
 
-    extra = {"backend_name": "kvbank", "module_path": "kvbank.integrations.sglang",
-             "class_name": "KvbankHiCacheStorage", "interface_v1": 1, "kvbank_url": arg["url"],
-             "timeout_s": 2, "retry_s": 0.2}
     dev, alloc, host = mha_pools(tokens=512)
-    cc = HybridController(dev, alloc, host, mamba_pool(), extra=extra, model_name=str(arg["model"]))
+    cc = HybridController(dev, alloc, host, mamba_pool(), extra=_extra({**arg, "v1": 1}),
+                          model_name=str(arg["model"]))
     print("RESULT " + json.dumps({"backend": type(cc.backend).__name__,
                                   "pools": [str(e.name) for e in cc.group.entries]}), flush=True)
+
+    def handle(cmd: dict[str, Any], toks: list[int]) -> dict[str, object]:
+        out: dict[str, object] = {}
+        if cmd["op"] == "store":
+            out["stored"] = cc.store(toks, cmd["nodes"], seed=cmd["seed"],
+                                     prefix_keys=bool(cmd.get("prefix_keys")))
+            torch.save({"kv": cc.kv_stored, "states": cc.states_stored}, cmd["path"])
+        elif cmd["op"] == "load":
+            if cmd.get("keep") is not None:
+                toks = toks[: cmd["keep"]] + prompt(len(toks) - cmd["keep"], cmd["seed"] + 1)
+            got = cc.load([*toks, 7])
+            out.update(hit=got.hit_tokens, restorable=got.restorable, loaded=got.loaded_tokens,
+                       pool_hits=got.pool_hits)
+            if got.kv_slots is not None and got.state_slot is not None:
+                want = torch.load(cmd["path"])
+                pages = cc.pages(got.kv_slots)
+                out["kv_equal"] = len(pages) <= len(want["kv"]) and all(
+                    torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+                    for a, b in zip(pages, want["kv"], strict=False))
+                end = got.hit_tokens // cc.page_size
+                out["state_equal"] = end in want["states"] and torch.equal(cc.state(got.state_slot),
+                                                                            want["states"][end])
+        stats = cc.backend.get_stats()
+        out["calls"] = {"backup_pages": stats.backup_pgs, "prefetch_pages": stats.prefetch_pgs}
+        return out
+
+    _serve(handle)
+    cc.close()
+
+
+def _extra(arg: dict[str, Any]) -> dict[str, object]:
+    """The backend's ``--hicache-storage-backend-extra-config``, as ``dynamic`` reads it."""
+    return {"backend_name": "kvbank", "module_path": "kvbank.integrations.sglang",
+            "class_name": "KvbankHiCacheStorage", "interface_v1": arg.get("v1", 1),
+            "kvbank_url": arg["url"], "timeout_s": 2, "retry_s": 0.2}
+
+
+def _serve(handle: Callable[[dict[str, Any], list[int]], dict[str, object]]) -> None:
+    """One ``RESULT`` line for each command line on stdin, until ``quit``: what ``handle``
+    answers for the command and its prompt, or the exception it raised (the tests assert
+    none reached the controller)."""
     for line in sys.stdin:
         cmd = json.loads(line)
-        out: dict[str, object] = {}
+        if cmd["op"] == "quit":
+            break
         try:
-            if cmd["op"] == "quit":
-                break
-            toks = prompt(cmd["tokens"], cmd["seed"])
-            if cmd["op"] == "store":
-                out["stored"] = cc.store(toks, cmd["nodes"], seed=cmd["seed"],
-                                         prefix_keys=bool(cmd.get("prefix_keys")))
-                torch.save({"kv": cc.kv_stored, "states": cc.states_stored}, cmd["path"])
-            elif cmd["op"] == "load":
-                if cmd.get("keep") is not None:
-                    toks = toks[: cmd["keep"]] + prompt(len(toks) - cmd["keep"], cmd["seed"] + 1)
-                got = cc.load([*toks, 7])
-                out.update(hit=got.hit_tokens, restorable=got.restorable, loaded=got.loaded_tokens,
-                           pool_hits=got.pool_hits)
-                if got.kv_slots is not None and got.state_slot is not None:
-                    want = torch.load(cmd["path"])
-                    pages = cc.pages(got.kv_slots)
-                    out["kv_equal"] = len(pages) <= len(want["kv"]) and all(
-                        torch.equal(a.view(torch.uint8), b.view(torch.uint8))
-                        for a, b in zip(pages, want["kv"], strict=False))
-                    end = got.hit_tokens // cc.page_size
-                    out["state_equal"] = end in want["states"] and torch.equal(cc.state(got.state_slot),
-                                                                                want["states"][end])
-            stats = cc.backend.get_stats()
-            out["calls"] = {"backup_pages": stats.backup_pgs, "prefetch_pages": stats.prefetch_pgs}
-        except Exception as exc:  # the test asserts no exception reached the controller
-            out["error"] = f"{type(exc).__name__}: {exc}"
+            out = handle(cmd, prompt(cmd["tokens"], cmd["seed"]))
+        except Exception as exc:
+            out = {"error": f"{type(exc).__name__}: {exc}"}
         print("RESULT " + json.dumps(out), flush=True)
-    cc.close()
 
 
 def _mamba(keys: list[str], n: int = 1, host_indices: object = None, all_pages: bool = False) -> object:

@@ -134,7 +134,7 @@ class PreparedLoad:
     shard: int | None
     sent: float  # time.monotonic() when the lease was asked for: its deadline counts from here
     doc: dict[str, Any] | None = None  # the LOAD answer (None: no lease, load the match)
-    used: bool = False
+    used: bool = False  # loaded or given back: its plan is not used again
     _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
 
     def take(self) -> dict[str, Any] | None:
@@ -251,10 +251,9 @@ class EngineCalls:
             raise InvalidInput("keys: expected a sequence of page keys (bytes)")
         link = c._chan() if c.same_host else None
         sent = time.monotonic()
-        if link is not None and link.loads and keys:
+        if link is not None and link.load_keys_op and keys:  # an older node takes neither form
             # binary where the keys have that form (32 bytes each), else LOAD's JSON by keys
-            prompt = c._prompt_columns(layout_id, None, scope, shard, list(keys), prompt_tokens) \
-                if link.load_keys_op else None
+            prompt = c._prompt_columns(layout_id, None, scope, shard, list(keys), prompt_tokens)
             try:
                 if prompt is not None:
                     m, doc = link.load_keys(prompt, ttl_s)

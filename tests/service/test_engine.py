@@ -530,7 +530,8 @@ def test_a_prepared_load_lends_with_its_hit_query_and_loads_without_a_control_ca
     one-way (no answered call), with the bytes and result of fetch_into of the same match;
     a shorter list of blocks loads only those pages (the rest missing, the lease released
     whole); release_prepared gives back a lease never loaded; a prepared load used twice
-    is loaded the second time as fetch_into loads it."""
+    is loaded the second time as fetch_into loads it, as is one from a node that takes no
+    load by keys (its match alone)."""
     with Client(node.url, channel="local") as c, Client(node.url, same_host=True, channel="http") as h:
         lid = c.register(LAYOUT)
         keys = fresh_keys(4)
@@ -587,3 +588,10 @@ def test_a_prepared_load_lends_with_its_hit_query_and_loads_without_a_control_ca
         c.release_prepared(unused)  # nothing left to give back
         link.settle()
         assert not {x.id for x in h.leases()} & {held, short_lease}
+
+        link.load_keys_op = False  # as after the HELLO of a node that takes no load by keys
+        older = c.prepare_load(lid, keys=keys32, prompt_tokens=4 * P + 1)
+        assert older.doc is None and older.match.resume.tokens == 4 * P  # its match alone
+        dst = {i: torch.zeros(BLOCKS, H, 2 * P, D) for i in range(L)}
+        assert c.load_prepared(older, pool=pool_of(dst), block_ids={0: [4, 5, 6, 7]}).complete
+        assert all(torch.equal(dst[i][4:8], src[i][0:4]) for i in range(L))

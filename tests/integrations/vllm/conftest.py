@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -112,6 +113,7 @@ class Engine:
                  env: dict[str, str] | None = None, extra: dict[str, Any] | None = None) -> None:
         # extra: more kv_connector_extra_config keys
         arg = json.dumps({"model": str(model), "url": url, "engine": engine or {}, "extra": extra or {}})
+        self.url = url
         self.log = log
         self.out: list[str] = []  # the engine's stdout (vLLM logs there)
         self._err = open(log, "w")  # noqa: SIM115 - closed in close()
@@ -146,6 +148,29 @@ class Engine:
 
     def reset(self) -> None:
         self.call(op="reset")
+
+    def saved(self, before: int, timeout_s: float = 60.0) -> None:
+        """Wait until the node holds rows put after ``before`` (its ``store.puts`` then)
+        and no lease is live: the connector saves on a background thread after a step
+        (docs/integrations.md), so a request right after the one that stored its pages can
+        look them up before they land. ``timeout_s`` is a hang bound; past it the caller's
+        own assertion says what is missing."""
+        from kvbank import Client
+
+        deadline = time.monotonic() + timeout_s
+        with Client(self.url, channel="http") as c:
+            while time.monotonic() < deadline:
+                s = c.stats()
+                if s.store.puts > before and s.live_leases == 0:
+                    return
+                time.sleep(0.05)
+
+    def puts(self) -> int:
+        """The node's ``store.puts`` now (:meth:`saved`)."""
+        from kvbank import Client
+
+        with Client(self.url, channel="http") as c:
+            return int(c.stats().store.puts)
 
     def log_text(self) -> str:
         return self.log.read_text() + "".join(self.out)

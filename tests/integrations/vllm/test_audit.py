@@ -50,8 +50,10 @@ def test_audit_quarantines_rows_of_a_replaced_checkpoint(tmp_path: Path) -> None
     try:
         a = Engine(model, node.url, tmp_path / "a.log", UNI, env=ONE_PROC)
         try:
-            a.generate(x)  # misses: stores both prompts
-            a.generate(y)
+            for ids in (x, y):  # misses: stores both prompts
+                before = a.puts()
+                a.generate(ids)
+                a.saved(before)
             a.reset()
             own = a.generate(x, params={"kvbank_audit": True})  # its own rows: declined, audited
             assert own["cached"] == 0

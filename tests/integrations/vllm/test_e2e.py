@@ -36,7 +36,9 @@ def check_hit(engine: Engine, ids: list[int], min_hit: int) -> dict[str, object]
     base = engine.generate(ids, params=OFF)
     assert base["cached"] == 0
     engine.reset()
+    before = engine.puts()
     engine.generate(ids)  # a miss: stores the pages
+    engine.saved(before)  # on the connector's saver thread: landed before the lookup
     engine.reset()
     hit = engine.generate(ids)
     assert hit["cached"] >= min_hit, (hit, engine.log_text()[-3000:])
@@ -76,7 +78,9 @@ def test_llama_changed_config_shares_nothing(models: dict[str, Path], node: Node
     """Same weights, same prompt, rms_norm_eps changed: another fingerprint, 0 hit tokens."""
     ids = prompt(500, 3)
     llama.reset()
+    before = llama.puts()
     llama.generate(ids)  # stored under the first model's layout
+    llama.saved(before)  # landed: the miss below is the fingerprint's, not the saver's timing
     # both halves in this one process (vLLM's in-process engine core and worker): a start
     # ~20 s shorter, and the connector's single-process case
     other = Engine(models["llama_changed"], node.url, tmp_path / "engine.log",
@@ -101,7 +105,9 @@ def test_llama_damaged_pages_then_killed_node_are_misses_with_equal_output(
         e.reset()
         base = e.generate(ids, params=OFF)
         e.reset()
+        before = e.puts()
         e.generate(ids)  # stored
+        e.saved(before)  # landed before the node stops
         assert n.stop() == 0
         assert rot_disk(n.data) > 0
         n.start()

@@ -279,7 +279,10 @@ class _Stopping:
 
     def __init__(self, err: TextIO) -> None:
         self._err = err
-        self._lock = threading.Lock()
+        # re-entrant: a second SIGTERM or SIGINT runs the server's exit handler, and so
+        # start(), in the main thread while it is inside start() or now() (a plain lock
+        # deadlocked the node's stop there: it then ignored every signal but SIGKILL)
+        self._lock = threading.RLock()
         self._what: str | Callable[[], str] = "the server to stop"
         self._began: float | None = None
         self._done = threading.Event()
@@ -293,8 +296,8 @@ class _Stopping:
             if self._thread is not None:
                 return
             self._began = time.monotonic()
-            self._thread = threading.Thread(target=self._run, name="kvbank-stopping", daemon=True)
-            self._thread.start()
+            self._thread = thread = threading.Thread(target=self._run, name="kvbank-stopping", daemon=True)
+        thread.start()  # outside the lock: its wait for the thread is where a signal lands
 
     def now(self, what: str | Callable[[], str]) -> None:
         with self._lock:

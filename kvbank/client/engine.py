@@ -133,14 +133,13 @@ class PreparedLoad:
     match: Match
     shard: int | None
     sent: float  # time.monotonic() when the lease was asked for: its deadline counts from here
-    doc: dict[str, Any] | None = None  # the LOAD answer (None: no lease, load the match)
-    used: bool = False  # loaded or given back: its plan is not used again
+    doc: dict[str, Any] | None = None  # the LOAD answer (None: no lease, or loaded or given back)
     _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
 
     def take(self) -> dict[str, Any] | None:
         """The lent plan, once (None: none, or taken already)."""
         with self._lock:
-            doc, self.doc, self.used = (None if self.used else self.doc), None, True
+            doc, self.doc = self.doc, None
         return doc
 
 

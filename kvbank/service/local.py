@@ -505,12 +505,10 @@ class LocalChannel:
         size and checksum, and the segment's name. The lease is the connection's until
         LOADED, as LOAD's."""
         lid, args = self._prompt(c, cols)
-        ttls = fr.take(cols, 6, np.ndarray, "ttl_s")
-        if len(ttls) != 1 or ttls.dtype.kind != "f" or not (np.isnan(ttls[0]) or ttls[0] > 0):
-            raise InvalidInput("ttl_s: expected one positive number of seconds (NaN: the default)", field="ttl_s")
+        ttl = _ttl(cols, 6)
         loads = self._loads()
         m = self.node.match(lid, args)
-        plan, lease = loads.lend_plan(c.caller, m, args["shard"], 0, None if np.isnan(ttls[0]) else float(ttls[0]))
+        plan, lease = loads.lend_plan(c.caller, m, args["shard"], 0, ttl)
         layout = self.node.bank.layout(m.layout_id)
         grp = np.fromiter((g for g, _, _ in plan.rows), dtype="<i8", count=len(plan.rows))
         page = np.fromiter((j for _, j, _ in plan.rows), dtype="<i8", count=len(plan.rows))
@@ -542,10 +540,7 @@ class LocalChannel:
     def _lend(self, c: _Conn, cols: list[fr.Column]) -> list[fr.Column]:
         names = list(fr.names_of(fr.take(cols, 0, bytes, "names"), "names"))
         mode_i, kind_i = fr.ints(cols, 1, "mode", 2).tolist()
-        ttls = fr.take(cols, 2, np.ndarray, "ttl_s") if len(cols) > 2 else np.array([np.nan])
-        if len(ttls) != 1 or ttls.dtype.kind != "f" or not (np.isnan(ttls[0]) or ttls[0] > 0):
-            raise InvalidInput("ttl_s: expected one positive number of seconds (NaN: the default)", field="ttl_s")
-        ttl = float(ttls[0])
+        ttl = _ttl(cols, 2) if len(cols) > 2 else None
         modes, kinds = list(LeaseMode), list(MemoryKind)
         if not (0 <= mode_i < len(modes) and 0 <= kind_i < len(kinds)):
             raise InvalidInput(f"mode: unknown mode {mode_i} or kind {kind_i}", field="mode")
@@ -554,7 +549,7 @@ class LocalChannel:
             self.admin.state.check_writable()
         self.guard.names(c.caller, names)
         bank = self.node.bank
-        lease = bank.lend(names, mode=mode, kind=kind, ttl_s=None if ttl != ttl else ttl)
+        lease = bank.lend(names, mode=mode, kind=kind, ttl_s=ttl)
         self._own(c, lease, tied=False)  # it may be handed on: it ends at release or TTL
         if mode is LeaseMode.READ and kind is MemoryKind.HOST:  # the reader verifies its copies
             lease = lease.with_sums(bank.checksums(lease.id))
@@ -614,3 +609,11 @@ class LocalChannel:
 
 
 __all__ = ["SOCKET_NAME", "LocalChannel", "peer_uid", "socket_path"]
+
+
+def _ttl(cols: list[fr.Column], at: int) -> float | None:
+    """A lease ttl column ``[ttl_s]``: positive seconds, or NaN for the node's default (None)."""
+    ttls = fr.take(cols, at, np.ndarray, "ttl_s")
+    if len(ttls) != 1 or ttls.dtype.kind != "f" or not (np.isnan(ttls[0]) or ttls[0] > 0):
+        raise InvalidInput("ttl_s: expected one positive number of seconds (NaN: the default)", field="ttl_s")
+    return None if np.isnan(ttls[0]) else float(ttls[0])

@@ -360,9 +360,10 @@ class LocalLink:
     @staticmethod
     def prompt_columns(layout_id: bytes, scope: Scope, shard: int | None, tokens_raw: bytes | None,
                        keys: Sequence[bytes] | None, prompt_tokens: int | None) -> list[fr.Column] | None:
-        """A prompt's 6 columns; None where it has no form here (keys not all 32 bytes)."""
+        """A prompt's 6 columns; None where it has no form here (keys not all 32 bytes).
+        ``keys``: bytes each (``Client._prompt_columns`` refused any other first)."""
         if keys is not None:
-            if keys and (set(map(type, keys)) != {bytes} or set(map(len, keys)) != {fr.KEY_BYTES}):
+            if keys and set(map(len, keys)) != {fr.KEY_BYTES}:
                 return None
             data: fr.Column = b"".join(keys)
         else:

@@ -150,6 +150,24 @@ def test_a_fetch_result_and_a_commit_come_back_equal(m: Match, complete: bool) -
     assert fr.commit_from(cols) == c
 
 
+def test_a_bounds_rows_that_lead_its_matchs_names_come_back_as_those_names() -> None:
+    """The rows a resume bound needs are mostly its match's first names: decoded once and
+    shared, not decoded again. Rows that are not (another group's, or none) come back
+    equal all the same, and the tiers of long runs and of single rows alike."""
+    a = tuple(_name(i) for i in range(1000))
+    b = tuple(_name(5000 + i) for i in range(6))
+    tiers = ((TierKind.HOST,) * 700 + (TierKind.DISK,) * 200 + (None,) * 100,
+             (None, TierKind.HOST, None, TierKind.DISK, TierKind.DISK, None))
+    bound = ResumeBound(700 * 16, 16_001, 16, 1000, 700 * 16, (tuple(range(700)), (1, 3)),
+                        (a[:700], (b[1], b[3])), None, None)
+    m = Match(bytes(32), Scope("t"), 16_001, bound, (a, b), tiers, tuple(range(16, 700 * 16 + 1, 16)), ())
+    _, _, cols = _roundtrip(fr.Kind.OK, fr.Op.MATCH, fr.match_columns(m))
+    back = fr.match_from(cols)
+    assert back == m
+    assert all(r is n for r, n in zip(back.resume.rows[0], back.names[0], strict=False))
+    assert back.resume.rows[1] == (b[1], b[3])
+
+
 def test_a_presence_comes_back_equal() -> None:
     p = Presence(bytes(32), Scope("t"), 40, (0, 2), (((TierKind.HOST, None), (None,)), ((TierKind.DISK, None), ())),
                  (16, 0), 0)

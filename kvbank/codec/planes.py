@@ -62,22 +62,39 @@ _ZERO = np.uint8(0)
 _STREAMING = 16 << 20  # from here on a copy goes to libc memmove (non-temporal stores)
 
 
+def _amd() -> bool:
+    """Whether this machine's CPU is AMD's (``/proc/cpuinfo``; False where unreadable)."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return "AuthenticAMD" in line
+    except OSError:
+        pass
+    return False
+
+
+_LOOP = _amd()  # pages copy through numpy's loop, not memmove (copy_bytes says why)
+
+
 def copy_bytes(dst: U8Array, src: U8Array) -> None:
     """``dst[:] = src`` for two flat ``uint8`` arrays of one length, GIL released.
 
-    Pages (under 16 MiB) go through numpy's SIMD ``bitwise_or`` loop with a zero scalar,
-    not ``np.copyto``: numpy's copy calls libc ``memmove``, which on AMD EPYC machines
-    (glibc, ``rep movsb`` for MiB sizes) moves a 2 MiB page at 6-9 GB/s on one core
-    where the loop streams it at 11-13 GB/s (on an Intel Xeon with fast ``rep movsb``
-    the two are even, ~11 GB/s). A longer copy (rows merged into one run) goes to
-    ``memmove``: past the cache glibc writes with non-temporal stores, which skip reading
-    the destination first, and on that Xeon a 128 MiB copy ran at 9.5 GB/s through it
-    against 4.9 through the loop. Same result bit for bit either way, no temporary.
+    On AMD CPUs, pages (under 16 MiB) go through numpy's SIMD ``bitwise_or`` loop with a
+    zero scalar, not ``np.copyto``: numpy's copy calls libc ``memmove``, which on AMD EPYC
+    machines (glibc, ``rep movsb`` for MiB sizes) moves a 2 MiB page at 6-9 GB/s on one
+    core where the loop streams it at 11-13 GB/s. On an Intel Xeon ``memmove`` is the
+    faster one (one core, 32 MiB in pieces of 256 KiB to 2 MiB: 11.6-12.2 GB/s against
+    10.0-10.9 through the loop), so there every copy goes to it. A longer copy (rows
+    merged into one run) goes to ``memmove`` everywhere: past the cache glibc writes with
+    non-temporal stores, which skip reading the destination first, and on a Xeon a
+    128 MiB copy ran at 9.5 GB/s through it against 4.9 through the loop. Same result
+    bit for bit either way, no temporary.
     """
-    if dst.nbytes >= _STREAMING:
-        np.copyto(dst, src)
-    else:
+    if _LOOP and dst.nbytes < _STREAMING:
         np.bitwise_or(src, _ZERO, out=dst)
+    else:
+        np.copyto(dst, src)
 
 
 def check_itemsize(itemsize: int) -> None:

@@ -7,6 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvbank.codec import planes
 from kvbank.codec.planes import copy_bytes, merge_planes, split_planes
 from kvbank.errors import InvalidInput
 
@@ -92,12 +93,22 @@ def test_merge_planes_unequal_planes_raise() -> None:
 
 @settings(max_examples=50, deadline=None)
 @given(size=st.one_of(st.integers(0, 5000), st.integers((16 << 20) - 3, (16 << 20) + 5)),
-       src_at=st.integers(0, 63), dst_at=st.integers(0, 63), seed=st.integers(0, 2**32 - 1))
+       src_at=st.integers(0, 63), dst_at=st.integers(0, 63), seed=st.integers(0, 2**32 - 1),
+       loop=st.booleans())
 def test_copy_bytes_copies_exactly_and_leaves_the_rest(size: int, src_at: int, dst_at: int,
-                                                       seed: int) -> None:
-    """Any length at any alignment, on both sides of the 16 MiB switch to memmove: the
-    destination range holds the source's bytes, every byte around it is untouched and the
-    source is unchanged."""
+                                                       seed: int, loop: bool) -> None:
+    """Any length at any alignment, through either routine (an AMD machine's loop, or
+    memmove) and on both sides of the 16 MiB switch to memmove: the destination range
+    holds the source's bytes, every byte around it is untouched and the source is
+    unchanged."""
+    planes._LOOP = loop  # hypothesis runs examples in this thread: restored below
+    try:
+        _copy_case(size, src_at, dst_at, seed)
+    finally:
+        planes._LOOP = planes._amd()
+
+
+def _copy_case(size: int, src_at: int, dst_at: int, seed: int) -> None:
     rng = np.random.default_rng(seed)
     src = rng.integers(0, 256, src_at + size, dtype=np.uint8)
     before = src.copy()

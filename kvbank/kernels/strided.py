@@ -29,9 +29,12 @@ threads of that module), as its own gathers and scatters are: one indexed copy p
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
+import numpy as np
 import torch
 
+from kvbank.codec.planes import copy_bytes
 from kvbank.errors import InvalidInput, PageSizeMismatch
 from kvbank.kernels.faults import TORCH_ERRORS, torch_fault
 from kvbank.kernels.pages import _cpu_parts
@@ -104,6 +107,32 @@ def _spans(block_ids: Sequence[int]) -> list[tuple[int, int, int]]:
     return out
 
 
+BYTES_MIN = 64 << 10  # a region this long a page or longer moves page by page as bytes
+
+
+def _page_bytes(t: torch.Tensor) -> np.ndarray[Any, Any] | None:
+    """``t`` (``[pages, *inner]`` on the CPU) as a ``uint8 [pages, inner bytes]`` array
+    over the same memory, where each page's part is contiguous and at least
+    :data:`BYTES_MIN` long; else None."""
+    if t.device.type != "cpu" or t.dim() < 2 or t.shape[0] == 0 or not t[0].is_contiguous():
+        return None
+    if t[0].numel() * t.element_size() < BYTES_MIN:
+        return None
+    return t.flatten(1).view(torch.uint8).numpy()
+
+
+def _byte_pairs(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[Any, Any]] | None:
+    """Each ``(rows' region, pool tensor)`` as byte arrays (:func:`_page_bytes`), where
+    every pair has them; else None."""
+    out = []
+    for src, dst in pairs:
+        s, d = _page_bytes(src), _page_bytes(dst)
+        if s is None or d is None or s.shape[1] != d.shape[1]:
+            return None
+        out.append((s, d))
+    return out
+
+
 def _rows(layout: PageLayout, group: int, rows: torch.Tensor, n: int) -> dict[tuple[int, Role], torch.Tensor]:
     if not isinstance(rows, torch.Tensor) or rows.dtype != torch.uint8 or rows.dim() != 2 or rows.shape[0] != n:
         raise InvalidInput(f"pages: expected uint8 [{n}, {layout.group_page_bytes[group]}], got "
@@ -127,6 +156,22 @@ def scatter_strided(layout: PageLayout, group: int, rows: torch.Tensor, pool: Po
     pairs = [(views[key], dst) for key, dst in tensors.items()]
     try:
         if all(dst.device.type == "cpu" and src.device.type == "cpu" for src, dst in pairs):
+            flat = _byte_pairs(pairs)
+            if flat is not None:  # long regions (a page-first pool): a page at a time as bytes
+                ids = [int(b) for b in block_ids]
+
+                def pages(sl: slice) -> None:
+                    # no torch op: the caller's thread is a lane too. Each row is handed to
+                    # ``then`` right after its own copy, while it is still in this core's cache
+                    for r in range(sl.start, sl.stop):
+                        b = ids[r]
+                        for src_b, dst_b in flat:
+                            copy_bytes(dst_b[b], src_b[r])
+                        if then is not None:
+                            then(r, r + 1)
+
+                _cpu_parts(pages, len(ids), len(ids) * rows.shape[1], caller=True)
+                return
             spans = _spans(block_ids)
             if len(spans) * 2 <= len(block_ids):  # mostly consecutive blocks: slice copies
                 def runs(sl: slice) -> None:

@@ -6,12 +6,16 @@ input refused before anything moves."""
 from __future__ import annotations
 
 import itertools
+import threading
+from typing import Any
 
 import pytest
 import torch
 
 from kvbank import full_attention
 from kvbank.errors import InvalidInput, PageSizeMismatch
+from kvbank.kernels import pages as lanes_of
+from kvbank.kernels import strided
 from kvbank.kernels.pages import PARALLEL_BYTES
 from kvbank.kernels.strided import gather_strided, scatter_strided
 from kvbank.layout import Role
@@ -104,3 +108,57 @@ def test_a_large_move_split_over_lanes_moves_every_row() -> None:
         assert torch.equal(dst[k][ids], src[k][ids])
         rest = [i for i in range(blocks) if i not in ids]
         assert not dst[k][rest].any()
+
+
+def test_a_pool_of_long_contiguous_regions_moves_as_bytes_and_hands_each_row_over_once(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A page-first pool (each page's region of a buffer contiguous, 128 KiB here) takes
+    the byte path: a copy a page and region, the caller's thread one of the lanes, and
+    ``then`` told of every row once, after that row landed. The pool ends equal to the
+    rows; blocks not named are untouched; a failing ``then`` is raised to the caller."""
+    big = full_attention("strided-bytes@1", num_layers=1, num_kv_heads=8, head_dim=128, tokens_per_page=64,
+                         dtype="bfloat16")
+    n, blocks = 72, 90
+    page = big.group_page_bytes[0]
+    assert page // 2 >= strided.BYTES_MIN and n * page >= 2 * PARALLEL_BYTES
+    dst = {(0, r): torch.zeros(blocks, 64, 8, 128, dtype=torch.bfloat16) for r in (Role.KEY, Role.VALUE)}
+    bits = {k: t.view(torch.int16) for k, t in dst.items()}  # random bytes hold NaNs: compare bits
+    assert all(strided._page_bytes(t) is not None for t in dst.values())
+    g = torch.Generator().manual_seed(11)
+    rows = torch.randint(0, 256, (n, page), dtype=torch.uint8, generator=g)
+    before = rows.clone()
+    others = [b for b in torch.randperm(blocks, generator=g).tolist() if not 10 <= b < 40]
+    ids = [*range(10, 40), *others[: n - 30]]  # a run, then scattered ids, each once
+    views = {k: v.view(torch.int16) for k, v in big.views(rows, 0).items()}
+    seen: list[int] = []
+    landed: list[bool] = []
+    lock = threading.Lock()
+
+    def then(first: int, end: int) -> None:
+        ok = all(torch.equal(bits[k][ids[r]], views[k][r]) for r in range(first, end) for k in dst)
+        with lock:
+            seen.extend(range(first, end))
+            landed.append(ok)
+
+    parts: list[dict[str, bool]] = []
+    lanes = lanes_of._cpu_parts
+
+    def counted(fn: Any, count: int, nbytes: int, **kw: bool) -> None:
+        parts.append(kw)
+        lanes(fn, count, nbytes, **kw)
+
+    monkeypatch.setattr(strided, "_cpu_parts", counted)
+    scatter_strided(big, 0, rows, dst, ids, then=then)
+    assert parts == [{"caller": True}]  # the byte path: the caller's thread is a lane
+    assert sorted(seen) == list(range(n)) and all(landed)
+    for k, t in bits.items():
+        assert torch.equal(t[ids], views[k])
+        rest = [i for i in range(blocks) if i not in ids]
+        assert not t[rest].any()
+    assert torch.equal(rows, before)
+
+    def fails(first: int, end: int) -> None:
+        raise KeyError("a check failed")
+
+    with pytest.raises(KeyError, match="a check failed"):
+        scatter_strided(big, 0, rows, dst, ids, then=fails)

@@ -451,13 +451,15 @@ def _load_lent(c: Client, link: LocalLink | None, body: dict[str, Any], pool: Po
 
 
 def _sums_of(lease: dict[str, Any]) -> dict[int, int] | None:
-    """Each lent entry's checksum (a READ lease's ``sums``, aligned with its ``slots``),
-    by entry; None where the node sent none (an older node: it checks the rows itself)."""
+    """Each lent entry's checksum (a READ lease's ``sums``, aligned with its ``slots``: hex
+    in a node's JSON, ints in a prepared load's), by entry; None where the node sent none
+    (an older node: it checks the rows itself)."""
     sums = lease.get("sums")
     if sums is None:
         return None
     try:
-        return {int(slot[0]): int(v, 16) for slot, v in zip(lease["slots"], sums, strict=True) if v is not None}
+        return {int(slot[0]): v if type(v) is int else int(v, 16)
+                for slot, v in zip(lease["slots"], sums, strict=True) if v is not None}
     except (KeyError, IndexError, TypeError, ValueError) as exc:
         raise TierUnavailable(f"node: a lease answer of an unexpected shape: {exc!r}") from exc
 

@@ -435,7 +435,7 @@ class LocalLink:
         slots = np.stack([idx, np.zeros(len(idx), dtype="<i8"), off, sz], axis=1).tolist()
         doc = {"layout_id": m.layout_id.hex(), "start_page": start, "rows": rows,
                "lease": {"id": lease_id, "ttl_s": ttl, "segments": [segment], "slots": slots,
-                         "sums": [None if v == 0 else f"{v:016x}" for v in sums.astype("<u8").tolist()]}}
+                         "sums": [v or None for v in sums.astype("<u8").tolist()]}}  # ints: no hex round trip
         return m, doc
 
     def loaded_oneway(self, body: dict[str, Any]) -> None:

@@ -336,12 +336,13 @@ def _tiers_from(arr: np.ndarray[Any, Any], counts: Sequence[int], what: str) -> 
     if len(arr) != sum(counts) or (len(arr) and (int(arr.min()) < -1 or int(arr.max()) >= len(_TIERS))):
         raise InvalidInput(f"{what}: tier codes do not match the names", field=what)
     lut: list[TierKind | None] = [*_TIERS, None]  # -1 indexes the last
-    # run by run, as they were written
-    starts = [0, *(np.flatnonzero(arr[1:] != arr[:-1]) + 1).tolist(), len(arr)]
-    codes = arr[starts[:-1]].tolist() if len(arr) else []
     flat: list[TierKind | None] = []
-    for code, a, b in zip(codes, starts, starts[1:], strict=False):  # starts has one more
-        flat += [lut[code]] * (b - a)
+    if len(arr) < 256:  # a few rows: one lookup each costs less than finding the runs
+        flat = list(map(lut.__getitem__, arr.tolist()))
+    else:  # run by run, as they were written
+        starts = [0, *(np.flatnonzero(arr[1:] != arr[:-1]) + 1).tolist(), len(arr)]
+        for code, a, b in zip(arr[starts[:-1]].tolist(), starts, starts[1:], strict=False):  # one start more
+            flat += [lut[code]] * (b - a)
     out: list[tuple[TierKind | None, ...]] = []
     at = 0
     for n in counts:

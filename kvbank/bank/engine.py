@@ -41,6 +41,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
+from numbers import Integral
 
 import torch
 
@@ -465,9 +466,11 @@ def _targets(layout: PageLayout, plan: Load, pool: PoolViews,
     check_block_ids(layout, block_ids)
     out: dict[int, PoolViews] = {}
     used: dict[int, set[int]] = {}
+    size: dict[int, int] = {}  # each group's pool: its blocks
     for g, j, _ in plan.rows:
         if g not in out:
             out[g] = check_pool(layout, g, pool)
+            size[g] = int(next(iter(out[g].values())).shape[0]) if out[g] else 0
         ids = block_ids.get(g)
         if ids is None or j >= len(ids):
             raise InvalidInput(f"block_ids[{g}]: no block for page {j} (the load moves pages "
@@ -475,6 +478,9 @@ def _targets(layout: PageLayout, plan: Load, pool: PoolViews,
         b = ids[j]
         if b is None:
             continue
+        if isinstance(b, bool) or not isinstance(b, Integral) or not 0 <= b < size[g]:
+            # refused here, not by the copy of that page: the pages before it would have moved
+            raise InvalidInput(f"block_ids[{g}][{j}]: expected a block id in [0, {size[g]}), got {b!r}")
         if b in used.setdefault(g, set()):
             raise InvalidInput(f"block_ids[{g}]: block {b} appears twice (two pages into one block)")
         used[g].add(b)

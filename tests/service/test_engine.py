@@ -216,6 +216,8 @@ def test_fetch_into_refuses_a_pool_that_cannot_take_the_load(api: Any) -> None:
         api.fetch_into(b.handle, pool=pool_of(dst), block_ids={0: [3]})  # no block for page 1
     with pytest.raises(InvalidInput, match="twice"):
         api.fetch_into(b.handle, pool=pool_of(dst), block_ids={0: [3, 3]})
+    with pytest.raises(InvalidInput, match="block_ids"):  # never "not needed", as None is
+        api.fetch_into(b.handle, pool=pool_of(dst), block_ids={0: [3, -1]})
     half = pool_of(dst)
     del half[(1, Role.VALUE)]
     with pytest.raises(InvalidInput, match="layer 1 VALUE"):

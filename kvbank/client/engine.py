@@ -27,11 +27,14 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import threading
 import time
 from collections.abc import Mapping, Sequence
+from numbers import Integral
 from typing import TYPE_CHECKING, Any, cast
 
+import numpy as np
 import torch
 
 from kvbank import wire
@@ -374,50 +377,50 @@ def _load_lent(c: Client, link: LocalLink | None, body: dict[str, Any], pool: Po
     lease = doc["lease"]
     if lease is None:
         return wire.from_dict(FetchResult, doc["result"])
-    arrived: list[list[int]] = []
-    changed: list[list[int]] = []
+    arrived: list[np.ndarray[Any, Any]] = []  # (group, page) pairs, run by run
+    changed: list[np.ndarray[Any, Any]] = []
     try:
         layout = c.layout(bytes.fromhex(doc["layout_id"]))
-        rows = doc["rows"]
         _check_ids(layout, block_ids)
-        bid = [_block(block_ids, g, j) for g, j, _ in rows]  # each planned row's block (None: not moved)
-        blocks: dict[int, list[int]] = {}
-        for (g, _, _), b in zip(rows, bid, strict=True):
-            if g not in blocks:
-                check_pool(layout, g, pool)
-                blocks[g] = []
-            if b is not None:
-                blocks[g].append(b)
-        for g, ids in blocks.items():
-            if len(set(ids)) != len(ids):
-                raise InvalidInput(f"block_ids[{g}]: a block id appears twice (two pages into one block)")
-        segments = lease["segments"]
-        entries = [(int(i), rows[i][0], str(segments[seg]), int(off), int(size))
-                   for i, seg, off, size in lease["slots"] if bid[i] is not None]
-        want = _sums_of(lease)
+        rows = _table(doc["rows"], 3, "rows")  # each planned row's group, page and size
+        slots = _table(lease["slots"], 4, "slots")  # each slot's plan entry, segment, offset, size
+        if len(slots) and (int(slots[:, 0].min()) < 0 or int(slots[:, 0].max()) >= len(rows)):
+            raise TierUnavailable("node: a lease answer names rows beyond its plan", field="socket")
+        bid = _row_blocks(layout, rows, block_ids, pool)  # each planned row's block (-1: not moved)
+        want = _sums_of(lease, len(slots))
+        moving = bid[slots[:, 0]] >= 0
+        slots = slots[moving]
+        if want is not None:
+            want = want[moving]
+        segments = [str(x) for x in lease["segments"]]
         borrower = c._shm.borrower(writable=True)
         whole: dict[str, torch.Tensor] = {}
         try:
-            for g, seg, off, size, idx in _runs(entries):
+            for a, b in _slot_runs(slots, rows[:, 0]):
                 if deadline is not None and deadline.passed():
                     break
+                g, seg_at, off, size = int(rows[slots[a, 0], 0]), int(slots[a, 1]), int(slots[a, 2]), int(slots[a, 3])
                 if size != layout.group_page_bytes[g]:
                     continue  # not a whole page: a miss
+                seg = segments[seg_at]
                 t = whole.get(seg)
                 if t is None:
                     t = whole[seg] = torch.frombuffer(borrower.segment(seg), dtype=torch.uint8)
-                if off + size * len(idx) > t.numel():
+                n = b - a
+                if off + size * n > t.numel():
                     raise TierUnavailable(f"node: a slot at {off} is beyond segment {seg}")
-                src = t[off : off + size * len(idx)].view(len(idx), size)
+                src = t[off : off + size * n].view(n, size)
+                idx = slots[a:b, 0]
+                pairs = np.stack([np.full(n, g, dtype=np.int64), rows[idx, 1]], axis=1)
                 if want is None:
-                    scatter_strided(layout, g, src, pool, [cast(int, bid[i]) for i in idx])
-                    arrived.extend([g, rows[i][1]] for i in idx)
+                    scatter_strided(layout, g, src, pool, bid[idx].tolist())
+                    arrived.append(pairs)
                     continue
                 # each row read in place is hashed right after its part of the scatter, on the
                 # lane that copied it, while still in cache: a row whose bytes changed since
                 # commit is a miss (the pool's copy is the engine's to overwrite; it never
                 # counts as loaded), and the node reads only those again
-                got = [0] * len(idx)
+                got = [0] * n
                 flat = src.numpy().data.cast("B")  # the run's rows back to back, in the segment
 
                 def hashed(first: int, end: int, flat: memoryview = flat, got: list[int] = got,
@@ -426,42 +429,107 @@ def _load_lent(c: Client, link: LocalLink | None, body: dict[str, Any], pool: Po
                         got[k] = checksum(flat[k * size : (k + 1) * size])
 
                 try:
-                    scatter_strided(layout, g, src, pool, [cast(int, bid[i]) for i in idx], then=hashed)
+                    scatter_strided(layout, g, src, pool, bid[idx].tolist(), then=hashed)
                 finally:
                     flat.release()  # no view may keep the mapping exported
-                for i, h in zip(idx, got, strict=True):
-                    w = want.get(i)
-                    (changed if w is not None and w != h else arrived).append([g, rows[i][1]])
+                w = want[a:b]
+                bad = (w != 0) & (w != np.array(got, dtype=np.uint64))
+                arrived.append(pairs[~bad])
+                changed.append(pairs[bad])
         finally:
             whole.clear()  # no tensor may keep the mapping exported
     except BaseException:
         c.release(lease["id"])
         raise
-    ack: dict[str, Any] = {"lease_id": lease["id"], "arrived": arrived}
-    if want is not None:
-        ack["changed"] = changed  # every arrived row was checked: the node need not read them again
+    got_pairs: list[list[int]] = np.concatenate(arrived).tolist() if arrived else []
+    ack: dict[str, Any] = {"lease_id": lease["id"], "arrived": got_pairs}
+    if want is not None:  # every arrived row was checked: the node need not read them again
+        ack["changed"] = np.concatenate(changed).tolist() if changed else []
     if link is not None and link.oneway_loaded and own is not None and time.monotonic() < sent + float(lease["ttl_s"]):
         # every copy ended before the lease could have: the node counts what arrived
         link.loaded_oneway(ack)
-        pages = {(g, j) for g, j in arrived}
+        pages = {(g, j) for g, j in got_pairs}
         return load_result(layout, own, int(doc["start_page"]), lease["id"], pages,
                            sum(layout.group_page_bytes[g] for g, _ in pages))
     done = link.loaded(ack) if link is not None else c._call("POST", "/v1/engine/loaded", body=ack)
     return wire.from_dict(FetchResult, done)
 
 
-def _sums_of(lease: dict[str, Any]) -> dict[int, int] | None:
-    """Each lent entry's checksum (a READ lease's ``sums``, aligned with its ``slots``: hex
-    in a node's JSON, ints in a prepared load's), by entry; None where the node sent none
-    (an older node: it checks the rows itself)."""
+def _table(value: Any, width: int, what: str) -> np.ndarray[Any, Any]:
+    """A load answer's ``rows`` or ``slots`` (lists from JSON, or one array from the local
+    channel's LOAD_KEYS) as an int64 array of ``width`` columns."""
+    try:
+        arr = np.asarray(value, dtype=np.int64)
+    except (TypeError, ValueError) as exc:
+        raise TierUnavailable(f"node: a load answer's {what} of an unexpected shape: {exc}",
+                              field="socket") from exc
+    if arr.size == 0:
+        return arr.reshape(0, width)
+    if arr.ndim != 2 or arr.shape[1] != width:
+        raise TierUnavailable(f"node: a load answer's {what} of shape {arr.shape}, not {width} columns",
+                              field="socket")
+    return arr
+
+
+def _row_blocks(layout: PageLayout, rows: np.ndarray[Any, Any], block_ids: BlockIds,
+                pool: PoolViews) -> np.ndarray[Any, Any]:
+    """Each planned row's block (-1: its page's block is None, the engine does not need
+    it), group by group, every group's pool checked first; a page the plan moves with no
+    entry in ``block_ids``, a negative block id, or a block named for two pages is
+    refused."""
+    bid = np.full(len(rows), -1, dtype=np.int64)
+    for g in dict.fromkeys(rows[:, 0].tolist()):  # the groups in plan order
+        tensors = check_pool(layout, g, pool)
+        size = int(next(iter(tensors.values())).shape[0]) if tensors else 0
+        at = rows[:, 0] == g
+        pages = rows[at, 1]
+        ids = block_ids.get(g)
+        short = pages if ids is None else pages[pages >= len(ids)]
+        if len(short):
+            raise InvalidInput(f"block_ids[{g}]: no block for page {int(short[0])}, which the load moves")
+        assert ids is not None  # a group with no ids is refused above (its rows have no block)
+        picked = [ids[j] for j in pages.tolist()]
+        for j, b in zip(pages.tolist(), picked, strict=True):  # refused before anything moves
+            if b is not None and (isinstance(b, bool) or not isinstance(b, Integral) or not 0 <= int(b) < size):
+                raise InvalidInput(f"block_ids[{g}][{j}]: expected a block id in [0, {size}), got {b!r}")
+        blocks = np.array([-1 if b is None else int(b) for b in picked], dtype=np.int64)
+        moved = blocks[blocks >= 0]
+        if len(np.unique(moved)) != len(moved):
+            raise InvalidInput(f"block_ids[{g}]: a block id appears twice (two pages into one block)")
+        bid[at] = blocks
+    return bid
+
+
+def _slot_runs(slots: np.ndarray[Any, Any], groups: np.ndarray[Any, Any]) -> list[tuple[int, int]]:
+    """``[a, b)`` of each run of ``slots`` (plan entry, segment, offset, size) of one
+    group lying back to back in one segment, their plan entries consecutive, in order."""
+    if not len(slots):
+        return []
+    i, seg, off, size = slots[:, 0], slots[:, 1], slots[:, 2], slots[:, 3]
+    g = groups[i]
+    goes_on = ((g[1:] == g[:-1]) & (seg[1:] == seg[:-1]) & (size[1:] == size[:-1])
+               & (off[1:] == off[:-1] + size[:-1]) & (i[1:] == i[:-1] + 1))
+    cuts = [0, *(np.flatnonzero(~goes_on) + 1).tolist(), len(slots)]
+    return list(itertools.pairwise(cuts))
+
+
+def _sums_of(lease: dict[str, Any], n: int) -> np.ndarray[Any, Any] | None:
+    """Each lent slot's checksum (a READ lease's ``sums``, aligned with its ``slots``: hex
+    in a node's JSON, an array from the local channel's LOAD_KEYS), 0 where it has none;
+    None where the node sent none (an older node: it checks the rows itself)."""
     sums = lease.get("sums")
     if sums is None:
         return None
     try:
-        return {int(slot[0]): v if type(v) is int else int(v, 16)
-                for slot, v in zip(lease["slots"], sums, strict=True) if v is not None}
-    except (KeyError, IndexError, TypeError, ValueError) as exc:
+        if isinstance(sums, np.ndarray):
+            arr = sums.astype(np.uint64)
+        else:
+            arr = np.array([0 if v is None else int(v, 16) for v in sums], dtype=np.uint64)
+    except (TypeError, ValueError) as exc:
         raise TierUnavailable(f"node: a lease answer of an unexpected shape: {exc!r}") from exc
+    if len(arr) != n:
+        raise TierUnavailable("node: a lease answer's sums do not match its slots")
+    return arr
 
 
 def _load_staged(c: Client, body: dict[str, Any], pool: PoolViews, block_ids: BlockIds,

@@ -412,7 +412,8 @@ class LocalLink:
 
     def load_keys(self, prompt: list[fr.Column], ttl_s: float | None) -> tuple[Match, dict[str, Any] | None]:
         """LOAD_KEYS: the prompt's Match, and its load's plan and READ lease in the form
-        LOAD answers them (None where no row is lent), for ``Client.prepare_load``."""
+        LOAD answers them, its tables (rows, slots, sums) as arrays (None where no row is
+        lent), for ``Client.prepare_load``."""
         cols = self.call(fr.Op.LOAD_KEYS, [*prompt, np.array([float("nan") if ttl_s is None else ttl_s],
                                                              dtype="<f8")])
         m = fr.match_from(cols)
@@ -431,11 +432,12 @@ class LocalLink:
         if len(page) != len(grp) or len(size) != len(grp) or len(off) != len(idx) or len(sz) != len(idx) \
                 or (len(idx) and (int(idx.min()) < 0 or int(idx.max()) >= len(grp))):
             raise TierUnavailable("node: a LOAD_KEYS answer of an unexpected shape", field="socket")
-        rows = np.stack([grp, page, size], axis=1).tolist()
-        slots = np.stack([idx, np.zeros(len(idx), dtype="<i8"), off, sz], axis=1).tolist()
+        # LOAD's answer, its tables as arrays (the load reads them as arrays: no lists, no hex)
+        rows = np.stack([grp, page, size], axis=1)
+        slots = np.stack([idx, np.zeros(len(idx), dtype="<i8"), off, sz], axis=1)
         doc = {"layout_id": m.layout_id.hex(), "start_page": start, "rows": rows,
                "lease": {"id": lease_id, "ttl_s": ttl, "segments": [segment], "slots": slots,
-                         "sums": [v or None for v in sums.astype("<u8").tolist()]}}  # ints: no hex round trip
+                         "sums": sums.astype("<u8")}}  # 0: none recorded
         return m, doc
 
     def loaded_oneway(self, body: dict[str, Any]) -> None:

@@ -80,13 +80,20 @@ def check_pool(layout: PageLayout, group: int, pool: PoolViews,
     return out
 
 
-def _ids(block_ids: Sequence[int], blocks: int, unique: bool, field: str) -> torch.Tensor:
-    for i, b in enumerate(block_ids):
-        if isinstance(b, bool) or not isinstance(b, int) or not 0 <= b < blocks:
-            raise InvalidInput(f"{field}[{i}]: expected a block id in [0, {blocks}), got {b!r}")
-    if unique and len(set(block_ids)) != len(block_ids):
+def _id_list(block_ids: Sequence[int], blocks: int, unique: bool, field: str) -> list[int]:
+    """``block_ids`` checked: each an int in ``[0, blocks)`` (``unique``: each once)."""
+    ids = list(block_ids)
+    if ids and (set(map(type, ids)) != {int} or min(ids) < 0 or max(ids) >= blocks):
+        for i, b in enumerate(ids):  # the one pass at C speed found something: name it
+            if isinstance(b, bool) or not isinstance(b, int) or not 0 <= b < blocks:
+                raise InvalidInput(f"{field}[{i}]: expected a block id in [0, {blocks}), got {b!r}")
+    if unique and len(set(ids)) != len(ids):
         raise InvalidInput(f"{field}: a block id appears twice (two pages into one block)")
-    return torch.tensor(list(block_ids), dtype=torch.long)
+    return ids
+
+
+def _ids(block_ids: Sequence[int], blocks: int, unique: bool, field: str) -> torch.Tensor:
+    return torch.tensor(_id_list(block_ids, blocks, unique, field), dtype=torch.long)
 
 
 SPAN_PAGES = 8  # a run is cut in pieces this long, so the lanes share a long one
@@ -108,13 +115,14 @@ def _spans(block_ids: Sequence[int]) -> list[tuple[int, int, int]]:
 
 
 BYTES_MIN = 64 << 10  # a region this long a page or longer moves page by page as bytes
+PART_BYTES = 1 << 20  # a lane's slice of such a move
 
 
 def _page_bytes(t: torch.Tensor) -> np.ndarray[Any, Any] | None:
     """``t`` (``[pages, *inner]`` on the CPU) as a ``uint8 [pages, inner bytes]`` array
     over the same memory, where each page's part is contiguous and at least
     :data:`BYTES_MIN` long; else None."""
-    if t.device.type != "cpu" or t.dim() < 2 or t.shape[0] == 0 or not t[0].is_contiguous():
+    if t.device.type != "cpu" or t.requires_grad or t.dim() < 2 or t.shape[0] == 0 or not t[0].is_contiguous():
         return None
     if t[0].numel() * t.element_size() < BYTES_MIN:
         return None
@@ -151,15 +159,13 @@ def scatter_strided(layout: PageLayout, group: int, rows: torch.Tensor, pool: Po
     if not block_ids:
         return
     blocks = next(iter(tensors.values())).shape[0] if tensors else 0
-    idx = _ids(block_ids, blocks, True, "block_ids")
-    views = _rows(layout, group, rows, len(block_ids))
+    ids = _id_list(block_ids, blocks, True, "block_ids")
+    views = _rows(layout, group, rows, len(ids))
     pairs = [(views[key], dst) for key, dst in tensors.items()]
     try:
         if all(dst.device.type == "cpu" and src.device.type == "cpu" for src, dst in pairs):
             flat = _byte_pairs(pairs)
             if flat is not None:  # long regions (a page-first pool): a page at a time as bytes
-                ids = [int(b) for b in block_ids]
-
                 def pages(sl: slice) -> None:
                     # no torch op: the caller's thread is a lane too. Each row is handed to
                     # ``then`` right after its own copy, while it is still in this core's cache
@@ -170,9 +176,9 @@ def scatter_strided(layout: PageLayout, group: int, rows: torch.Tensor, pool: Po
                         if then is not None:
                             then(r, r + 1)
 
-                _cpu_parts(pages, len(ids), len(ids) * rows.shape[1], caller=True)
+                _cpu_parts(pages, len(ids), len(ids) * rows.shape[1], caller=True, part_bytes=PART_BYTES)
                 return
-            spans = _spans(block_ids)
+            spans = _spans(ids)
             if len(spans) * 2 <= len(block_ids):  # mostly consecutive blocks: slice copies
                 def runs(sl: slice) -> None:
                     for r, b, k in spans[sl]:
@@ -184,6 +190,8 @@ def scatter_strided(layout: PageLayout, group: int, rows: torch.Tensor, pool: Po
                 _cpu_parts(runs, len(spans), len(block_ids) * rows.shape[1])
                 return
 
+            idx = torch.tensor(ids, dtype=torch.long)
+
             def part(sl: slice) -> None:
                 for src, dst in pairs:
                     dst.index_put_((idx[sl],), src[sl])
@@ -192,6 +200,7 @@ def scatter_strided(layout: PageLayout, group: int, rows: torch.Tensor, pool: Po
 
             _cpu_parts(part, len(block_ids), len(block_ids) * rows.shape[1])
             return
+        idx = torch.tensor(ids, dtype=torch.long)
         for src, dst in pairs:
             if src.device != dst.device:
                 src = src.to(dst.device)

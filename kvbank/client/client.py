@@ -87,7 +87,7 @@ from kvbank.client.io import (
 )
 from kvbank.client.local import ChannelBroken, LocalLink
 from kvbank.client.paths import DataPort, PagePath, SharedMemory, Stream
-from kvbank.errors import Busy, InvalidInput, TierFull, TierUnavailable
+from kvbank.errors import Busy, InvalidInput, KvbankError, TierFull, TierUnavailable
 from kvbank.keys import DEFAULT_SCOPE, Scope, TokenIds, namespace, prompt_keys, tokens_to_bytes
 from kvbank.keys import row_names as _row_names
 from kvbank.layout import PageLayout
@@ -111,6 +111,9 @@ logger = logging.getLogger(__name__)
 DEFAULT_URL = f"http://{DEFAULT_BIND}:{DEFAULT_PORT}"
 DEFAULT_TIMEOUT_S = 120.0
 DEFAULT_RETRY_S = 5.0
+# a same-host client a failure put off shared memory asks whether it maps again after this
+# long (a node restart or a passing fault must not keep a worker on the slow path for good)
+LOCAL_RETRY_S = 30.0
 
 _MATCH_DOCS = 64  # matches whose documents a client keeps for their fetches
 
@@ -155,6 +158,7 @@ class Client(EngineCalls):
                           retry_s=float(retry_s), auth=auth)
         self._layouts: dict[bytes, PageLayout] = {}
         self._local: bool | None = None if same_host is None else same_host
+        self._local_retry_at: float | None = None  # when an _off_host client asks again
         self._lock = threading.Lock()
         # the latest matches this client decoded, with the node's documents of them
         self._matches: OrderedDict[int, tuple[Match, dict[str, Any]]] = OrderedDict()
@@ -251,10 +255,24 @@ class Client(EngineCalls):
 
     @property
     def same_host(self) -> bool:
-        """Whether page bodies take the shared-memory path (decided on first use)."""
+        """Whether page bodies take the shared-memory path (decided on first use, and
+        again :data:`LOCAL_RETRY_S` after a failure put the client off it)."""
         if self._local is None:
             self._local = self._detect()
+        elif self._local_retry_at is not None and time.monotonic() >= self._local_retry_at:
+            self._local_retry_at = None
+            try:
+                self._local = self._detect()
+            except KvbankError as exc:  # the node still away: off, and asked again later
+                logger.info("client: the node's memory is still out of reach: %s", exc)
+                self._off_host()
         return self._local
+
+    def _off_host(self) -> None:
+        """A same-host transfer failed (the segment would not map, the node went away):
+        the next calls go over the network until :attr:`same_host` asks again."""
+        self._local = False
+        self._local_retry_at = time.monotonic() + LOCAL_RETRY_S
 
     def _host_info(self) -> dict[str, Any]:
         doc = self._call("GET", "/v1/node", idempotent=True)

@@ -232,7 +232,7 @@ class EngineCalls:
             except TierUnavailable:
                 if c._shm.required:
                     raise
-                c._local = False  # the segment cannot be mapped here after all
+                c._off_host()  # the segment cannot be mapped here after all
             except TierFull:
                 pass  # the host tier cannot lend every row at once: through staging
         return _load_staged(c, body, pool, block_ids, deadline)
@@ -299,7 +299,7 @@ class EngineCalls:
         except TierUnavailable:  # its lease released: loaded as fetch_into loads it
             if c._shm.required:
                 raise
-            c._local = False
+            c._off_host()
         return self.fetch_into(prepared.match, pool=pool, block_ids=ids, start_page=0, shard=prepared.shard,
                                timeout=timeout)
 
@@ -342,7 +342,7 @@ class EngineCalls:
             except TierUnavailable:
                 if c._shm.required:
                     raise
-                c._local = False
+                c._off_host()
             except TierFull:
                 pass
         return _put_staged(c, layout, layout_id, pool, block_ids, keys, first_page, scope, shard, deadline)

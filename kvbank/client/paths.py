@@ -186,7 +186,7 @@ class SharedMemory(_Lent):
         except TierUnavailable:
             if self.required:
                 raise
-            self.client._local = False  # segments cannot be mapped here after all
+            self.client._off_host()  # segments cannot be mapped here after all
         except TierFull:
             pass
         return None

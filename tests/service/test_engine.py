@@ -597,3 +597,35 @@ def test_a_prepared_load_lends_with_its_hit_query_and_loads_without_a_control_ca
         dst = {i: torch.zeros(BLOCKS, H, 2 * P, D) for i in range(L)}
         assert c.load_prepared(older, pool=pool_of(dst), block_ids={0: [4, 5, 6, 7]}).complete
         assert all(torch.equal(dst[i][4:8], src[i][0:4]) for i in range(L))
+
+
+def test_a_worker_a_failure_put_off_shared_memory_asks_again_later(node: NodeProcess,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A same-host load whose segment will not map is loaded through staging, whole, and
+    the client goes over the network from then on, until ``LOCAL_RETRY_S`` later it asks
+    again whether the node's memory maps here: a passing fault (or a node restart) never
+    keeps a worker off shared memory for good."""
+    from kvbank.client import client as client_module
+
+    with Client(node.url) as c:
+        lid = c.register(LAYOUT)
+        keys = fresh_keys(2)
+        src = cache(list(range(L)), 21)
+        c.put_from(lid, pool=pool_of(src), block_ids={0: [0, 1]}, keys=keys)
+        assert c.same_host
+        mapped = c._shm.borrower
+
+        def will_not_map(*args: Any, **kwargs: Any) -> Any:
+            raise TierUnavailable("test: the segment will not map")
+
+        for retry_s, back in ((0.0, True), (3600.0, False)):
+            monkeypatch.setattr(client_module, "LOCAL_RETRY_S", retry_s)
+            monkeypatch.setattr(c._shm, "borrower", will_not_map)
+            (b,) = c.match_many(lid, [keys], prompt_tokens=[2 * P + 1], hold=True)
+            assert b.handle is not None
+            dst = cache(list(range(L)), 22)
+            got = c.fetch_into(b.handle, pool=pool_of(dst), block_ids={0: [5, 6]})
+            assert got.complete and all(torch.equal(dst[i][5:7], src[i][0:2]) for i in range(L))
+            c.release_match(b.handle)
+            monkeypatch.setattr(c._shm, "borrower", mapped)
+            assert c.same_host is back  # asked again at once / not for an hour

@@ -58,7 +58,6 @@ MATCH_TIMEOUT_S = 0.5  # match_many's deadline when none is given: a scheduler s
 BREAKER_S = 5.0  # how long a failed match_many keeps the breaker open before a probe
 
 BlockIds = Mapping[int, Sequence[int | None]]  # group -> block id of page j (None: skip)
-Run = tuple[int, str, int, int, list[int]]  # (group, segment, offset, row size, entries)
 
 
 class Breaker:
@@ -108,21 +107,6 @@ def _block(block_ids: BlockIds, g: int, j: int) -> int | None:
         raise InvalidInput(f"block_ids[{g}]: no block for page {j}, which the load moves")
     b = ids[j]
     return None if b is None else int(b)
-
-
-def _runs(entries: list[tuple[int, int, str, int, int]]) -> list[Run]:
-    """``(entry, group, segment, offset, size)`` → runs of entries of one group lying back
-    to back in one segment, in order."""
-    runs: list[Run] = []
-    for i, g, seg, off, size in entries:
-        if runs:
-            rg, rseg, roff, rsize, ris = runs[-1]
-            if rg == g and rseg == seg and rsize == size and off == roff + size * len(ris) \
-                    and i == ris[-1] + 1:
-                ris.append(i)
-                continue
-        runs.append((g, seg, off, size, [i]))
-    return runs
 
 
 @dataclasses.dataclass(eq=False)
@@ -585,15 +569,18 @@ def _put_lent(c: Client, layout: PageLayout, layout_id: bytes, pool: PoolViews, 
             for g, ns in names.items() for name, p in zip(ns, pages[g], strict=True)]
     arrived: list[bytes] = []
     try:
-        segments = lease["segments"]
-        entries = [(int(i), flat[i][0], str(segments[seg]), int(off), int(size))
-                   for i, seg, off, size in lease["slots"]]
+        segments = [str(x) for x in lease["segments"]]
+        slots = _table(lease["slots"], 4, "slots")  # each slot's entry of ``flat``, segment, offset, size
+        if len(slots) and (int(slots[:, 0].min()) < 0 or int(slots[:, 0].max()) >= len(flat)):
+            raise TierUnavailable("node: a lease answer names pages beyond its put", field="socket")
         borrower = c._shm.borrower(writable=True)
         whole: dict[str, torch.Tensor] = {}
         try:
-            for g, seg, off, size, idx in _runs(entries):
+            for a, b in _slot_runs(slots, np.array([g for g, _, _ in flat], dtype=np.int64)):
                 if deadline is not None and deadline.passed():
                     raise deadline.busy("the pages were not all copied (nothing was stored)")
+                idx = slots[a:b, 0].tolist()
+                g, seg, off, size = flat[idx[0]][0], segments[int(slots[a, 1])], int(slots[a, 2]), int(slots[a, 3])
                 if size != layout.group_page_bytes[g]:
                     raise TierUnavailable(f"node: a slot of {size} bytes for a page of {layout.group_page_bytes[g]}")
                 t = whole.get(seg)

@@ -65,7 +65,9 @@ Where Bank and Client differ, and why (``tests/test_api.py`` keeps the same list
    load's match on a shard, a load's or a multi-group put's plan and lease in one call;
    ``match_with``: the node's own match, from its remote tier and fleet, for
    ``match_many``; ``checksums``: a READ lease's rows' checksums, which the node sends
-   with a lent fetch so its client verifies the copies);
+   with a lent fetch so its client verifies the copies; ``commit_summed``: a commit that
+   keeps the checksums its same-host writer hashed as it copied, for the node's local
+   channel);
    and the Client's own ``same_host`` and ``map_host`` (its page path), ``breaker``
    (``match_many``'s circuit breaker), and ``prepare_load``, ``load_prepared`` and
    ``release_prepared`` (a hit query that takes its load's lease on the node's host in

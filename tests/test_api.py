@@ -40,7 +40,7 @@ NOT_IN_CONTRACT: dict[str, int] = {
     "reservation": 2,
     "clock": 2, "same_host": 2, "map_host": 2,
     "held": 2, "load_match": 2, "match_with": 2, "lend_load": 2, "lend_put_groups": 2, "breaker": 2,
-    "checksums": 2, "prepare_load": 2, "load_prepared": 2, "release_prepared": 2,
+    "checksums": 2, "prepare_load": 2, "load_prepared": 2, "release_prepared": 2, "commit_summed": 2,
 }
 
 Diff = tuple[str, str | None, str]  # (method, parameter or None for the return, what differs)

@@ -11,7 +11,7 @@ match's needed rows, with an optional deadline), :meth:`~LeaseOps.lend_all`, ``r
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
@@ -72,6 +72,13 @@ class LeaseOps:
     def commit(self, lease_id: str, arrived: Sequence[bytes] | Sequence[bool]) -> CommitResult:
         """Publish the WRITE lease's rows that arrived whole; the rest are discarded."""
         return self._lender.commit(lease_id, arrived)
+
+    def commit_summed(self, lease_id: str, arrived: Sequence[bytes], sums: Mapping[bytes, int]) -> CommitResult:
+        """:meth:`commit`, with the checksum of each row its writer hashed as it copied
+        it into its host slot (a same-host client's, on the node's local channel): kept
+        as the row's, so the slot is not read again to hash it. A wrong one makes the row
+        fail its readers' checks, a miss; no reader is ever served other bytes."""
+        return self._lender.commit(lease_id, arrived, sums)
 
     def view(self, lease_id: str, name: bytes) -> memoryview:
         """A HOST lease row's bytes in place (READ: read, then :meth:`check_live`; WRITE: fill)."""

@@ -140,6 +140,7 @@ class LocalLink:
         self.loads = False  # the node takes LOAD and LOADED (an older one: fetch_into's over HTTP)
         self.oneway_loaded = False  # the node takes LOADED one-way too
         self.load_keys_op = False  # the node takes LOAD_KEYS (a hit query with its load's lease)
+        self.commit_sums = False  # the node keeps the checksums a COMMIT carries
         self._borrower: Borrower | None = None
         self._closed = False
 
@@ -179,6 +180,7 @@ class LocalLink:
         self.loads = bool(features & fr.FEATURE_ENGINE_LOAD)
         self.oneway_loaded = self.loads and bool(features & fr.FEATURE_ONEWAY_LOADED)
         self.load_keys_op = self.loads and bool(features & fr.FEATURE_LOAD_KEYS)
+        self.commit_sums = bool(features & fr.FEATURE_COMMIT_SUMS)
         try:
             self._adopt(fds[0] if info[0] and fds else None, info[1], bool(info[2]), info[3])
         finally:
@@ -398,8 +400,14 @@ class LocalLink:
     def release(self, lease_id: str) -> bool:
         return bool(fr.ints(self.call(fr.Op.RELEASE, [lease_id]), 0, "released", 1)[0])
 
-    def commit(self, lease_id: str, arrived: Sequence[bytes], deadline: Deadline | None = None) -> CommitResult:
-        return fr.commit_from(self.call(fr.Op.COMMIT, [lease_id, b"".join(arrived)], deadline))
+    def commit(self, lease_id: str, arrived: Sequence[bytes], deadline: Deadline | None = None,
+               sums: Sequence[int] | None = None) -> CommitResult:
+        """COMMIT; ``sums``: each arrived row's checksum as this process hashed its copy
+        (sent where the node keeps them: it then does not read the slots to hash them)."""
+        cols: list[fr.Column] = [lease_id, b"".join(arrived)]
+        if sums is not None and self.commit_sums:
+            cols.append(np.asarray(sums, dtype="<u8"))
+        return fr.commit_from(self.call(fr.Op.COMMIT, cols, deadline))
 
     def load(self, body: dict[str, Any], deadline: Deadline | None = None) -> dict[str, Any]:
         """``POST /v1/engine/load`` (``via="lease"``) on the channel: the same JSON body
@@ -652,11 +660,15 @@ class LocalLink:
         try:
             if any(not 0 <= i < len(views) for i in idx):
                 raise TierUnavailable("node: a put answer names pages beyond the put", field="socket")
-            self.borrower().copy_slots([(SEGMENT, o, z, views[i]) for i, o, z in zip(idx, off, size, strict=True)],
-                                       into_slots=True)
+            jobs = [(SEGMENT, o, z, views[i]) for i, o, z in zip(idx, off, size, strict=True)]
+            sums: list[int] | None = None
+            if self.commit_sums:  # each row hashed in the slot right after its copy, in cache
+                sums = self.borrower().copy_slots_summed(jobs, into_slots=True)
+            else:
+                self.borrower().copy_slots(jobs, into_slots=True)
             if time.monotonic() >= expires:
                 raise LeaseExpired(f"lease_id: lease {lease_id} expired during the copies")
-            self.commit(lease_id, [names[i] for i in idx], deadline)
+            self.commit(lease_id, [names[i] for i in idx], deadline, sums)
         except BaseException:
             self._release_quietly(lease_id)
             raise

@@ -307,10 +307,12 @@ class Borrower:
         return jobs
 
     def copy_slots_summed(self, slots: Sequence[tuple[str, int, int, memoryview]], *,
-                          rows: Sequence[int] | None = None, chunk: int = HASH_CHUNK) -> list[int]:
-        """Copy each slot of ``(segment, offset, size, buffer)`` into its buffer, as
-        :meth:`copy_slots` does, and return the checksum of each row copied (xxh3-64 of
-        the bytes that landed, as the node records a row's), in order. ``rows``: the row
+                          rows: Sequence[int] | None = None, chunk: int = HASH_CHUNK,
+                          into_slots: bool = False) -> list[int]:
+        """Copy each slot of ``(segment, offset, size, buffer)`` into its buffer (with
+        ``into_slots``, each buffer into its slot: a put's), as :meth:`copy_slots` does,
+        and return the checksum of each row copied (xxh3-64 of the bytes that landed, as
+        the node records a row's), in order. ``rows``: the row
         size of each slot, a slot being that many rows back to back in the segment and
         in its buffer (rows merged into one copy); default, each slot is one row.
 
@@ -325,7 +327,7 @@ class Borrower:
             raise InvalidInput(f"chunk: must be positive, got {chunk}")
         if rows is not None and len(rows) != len(slots):
             raise InvalidInput(f"rows: {len(rows)} row sizes for {len(slots)} slots")
-        jobs = self._jobs(slots, into_slots=False)
+        jobs = self._jobs(slots, into_slots=into_slots)
         units = _units(jobs, [z for _, _, z, _ in slots] if rows is None else rows, chunk)
         del jobs
         total = sum(d.nbytes for d, _, _ in units)

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -217,7 +217,7 @@ class HostSlots(Protocol):
     def commit(self, name: bytes, slot: HostSlot, *, dtype: str = "uint8",
                parent: bytes | None = None) -> None: ...
     def commit_many(self, rows: Sequence[tuple[bytes, HostSlot, str, bytes | None]],
-                    published: list[bytes]) -> None: ...
+                    published: list[bytes], sums: Mapping[bytes, int] | None = None) -> None: ...
     def abort(self, slot: HostSlot) -> None: ...
     def stage_many(self, names: Sequence[bytes], *,
                    timeout_s: float | None = None) -> list[HostSlot | None]: ...

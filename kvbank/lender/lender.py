@@ -58,7 +58,7 @@ import os
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NoReturn
 
@@ -405,11 +405,14 @@ class Lender:
                 return False
             raise LeaseNotFound(f"lease_id: no live lease {lease_id}")
 
-    def commit(self, lease_id: str, arrived: Sequence[bytes] | Sequence[bool]) -> CommitResult:
+    def commit(self, lease_id: str, arrived: Sequence[bytes] | Sequence[bool],
+               sums: Mapping[bytes, int] | None = None) -> CommitResult:
         """Publish the WRITE lease's rows that arrived whole; return the others' slots.
 
         ``arrived`` is the names that arrived, or one bool per lease row (in row order).
         The lease ends. Committing an expired lease publishes nothing (LeaseExpired).
+        ``sums``: host rows' checksums as the writer hashed its copies (recorded, not
+        computed again: ``HostSlots.commit_many``).
         """
         with self._lock:
             now = self._clock()
@@ -424,7 +427,7 @@ class Lender:
             # or second commit can touch its slots), published with no lender lock held.
             self._detach_locked(lease_id, "committed")
         result = writes.publish(self._store, lease, held.slots, held.parents, got,
-                                lambda name: self._shape(_shape_key(name), name))
+                                lambda name: self._shape(_shape_key(name), name), sums)
         logger.debug("commit %s: %d committed, %d discarded",
                      lease_id, len(result.committed), len(result.discarded))
         return result

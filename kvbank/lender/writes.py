@@ -19,7 +19,7 @@ Lifecycle::
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from kvbank.errors import InvalidInput, PageSizeMismatch
 from kvbank.keys import same_chain
@@ -120,11 +120,13 @@ def publish(
     parents: dict[bytes, bytes | None],
     got: set[bytes],
     shape_of: Callable[[bytes], PageShape | None],
+    sums: Mapping[bytes, int] | None = None,
 ) -> CommitResult:
     """Commit a detached WRITE lease: publish the rows in ``got``; ``slots`` ends empty.
 
     The caller has already taken the lease out of its tables, so nothing else touches
     ``slots``; published slots leave it as the store takes them, the rest go back.
+    ``sums``: host rows' checksums as their writer hashed them (``HostSlots.commit_many``).
     """
     committed: list[bytes] = []
     discarded: list[bytes] = []
@@ -151,7 +153,7 @@ def publish(
         # it are the store's, the rest go back below with every unpublished slot.
         try:
             if host:
-                store.host.commit_many(host, committed)
+                store.host.commit_many(host, committed, sums)
             if device:
                 store.device.commit_many(device, committed)
         finally:

@@ -350,8 +350,9 @@ class LocalChannel:
         resident = int(seg is not None and self.node.bank.reservation is not None)
         # column 1: what this node takes beyond the first version's calls (an older client
         # reads column 0 alone)
-        features = fr.FEATURE_ONEWAY_ACK | (fr.FEATURE_ENGINE_LOAD | fr.FEATURE_ONEWAY_LOADED | fr.FEATURE_LOAD_KEYS
-                                            if self.node.loads is not None else 0)
+        features = fr.FEATURE_ONEWAY_ACK | fr.FEATURE_COMMIT_SUMS
+        if self.node.loads is not None:
+            features |= fr.FEATURE_ENGINE_LOAD | fr.FEATURE_ONEWAY_LOADED | fr.FEATURE_LOAD_KEYS
         return [np.array([int(fd is not None), size, resident, os.getpid()], dtype="<i8"),
                 np.array([features], dtype="<i8")], ([] if fd is None else [fd])
 
@@ -596,7 +597,12 @@ class LocalChannel:
     def _commit(self, c: _Conn, cols: list[fr.Column]) -> list[fr.Column]:
         lease_id = self._lease_id(c, cols)
         arrived = list(fr.names_of(fr.take(cols, 1, bytes, "arrived"), "arrived"))
-        result = self.node.bank.commit(lease_id, arrived)
+        if len(cols) > 2:  # each row's checksum as the writer hashed its copy (0: none)
+            sums = fr.ints(cols, 2, "sums", len(arrived)).astype("<u8").tolist()
+            result = self.node.bank.commit_summed(lease_id, arrived,
+                                                  {n: v for n, v in zip(arrived, sums, strict=True) if v})
+        else:
+            result = self.node.bank.commit(lease_id, arrived)
         c.leases.discard(lease_id)
         return fr.commit_columns(result)
 

@@ -76,7 +76,7 @@ class Op(enum.IntEnum):
     CHECK = 6  # lease id -> nothing (LeaseExpired if it ended)
     RELEASE = 7  # lease id -> whether it was live
     PUT_RESERVE = 8  # a put head -> row names, a WRITE lease's slots (or fallback)
-    COMMIT = 9  # lease id, names that arrived -> a CommitResult
+    COMMIT = 9  # lease id, names that arrived, [their checksums: FEATURE_COMMIT_SUMS] -> a CommitResult
     PRESENCE = 10  # a prompt, shards -> a Presence
     FETCH = 11  # a Match -> a fetch id, its rows, their READ lease's slots and checksums
     SYNC = 12  # nothing -> nothing, answered once every earlier frame of the connection was applied
@@ -89,11 +89,13 @@ ONEWAY_OPS = frozenset({Op.ACK, Op.LOADED})  # the ops a ONEWAY frame may carry
 # what a node's HELLO answer says it takes (its second column, a bit mask; an older node
 # sends none): FEATURE_ONEWAY_ACK, acknowledgements as ONEWAY frames and SYNC;
 # FEATURE_ENGINE_LOAD, LOAD and LOADED (a paged engine's fetch_into); FEATURE_ONEWAY_LOADED,
-# LOADED as a ONEWAY frame too; FEATURE_LOAD_KEYS, LOAD_KEYS
+# LOADED as a ONEWAY frame too; FEATURE_LOAD_KEYS, LOAD_KEYS; FEATURE_COMMIT_SUMS, a
+# COMMIT's third column (each arrived row's checksum as the writer hashed its copy)
 FEATURE_ONEWAY_ACK = 1
 FEATURE_ENGINE_LOAD = 2
 FEATURE_ONEWAY_LOADED = 4
 FEATURE_LOAD_KEYS = 8  # LOAD_KEYS: a hit query and its load's lease in one call (Client.prepare_load)
+FEATURE_COMMIT_SUMS = 16
 
 
 # dtype codes: 0 raw bytes, 1 text, then numpy arrays
@@ -436,6 +438,7 @@ def presence_from(cols: Sequence[Column]) -> Presence:
 
 
 __all__ = [
+    "FEATURE_COMMIT_SUMS",
     "FEATURE_ENGINE_LOAD",
     "FEATURE_LOAD_KEYS",
     "FEATURE_ONEWAY_ACK",

@@ -27,6 +27,7 @@ from kvbank import Client, Scope, full_attention
 from kvbank.client.io import deadline_of
 from kvbank.client.local import ChannelBroken, LocalLink
 from kvbank.client.paths import SharedMemory
+from kvbank.codec import checksum
 from kvbank.errors import (
     Busy,
     Forbidden,
@@ -488,3 +489,35 @@ def test_a_connection_that_broke_while_idle_or_before_an_answer_is_opened_anew(n
         with pytest.raises(ChannelBroken):
             link.call(fr.Op.COMMIT, ["0" * 32, b""])
         assert calls == [fr.Op.COMMIT]
+
+
+def test_a_put_on_the_channel_sends_its_rows_checksums_and_a_wrong_one_is_a_miss(
+        node: NodeProcess, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Over the channel a put's client hashes each row in its slot right after copying it
+    there, and COMMIT carries the sums: the node keeps them as the rows' (a READ lease
+    answers exactly them), so a sum that does not match its row's bytes — sent here on
+    purpose — makes that row a miss for the next fetch, never other bytes."""
+    from kvbank.client.shm import Borrower
+
+    data = rand(4, 91)
+    with Client(node.url) as c:
+        lid = c.register(LAYOUT)
+        link = c._chan()
+        assert link is not None and link.memory and link.commit_sums
+        names = c.put(lid, list(range(5000, 5000 + 4 * 16)), group=0, pages=data)
+        lease = c.lend(names, ttl_s=60)
+        assert lease.checksums() == {n: checksum(bytes(data[i].numpy())) for i, n in enumerate(names)}
+        c.release(lease.id)
+
+        summed = Borrower.copy_slots_summed
+
+        def off_by_one(self: Borrower, *args: object, **kwargs: object) -> list[int]:
+            return [v ^ 1 for v in summed(self, *args, **kwargs)]  # type: ignore[arg-type]
+
+        monkeypatch.setattr(Borrower, "copy_slots_summed", off_by_one)
+        prompt = list(range(6000, 6000 + 4 * 16))
+        c.put(lid, prompt, group=0, pages=data)  # its rows recorded under the wrong sums
+        monkeypatch.setattr(Borrower, "copy_slots_summed", summed)
+        out = torch.zeros((4, PAGE), dtype=torch.uint8)
+        got = c.fetch(c.match(lid, [*prompt, 1]), out={0: out})
+        assert not got.complete and got.delivered == ((),)  # every row a miss: none counts as loaded

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import abc
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Generic, TypeVar
 
 import torch
@@ -58,6 +58,7 @@ logger = logging.getLogger("kvbank.tiers.store.store")
 
 class MemoryOps(Generic[SlotT], abc.ABC):
     bit: int
+    records_sums = False  # whether a commit records its rows' checksums (host memory does)
 
     def __init__(self, st: StoreState, mover: Mover, lanes: Lanes) -> None:
         self._st = st
@@ -128,6 +129,12 @@ class MemoryOps(Generic[SlotT], abc.ABC):
         """The checksum of a reserved slot's bytes (None: this kind records none)."""
         return None
 
+    def _sum_of(self, job: tuple[SlotT, int | None]) -> int | None:
+        """A committed slot's checksum: its writer's where it sent one (and this kind
+        records any), else the slot's bytes hashed."""
+        slot, given = job
+        return given if given is not None and self.records_sums else self._checksum(slot)
+
     def _claim_locked(self, name: bytes, slot: SlotT, dtype: str) -> tuple[int, str, int, int]:
         """Take a reserved slot out of its reservation to publish it as ``name``: its
         offset, holder, size and dtype code. A refusal here keeps the reservation."""
@@ -160,14 +167,17 @@ class MemoryOps(Generic[SlotT], abc.ABC):
                 st.release(bit, off)
 
     def commit_many(self, rows: Sequence[tuple[bytes, SlotT, str, bytes | None]],
-                    published: list[bytes]) -> None:
+                    published: list[bytes], sums: Mapping[bytes, int] | None = None) -> None:
         """:meth:`commit` of each ``(name, slot, dtype, parent)``, in order, appending each
         name to ``published`` once it is. A write lease's batch, all or nothing: every
         row's slot is claimed first (a refusal raises with every row still reserved);
         under write-back they are then published under that one hold of the store lock;
         with write-through their frames are encoded on the copy lanes and written in ONE
         disk transaction, then published together, so a crash leaves all of them on disk
-        or none (docs/reliability.md)."""
+        or none (docs/reliability.md). ``sums``: each row's checksum as its writer hashed
+        the bytes it copied into the slot (a same-host client, while they were in its
+        cache), recorded instead of hashing the slot again; a wrong one makes the row fail
+        its readers' checks (a miss), never serves other bytes."""
         check_names([name for name, _, _, _ in rows])
         check_names([parent for _, _, _, parent in rows if parent is not None])
         st, bit = self._st, self.bit
@@ -175,12 +185,13 @@ class MemoryOps(Generic[SlotT], abc.ABC):
         through = st.config.write_policy is WritePolicy.WRITE_THROUGH and st.has_disk
         # before the claims, no lock held; on the copy lanes, as a put hashes its rows
         # (xxhash frees the GIL): a 64-row commit of 2 MiB rows hashed 128 MiB on one core
-        sums = self._lanes.map(self._checksum, [slot for _, slot, _, _ in rows])
+        given = sums or {}
+        sums_ = self._lanes.map(self._sum_of, [(slot, given.get(name)) for name, slot, _, _ in rows])
         claimed: list[Claimed] = []
         with st.lock:
             st.check_open()
             try:
-                for (name, slot, dtype, parent), sum_ in zip(rows, sums, strict=True):
+                for (name, slot, dtype, parent), sum_ in zip(rows, sums_, strict=True):
                     off, holder, size, code = self._claim_locked(name, slot, dtype)
                     claimed.append(Claimed(name, bit, off, size, code, parent, holder, checksum=sum_))
             except BaseException:
@@ -259,6 +270,8 @@ class HostOps(MemoryOps[HostSlot]):
 
     def _source(self, off: int, size: int) -> memoryview:
         return self._pool().view(off, size)
+
+    records_sums = True
 
     def _checksum(self, slot: HostSlot) -> int | None:
         view = self.view(slot)  # refused unless it is a slot of this segment

@@ -9,6 +9,7 @@ once nothing holds it, and the mover never encodes changed bytes into a fresh fr
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from kvbank.codec import checksum
@@ -129,3 +130,34 @@ def test_a_device_commit_gets_its_checksum_when_the_mover_copies_it_to_host(
     s.flush()
     assert s.locate([name_of(1)]) == [TierKind.HOST]
     assert s.host.checksums([name_of(1)]) == [checksum(page_of(1, P))]
+
+
+def test_a_commit_keeps_the_writers_checksums_and_a_wrong_one_is_a_miss(make_store: MakeStore,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """``commit_many`` with the checksums a writer hashed as it copied: they are the rows'
+    (the slots are not hashed again: a row whose sum was given is never hashed here), a
+    row with none given is hashed as before, and a wrong one makes the row fail its read
+    (a miss, the copy dropped): other bytes are never served."""
+    s = make_store(data_dir=None, host_bytes=1 << 20)
+    slots = [s.host.reserve(P, "w") for _ in range(3)]
+    for i, slot in enumerate(slots):
+        view = s.host.view(slot)
+        view[:] = page_of(i, P)
+        view.release()
+    hashed: list[int] = []
+
+    def counted(data: memoryview) -> int:
+        hashed.append(len(data))
+        return checksum(data)
+
+    monkeypatch.setattr("kvbank.tiers.store.inplace.checksum", counted)
+    published: list[bytes] = []
+    s.host.commit_many([(name_of(i), slot, "uint8", None) for i, slot in enumerate(slots)], published,
+                       {name_of(0): checksum(page_of(0, P)), name_of(1): checksum(page_of(1, P)) ^ 1})
+    assert published == [name_of(0), name_of(1), name_of(2)]
+    assert hashed == [P]  # only row 2, whose writer sent none
+    assert s.host.checksums([name_of(i) for i in range(3)]) == [
+        checksum(page_of(0, P)), checksum(page_of(1, P)) ^ 1, checksum(page_of(2, P))]
+    assert _read(s, 0) == page_of(0, P) and _read(s, 2) == page_of(2, P)
+    assert _read(s, 1) is None  # its writer's sum does not match its bytes: a miss
+    assert s.locate([name_of(1)]) == [None]

@@ -350,6 +350,8 @@ def _bank_entry_points(c: _Ctx) -> dict[str, Callable[[], object]]:
         "renew": lambda: b.renew(c.read_lease, 5),
         "write": lambda: b.write(c.write_lease, c.fresh[0], bytes(PAGE)),
         "commit": lambda: b.commit(c.write_lease, c.fresh[:2]),
+        "commit_summed": lambda: b.commit_summed(b.lend(c.fresh[2:4], mode=LeaseMode.WRITE).id, c.fresh[2:4],
+                                                 {c.fresh[2]: 1}),  # a lease of its own
         "release": lambda: b.release(c.read_lease),
         "put": lambda: b.put(c.lid, OTHER, group=0, pages=pages),
         "put_state": lambda: b.put_state(c.mid, OTHER, group=1,

@@ -366,22 +366,20 @@ def _lane_pool(k: int) -> ThreadPoolExecutor:
     return lanes
 
 
-def _cpu_parts(fn: Callable[[slice], None], count: int, nbytes: int, *, caller: bool = False,
-               part_bytes: int = PARALLEL_BYTES // 2) -> None:
+def _cpu_parts(fn: Callable[[slice], None], count: int, nbytes: int, *, caller: bool = False) -> None:
     """Run ``fn`` over row slices of ``0..count`` on up to ``torch.get_num_threads()``
     lanes while the caller waits; a small move stays on the caller's thread. Slices of
     about ``PARALLEL_BYTES / 2`` are taken by whichever lane is free (a lane whose core is
     busy elsewhere holds back only the slices it took). Raises the first failure after
     every lane stopped. ``caller``: the calling thread is one of the lanes (for an ``fn``
     of no torch op: a torch op on the caller's thread would start its intra-op threads
-    beside the lanes, which is why the caller waits by default). ``part_bytes``: about
-    how much a slice moves (smaller: the lanes end nearer together, at more calls)."""
+    beside the lanes, which is why the caller waits by default)."""
     k = max(1, min(torch.get_num_threads(), nbytes // PARALLEL_BYTES, count))
     if k == 1:
         fn(slice(0, count))
         return
     pool = _lane_pool(k - caller)
-    step = max(1, min(count // k, count * part_bytes // max(nbytes, 1)))
+    step = max(1, min(count // k, count * (PARALLEL_BYTES // 2) // max(nbytes, 1)))
     todo = iter(range(0, count, step))  # shared: next() on a range iterator is atomic under the GIL
     failed = False
 

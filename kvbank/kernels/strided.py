@@ -115,7 +115,6 @@ def _spans(block_ids: Sequence[int]) -> list[tuple[int, int, int]]:
 
 
 BYTES_MIN = 64 << 10  # a region this long a page or longer moves page by page as bytes
-PART_BYTES = 1 << 20  # a lane's slice of such a move
 
 
 def _page_bytes(t: torch.Tensor) -> np.ndarray[Any, Any] | None:
@@ -176,7 +175,7 @@ def scatter_strided(layout: PageLayout, group: int, rows: torch.Tensor, pool: Po
                         if then is not None:
                             then(r, r + 1)
 
-                _cpu_parts(pages, len(ids), len(ids) * rows.shape[1], caller=True, part_bytes=PART_BYTES)
+                _cpu_parts(pages, len(ids), len(ids) * rows.shape[1], caller=True)
                 return
             spans = _spans(ids)
             if len(spans) * 2 <= len(block_ids):  # mostly consecutive blocks: slice copies

@@ -78,7 +78,7 @@ _LOOP = _amd()  # pages copy through numpy's loop, not memmove (copy_bytes says 
 
 
 def copy_bytes(dst: U8Array, src: U8Array) -> None:
-    """``dst[:] = src`` for two flat ``uint8`` arrays of one length, GIL released.
+    """``dst[...] = src`` for two ``uint8`` arrays of one shape, GIL released.
 
     On AMD CPUs, pages (under 16 MiB) go through numpy's SIMD ``bitwise_or`` loop with a
     zero scalar, not ``np.copyto``: numpy's copy calls libc ``memmove``, which on AMD EPYC

@@ -164,16 +164,23 @@ def scatter_strided(layout: PageLayout, group: int, rows: torch.Tensor, pool: Po
     try:
         if all(dst.device.type == "cpu" and src.device.type == "cpu" for src, dst in pairs):
             flat = _byte_pairs(pairs)
-            if flat is not None:  # long regions (a page-first pool): a page at a time as bytes
+            if flat is not None:  # long regions (a page-first pool): runs of pages as bytes
                 def pages(sl: slice) -> None:
-                    # no torch op: the caller's thread is a lane too. Each row is handed to
-                    # ``then`` right after its own copy, while it is still in this core's cache
-                    for r in range(sl.start, sl.stop):
-                        b = ids[r]
+                    # no torch op: the caller's thread is a lane too. A run of consecutive
+                    # blocks moves as one copy per region, then goes to ``then``: 64 pages of
+                    # 2 x 256 KiB in runs of 8 took 1.5 ms against 1.9-2.1 page by page
+                    # (each page's two regions in turn), and hashing a run after it costs
+                    # no more than hashing each page after its own copy
+                    r = sl.start
+                    while r < sl.stop:
+                        b, k = ids[r], 1
+                        while r + k < sl.stop and ids[r + k] == b + k:
+                            k += 1
                         for src_b, dst_b in flat:
-                            copy_bytes(dst_b[b], src_b[r])
+                            copy_bytes(dst_b[b : b + k], src_b[r : r + k])
                         if then is not None:
-                            then(r, r + 1)
+                            then(r, r + k)
+                        r += k
 
                 _cpu_parts(pages, len(ids), len(ids) * rows.shape[1], caller=True)
                 return

@@ -113,8 +113,8 @@ def test_a_large_move_split_over_lanes_moves_every_row() -> None:
 def test_a_pool_of_long_contiguous_regions_moves_as_bytes_and_hands_each_row_over_once(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A page-first pool (each page's region of a buffer contiguous, 128 KiB here) takes
-    the byte path: a copy a page and region, the caller's thread one of the lanes, and
-    ``then`` told of every row once, after that row landed. The pool ends equal to the
+    the byte path: a copy a run of consecutive blocks and region, the caller's thread one
+    of the lanes, and ``then`` told of every row once, after that row landed. The pool ends equal to the
     rows; blocks not named are untouched; a failing ``then`` is raised to the caller."""
     big = full_attention("strided-bytes@1", num_layers=1, num_kv_heads=8, head_dim=128, tokens_per_page=64,
                          dtype="bfloat16")
@@ -147,9 +147,18 @@ def test_a_pool_of_long_contiguous_regions_moves_as_bytes_and_hands_each_row_ove
         parts.append(kw)
         lanes(fn, count, nbytes, **kw)
 
+    copies: list[int] = []
+    copy = strided.copy_bytes
+
+    def counted_copy(d: Any, s: Any) -> None:
+        copies.append(d.shape[0])
+        copy(d, s)
+
     monkeypatch.setattr(strided, "_cpu_parts", counted)
+    monkeypatch.setattr(strided, "copy_bytes", counted_copy)
     scatter_strided(big, 0, rows, dst, ids, then=then)
     assert [kw["caller"] for kw in parts] == [True]  # the byte path: the caller's thread is a lane
+    assert sum(copies) == 2 * n and max(copies) > 1  # every page of both regions, runs in one copy
     assert sorted(seen) == list(range(n)) and all(landed)
     for k, t in bits.items():
         assert torch.equal(t[ids], views[k])

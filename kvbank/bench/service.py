@@ -25,6 +25,9 @@ case                  ours                                        baseline (same
 ``match-1000-keys``   the same chain given as 32-byte engine keys  in-process ``Bank.match(keys=)``
 ``match-1000-8clients`` p99 ms of ``Client.match`` of 8 client      ``match-1000``'s single-client
                       processes at once                           p50 (this run)
+``match-1000-8banks``  the machine's floor for the case above: p99  ``match-1000``'s in-process
+                      ms of in-process ``Bank.match`` in 8         ``Bank.match`` p50 (this run)
+                      processes at once, no node
 ``fetch-prefix-252``  GB/s of ``Client.fetch_prefix`` of 252 x     in-process ``Bank.fetch_prefix``
                       32 KiB rows into given buffers              of the same rows
 ``fetch-remote-16``   aggregate GB/s, 16 client processes, each   raw TCP, 16 connections
@@ -130,6 +133,8 @@ def _client(spec: dict[str, Any]) -> dict[str, Any]:
     layout = _layout()
     page = layout.group_page_bytes[0]
     case, reps = spec["case"], spec["reps"]
+    if case == "match-1000-8banks":
+        return _match_case(None, case, reps)
     if case in ("match-1000", "match-1000-keys", "match-1000-8clients"):
         return _match_case(Client(spec["url"]), case, reps)
     if case == "fetch-prefix-252":
@@ -235,10 +240,12 @@ def _turns(fn: Any, baseline: Any, reps: int, nbytes: int) -> dict[str, Any]:
     return {"ours": ours, "base": base, "bytes": nbytes}
 
 
-def _match_case(client: Any, case: str, reps: int) -> dict[str, Any]:
+def _match_case(client: Any | None, case: str, reps: int) -> dict[str, Any]:
     """``match-1000`` (by tokens) / ``-keys`` (by engine keys) against the in-process
     ``Bank.match`` of the same chain; ``-8clients``: this process's latencies only, timed
-    once every client said ready (the orchestrator starts them together)."""
+    once every client said ready (the orchestrator starts them together); ``-8banks``: the
+    same with an in-process ``Bank`` (no ``client``), what many processes on this machine's
+    cores cost with no node at all."""
     import hashlib
 
     import torch
@@ -246,33 +253,33 @@ def _match_case(client: Any, case: str, reps: int) -> dict[str, Any]:
     from kvbank.bank.bank import Bank
 
     small = _layout(1)
-    slid = client.register(small)
     toks = _tokens(99_000, MATCH_PAGES)
     keys = [hashlib.sha256(b"bench-service-key-%d" % i).digest() for i in range(MATCH_PAGES)]
     by_keys = case == "match-1000-keys"
     zeros = torch.zeros((MATCH_PAGES, small.group_page_bytes[0]), dtype=torch.uint8)
     prompt = MATCH_PAGES * 16 + 1
+    q = [*toks, 1]
+    if client is None:
+        with Bank.open(host_bytes="256M", device_bytes=0) as floor:
+            flid = floor.register(small)
+            floor.put(flid, toks, group=0, pages=zeros)
+            if floor.match(flid, q).resume.tokens == 0:
+                raise RuntimeError("bench client: the bank's match missed")
+            return _timed_together(lambda: floor.match(flid, q), reps)
+    slid = client.register(small)
     if by_keys:
         client.put(slid, keys=keys, group=0, pages=zeros)
     else:
         client.put(slid, toks, group=0, pages=zeros)
-    q = [*toks, 1]
 
     def ours_call() -> Any:
         return client.match(slid, keys=keys, prompt_tokens=prompt) if by_keys else client.match(slid, q)
 
     if case == "match-1000-8clients":
-        for _ in range(5):
-            ours_call()
-        print("ready", flush=True)
-        sys.stdin.readline()
-        lat = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            ours_call()
-            lat.append(time.perf_counter() - t0)
-        client.close()
-        return {"ours": lat}
+        try:
+            return _timed_together(ours_call, reps)
+        finally:
+            client.close()
     with Bank.open(host_bytes="256M", device_bytes=0) as bank:
         bank.register(small)
         if by_keys:
@@ -299,6 +306,21 @@ def _match_case(client: Any, case: str, reps: int) -> dict[str, Any]:
             base.append(t2 - t1)
     client.close()
     return {"ours": ours, "base": base}
+
+
+def _timed_together(call: Any, reps: int) -> dict[str, Any]:
+    """``reps`` latencies of ``call``, timed once the orchestrator says go (after this
+    process said ready), so that every process of a together-case runs at once."""
+    for _ in range(5):
+        call()
+    print("ready", flush=True)
+    sys.stdin.readline()
+    lat = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        call()
+        lat.append(time.perf_counter() - t0)
+    return {"ours": lat}
 
 
 def _prefix_case(client: Any, reps: int) -> dict[str, Any]:
@@ -446,6 +468,7 @@ def run(quick: bool = False) -> Iterator[BenchRow]:
             settle()
             r = _one({**spec, "case": "match-1000", "reps": 15 if quick else 50, "seed": 99})
             single = statistics.median(r["ours"]) * 1e3
+            in_process = statistics.median(r["base"]) * 1e3
             yield row(SUITE, "match-1000", "ms p50", single,
                       "in-process Bank.match", statistics.median(r["base"]) * 1e3)
             r = _one({**spec, "case": "match-1000-keys", "reps": 15 if quick else 50, "seed": 98})
@@ -455,6 +478,10 @@ def run(quick: bool = False) -> Iterator[BenchRow]:
                             MATCH_CLIENTS)
             yield row(SUITE, "match-1000-8clients", "ms p99", _p(lat, 0.99) * 1e3,
                       "match-1000 single-client p50", single)
+            lat = _together({**spec, "case": "match-1000-8banks", "reps": 15 if quick else 50, "seed": 97},
+                            MATCH_CLIENTS)
+            yield row(SUITE, "match-1000-8banks", "ms p99", _p(lat, 0.99) * 1e3,
+                      "match-1000 in-process Bank.match p50", in_process)
             settle()
             r = _one({**spec, "case": "fetch-prefix-252", "reps": 10 if quick else 30, "seed": 96})
             gb = r["bytes"] / 1e9

@@ -225,8 +225,11 @@ def _write_chunk(st: StoreState, mover: Mover, rows: list[_Row], frames: list[by
                 st.disk_error = None
                 for r in todo:
                     _commit_one(st, r, code, on_disk=True)
-                    if not r.stored:
-                        orphans.append(r.name)  # locked meanwhile: the frame is no row's
+                    rid = st.ix.ids.get(r.name)
+                    if not r.stored and (rid is None or not int(st.ix.where[rid]) & DISK):
+                        # locked or pinned meanwhile: the frame is no row's. A row the
+                        # index keeps on disk keeps it (the write replaced that frame)
+                        orphans.append(r.name)
         except BaseException:
             # Refused after the write (closed meanwhile): a frame the index does not
             # hold must not outlive this call.

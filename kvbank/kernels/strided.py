@@ -114,7 +114,7 @@ def _spans(block_ids: Sequence[int]) -> list[tuple[int, int, int]]:
     return out
 
 
-BYTES_MIN = 64 << 10  # a region this long a page or longer moves page by page as bytes
+BYTES_MIN = 64 << 10  # a region this long a page or longer moves as bytes (runs of pages)
 
 
 def _page_bytes(t: torch.Tensor) -> np.ndarray[Any, Any] | None:

@@ -637,21 +637,23 @@ class Client(EngineCalls):
         """Publish the WRITE lease's rows that arrived whole; the rest are discarded."""
         return self._commit(lease_id, arrived, None)
 
-    def _commit_or_release(self, lease_id: str, arrived: list[bytes], deadline: Deadline | None) -> None:
+    def _commit_or_release(self, lease_id: str, arrived: list[bytes], deadline: Deadline | None,
+                           sums: Sequence[int] | None = None) -> None:
         """A put's commit; where its deadline passes first, the lease is released (the
-        caller gave up: nothing is held for it) and :class:`Busy` raised."""
+        caller gave up: nothing is held for it) and :class:`Busy` raised. ``sums``: each
+        arrived row's checksum as this process hashed its slot (the local channel only)."""
         try:
-            self._commit(lease_id, arrived, deadline)
+            self._commit(lease_id, arrived, deadline, sums)
         except Busy:
             self.release(lease_id)
             raise
 
     def _commit(self, lease_id: str, arrived: Sequence[bytes] | Sequence[bool],
-                deadline: Deadline | None) -> CommitResult:
+                deadline: Deadline | None, sums: Sequence[int] | None = None) -> CommitResult:
         items = list(arrived)
         link = self._chan()
         if link is not None and all(type(a) is bytes for a in items):
-            return link.commit(_lease_text(lease_id), items)  # type: ignore[arg-type]  # bytes, checked
+            return link.commit(_lease_text(lease_id), items, sums=sums)  # type: ignore[arg-type]  # bytes, checked
         body = items if items and all(isinstance(a, bool) for a in items) else [
             a.hex() if isinstance(a, bytes) else a for a in items]
         doc = self._call("POST", f"/v1/leases/{lease_path_id(lease_id)}/commit", body={"arrived": body},

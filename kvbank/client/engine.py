@@ -568,6 +568,8 @@ def _put_lent(c: Client, layout: PageLayout, layout_id: bytes, pool: PoolViews, 
     flat = [(g, name, int(block_ids[g][p - first_page]))  # type: ignore[arg-type]
             for g, ns in names.items() for name, p in zip(ns, pages[g], strict=True)]
     arrived: list[bytes] = []
+    link = c._chan()
+    sums: list[int] | None = [] if link is not None and link.commit_sums else None
     try:
         segments = [str(x) for x in lease["segments"]]
         slots = _table(lease["slots"], 4, "slots")  # each slot's entry of ``flat``, segment, offset, size
@@ -589,14 +591,30 @@ def _put_lent(c: Client, layout: PageLayout, layout_id: bytes, pool: PoolViews, 
                 if off + size * len(idx) > t.numel():
                     raise TierUnavailable(f"node: a slot at {off} is beyond segment {seg}")
                 dst = t[off : off + size * len(idx)].view(len(idx), size)
-                gather_strided(layout, g, pool, [flat[i][2] for i in idx], dst)
+                if sums is None:
+                    gather_strided(layout, g, pool, [flat[i][2] for i in idx], dst)
+                else:
+                    # each slot hashed as it landed, on the lane that filled it: the node
+                    # keeps these sums and does not read the slots again
+                    got = [0] * len(idx)
+                    rows = dst.numpy()
+
+                    def hashed(first: int, end: int, rows: Any = rows, got: list[int] = got) -> None:
+                        for k in range(first, end):
+                            got[k] = checksum(rows[k])
+
+                    try:
+                        gather_strided(layout, g, pool, [flat[i][2] for i in idx], dst, then=hashed)
+                    finally:
+                        del rows, hashed  # no view may keep the mapping exported
+                    sums.extend(got)
                 arrived.extend(flat[i][1] for i in idx)
         finally:
             whole.clear()
     except BaseException:
         c.release(lease["id"])
         raise
-    c._commit_or_release(lease["id"], arrived, deadline)
+    c._commit_or_release(lease["id"], arrived, deadline, sums)
     return names
 
 

@@ -218,9 +218,11 @@ def scatter_strided(layout: PageLayout, group: int, rows: torch.Tensor, pool: Po
 
 
 def gather_strided(layout: PageLayout, group: int, pool: PoolViews, block_ids: Sequence[int],
-                   rows: torch.Tensor) -> None:
+                   rows: torch.Tensor, then: Callable[[int, int], None] | None = None) -> None:
     """Fill canonical ``rows`` (row ``k`` from block ``block_ids[k]``) from ``group``'s
-    blocks of ``pool``; padding bytes between regions are zeroed."""
+    blocks of ``pool``; padding bytes between regions are zeroed. ``then(first, end)``:
+    as :func:`scatter_strided`'s, called once rows ``first..end-1`` are filled, on the
+    lane that filled them (a writer's checksums hash them there)."""
     tensors = check_pool(layout, group, pool)
     if not block_ids:
         return
@@ -235,6 +237,8 @@ def gather_strided(layout: PageLayout, group: int, pool: PoolViews, block_ids: S
             def part(sl: slice) -> None:
                 for src, dst in pairs:
                     torch.index_select(src, 0, idx[sl], out=dst[sl])
+                if then is not None:
+                    then(sl.start, sl.stop)
 
             _cpu_parts(part, len(block_ids), len(block_ids) * rows.shape[1])
             return
@@ -243,5 +247,7 @@ def gather_strided(layout: PageLayout, group: int, pool: PoolViews, block_ids: S
                 dst.copy_(src.index_select(0, idx.to(src.device)))
             else:
                 torch.index_select(src, 0, idx, out=dst)
+        if then is not None:
+            then(0, len(block_ids))
     except TORCH_ERRORS as exc:
         raise torch_fault("gathering pages from the pool", exc) from exc

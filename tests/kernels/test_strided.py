@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from kvbank import full_attention
+from kvbank.codec.planes import copy_bytes
 from kvbank.errors import InvalidInput, PageSizeMismatch
 from kvbank.kernels import pages as lanes_of
 from kvbank.kernels import strided
@@ -110,6 +111,42 @@ def test_a_large_move_split_over_lanes_moves_every_row() -> None:
         assert not dst[k][rest].any()
 
 
+def test_a_gather_hands_each_row_over_once_after_it_is_filled() -> None:
+    """``then`` of a gather split over the lanes is told of every row once, only after
+    that row holds its block's page (a writer's checksums hash it there); a failing
+    ``then`` is raised to the caller."""
+    big = full_attention("strided-then@1", num_layers=2, num_kv_heads=8, head_dim=128, tokens_per_page=16,
+                         dtype="float32")
+    n, blocks = 72, 80
+    assert n * big.group_page_bytes[0] >= 2 * PARALLEL_BYTES
+    g = torch.Generator().manual_seed(13)
+    src = {(i, r): torch.randn(blocks, 8, 16, 128, generator=g).transpose(1, 2)
+           for i in range(2) for r in (Role.KEY, Role.VALUE)}
+    ids = torch.randperm(blocks, generator=g)[:n].tolist()
+    want = torch.empty((n, big.group_page_bytes[0]), dtype=torch.uint8)
+    gather_strided(big, 0, src, ids, want)
+    pages = torch.zeros_like(want)
+    seen: list[int] = []
+    landed: list[bool] = []
+    lock = threading.Lock()
+
+    def then(first: int, end: int) -> None:
+        ok = torch.equal(pages[first:end], want[first:end])
+        with lock:
+            seen.extend(range(first, end))
+            landed.append(ok)
+
+    gather_strided(big, 0, src, ids, pages, then=then)
+    assert sorted(seen) == list(range(n)) and len(landed) > 1 and all(landed)
+    assert torch.equal(pages, want)
+
+    def fails(first: int, end: int) -> None:
+        raise KeyError("a hash failed")
+
+    with pytest.raises(KeyError, match="a hash failed"):
+        gather_strided(big, 0, src, ids, pages, then=fails)
+
+
 def test_a_pool_of_long_contiguous_regions_moves_as_bytes_and_hands_each_row_over_once(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A page-first pool (each page's region of a buffer contiguous, 128 KiB here) takes
@@ -148,11 +185,10 @@ def test_a_pool_of_long_contiguous_regions_moves_as_bytes_and_hands_each_row_ove
         lanes(fn, count, nbytes, **kw)
 
     copies: list[int] = []
-    copy = strided.copy_bytes
 
     def counted_copy(d: Any, s: Any) -> None:
         copies.append(d.shape[0])
-        copy(d, s)
+        copy_bytes(d, s)
 
     monkeypatch.setattr(strided, "_cpu_parts", counted)
     monkeypatch.setattr(strided, "copy_bytes", counted_copy)

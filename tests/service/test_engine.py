@@ -629,3 +629,38 @@ def test_a_worker_a_failure_put_off_shared_memory_asks_again_later(node: NodePro
             c.release_match(b.handle)
             monkeypatch.setattr(c._shm, "borrower", mapped)
             assert c.same_host is back  # asked again at once / not for an hour
+
+
+def test_an_engine_put_on_the_channel_sends_its_slots_checksums_and_a_wrong_one_is_a_miss(
+        node: NodeProcess, monkeypatch: pytest.MonkeyPatch) -> None:
+    """put_from on the node's host hashes each slot right after the gather filled it, and
+    COMMIT carries the sums: the node keeps them as the rows' (a READ lease answers exactly
+    them, the hashes of the pages in canonical order), so a sum that does not match its
+    row's bytes — sent here on purpose — makes that row a miss, never other bytes."""
+    import kvbank.client.engine as engine_calls
+    from kvbank.codec.frame import checksum
+    from kvbank.kernels.strided import gather_strided
+
+    with Client(node.url, same_host=True) as c:
+        lid = c.register(LAYOUT)
+        link = c._chan()
+        assert link is not None and link.commit_sums
+        src = cache(list(range(L)), 21)
+        keys = fresh_keys(4)
+        names = c.put_from(lid, pool=pool_of(src), block_ids={0: [2, 4, 6, 8]}, keys=keys)[0]
+        canon = torch.zeros((4, PAGE), dtype=torch.uint8)
+        gather_strided(LAYOUT, 0, pool_of(src), [2, 4, 6, 8], canon)
+        lease = c.lend(names, ttl_s=60)
+        assert lease.checksums() == {n: checksum(canon[k].numpy().tobytes()) for k, n in enumerate(names)}
+        c.release(lease.id)
+
+        monkeypatch.setattr(engine_calls, "checksum", lambda b: checksum(b) ^ 1)
+        keys = fresh_keys(4)
+        c.put_from(lid, pool=pool_of(src), block_ids={0: [2, 4, 6, 8]}, keys=keys)  # wrong sums
+        monkeypatch.undo()
+        (b,) = c.match_many(lid, [keys], prompt_tokens=[4 * P + 1], hold=True)
+        assert b.tokens == 4 * P and b.handle is not None  # stored: its rows match
+        dst = {i: torch.zeros(BLOCKS, H, 2 * P, D) for i in range(L)}
+        got = c.fetch_into(b.handle, pool=pool_of(dst), block_ids={0: [1, 3, 5, 7]})
+        assert got.delivered == ((),) and not got.complete  # every row a miss: none loaded
+        c.release_match(b.handle)

@@ -225,10 +225,7 @@ def _write_chunk(st: StoreState, mover: Mover, rows: list[_Row], frames: list[by
                 st.disk_error = None
                 for r in todo:
                     _commit_one(st, r, code, on_disk=True)
-                    rid = st.ix.ids.get(r.name)
-                    if not r.stored and (rid is None or not int(st.ix.where[rid]) & DISK):
-                        # locked or pinned meanwhile: the frame is no row's. A row the
-                        # index keeps on disk keeps it (the write replaced that frame)
+                    if not r.stored and _refused_frame(st, r):
                         orphans.append(r.name)
         except BaseException:
             # Refused after the write (closed meanwhile): a frame the index does not
@@ -243,6 +240,25 @@ def _write_chunk(st: StoreState, mover: Mover, rows: list[_Row], frames: list[by
             if orphans:
                 with contextlib.suppress(TierError):  # closing: nothing more to do
                     disk.delete_many(orphans)
+
+
+def _refused_frame(st: StoreState, r: _Row) -> bool:
+    """After a row's publish was refused (locked or pinned meanwhile; store lock held),
+    whether the frame its write left must go. A row the index keeps on disk had its frame
+    replaced by that write: with its own bytes it stays; with other bytes the row's memory
+    copy is its own again (written back later) and the frame goes, or, where the disk held
+    its only copy, the frame is the row now and its checksum follows."""
+    rid = st.ix.ids.get(r.name)
+    where = 0 if rid is None else int(st.ix.where[rid])
+    if rid is None or not where & DISK:
+        return True  # no row keeps a frame of this name
+    if st.ix.get_checksum(rid) == r.checksum:
+        return False
+    if where & (DEV | HOST):
+        st.ix.where[rid] = where & ~DISK
+        return True
+    st.ix.set_checksum(rid, r.checksum)
+    return False
 
 
 @dataclass(slots=True)

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from kvbank.codec import checksum
 from kvbank.errors import (
     InvalidInput,
     InvalidRowName,
@@ -1015,13 +1016,16 @@ def test_store_close_runs_queued_purges(make_store: MakeStore) -> None:
 
 
 @pytest.mark.parametrize("taken", ["lock", "pin"])
+@pytest.mark.parametrize("bytes_", ["same", "other"])
 def test_a_batch_put_refused_after_its_disk_write_keeps_the_rows_frame(make_store: MakeStore,
                                                                        monkeypatch: pytest.MonkeyPatch,
-                                                                       taken: str) -> None:
+                                                                       taken: str, bytes_: str) -> None:
     """A batch put of a row already stored on disk writes its frame, then finds the row
-    locked (a READ lease) or pinned meanwhile and leaves it as it was: the frame on disk
-    stays, since the index still says the row is there. (It was deleted as an orphan:
-    the row then read as on disk with no frame, found by a race test under load.)"""
+    locked (a READ lease) or pinned meanwhile and leaves the row as it was: with the same
+    bytes the frame stays, since the index still says the row is there; with other bytes
+    the row's memory copy is its own again and goes back to disk with its own bytes. (The
+    frame was deleted as an orphan: the row then read as on disk with no frame, found by
+    a race test under load.)"""
     s = make_store(host_bytes=1 << 20, disk_bytes=1 << 22, write_policy="write-through",
                    pin_bytes=1 << 20)
     name = name_of(7)
@@ -1041,9 +1045,11 @@ def test_a_batch_put_refused_after_its_disk_write_keeps_the_rows_frame(make_stor
         return out
 
     monkeypatch.setattr(DiskTier, "write_frames", then_taken)
-    assert s.put_many([(name, page_of(7, P), None)]) == [False]  # refused after the write
+    page = page_of(7 if bytes_ == "same" else 8, P)
+    assert s.put_many([(name, page, None)]) == [False]  # refused after the write
     assert not armed[0]
-    s.check_invariants()  # on disk in the index, and in LMDB
+    s.check_invariants()  # on disk in the index only with its frame in LMDB
+    assert read(s, 7) == page_of(7, P)
     if taken == "lock":
         s.locks.unlock([name], "a-read-lease")
     else:
@@ -1052,3 +1058,31 @@ def test_a_batch_put_refused_after_its_disk_write_keeps_the_rows_frame(make_stor
     again = make_store(host_bytes=1 << 20, disk_bytes=1 << 22)  # from disk alone
     assert again.locate([name]) == [D]
     assert read(again, 7) == page_of(7, P)
+
+
+def test_a_batch_put_refused_over_a_pinned_disk_only_row_leaves_it_consistent(
+        make_store: MakeStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The one case where the refused put's frame must stay with other bytes: the row was
+    on disk only, so the write replaced its only copy. The frame is then the row, and its
+    checksum follows (a promotion into host memory checks against it)."""
+    s = make_store(host_bytes=P // 2, disk_bytes=1 << 22, write_policy="write-through", pin_bytes=1 << 20)
+    name = name_of(7)
+    s.put(name, page_of(7, P))  # no host room: straight to disk, its checksum recorded
+    assert s.locate([name]) == [D]
+    write = DiskTier.write_frames
+    armed = [True]
+
+    def then_pinned(self: DiskTier, rows: Sequence[object], **kw: object) -> object:
+        out = write(self, rows, **kw)  # type: ignore[arg-type]
+        if armed[0]:
+            armed[0] = False
+            assert s.pin([name]) == ()
+        return out
+
+    monkeypatch.setattr(DiskTier, "write_frames", then_pinned)
+    assert s.put_many([(name, page_of(8, P), None)]) == [False]
+    s.check_invariants()
+    s.unpin([name])
+    assert read(s, 7) == page_of(8, P)  # from disk
+    ix = s._st.ix  # what a promotion into host memory checks its copy against
+    assert ix.get_checksum(ix.ids[name]) == checksum(page_of(8, P))

@@ -100,13 +100,18 @@ def _check_ids(layout: PageLayout, block_ids: BlockIds) -> None:
             raise InvalidInput(f"block_ids[{g}]: expected a sequence of block ids")
 
 
-def _block(block_ids: BlockIds, g: int, j: int) -> int | None:
-    """Page ``j``'s block in group ``g`` (None: the engine does not need the page)."""
+def _block(block_ids: BlockIds, g: int, j: int, blocks: int | None = None) -> int | None:
+    """Page ``j``'s block in group ``g`` (None: the engine does not need the page); with
+    ``blocks``, one that is not a block id in ``[0, blocks)`` is refused."""
     ids = block_ids.get(g)
     if ids is None or j >= len(ids):
         raise InvalidInput(f"block_ids[{g}]: no block for page {j}, which the load moves")
     b = ids[j]
-    return None if b is None else int(b)
+    if b is None:
+        return None
+    if blocks is not None and (isinstance(b, bool) or not isinstance(b, Integral) or not 0 <= int(b) < blocks):
+        raise InvalidInput(f"block_ids[{g}][{j}]: expected a block id in [0, {blocks}), got {b!r}")
+    return int(b)
 
 
 @dataclasses.dataclass(eq=False)
@@ -472,11 +477,18 @@ def _row_blocks(layout: PageLayout, rows: np.ndarray[Any, Any], block_ids: Block
         if len(short):
             raise InvalidInput(f"block_ids[{g}]: no block for page {int(short[0])}, which the load moves")
         assert ids is not None  # a group with no ids is refused above (its rows have no block)
-        picked = [ids[j] for j in pages.tolist()]
-        for j, b in zip(pages.tolist(), picked, strict=True):  # refused before anything moves
-            if b is not None and (isinstance(b, bool) or not isinstance(b, Integral) or not 0 <= int(b) < size):
+        if type(ids) is list and set(map(type, ids)) == {int}:  # an engine's usual ids: in bulk
+            blocks = np.asarray(ids, dtype=np.int64)[pages]
+            bad = np.flatnonzero((blocks < 0) | (blocks >= size))
+            if len(bad):  # refused before anything moves
+                j, b = int(pages[bad[0]]), int(blocks[bad[0]])
                 raise InvalidInput(f"block_ids[{g}][{j}]: expected a block id in [0, {size}), got {b!r}")
-        blocks = np.array([-1 if b is None else int(b) for b in picked], dtype=np.int64)
+        else:
+            picked = [ids[j] for j in pages.tolist()]
+            for j, b in zip(pages.tolist(), picked, strict=True):  # refused before anything moves
+                if b is not None and (isinstance(b, bool) or not isinstance(b, Integral) or not 0 <= int(b) < size):
+                    raise InvalidInput(f"block_ids[{g}][{j}]: expected a block id in [0, {size}), got {b!r}")
+            blocks = np.array([-1 if b is None else int(b) for b in picked], dtype=np.int64)
         moved = blocks[blocks >= 0]
         if len(np.unique(moved)) != len(moved):
             raise InvalidInput(f"block_ids[{g}]: a block id appears twice (two pages into one block)")
@@ -524,9 +536,9 @@ def _load_staged(c: Client, body: dict[str, Any], pool: PoolViews, block_ids: Bl
     layout = c.layout(m.layout_id)
     _check_ids(layout, block_ids)
     used: dict[int, list[int]] = {}
-    for g, j, _ in load_rows(m, start):
-        check_pool(layout, g, pool)
-        b = _block(block_ids, g, j)
+    for g, j, _ in load_rows(m, start):  # every id checked before anything moves
+        tensors = check_pool(layout, g, pool)
+        b = _block(block_ids, g, j, int(next(iter(tensors.values())).shape[0]) if tensors else 0)
         used.setdefault(g, []).extend(() if b is None else (b,))
     for g, ids in used.items():
         if len(set(ids)) != len(ids):

@@ -218,6 +218,10 @@ def test_fetch_into_refuses_a_pool_that_cannot_take_the_load(api: Any) -> None:
         api.fetch_into(b.handle, pool=pool_of(dst), block_ids={0: [3, 3]})
     with pytest.raises(InvalidInput, match="block_ids"):  # never "not needed", as None is
         api.fetch_into(b.handle, pool=pool_of(dst), block_ids={0: [3, -1]})
+    with pytest.raises(InvalidInput, match=rf"block_ids.*\[0, {BLOCKS}\)"):
+        api.fetch_into(b.handle, pool=pool_of(dst), block_ids={0: [3, BLOCKS]})
+    with pytest.raises(InvalidInput, match="block_ids"):  # a bool is not a block id
+        api.fetch_into(b.handle, pool=pool_of(dst), block_ids={0: [3, True]})
     half = pool_of(dst)
     del half[(1, Role.VALUE)]
     with pytest.raises(InvalidInput, match="layer 1 VALUE"):

@@ -1015,6 +1015,24 @@ def test_store_close_runs_queued_purges(make_store: MakeStore) -> None:
     assert stored(again, [name_of(i) for i in range(10)]) == [i % 2 == 1 for i in range(10)]
 
 
+def after_the_first_write(monkeypatch: pytest.MonkeyPatch, take: Callable[[], object]) -> list[bool]:
+    """Run ``take`` (a lock or a pin) right after the next ``DiskTier.write_frames``, as
+    another thread could between a put's disk write and its publish; the list it returns
+    holds True once that happened (a pin's answer, the names not stored, must be none)."""
+    write = DiskTier.write_frames
+    done: list[bool] = []
+
+    def then_take(self: DiskTier, rows: Sequence[object], **kw: object) -> object:
+        out = write(self, rows, **kw)  # type: ignore[arg-type]
+        if not done:
+            assert take() in (None, ())
+            done.append(True)
+        return out
+
+    monkeypatch.setattr(DiskTier, "write_frames", then_take)
+    return done
+
+
 @pytest.mark.parametrize("taken", ["lock", "pin"])
 @pytest.mark.parametrize("bytes_", ["same", "other"])
 def test_a_batch_put_refused_after_its_disk_write_keeps_the_rows_frame(make_store: MakeStore,
@@ -1031,23 +1049,13 @@ def test_a_batch_put_refused_after_its_disk_write_keeps_the_rows_frame(make_stor
     name = name_of(7)
     s.put(name, page_of(7, P))
     assert s.locate([name]) == [H]
-    write = DiskTier.write_frames
-    armed = [True]
-
-    def then_taken(self: DiskTier, rows: Sequence[object], **kw: object) -> object:
-        out = write(self, rows, **kw)  # type: ignore[arg-type]
-        if armed[0]:
-            armed[0] = False
-            if taken == "lock":
-                s.locks.lock([name], "a-read-lease")
-            else:
-                assert s.pin([name]) == ()
-        return out
-
-    monkeypatch.setattr(DiskTier, "write_frames", then_taken)
+    if taken == "lock":
+        done = after_the_first_write(monkeypatch, lambda: s.locks.lock([name], "a-read-lease"))
+    else:
+        done = after_the_first_write(monkeypatch, lambda: s.pin([name]))
     page = page_of(7 if bytes_ == "same" else 8, P)
     assert s.put_many([(name, page, None)]) == [False]  # refused after the write
-    assert not armed[0]
+    assert done == [True]
     s.check_invariants()  # on disk in the index only with its frame in LMDB
     assert read(s, 7) == page_of(7, P)
     if taken == "lock":
@@ -1069,18 +1077,9 @@ def test_a_batch_put_refused_over_a_pinned_disk_only_row_leaves_it_consistent(
     name = name_of(7)
     s.put(name, page_of(7, P))  # no host room: straight to disk, its checksum recorded
     assert s.locate([name]) == [D]
-    write = DiskTier.write_frames
-    armed = [True]
-
-    def then_pinned(self: DiskTier, rows: Sequence[object], **kw: object) -> object:
-        out = write(self, rows, **kw)  # type: ignore[arg-type]
-        if armed[0]:
-            armed[0] = False
-            assert s.pin([name]) == ()
-        return out
-
-    monkeypatch.setattr(DiskTier, "write_frames", then_pinned)
+    done = after_the_first_write(monkeypatch, lambda: s.pin([name]))
     assert s.put_many([(name, page_of(8, P), None)]) == [False]
+    assert done == [True]
     s.check_invariants()
     s.unpin([name])
     assert read(s, 7) == page_of(8, P)  # from disk

@@ -479,18 +479,18 @@ def _row_blocks(layout: PageLayout, rows: np.ndarray[Any, Any], block_ids: Block
         assert ids is not None  # a group with no ids is refused above (its rows have no block)
         if type(ids) is list and set(map(type, ids)) == {int}:  # an engine's usual ids: in bulk
             blocks = np.asarray(ids, dtype=np.int64)[pages]
-            bad = np.flatnonzero((blocks < 0) | (blocks >= size))
-            if len(bad):  # refused before anything moves
-                j, b = int(pages[bad[0]]), int(blocks[bad[0]])
-                raise InvalidInput(f"block_ids[{g}][{j}]: expected a block id in [0, {size}), got {b!r}")
+            if len(blocks) and (int(blocks.min()) < 0 or int(blocks.max()) >= size):  # refused before anything moves
+                k = int(np.flatnonzero((blocks < 0) | (blocks >= size))[0])
+                raise InvalidInput(f"block_ids[{g}][{int(pages[k])}]: expected a block id in [0, {size}), "
+                                   f"got {int(blocks[k])!r}")
         else:
             picked = [ids[j] for j in pages.tolist()]
             for j, b in zip(pages.tolist(), picked, strict=True):  # refused before anything moves
                 if b is not None and (isinstance(b, bool) or not isinstance(b, Integral) or not 0 <= int(b) < size):
                     raise InvalidInput(f"block_ids[{g}][{j}]: expected a block id in [0, {size}), got {b!r}")
             blocks = np.array([-1 if b is None else int(b) for b in picked], dtype=np.int64)
-        moved = blocks[blocks >= 0]
-        if len(np.unique(moved)) != len(moved):
+        moved = np.sort(blocks[blocks >= 0])  # sorted: a block named twice lies next to itself
+        if (moved[1:] == moved[:-1]).any():
             raise InvalidInput(f"block_ids[{g}]: a block id appears twice (two pages into one block)")
         bid[at] = blocks
     return bid

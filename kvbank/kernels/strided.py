@@ -115,6 +115,7 @@ def _spans(block_ids: Sequence[int]) -> list[tuple[int, int, int]]:
 
 
 BYTES_MIN = 64 << 10  # a region this long a page or longer moves as bytes (runs of pages)
+HASHED_RUN_BYTES = 1 << 20  # a run handed to ``then`` after its copy is at most this many row bytes (or one row)
 
 
 def _page_bytes(t: torch.Tensor) -> np.ndarray[Any, Any] | None:
@@ -165,16 +166,21 @@ def scatter_strided(layout: PageLayout, group: int, rows: torch.Tensor, pool: Po
         if all(dst.device.type == "cpu" and src.device.type == "cpu" for src, dst in pairs):
             flat = _byte_pairs(pairs)
             if flat is not None:  # long regions (a page-first pool): runs of pages as bytes
+                # a run's rows are hashed by ``then`` right after its copy: at most
+                # HASHED_RUN_BYTES of them, so they are still in the lane's cache (64 pages
+                # of 2 x 256 KiB, copied and hashed in runs of 2: 3.2-3.3 ms a load against
+                # 3.3-3.5 in runs of 8, alternated in one process)
+                cap = len(ids) if then is None else max(1, HASHED_RUN_BYTES // max(1, rows.shape[1]))
+
                 def pages(sl: slice) -> None:
                     # no torch op: the caller's thread is a lane too. A run of consecutive
                     # blocks moves as one copy per region, then goes to ``then``: 64 pages of
                     # 2 x 256 KiB in runs of 8 took 1.5 ms against 1.9-2.1 page by page
-                    # (each page's two regions in turn), and hashing a run after it costs
-                    # no more than hashing each page after its own copy
+                    # (each page's two regions in turn)
                     r = sl.start
                     while r < sl.stop:
                         b, k = ids[r], 1
-                        while r + k < sl.stop and ids[r + k] == b + k:
+                        while r + k < sl.stop and ids[r + k] == b + k and k < cap:
                             k += 1
                         for src_b, dst_b in flat:
                             copy_bytes(dst_b[b : b + k], src_b[r : r + k])

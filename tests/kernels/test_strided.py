@@ -150,9 +150,10 @@ def test_a_gather_hands_each_row_over_once_after_it_is_filled() -> None:
 def test_a_pool_of_long_contiguous_regions_moves_as_bytes_and_hands_each_row_over_once(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A page-first pool (each page's region of a buffer contiguous, 128 KiB here) takes
-    the byte path: a copy a run of consecutive blocks and region, the caller's thread one
-    of the lanes, and ``then`` told of every row once, after that row landed. The pool ends equal to the
-    rows; blocks not named are untouched; a failing ``then`` is raised to the caller."""
+    the byte path: a copy a run of consecutive blocks and region (with ``then``, a run of
+    at most ``HASHED_RUN_BYTES``), the caller's thread one of the lanes, and ``then`` told
+    of every row once, after that row landed. The pool ends equal to the rows; blocks not
+    named are untouched; a failing ``then`` is raised to the caller."""
     big = full_attention("strided-bytes@1", num_layers=1, num_kv_heads=8, head_dim=128, tokens_per_page=64,
                          dtype="bfloat16")
     n, blocks = 72, 90
@@ -195,12 +196,22 @@ def test_a_pool_of_long_contiguous_regions_moves_as_bytes_and_hands_each_row_ove
     scatter_strided(big, 0, rows, dst, ids, then=then)
     assert [kw["caller"] for kw in parts] == [True]  # the byte path: the caller's thread is a lane
     assert sum(copies) == 2 * n and max(copies) > 1  # every page of both regions, runs in one copy
+    # a run hashed after its copy is short enough to be in cache still; with no ``then``, longer
+    assert max(copies) * page <= strided.HASHED_RUN_BYTES
     assert sorted(seen) == list(range(n)) and all(landed)
     for k, t in bits.items():
         assert torch.equal(t[ids], views[k])
         rest = [i for i in range(blocks) if i not in ids]
         assert not t[rest].any()
     assert torch.equal(rows, before)
+
+    copies.clear()
+    for t in dst.values():
+        t.zero_()
+    scatter_strided(big, 0, rows, dst, ids)
+    assert sum(copies) == 2 * n and max(copies) * page > strided.HASHED_RUN_BYTES
+    for k, t in bits.items():
+        assert torch.equal(t[ids], views[k])
 
     def fails(first: int, end: int) -> None:
         raise KeyError("a check failed")

@@ -485,25 +485,8 @@ class PageLayout:
         """
         import torch  # here, not at module level: layouts are usable without torch
 
-        size = self.group_bytes(group)
-        if not isinstance(pages, torch.Tensor):
-            raise InvalidInput(f"pages: expected a uint8 tensor, got {type(pages).__name__}")
+        rows = self.page_rows(pages, group)
         one = pages.dim() == 1
-        rows = pages.unsqueeze(0) if one else pages
-        if pages.dtype != torch.uint8 or rows.dim() != 2:
-            raise InvalidInput(
-                f"pages: expected uint8 [n, {size}] or [{size}], got {pages.dtype} "
-                f"{tuple(pages.shape)}"
-            )
-        if rows.shape[1] != size:
-            raise PageSizeMismatch(
-                f"pages: pages of {rows.shape[1]} bytes, group {group}'s page is {size} bytes"
-            )
-        if rows.stride(1) != 1 or (rows.shape[0] > 1 and rows.stride(0) % ALIGN):
-            raise InvalidInput(
-                f"pages: each page must be contiguous and pages {ALIGN}-byte strided "
-                f"(strides {tuple(rows.stride())})"
-            )
         per_token = self.groups[group].kind is GroupKind.ATTENTION
         out: dict[tuple[int, Role], torch.Tensor] = {}
         for r in self.regions[group]:
@@ -523,6 +506,31 @@ class PageLayout:
             view = typed.view(rows.shape[0], *shape)
             out[(b.layer, b.role)] = view[0] if one else view
         return out
+
+    def page_rows(self, pages: torch.Tensor, group: int) -> torch.Tensor:
+        """``pages`` checked as :meth:`views` checks them, as ``uint8 [n, group_page_bytes]``
+        (one page: ``n`` is 1): what a kernel that moves a page's regions as bytes reads."""
+        import torch
+
+        size = self.group_bytes(group)
+        if not isinstance(pages, torch.Tensor):
+            raise InvalidInput(f"pages: expected a uint8 tensor, got {type(pages).__name__}")
+        rows = pages.unsqueeze(0) if pages.dim() == 1 else pages
+        if pages.dtype != torch.uint8 or rows.dim() != 2:
+            raise InvalidInput(
+                f"pages: expected uint8 [n, {size}] or [{size}], got {pages.dtype} "
+                f"{tuple(pages.shape)}"
+            )
+        if rows.shape[1] != size:
+            raise PageSizeMismatch(
+                f"pages: pages of {rows.shape[1]} bytes, group {group}'s page is {size} bytes"
+            )
+        if rows.stride(1) != 1 or (rows.shape[0] > 1 and rows.stride(0) % ALIGN):
+            raise InvalidInput(
+                f"pages: each page must be contiguous and pages {ALIGN}-byte strided "
+                f"(strides {tuple(rows.stride())})"
+            )
+        return rows
 
     def region(self, group: int, layer: int, role: Role) -> BufferRegion:
         for r in self.regions[group]:

@@ -516,19 +516,33 @@ def test_layout_views_are_typed_zero_copy_and_match_the_kernels() -> None:
     )
 
 
-def test_layout_views_refuse_bad_pages() -> None:
+@pytest.mark.parametrize("how", ["views", "page_rows"])
+def test_layout_views_refuse_bad_pages(how: str) -> None:
+    """``page_rows`` (what a byte kernel reads: the checked rows, no typed view) refuses
+    exactly what ``views`` refuses."""
     lay = _both_kinds_layout()
     size = lay.group_bytes(0)
+    check = getattr(lay, how)
     with pytest.raises(PageSizeMismatch, match="pages"):
-        lay.views(torch.zeros((2, size - 64), dtype=torch.uint8), 0)
+        check(torch.zeros((2, size - 64), dtype=torch.uint8), 0)
     with pytest.raises(InvalidInput, match="uint8"):
-        lay.views(torch.zeros((2, size // 4), dtype=torch.float32), 0)
+        check(torch.zeros((2, size // 4), dtype=torch.float32), 0)
     with pytest.raises(InvalidInput, match="strided"):
-        lay.views(torch.zeros((2, size + 8), dtype=torch.uint8)[:, :size], 0)
+        check(torch.zeros((2, size + 8), dtype=torch.uint8)[:, :size], 0)
     with pytest.raises(InvalidInput, match="uint8 tensor"):
-        lay.views(bytearray(size), 0)  # type: ignore[arg-type]
+        check(bytearray(size), 0)
     with pytest.raises(LayoutError, match="group"):
-        lay.views(torch.zeros((1, size), dtype=torch.uint8), 2)
+        check(torch.zeros((1, size), dtype=torch.uint8), 2)
+
+
+def test_layout_page_rows_are_the_pages_as_rows() -> None:
+    lay = _both_kinds_layout()
+    size = lay.group_bytes(0)
+    pages = torch.arange(3 * size, dtype=torch.int64).to(torch.uint8).view(3, size)
+    rows = lay.page_rows(pages, 0)
+    assert rows.data_ptr() == pages.data_ptr() and rows.shape == (3, size)
+    one = lay.page_rows(pages[1], 0)
+    assert one.shape == (1, size) and torch.equal(one[0], pages[1])
 
 
 @pytest.mark.parametrize("quant", ["FP8", "NVFP4", "MXFP4", "INT8"])

@@ -409,10 +409,10 @@ def _load_lent(c: Client, link: LocalLink | None, body: dict[str, Any], pool: Po
                 # lane that copied it, while still in cache: a row whose bytes changed since
                 # commit is a miss (the pool's copy is the engine's to overwrite; it never
                 # counts as loaded), and the node reads only those again
-                got = [0] * n
+                got = np.zeros(n, dtype=np.uint64)
                 flat = src.numpy().data.cast("B")  # the run's rows back to back, in the segment
 
-                def hashed(first: int, end: int, flat: memoryview = flat, got: list[int] = got,
+                def hashed(first: int, end: int, flat: memoryview = flat, got: np.ndarray[Any, Any] = got,
                            size: int = size) -> None:
                     for k in range(first, end):
                         got[k] = checksum(flat[k * size : (k + 1) * size])
@@ -422,9 +422,12 @@ def _load_lent(c: Client, link: LocalLink | None, body: dict[str, Any], pool: Po
                 finally:
                     flat.release()  # no view may keep the mapping exported
                 w = want[a:b]
-                bad = (w != 0) & (w != np.array(got, dtype=np.uint64))
-                arrived.append(pairs[~bad])
-                changed.append(pairs[bad])
+                bad = (w != 0) & (w != got)
+                if bad.any():
+                    arrived.append(pairs[~bad])
+                    changed.append(pairs[bad])
+                else:  # the usual case: every row as committed
+                    arrived.append(pairs)
         finally:
             whole.clear()  # no tensor may keep the mapping exported
     except BaseException:

@@ -129,23 +129,37 @@ def _page_bytes(t: torch.Tensor) -> np.ndarray[Any, Any] | None:
     return t.flatten(1).view(torch.uint8).numpy()
 
 
-def _byte_pairs(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[Any, Any]] | None:
-    """Each ``(rows' region, pool tensor)`` as byte arrays (:func:`_page_bytes`), where
-    every pair has them; else None."""
-    out = []
-    for src, dst in pairs:
-        s, d = _page_bytes(src), _page_bytes(dst)
-        if s is None or d is None or s.shape[1] != d.shape[1]:
-            return None
-        out.append((s, d))
-    return out
-
-
-def _rows(layout: PageLayout, group: int, rows: torch.Tensor, n: int) -> dict[tuple[int, Role], torch.Tensor]:
+def _checked_rows(layout: PageLayout, group: int, rows: torch.Tensor, n: int) -> torch.Tensor:
     if not isinstance(rows, torch.Tensor) or rows.dtype != torch.uint8 or rows.dim() != 2 or rows.shape[0] != n:
         raise InvalidInput(f"pages: expected uint8 [{n}, {layout.group_page_bytes[group]}], got "
                            f"{getattr(rows, 'dtype', type(rows).__name__)} {tuple(getattr(rows, 'shape', ()))}")
+    return layout.page_rows(rows, group)
+
+
+def _rows(layout: PageLayout, group: int, rows: torch.Tensor, n: int) -> dict[tuple[int, Role], torch.Tensor]:
+    _checked_rows(layout, group, rows, n)
     return layout.views(rows, group)
+
+
+def _region_bytes(layout: PageLayout, group: int, rows: torch.Tensor,
+                  tensors: dict[tuple[int, Role], torch.Tensor]) -> list[tuple[Any, Any]] | None:
+    """Each of ``group``'s regions as ``(its bytes in the checked canonical rows, its
+    pool tensor as bytes)`` (numpy ``uint8 [n, region bytes]`` and ``[blocks, region
+    bytes]``), where the rows are on the CPU and every pool tensor takes the byte path
+    (:func:`_page_bytes`); else None. No typed view is built: a region of the rows is a
+    slice of their bytes."""
+    if rows.device.type != "cpu":
+        return None
+    out = []
+    src = None
+    for r in layout.regions[group]:
+        d = _page_bytes(tensors[(r.buffer.layer, r.buffer.role)])
+        if d is None or d.shape[1] != r.nbytes:
+            return None
+        if src is None:
+            src = rows.numpy()
+        out.append((src[:, r.offset : r.offset + r.nbytes], d))
+    return out
 
 
 def scatter_strided(layout: PageLayout, group: int, rows: torch.Tensor, pool: PoolViews,
@@ -160,36 +174,37 @@ def scatter_strided(layout: PageLayout, group: int, rows: torch.Tensor, pool: Po
         return
     blocks = next(iter(tensors.values())).shape[0] if tensors else 0
     ids = _id_list(block_ids, blocks, True, "block_ids")
-    views = _rows(layout, group, rows, len(ids))
-    pairs = [(views[key], dst) for key, dst in tensors.items()]
+    checked = _checked_rows(layout, group, rows, len(ids))
     try:
+        flat = _region_bytes(layout, group, checked, tensors)
+        if flat is not None:  # long regions (a page-first pool): runs of pages as bytes
+            # a run's rows are hashed by ``then`` right after its copy: at most
+            # HASHED_RUN_BYTES of them, so they are still in the lane's cache (64 pages
+            # of 2 x 256 KiB, copied and hashed in runs of 2: 3.2-3.3 ms a load against
+            # 3.3-3.5 in runs of 8, alternated in one process)
+            cap = len(ids) if then is None else max(1, HASHED_RUN_BYTES // max(1, rows.shape[1]))
+
+            def pages(sl: slice) -> None:
+                # no torch op: the caller's thread is a lane too. A run of consecutive
+                # blocks moves as one copy per region, then goes to ``then``: 64 pages of
+                # 2 x 256 KiB in runs of 8 took 1.5 ms against 1.9-2.1 page by page
+                # (each page's two regions in turn)
+                r = sl.start
+                while r < sl.stop:
+                    b, k = ids[r], 1
+                    while r + k < sl.stop and ids[r + k] == b + k and k < cap:
+                        k += 1
+                    for src_b, dst_b in flat:
+                        copy_bytes(dst_b[b : b + k], src_b[r : r + k])
+                    if then is not None:
+                        then(r, r + k)
+                    r += k
+
+            _cpu_parts(pages, len(ids), len(ids) * rows.shape[1], caller=True)
+            return
+        views = _rows(layout, group, rows, len(ids))
+        pairs = [(views[key], dst) for key, dst in tensors.items()]
         if all(dst.device.type == "cpu" and src.device.type == "cpu" for src, dst in pairs):
-            flat = _byte_pairs(pairs)
-            if flat is not None:  # long regions (a page-first pool): runs of pages as bytes
-                # a run's rows are hashed by ``then`` right after its copy: at most
-                # HASHED_RUN_BYTES of them, so they are still in the lane's cache (64 pages
-                # of 2 x 256 KiB, copied and hashed in runs of 2: 3.2-3.3 ms a load against
-                # 3.3-3.5 in runs of 8, alternated in one process)
-                cap = len(ids) if then is None else max(1, HASHED_RUN_BYTES // max(1, rows.shape[1]))
-
-                def pages(sl: slice) -> None:
-                    # no torch op: the caller's thread is a lane too. A run of consecutive
-                    # blocks moves as one copy per region, then goes to ``then``: 64 pages of
-                    # 2 x 256 KiB in runs of 8 took 1.5 ms against 1.9-2.1 page by page
-                    # (each page's two regions in turn)
-                    r = sl.start
-                    while r < sl.stop:
-                        b, k = ids[r], 1
-                        while r + k < sl.stop and ids[r + k] == b + k and k < cap:
-                            k += 1
-                        for src_b, dst_b in flat:
-                            copy_bytes(dst_b[b : b + k], src_b[r : r + k])
-                        if then is not None:
-                            then(r, r + k)
-                        r += k
-
-                _cpu_parts(pages, len(ids), len(ids) * rows.shape[1], caller=True)
-                return
             spans = _spans(ids)
             if len(spans) * 2 <= len(block_ids):  # mostly consecutive blocks: slice copies
                 def runs(sl: slice) -> None:

@@ -150,6 +150,20 @@ def test_a_fetch_result_and_a_commit_come_back_equal(m: Match, complete: bool) -
     assert fr.commit_from(cols) == c
 
 
+@pytest.mark.parametrize("tier", [TierKind.HOST, TierKind.DISK, None])
+def test_a_one_group_match_of_one_tier_comes_back_equal(tier: TierKind | None) -> None:
+    """The common shape (one group, every row in one tier, or all misses) takes the
+    encoder's and decoder's one-group paths; it reads back as any other."""
+    a = tuple(_name(i) for i in range(300))
+    hit = 0 if tier is None else 300
+    bound = ResumeBound(hit * 16, 4_801, 16, 300, hit * 16, (tuple(range(hit)),), (a[:hit],), None, None)
+    m = Match(bytes(32), Scope("t"), 4_801, bound, (a,), ((tier,) * 300,), tuple(range(16, hit * 16 + 1, 16)), ())
+    cols = fr.match_columns(m)
+    assert fr.ints(cols, 7, "tiers").tolist() == [-1 if tier is None else fr._TIER_ID[id(tier)]] * 300
+    _, _, cols = _roundtrip(fr.Kind.OK, fr.Op.MATCH, cols)
+    assert fr.match_from(cols) == m
+
+
 def test_a_bounds_rows_that_lead_its_matchs_names_come_back_as_those_names() -> None:
     """The rows a resume bound needs are mostly its match's first names: decoded once and
     shared, not decoded again. Rows that are not (another group's, or none) come back

@@ -202,7 +202,7 @@ def scatter_strided(layout: PageLayout, group: int, rows: torch.Tensor, pool: Po
 
             _cpu_parts(pages, len(ids), len(ids) * rows.shape[1], caller=True)
             return
-        views = _rows(layout, group, rows, len(ids))
+        views = layout.views(checked, group)  # the rows are checked already
         pairs = [(views[key], dst) for key, dst in tensors.items()]
         if all(dst.device.type == "cpu" and src.device.type == "cpu" for src, dst in pairs):
             spans = _spans(ids)

@@ -180,8 +180,8 @@ def scatter_strided(layout: PageLayout, group: int, rows: torch.Tensor, pool: Po
         if flat is not None:  # long regions (a page-first pool): runs of pages as bytes
             # a run's rows are hashed by ``then`` right after its copy: at most
             # HASHED_RUN_BYTES of them, so they are still in the lane's cache (64 pages
-            # of 2 x 256 KiB, copied and hashed in runs of 2: 3.2-3.3 ms a load against
-            # 3.3-3.5 in runs of 8, alternated in one process)
+            # of 2 x 256 KiB, copied and hashed in runs of 2: 3.15-3.31 ms a load against
+            # 3.29-3.48 in runs of 8, alternated in one process)
             cap = len(ids) if then is None else max(1, HASHED_RUN_BYTES // max(1, rows.shape[1]))
 
             def pages(sl: slice) -> None:

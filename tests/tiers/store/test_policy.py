@@ -211,3 +211,25 @@ def test_store_counts_victims_by_reason_and_bytes_admitted_and_refused(
         store.put(name_of(8), page)
     assert store.stats().tier(TierKind.HOST).rejected_bytes == 4096
     store.locks.unlock_all("t")
+
+
+@settings(max_examples=60, deadline=None)
+@given(picks=st.integers(0, 300).flatmap(lambda n: st.lists(st.integers(0, 40), min_size=n, max_size=n)),
+       notes=st.integers(0, 63))
+def test_reuse_history_notes_a_batch_as_one_by_one(picks: list[int], notes: int) -> None:
+    """``note_many`` leaves the same counts as ``note`` of each name in turn: repeats in
+    one batch add up, a count stops at 255, and the halving falls after the same note
+    (a table of 256 slots halves every 64 notes, some of them before the batch)."""
+    one, many = ReuseHistory(bits=8), ReuseHistory(bits=8)
+    for i in range(notes):
+        one.note(b"before" + bytes([i]))
+        many.note(b"before" + bytes([i]))
+    start = np.minimum(one.counts.astype(np.int64) * 60, 255).astype(np.uint8)  # near the cap
+    one.counts[:] = start
+    many.counts[:] = start
+    names = [name_of(i) for i in picks]
+    for name in names:
+        one.note(name)
+    many.note_many(names)
+    assert np.array_equal(one.counts, many.counts)
+    assert one._notes == many._notes

@@ -60,7 +60,7 @@ from kvbank.client.shm import Borrower
 from kvbank.errors import InvalidInput, KvbankError, LeaseExpired, TierUnavailable
 from kvbank.keys import Scope
 from kvbank.lender.base import CommitResult, Lease, LeaseMode, MemoryKind
-from kvbank.lender.resume import resume_bound
+from kvbank.lender.resume import Flags, resume_bound
 from kvbank.results import FetchResult, Match, Presence
 from kvbank.wire import local as fr
 
@@ -572,11 +572,13 @@ class LocalLink:
             keys = np.asarray(idx, dtype="<i8")
             delivered.append(tuple(keys[mask].tolist()))
             missing.append(tuple(keys[~mask].tolist()))
-            names.update(rows[g][k] for k in np.flatnonzero(mask).tolist())
+            names.update(map(rows[g].__getitem__, np.flatnonzero(mask).tolist()))
             nbytes += int(mask.sum()) * sizes[g]
             at += len(idx)
         chain = m.names
-        bound = resume_bound(layout, m.prompt_tokens, lambda g, j: chain[g][j] in names, chain)
+        # presence read as whole columns (one C pass a group), not asked row by row
+        bound = resume_bound(layout, m.prompt_tokens, Flags([list(map(names.__contains__, c)) for c in chain]),
+                             chain)
         return FetchResult(fetch_id, tuple(delivered), tuple(missing), bound, nbytes, not any(missing))
 
     def _release_quietly(self, lease_id: str) -> None:
@@ -596,6 +598,8 @@ class LocalLink:
         if n == 0:
             return [], [], []
         g, s = grp[idx], slot[idx]
+        if int(g.min()) < 0 or int(g.max()) >= len(m.resume.pages):
+            raise TierUnavailable("node: a fetch answer names groups beyond the match", field="socket")
         dests: dict[int, np.ndarray[Any, Any] | None] = {}
         views: dict[int, list[memoryview]] | None = None
         for gi in np.unique(g).tolist():
@@ -604,8 +608,11 @@ class LocalLink:
                   and buf.device.type == "cpu" and buf.is_contiguous()
                   and buf.shape[0] >= len(m.resume.pages[gi]) if gi < len(m.resume.pages) else False)
             dests[gi] = buf.numpy() if ok and isinstance(buf, torch.Tensor) else None
-        whole = np.fromiter(((d := dests[gi]) is not None and d.shape[1] == z
-                             for gi, z in zip(g.tolist(), size.tolist(), strict=True)), dtype=bool, count=n)
+        width = np.full(len(m.resume.pages), -1, dtype=np.int64)  # each group's row width in its buffer
+        for gi, d in dests.items():
+            if d is not None:
+                width[gi] = d.shape[1]
+        whole = width[g] == size
         brk = np.ones(n, dtype=bool)
         if n > 1:
             brk[1:] = ((g[1:] != g[:-1]) | (s[1:] != s[:-1] + 1) | (off[1:] != off[:-1] + size[:-1])
@@ -624,7 +631,7 @@ class LocalLink:
                 run = d[first : first + (b - a)].data.cast("B")
                 jobs.append((SEGMENT, o, (b - a) * z, run))
                 sizes.append(z)
-                rows.extend(run[k * z : (k + 1) * z] for k in range(b - a))
+                rows.extend([run[k * z : (k + 1) * z] for k in range(b - a)])
                 continue
             if views is None:
                 views = out_views(self._layout_of(m), m.resume.pages, bufs)

@@ -67,6 +67,22 @@ class Columns:
         return [t is not None for t in col[:n]]
 
 
+class Flags(Columns):
+    """A :data:`Presence` read from per-group columns of booleans (``columns[g][j]``:
+    the row is available), read whole as :class:`Columns` are."""
+
+    __slots__ = ()
+
+    def __call__(self, group: int, key: int) -> bool:
+        return bool(self.columns[group][key])
+
+    def column(self, group: int, n: int) -> list[bool]:
+        col = self.columns[group]
+        if len(col) < n:
+            raise InvalidInput(f"present[{group}]: {len(col)} pages known, {n} keyed")
+        return [bool(x) for x in col[:n]]
+
+
 def picked(names: Sequence[bytes], pages: Sequence[int]) -> tuple[bytes, ...]:
     """``names[j]`` for each of ``pages`` (ascending key indices); a slice when they are
     ``[0, n)``, as a full-attention group's are."""

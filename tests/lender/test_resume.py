@@ -11,6 +11,7 @@ from kvbank.errors import InvalidInput
 from kvbank.layout import BufferSpec, GroupKind, LayerGroup, PageLayout, QuantMode, Role
 from kvbank.lender.resume import (
     Columns,
+    Flags,
     Obstacle,
     required_pages,
     resume_and_boundaries,
@@ -235,8 +236,13 @@ def test_columns_answer_as_the_presence_callable_does(li: int, t: int, holes: se
     assert resume_boundaries(layout, t, Columns(cols)) == resume_boundaries(layout, t, have)
     assert resume_and_boundaries(layout, t, Columns(cols), names) == (
         resume_bound(layout, t, have, names), resume_boundaries(layout, t, have))
+    flags = Flags([[x is not None for x in c] for c in cols])  # a fetch's result: booleans
+    assert resume_bound(layout, t, flags, names) == resume_bound(layout, t, have, names)
+    assert resume_boundaries(layout, t, flags) == resume_boundaries(layout, t, have)
 
 
 def test_columns_shorter_than_the_keyed_pages_are_refused() -> None:
     with pytest.raises(InvalidInput, match="2 pages known, 5 keyed"):
         resume_bound(FA, 21, Columns([("x", "x")]))
+    with pytest.raises(InvalidInput, match="2 pages known, 5 keyed"):
+        resume_bound(FA, 21, Flags([[True, True]]))

@@ -42,6 +42,10 @@ descriptor (a tenant-bound client gets none: its bodies take the paths above).
 Retries only where a call is idempotent (``match``, GETs, ``fetch`` — which resumes under
 its fetch id), until ``retry_s`` has passed.
 
+The calls live in this module and three mixins: :mod:`kvbank.client.puts` (``put``,
+``put_state``, ``put_states``), :mod:`kvbank.client.leases` (the lease calls) and
+:mod:`kvbank.client.engine` (a paged engine's calls).
+
 Lifecycle: ``Client(url)`` (no connection yet) → calls → ``close()`` (or ``with``).
 """
 
@@ -62,12 +66,9 @@ import torch
 from kvbank import checks, wire
 from kvbank.buffers import (
     OutBuffers,
-    Pages,
     fetched,
     out_buffers,
     out_views,
-    page_views,
-    snapshot_boundaries,
 )
 from kvbank.client.audit import ClientAudit
 from kvbank.client.dataport import DataLink
@@ -77,21 +78,19 @@ from kvbank.client.io import (
     Deadline,
     check_prompt,
     deadline_of,
-    enum_name,
-    lease_path_id,
     name_hex,
     page_size,
     prompt_doc,
-    put_head,
     scope_doc,
 )
+from kvbank.client.leases import LeaseCalls
 from kvbank.client.local import ChannelBroken, LocalLink
 from kvbank.client.paths import DataPort, PagePath, SharedMemory, Stream
-from kvbank.errors import Busy, InvalidInput, KvbankError, TierFull, TierUnavailable
+from kvbank.client.puts import PutCalls
+from kvbank.errors import InvalidInput, KvbankError, TierFull, TierUnavailable
 from kvbank.keys import DEFAULT_SCOPE, Scope, TokenIds, namespace, prompt_keys, tokens_to_bytes
 from kvbank.keys import row_names as _row_names
 from kvbank.layout import PageLayout
-from kvbank.lender.base import CommitResult, Lease, LeaseMode, MemoryKind
 from kvbank.lender.resume import resumed_at
 from kvbank.results import (
     BankStats,
@@ -103,7 +102,7 @@ from kvbank.results import (
     check_shard,
 )
 from kvbank.tiers.base import TierKind
-from kvbank.wire.framing import PutKind, encode_match
+from kvbank.wire.framing import encode_match
 from kvbank.wire.node import DEFAULT_BIND, DEFAULT_PORT
 
 logger = logging.getLogger(__name__)
@@ -118,7 +117,7 @@ LOCAL_RETRY_S = 30.0
 _MATCH_DOCS = 64  # matches whose documents a client keeps for their fetches
 
 
-class Client(EngineCalls):
+class Client(PutCalls, LeaseCalls, EngineCalls):
     """A served node, called like a :class:`~kvbank.bank.bank.Bank`. See the module docstring."""
 
     def __init__(
@@ -363,65 +362,6 @@ class Client(EngineCalls):
         chain = prompt_keys(tokens, keys, layout.tokens_per_page, layout_id, scope)
         return _row_names(namespace(layout_id, scope), chain, group, count, index)
 
-    # ---- storing ---------------------------------------------------------------------
-
-    def _store(self, kind: PutKind, head: bytes, views: list[memoryview],
-               deadline: Deadline | None = None) -> list[bytes]:
-        link = self._local_memory()
-        if link is not None:
-            got = link.put(head, views, deadline)
-            return self._stream.put(kind, head, views, deadline) if got is None else got
-        names = self._path().put(kind, head, views, deadline)
-        return self._stream.put(kind, head, views, deadline) if names is None else names
-
-    def put(self, layout_id: bytes, tokens: TokenIds | None = None, *, group: int, pages: Pages,
-            scope: Scope = DEFAULT_SCOPE, keys: Sequence[bytes] | None = None, first_page: int = 0,
-            shard: int | None = None, timeout: float | None = None) -> list[bytes]:
-        """:meth:`Bank.put` on the node: pages of an ATTENTION group; their row names.
-
-        ``timeout`` bounds this client's waits on the node (:class:`Busy` once it passed;
-        pages committed before then stay stored, and a put again skips them)."""
-        deadline = deadline_of(timeout)
-        layout = self.layout(layout_id)
-        size = page_size(layout, group)
-        views = page_views(pages, size, "pages")
-        head = put_head(PutKind.PAGES, layout_id, tokens, keys, scope, group, first_page,
-                        shard, None, views, size, self._tenant_token)
-        return self._store(PutKind.PAGES, head, views, deadline)
-
-    def put_state(self, layout_id: bytes, tokens: TokenIds | None = None, *, group: int,
-                  state: torch.Tensor | bytes | bytearray | memoryview, at: int | None = None,
-                  scope: Scope = DEFAULT_SCOPE, keys: Sequence[bytes] | None = None,
-                  shard: int | None = None) -> bytes:
-        """:meth:`Bank.put_state` on the node: one STATE snapshot; its row name."""
-        layout = self.layout(layout_id)
-        size = page_size(layout, group)
-        if isinstance(state, torch.Tensor):
-            views = page_views(state.reshape(1, -1) if state.dim() == 1 else state, size, "state")
-        else:
-            views = page_views([state], size, "state")
-        if len(views) != 1:
-            raise InvalidInput(f"state: expected one snapshot, got {len(views)}")
-        head = put_head(PutKind.STATE, layout_id, tokens, keys, scope, group, 0, shard,
-                        at, views, size, self._tenant_token)
-        return self._store(PutKind.STATE, head, views)[0]
-
-    def put_states(self, layout_id: bytes, tokens: TokenIds | None = None, *, group: int,
-                   states: Pages, at: Sequence[int], scope: Scope = DEFAULT_SCOPE,
-                   keys: Sequence[bytes] | None = None, shard: int | None = None) -> list[bytes]:
-        """:meth:`Bank.put_states` on the node: ``states[i]`` after ``at[i]`` tokens; their row
-        names, in the order given. Every snapshot and boundary is checked here before any
-        is sent; then one put of a snapshot each (the node has no batch of them)."""
-        layout = self.layout(layout_id)
-        size = page_size(layout, group)
-        views = page_views(states, size, "states")
-        chain = prompt_keys(tokens, keys, layout.tokens_per_page, layout_id, scope)
-        bounds = snapshot_boundaries(at, len(views), layout.tokens_per_page, len(chain))
-        return [self._store(PutKind.STATE, put_head(PutKind.STATE, layout_id, tokens, keys, scope, group,
-                                                    0, shard, b, [view], size, self._tenant_token),
-                                      [view])[0]
-                for view, b in zip(views, bounds, strict=True)]
-
     # ---- matching and fetching -------------------------------------------------------
 
     def match(self, layout_id: bytes, tokens: TokenIds | None = None, *, scope: Scope = DEFAULT_SCOPE,
@@ -575,99 +515,6 @@ class Client(EngineCalls):
         doc = self._call("POST", f"/v1/fetch/{fetch_id}/ack", body=body, idempotent=True)
         return wire.from_dict(FetchResult, doc)
 
-    # ---- leases ----------------------------------------------------------------------
-
-    def lend(self, rows: Match | Sequence[bytes], *, mode: LeaseMode = LeaseMode.READ,
-             kind: MemoryKind = MemoryKind.HOST, ttl_s: float | None = None,
-             timeout: float | None = None, shard: int | None = None) -> Lease:
-        """A NAMED lease on rows (a Match lends the rows its resume bound needs);
-        ``shard``: the caller's rank, rows of another shard are refused before any call.
-
-        ``timeout`` bounds the wait for the node's answer: a lease that comes back after
-        it is released at once, then :class:`Busy` (one whose answer never came ends at
-        its ttl)."""
-        deadline = deadline_of(timeout)
-        check_shard(rows, shard)
-        names = rows.needed if isinstance(rows, Match) else rows
-        if isinstance(names, (bytes, str)) or not isinstance(names, Sequence):
-            raise InvalidInput(f"names: expected a sequence of row names, got {type(names).__name__}")
-        link = self._chan()
-        if link is not None:
-            enum_name(mode, LeaseMode, "mode")
-            enum_name(kind, MemoryKind, "kind")
-            if ttl_s is not None and (isinstance(ttl_s, bool) or not isinstance(ttl_s, (int, float))
-                                      or not ttl_s > 0):
-                raise InvalidInput(f"ttl_s: expected a positive number of seconds, got {ttl_s!r}", field="ttl_s")
-            names = list(names)
-            for i, n in enumerate(names):
-                name_hex(n, i)
-            lease = link.lend(names, mode, kind, ttl_s, deadline)
-            if deadline is not None and deadline.passed():
-                self.release(lease.id)
-                raise deadline.busy("the lease was not ready (it came later and was released)")
-            return lease
-        hexed = [name_hex(n, i) for i, n in enumerate(names)]
-        doc = self._call("POST", "/v1/leases", body={"names": hexed, "mode": enum_name(mode, LeaseMode, "mode"),
-                                                     "kind": enum_name(kind, MemoryKind, "kind"), "ttl_s": ttl_s},
-                         deadline=deadline)
-        lease = wire.from_dict(Lease, doc)
-        if deadline is not None and deadline.passed():
-            self.release(lease.id)  # the caller gave up: hold nothing for it
-            raise deadline.busy("the lease was not ready (it came later and was released)")
-        return lease
-
-    def lend_all(self, *, kind: MemoryKind = MemoryKind.HOST, mode: LeaseMode = LeaseMode.READ,
-                 ttl_s: float | None = None) -> Lease:
-        """An ALL lease: the tier's pools, for a transfer engine's one-time registration."""
-        doc = self._call("POST", "/v1/leases", body={"all": True, "mode": enum_name(mode, LeaseMode, "mode"),
-                                                     "kind": enum_name(kind, MemoryKind, "kind"), "ttl_s": ttl_s})
-        return wire.from_dict(Lease, doc)
-
-    def renew(self, lease_id: str, ttl_s: float | None = None) -> Lease:
-        doc = self._call("POST", f"/v1/leases/{lease_path_id(lease_id)}/renew", body={"ttl_s": ttl_s})
-        return wire.from_dict(Lease, doc)
-
-    def release(self, lease_id: str) -> bool:
-        link = self._chan()
-        if link is not None:
-            return link.release(_lease_text(lease_id))
-        return bool(self._call("DELETE", f"/v1/leases/{lease_path_id(lease_id)}")["released"])
-
-    def commit(self, lease_id: str, arrived: Sequence[bytes] | Sequence[bool]) -> CommitResult:
-        """Publish the WRITE lease's rows that arrived whole; the rest are discarded."""
-        return self._commit(lease_id, arrived, None)
-
-    def _commit_or_release(self, lease_id: str, arrived: list[bytes], deadline: Deadline | None,
-                           sums: Sequence[int] | None = None) -> None:
-        """A put's commit; where its deadline passes first, the lease is released (the
-        caller gave up: nothing is held for it) and :class:`Busy` raised. ``sums``: each
-        arrived row's checksum as this process hashed its slot (the local channel only)."""
-        try:
-            self._commit(lease_id, arrived, deadline, sums)
-        except Busy:
-            self.release(lease_id)
-            raise
-
-    def _commit(self, lease_id: str, arrived: Sequence[bytes] | Sequence[bool],
-                deadline: Deadline | None, sums: Sequence[int] | None = None) -> CommitResult:
-        items = list(arrived)
-        link = self._chan()
-        if link is not None and all(type(a) is bytes for a in items):
-            return link.commit(_lease_text(lease_id), items, sums=sums)  # type: ignore[arg-type]  # bytes, checked
-        body = items if items and all(isinstance(a, bool) for a in items) else [
-            a.hex() if isinstance(a, bytes) else a for a in items]
-        doc = self._call("POST", f"/v1/leases/{lease_path_id(lease_id)}/commit", body={"arrived": body},
-                         deadline=deadline)
-        return wire.from_dict(CommitResult, doc)
-
-    def check_live(self, lease_id: str) -> None:
-        """The completion check: :class:`LeaseExpired` if the lease ended before now."""
-        link = self._chan()
-        if link is not None:
-            link.check_live(_lease_text(lease_id))
-            return
-        self._call("POST", f"/v1/leases/{lease_path_id(lease_id)}/check")
-
     def stats(self) -> BankStats:
         return wire.from_dict(BankStats, self._call("GET", "/v1/stats", idempotent=True))
 
@@ -680,11 +527,6 @@ class Client(EngineCalls):
         hexed = [name_hex(n, i) for i, n in enumerate(names)]
         doc = self._call("POST", "/v1/locate", body={"names": hexed}, idempotent=True)
         return [None if t is None else TierKind[t] for t in doc["tiers"]]
-
-    def leases(self) -> tuple[Lease, ...]:
-        """A snapshot of every live lease on the node."""
-        doc = self._call("GET", "/v1/leases", idempotent=True)
-        return tuple(wire.from_dict(Lease, d) for d in doc["leases"])
 
     def flush(self, timeout_s: float | None = None) -> None:
         """Wait until the node store's mover is idle; ``Busy`` after ``timeout_s`` (default:
@@ -724,11 +566,6 @@ class Client(EngineCalls):
     def __exit__(self, et: type[BaseException] | None, ev: BaseException | None,
                  tb: TracebackType | None) -> None:
         self.close()
-
-
-def _lease_text(lease_id: object) -> str:
-    """A lease id as the local channel sends it (checked as its HTTP path is)."""
-    return lease_path_id(lease_id)  # refuses what is not a lease id
 
 
 __all__ = ["DEFAULT_URL", "Client"]

@@ -11,6 +11,7 @@ Primitives (value objects in :mod:`kvbank.lender.base`):
 - :meth:`Lender.check_live` / :meth:`Lender.read_into` — the second expiry check: a read
   through a lease counts only if the lease was still live when the read *completed*;
   bytes read under an expired lease are not used (:class:`~kvbank.errors.LeaseExpired`).
+  These and the other reads and fills through a lease are :mod:`kvbank.lender.access`'s.
 
 Lifecycle::
 
@@ -59,13 +60,11 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING
 
 from kvbank import checks
 from kvbank.config import BankConfig
 from kvbank.errors import (
-    CorruptPage,
     InvalidInput,
     LeaseExpired,
     LeaseNotFound,
@@ -74,10 +73,10 @@ from kvbank.errors import (
 )
 from kvbank.keys import ROW_NAME_BYTES, shape_key
 from kvbank.lender import reads, writes
+from kvbank.lender.access import LeaseAccess, _Held
 from kvbank.lender.base import (
     CommitResult,
     Delivery,
-    HostLocation,
     Lease,
     LeaseMode,
     LeaseRow,
@@ -89,11 +88,10 @@ from kvbank.lender.base import (
 )
 from kvbank.lender.conflicts import Conflicts
 from kvbank.lender.reads import Slot
-from kvbank.tiers.base import DeviceSlot, HostSlot
 from kvbank.tiers.lockorder import Rank, make_lock
 
 if TYPE_CHECKING:
-    import torch
+    pass
 
 logger = logging.getLogger(__name__)
 
@@ -107,20 +105,7 @@ _SHAPES = 4096  # (namespace, group) shapes remembered; a bank has a handful per
 _shape_key = shape_key  # namespace ‖ group: one page shape (keys owns the anatomy)
 
 
-@dataclass(slots=True)
-class _Held:
-    """The lender's record of one live lease."""
-
-    lease: Lease  # the snapshot last handed out
-    deadline: float
-    names: tuple[bytes, ...]  # the names the lease lists (its rows', in order)
-    locked: tuple[bytes, ...]  # READ: rows locked in the store under this lease's id
-    slots: dict[bytes, Slot] = field(default_factory=dict)  # READ staged / WRITE reserved
-    parents: dict[bytes, bytes | None] = field(default_factory=dict)  # WRITE: chain parents
-    changed: set[bytes] = field(default_factory=set)  # READ: rows that failed their checksum
-
-
-class Lender:
+class Lender(LeaseAccess):
     """Leases over a :class:`~kvbank.lender.base.LendingStore`. See the module docstring."""
 
     def __init__(
@@ -431,106 +416,6 @@ class Lender:
         logger.debug("commit %s: %d committed, %d discarded",
                      lease_id, len(result.committed), len(result.discarded))
         return result
-
-    # ---- reads through a lease -----------------------------------------------------------
-
-    def _slot(self, lease_id: str, name: bytes) -> tuple[Lease, Slot]:
-        if type(name) is not bytes:
-            raise InvalidInput(f"name: expected a row name (bytes), got {type(name).__name__}")
-        with self._lock:
-            held = self._live(lease_id, self._clock(), end=False)
-            slot = held.slots.get(name)
-            if slot is None:
-                raise InvalidInput(
-                    f"name: row {bytes(name).hex()[:16]}… has no bytes in lease {lease_id} "
-                    "(not listed, missing, or already stored)"
-                )
-            return held.lease, slot
-
-    def view(self, lease_id: str, name: bytes) -> memoryview:
-        """The row's host bytes in place (READ: read them; WRITE: fill them).
-
-        Valid only while the lease lives; call :meth:`check_live` after reading. A READ
-        row is verified first: bytes that no longer match the row's checksum raise
-        :class:`CorruptPage` (the row is a miss; its host copy is dropped when the lease
-        ends).
-        """
-        lease, slot = self._slot(lease_id, name)
-        if not isinstance(slot, HostSlot):
-            raise InvalidInput(f"lease_id: {lease_id} is a DEVICE lease; use device_view")
-        view = self._store.host.view(slot)
-        if lease.mode is LeaseMode.READ and not self._store.host.verify(name, view):
-            view.release()
-            self._changed(lease_id, name)
-        return view
-
-    def _changed(self, lease_id: str, name: bytes) -> NoReturn:
-        """Note a READ row whose bytes failed their checksum (dropped at the lease's end)."""
-        with self._lock:
-            held = self._held.get(lease_id)
-            if held is not None:
-                held.changed.add(name)
-        raise CorruptPage(f"row {name.hex()[:16]}…: its host bytes changed since commit "
-                          "(checksum); not served, and dropped")
-
-    def checksums(self, lease_id: str) -> dict[bytes, int]:
-        """The checksum of each row of a READ HOST lease (a row with none recorded is
-        left out): what a reader that copies the rows verifies its copies against."""
-        with self._lock:
-            lease = self._live(lease_id, self._clock(), end=False).lease
-        names = [r.name for r in lease.rows if isinstance(r.location, HostLocation)]
-        if lease.mode is not LeaseMode.READ or not names:
-            return {}
-        sums = self._store.host.checksums(names)
-        return {n: v for n, v in zip(names, sums, strict=True) if v is not None}
-
-    def device_view(self, lease_id: str, name: bytes) -> torch.Tensor:
-        """The row's device bytes in place (a uint8 tensor)."""
-        _, slot = self._slot(lease_id, name)
-        if not isinstance(slot, DeviceSlot):
-            raise InvalidInput(f"lease_id: {lease_id} is a HOST lease; use view")
-        return self._store.device.view(slot)
-
-    def check_live(self, lease_id: str) -> None:
-        """Check that the lease is still live now that a read completed.
-
-        Raises :class:`LeaseExpired` (or :class:`LeaseNotFound` if it was released): the
-        bytes read may be reclaimed memory and must not be used (Mooncake#4239).
-        """
-        with self._lock:
-            self._live(lease_id, self._clock(), end=False)
-
-    def read_into(self, lease_id: str, name: bytes, out: memoryview | bytearray) -> int:
-        """Copy a leased row into ``out``; the byte count, valid only because the lease was
-        still live when the copy completed (else :class:`LeaseExpired`)."""
-        lease, slot = self._slot(lease_id, name)
-        size = reads.copy_out(self._store, slot, name, out)
-        if (lease.mode is LeaseMode.READ and isinstance(slot, HostSlot)
-                and not self._store.host.verify(name, memoryview(out).cast("B")[:size])):
-            self._changed(lease_id, name)
-        self.check_live(lease_id)
-        return size
-
-    def read(self, lease_id: str, name: bytes) -> bytes:
-        """The leased row's bytes, returned only if the lease outlived the copy."""
-        _, slot = self._slot(lease_id, name)
-        buf = bytearray(slot.size)
-        self.read_into(lease_id, name, buf)
-        return bytes(buf)
-
-    def write(self, lease_id: str, name: bytes, data: bytes | bytearray | memoryview) -> None:
-        """Fill a WRITE lease's reserved slot (an in-process convenience over :meth:`view`).
-
-        The copy runs under the lender's lock, unlike a read's: a write has no completion
-        check to fall back on. Were the lease reaped between the liveness check and the
-        copy, its slot would go back to the store and could already hold another row,
-        whose bytes the late copy would overwrite."""
-        src = memoryview(data).cast("B")
-        with self._lock:
-            lease, slot = self._slot(lease_id, name)
-            if lease.mode is not LeaseMode.WRITE:
-                raise InvalidInput(f"lease_id: {lease_id} is a READ lease; it cannot be written")
-            writes.fill(self._store, slot, name, src)
 
     # ---- expiry ------------------------------------------------------------------------
 

@@ -33,6 +33,8 @@ Primitives:
   raw length must equal the record's), and at open, where every record is also bounded
   and compared with its frame's header (read from its segment: 40 bytes a row). A row
   that fails is deleted and counted in ``corrupt_rows``; the open never fails for it.
+  That check, the salvage and rebuild of a damaged index, and :meth:`DiskTier.check`
+  are :mod:`kvbank.tiers.diskcheck`.
 - :meth:`DiskTier.scan` lists the committed rows that passed those checks at open, which
   is how the store rebuilds its index on restart: sizes exact, LRU order by write clock.
 
@@ -58,7 +60,6 @@ import logging
 import os
 import threading
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import replace
 from pathlib import Path
 
 import lmdb
@@ -66,6 +67,7 @@ import lmdb
 from kvbank.codec import DEFAULT_LEVEL, HEADER_SIZE, check_raw, decode_into, encode
 from kvbank.errors import CorruptPage, InvalidInput, TierFull, TierUnavailable
 from kvbank.keys import ROW_NAME_BYTES
+from kvbank.tiers import diskcheck
 from kvbank.tiers.base import (
     OS_ERRORS,
     Buffer,
@@ -80,8 +82,7 @@ from kvbank.tiers.base import (
 from kvbank.tiers.datadir import FILE_MODE, private_dir, tighten
 from kvbank.tiers.diskcompact import DEFAULT_COMPACT_BYTES, CompactReport, compact, run_compactor
 from kvbank.tiers.diskfile import DirLock, SalvageReport, check_file
-from kvbank.tiers.diskfile import salvage as run_salvage
-from kvbank.tiers.disklegacy import locate, orphan_frames, replaced
+from kvbank.tiers.disklegacy import locate, replaced
 from kvbank.tiers.disklog import LOG_DB, mark, replay, sync_index
 from kvbank.tiers.diskmeta import (
     LMDB_ERRORS,
@@ -90,8 +91,6 @@ from kvbank.tiers.diskmeta import (
     check_dtype,
     check_header,
     check_row,
-    check_salvaged,
-    delete_exact,
     pack_meta,
     unpack_record,
 )
@@ -119,20 +118,6 @@ def _free_bytes(path: Path) -> int:
     except OSError:
         return 0
     return st.f_bavail * st.f_frsize
-
-
-# LMDB's answers to a damaged file, which a salvage may get rows out of
-_DAMAGED: tuple[type[Exception], ...] = (lmdb.CorruptedError, lmdb.PageNotFoundError,
-                                         lmdb.InvalidError, lmdb.VersionMismatchError,
-                                         lmdb.PanicError, lmdb.BadRslotError)
-
-
-def _with_salvage_hint(exc: TierUnavailable) -> TierUnavailable:
-    """An open refused for damage names ``disk_salvage``, as the truncation check does."""
-    if "disk_salvage" in str(exc) or not isinstance(exc.__cause__, _DAMAGED):
-        return exc
-    return TierUnavailable(f"{exc}; set disk_salvage (KVBANK_DISK_SALVAGE=1) to copy the rows "
-                           "that can be read into a fresh environment (the damaged files are kept)")
 
 
 class _Scratch(threading.local):
@@ -202,21 +187,14 @@ class DiskTier(Tier, FrameStoreBase):
                 self._open_env(size, sync)
                 if segments:
                     replay(self)  # writes whose index commit a machine crash undid
-                rows, bad, self._used = self._scan_checked()
+                rows, bad, self._used = diskcheck.scan_checked(self)
             except TierUnavailable as exc:
                 if not salvage:
-                    raise _with_salvage_hint(exc) from exc.__cause__
-                if hasattr(self, "_env"):
-                    self._env.close()
-                logged = bool(self._segs.ids())
-                self.salvaged = run_salvage(self.path, str(exc), self._salvage_row,
-                                            map_size=size, walk_meta=not logged)
-                self._open_env(size, sync)
-                if logged:
-                    self.salvaged = self._rebuild(self.salvaged)
+                    raise diskcheck.salvage_hint(exc) from exc.__cause__
+                diskcheck.salvage_index(self, str(exc), map_size=size, sync=sync)
                 if segments:
                     replay(self)
-                rows, bad, self._used = self._scan_checked()
+                rows, bad, self._used = diskcheck.scan_checked(self)
         except BaseException:
             if hasattr(self, "_env"):
                 self._env.close()
@@ -227,7 +205,7 @@ class DiskTier(Tier, FrameStoreBase):
         self.seq = max((r.seq for r in rows), default=0)  # the highest write clock on disk
         self._opened: list[DiskRow] | None = rows  # what scan() answers until a write
         if bad:  # the row cannot be trusted: drop it, never fail the open for it
-            self._drop_bad(bad)
+            diskcheck.drop_bad(self, bad)
         # Sealed segments no row is in: crash tails, or deleted before a crash let the
         # unlink happen. Nothing names them; their space goes back now.
         self._retire(self._segs.empty_sealed())
@@ -406,7 +384,7 @@ class DiskTier(Tier, FrameStoreBase):
             self._opened = None
             if bad_old:
                 self.corrupt_rows += bad_old
-                self._recount_locked()
+                diskcheck.recount_locked(self)
         if bad_old:
             logger.warning("disk tier: replaced %d rows whose metadata failed its checks", bad_old)
 
@@ -559,178 +537,6 @@ class DiskTier(Tier, FrameStoreBase):
             self.corrupt_rows += 1
         logger.warning("disk tier: row %s… failed its checks; deleted", name.hex()[:16])
 
-    def _scan_checked(self) -> tuple[list[DiskRow], list[bytes], int]:
-        """Every row whose meta record passes its checks and agrees with its frame
-        (length, header raw length and dtype; only header bytes are read, a segment
-        row's must lie wholly inside its segment); the names that fail (a frame with no
-        record included); the frame bytes of the rows that pass. Sets the live bytes of
-        every segment."""
-        rows: list[DiskRow] = []
-        bad: list[bytes] = []
-        used = 0
-        live: dict[int, int] = {}
-        first: str | None = None
-        try:
-            with self._env.begin(buffers=True) as txn:
-                with_frame = 0
-                for key, value in txn.cursor(db=self._meta):
-                    name, rec = bytes(key), bytes(value)
-                    frame = txn.get(name, db=self._frames)
-                    with_frame += frame is not None
-                    try:
-                        if len(name) != ROW_NAME_BYTES:
-                            raise CorruptPage(f"meta key of {len(name)} bytes is no row name")
-                        row, where = unpack_record(name, rec)
-                        if where is None:
-                            check_row(row, frame)
-                        else:
-                            self._check_located(row, where)
-                            live[where.seg] = live.get(where.seg, 0) + row.frame_len
-                    except CorruptPage as exc:
-                        bad.append(name)
-                        first = first or str(exc)
-                        continue
-                    used += row.frame_len
-                    rows.append(row)
-                # frames with no meta record (or a damaged key)
-                bad += orphan_frames(txn, self._frames, with_frame,
-                                     {r.name for r in rows}.union(bad))
-        except LMDB_ERRORS as exc:
-            raise TierUnavailable(f"disk tier: scanning {self.path}: {exc}") from exc
-        for seg in self._segs.ids():
-            self._segs.add_live(seg, live.get(seg, 0) - self._segs.live_of(seg))
-        if first is not None:
-            logger.warning("disk tier: %d rows failed their metadata checks (first: %s)",
-                           len(bad), first)
-        return rows, bad, used
-
-    def _check_located(self, row: DiskRow, where: Where) -> None:
-        """A segment row's frame lies inside its segment and its header agrees."""
-        what = f"row {row.name.hex()[:16]}…"
-        seg = self._segs.pin(where.seg)
-        if seg is None:
-            raise CorruptPage(f"{what}: segment {where.seg} is missing")
-        try:
-            if where.offset + row.frame_len > seg.size:
-                raise CorruptPage(f"{what}: its frame ends at {where.offset + row.frame_len}, "
-                                  f"segment {where.seg} holds {seg.size} bytes")
-            head = bytearray(HEADER_SIZE)
-            try:
-                got = self._segs.read_into(seg, where.offset, [memoryview(head)])
-            except OS_ERRORS as exc:
-                raise TierUnavailable(f"disk tier: reading segment {where.seg}: {exc}") from exc
-            if got != HEADER_SIZE:
-                raise CorruptPage(f"{what}: frame header cut short in segment {where.seg}")
-            check_header(row, row.frame_len, head)
-        finally:
-            self._segs.unpin(seg)
-
-    def _salvage_row(self, name: bytes, frame: bytes | None,
-                     meta: bytes | None) -> tuple[bytes, bytes | None]:
-        """A salvage's check (see :func:`~kvbank.tiers.diskmeta.check_salvaged`): a segment
-        row keeps its record when its frame, read from the segment, decodes whole."""
-        if frame is None and meta is not None and len(name) == ROW_NAME_BYTES:
-            row, where = unpack_record(name, meta)
-            if where is not None:
-                got = self._segment_frame(where, row)
-                if got is None:
-                    raise CorruptPage(f"row {name.hex()[:16]}…: segment {where.seg} is gone")
-                check_salvaged(name, got, meta)  # decodes (checksum included)
-                return meta, None
-        return check_salvaged(name, frame, meta), frame
-
-    def _rebuild(self, report: SalvageReport) -> SalvageReport:
-        """Index every row the segment files hold (after a salvage of a damaged index):
-        each entry names its row and carries its record, a later entry supersedes an
-        earlier one, and a frame that does not decode whole is dropped. Newest rows first
-        until the budget is full. Rows deleted but not yet compacted away come back: their
-        bytes are still the row's (equal names, interchangeable bytes)."""
-        def frame_len(name: bytes, record: bytes) -> int | None:
-            try:
-                return unpack_record(name, record)[0].frame_len
-            except CorruptPage:
-                return None
-
-        found: dict[bytes, tuple[DiskRow, Where]] = {}
-        for seg in self._segs.ids():
-            for name, record, off, _ in self._segs.entries(seg, frame_len):
-                found[name] = (unpack_record(name, record)[0], Where(seg, off))
-        kept: list[tuple[DiskRow, Where]] = []
-        dropped = 0
-        first = report.first_error
-        used = 0
-        for row, where in sorted(found.values(), key=lambda rw: -rw[0].seq):
-            try:
-                frame = self._segment_frame(where, row)
-                if frame is None:
-                    raise CorruptPage(f"row {row.name.hex()[:16]}…: segment {where.seg} is gone")
-                check_salvaged(row.name, frame, None)
-            except CorruptPage as exc:
-                dropped += 1
-                first = first or str(exc)
-                continue
-            if used + row.frame_len > self._budget:
-                dropped += 1
-                continue
-            used += row.frame_len
-            kept.append((row, where))
-        try:
-            with self._env.begin(write=True) as txn:
-                for row, where in kept:
-                    txn.delete(row.name, db=self._frames)  # an older copy: the segment's is newer
-                    txn.put(row.name, pack_meta(row.name, row.raw_len, row.frame_len, row.seq,
-                                                row.dtype, row.parent, where), db=self._meta)
-        except LMDB_ERRORS as exc:
-            raise self._mapped("rebuilding the index from the segments", exc) from exc
-        return replace(report, copied=report.copied + len(kept),
-                       dropped=report.dropped + dropped, first_error=first)
-
-    def _recount_locked(self) -> None:
-        """Sum the frame bytes of every row whose record passes its checks, overall and
-        per segment (after a record that failed was replaced or deleted: its own figures
-        could not be trusted)."""
-        used = 0
-        live: dict[int, int] = {}
-        try:
-            with self._env.begin(buffers=True) as txn:
-                for key, value in txn.cursor(db=self._meta):
-                    name = bytes(key)
-                    try:
-                        row, where = unpack_record(name, value)
-                    except CorruptPage:
-                        continue
-                    if where is None:
-                        frame = txn.get(name, db=self._frames)
-                        used += 0 if frame is None else len(frame)
-                    else:
-                        used += row.frame_len
-                        live[where.seg] = live.get(where.seg, 0) + row.frame_len
-        except LMDB_ERRORS as exc:
-            raise TierUnavailable(f"disk tier: counting {self.path}: {exc}") from exc
-        self._used = used
-        for seg in self._segs.ids():
-            self._segs.add_live(seg, live.get(seg, 0) - self._segs.live_of(seg))
-        self._retire(self._segs.empty_sealed())
-
-    def _drop_bad(self, names: list[bytes]) -> None:
-        """Delete rows that failed their checks at a scan, and count them. A key whose
-        stored bytes are damaged sits out of B-tree order, where a lookup by key never
-        finds it: such an entry is found by walking the database and deleted through the
-        cursor. ``used_bytes`` and the segments' live bytes are recounted after."""
-        with self._lock:
-            self._check_open()
-            try:
-                with self._env.begin(write=True, buffers=True) as txn:
-                    for name in names:
-                        for db in (self._frames, self._meta):
-                            delete_exact(txn, db, name)
-            except LMDB_ERRORS as exc:
-                raise self._mapped("deleting damaged rows", exc) from exc
-            self._opened = None
-            self.corrupt_rows += len(names)
-            self._recount_locked()
-        logger.warning("disk tier: dropped %d rows whose metadata failed its checks", len(names))
-
     def scan(self, prefix: bytes = b"") -> Iterator[DiskRow]:
         """Every committed row whose name starts with ``prefix`` and that passed its
         checks (the meta record, and its agreement with the frame's length and header);
@@ -741,9 +547,9 @@ class DiskTier(Tier, FrameStoreBase):
         with self._lock:
             rows, self._opened = self._opened, None
         if rows is None:
-            rows, bad, _ = self._scan_checked()
+            rows, bad, _ = diskcheck.scan_checked(self)
             if bad:
-                self._drop_bad(bad)
+                diskcheck.drop_bad(self, bad)
         return iter([r for r in rows if r.name.startswith(prefix)] if prefix else rows)
 
     def names(self) -> list[bytes]:
@@ -755,51 +561,10 @@ class DiskTier(Tier, FrameStoreBase):
             raise TierUnavailable(f"disk tier: listing names: {exc}") from exc
 
     def check(self) -> None:
-        """Every record passes its checks; an older-layout row has its ``frames`` value
-        (of the recorded length) and a segment row none, its frame inside its segment;
-        no ``frames`` value lacks a record; ``used_bytes`` and each segment's live bytes
-        are the sums of the rows'."""
-        self._check_open()
-        try:
-            with self._lock, self._env.begin(buffers=True) as txn:
-                frames = {bytes(k): len(v) for k, v in txn.cursor(db=self._frames)}
-                try:
-                    metas = {bytes(k): unpack_record(bytes(k), v)
-                             for k, v in txn.cursor(db=self._meta)}
-                except CorruptPage as exc:
-                    raise AssertionError(f"disk tier: {exc}") from exc
-                live = {seg: self._segs.live_of(seg) for seg in self._segs.ids()}
-                sizes = {seg: self._segs.size_of(seg) for seg in self._segs.ids()}
-                used = self._used
-        except LMDB_ERRORS as exc:
-            raise TierUnavailable(f"disk tier: checking {self.path}: {exc}") from exc
-        if frames.keys() - metas.keys():
-            raise AssertionError(f"disk tier: {len(frames.keys() - metas.keys())} frames "
-                                 "have no meta record")
-        total = 0
-        counted: dict[int, int] = {}
-        for name, (row, where) in metas.items():
-            tag = name.hex()[:16]
-            if where is None:
-                if frames.get(name) != row.frame_len:
-                    raise AssertionError(f"disk tier: {tag}… frame is {frames.get(name)} "
-                                         f"bytes, meta says {row.frame_len}")
-            else:
-                if name in frames:
-                    raise AssertionError(f"disk tier: {tag}… is in a segment and in frames")
-                size = sizes.get(where.seg)
-                if size is None or where.offset + row.frame_len > size:
-                    raise AssertionError(f"disk tier: {tag}… lies outside segment {where.seg}")
-                counted[where.seg] = counted.get(where.seg, 0) + row.frame_len
-            total += row.frame_len
-        if total != used:
-            raise AssertionError(f"disk tier: used_bytes {used} != frames {total}")
-        for seg, n in live.items():
-            if counted.get(seg, 0) != n:
-                raise AssertionError(f"disk tier: segment {seg} live bytes {n} != its rows' "
-                                     f"{counted.get(seg, 0)}")
-        if total > self._budget:
-            raise AssertionError(f"disk tier: {total} bytes over the budget {self._budget}")
+        """The tier's invariants hold (see :func:`kvbank.tiers.diskcheck.check`):
+        records, ``frames`` values and segments agree, and ``used_bytes`` and each
+        segment's live bytes are the sums of the rows'; ``AssertionError`` if not."""
+        diskcheck.check(self)
 
     # -- compaction --------------------------------------------------------------------
 
@@ -876,7 +641,7 @@ class DiskTier(Tier, FrameStoreBase):
         self._let_go(dropped)
         self._opened = None
         if recount:
-            self._recount_locked()
+            diskcheck.recount_locked(self)
         return found
 
     def contains(self, names: Sequence[bytes]) -> list[bool]:

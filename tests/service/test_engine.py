@@ -641,7 +641,7 @@ def test_an_engine_put_on_the_channel_sends_its_slots_checksums_and_a_wrong_one_
     COMMIT carries the sums: the node keeps them as the rows' (a READ lease answers exactly
     them, the hashes of the pages in canonical order), so a sum that does not match its
     row's bytes — sent here on purpose — makes that row a miss, never other bytes."""
-    import kvbank.client.engine as engine_calls
+    import kvbank.client.poolio as poolio  # put_from's copies and their checksums
     from kvbank.codec.frame import checksum
     from kvbank.kernels.strided import gather_strided
 
@@ -658,7 +658,7 @@ def test_an_engine_put_on_the_channel_sends_its_slots_checksums_and_a_wrong_one_
         assert lease.checksums() == {n: checksum(canon[k].numpy().tobytes()) for k, n in enumerate(names)}
         c.release(lease.id)
 
-        monkeypatch.setattr(engine_calls, "checksum", lambda b: checksum(b) ^ 1)
+        monkeypatch.setattr(poolio, "checksum", lambda b: checksum(b) ^ 1)
         keys = fresh_keys(4)
         c.put_from(lid, pool=pool_of(src), block_ids={0: [2, 4, 6, 8]}, keys=keys)  # wrong sums
         monkeypatch.undo()

@@ -96,26 +96,34 @@ def _ids(block_ids: Sequence[int], blocks: int, unique: bool, field: str) -> tor
     return torch.tensor(_id_list(block_ids, blocks, unique, field), dtype=torch.long)
 
 
-SPAN_PAGES = 8  # a run is cut in pieces this long, so the lanes share a long one
+BYTES_MIN = 64 << 10  # a region this long a page or longer moves as bytes (runs of pages)
+HASHED_RUN_BYTES = 1 << 20  # a run handed to ``then`` after its copy is at most this many row bytes (or one row)
+SPAN_PAGES = 8  # a run is cut in pieces this long (or longer, see _span_pages), so the lanes share a long one
 
 
-def _spans(block_ids: Sequence[int]) -> list[tuple[int, int, int]]:
+def _span_pages(row_bytes: int) -> int:
+    """How many pages a piece of a run holds: :data:`SPAN_PAGES`, or as many as fill
+    :data:`HASHED_RUN_BYTES` where pages are small. Each piece costs a ``copy_`` per
+    buffer: 252 pages of 32 KiB into 8 ``[1, H, T, D]`` views took 1.62 ms in pieces of 8
+    pages (256 copies), 1.04 ms in pieces of 32 (1 MiB), against 0.70 ms for one copy per
+    buffer, which would leave a reader's check no piece to hash while it is in cache."""
+    return max(SPAN_PAGES, HASHED_RUN_BYTES // max(1, row_bytes))
+
+
+def _spans(block_ids: Sequence[int], cap: int = SPAN_PAGES) -> list[tuple[int, int, int]]:
     """``(first row, first block, length)`` of the runs where the block ids count up by
-    one: each run moves as one slice copy (``copy_`` of a strided view runs at memory
-    speed, ``index_put_`` does not: a 64-page, 32 MiB scatter into consecutive blocks took
-    40 ms through it, 18 ms as slice copies, 16 ms a plain memcpy of the rows; a gather's
-    ``index_select`` is as fast as slice copies and stays)."""
+    one, cut in pieces of at most ``cap`` pages: each moves as one slice copy (``copy_``
+    of a strided view runs at memory speed, ``index_put_`` does not: a 64-page, 32 MiB
+    scatter into consecutive blocks took 40 ms through it, 18 ms as slice copies, 16 ms
+    a plain memcpy of the rows; a gather's ``index_select`` is as fast as slice copies
+    and stays)."""
     out: list[tuple[int, int, int]] = []
     for r, b in enumerate(block_ids):
-        if out and out[-1][1] + out[-1][2] == b and out[-1][2] < SPAN_PAGES:
+        if out and out[-1][1] + out[-1][2] == b and out[-1][2] < cap:
             out[-1] = (out[-1][0], out[-1][1], out[-1][2] + 1)
         else:
             out.append((r, int(b), 1))
     return out
-
-
-BYTES_MIN = 64 << 10  # a region this long a page or longer moves as bytes (runs of pages)
-HASHED_RUN_BYTES = 1 << 20  # a run handed to ``then`` after its copy is at most this many row bytes (or one row)
 
 
 def _page_bytes(t: torch.Tensor) -> np.ndarray[Any, Any] | None:
@@ -211,7 +219,7 @@ def scatter_strided(layout: PageLayout, group: int, rows: torch.Tensor, pool: Po
         views = layout.views(checked, group)  # the rows are checked already
         pairs = [(views[key], dst) for key, dst in tensors.items()]
         if all(dst.device.type == "cpu" and src.device.type == "cpu" for src, dst in pairs):
-            spans = _spans(ids)
+            spans = _spans(ids, _span_pages(rows.shape[1]))
             if len(spans) * 2 <= len(block_ids):  # mostly consecutive blocks: slice copies
                 def runs(sl: slice) -> None:
                     for r, b, k in spans[sl]:

@@ -64,7 +64,11 @@ class Columns:
         col = self.columns[group]
         if len(col) < n:
             raise InvalidInput(f"present[{group}]: {len(col)} pages known, {n} keyed")
-        return [t is not None for t in col[:n]]
+        return self._flags(col[:n])
+
+    @staticmethod
+    def _flags(col: Sequence[object]) -> list[bool]:
+        return [t is not None for t in col]
 
 
 class Flags(Columns):
@@ -76,11 +80,9 @@ class Flags(Columns):
     def __call__(self, group: int, key: int) -> bool:
         return bool(self.columns[group][key])
 
-    def column(self, group: int, n: int) -> list[bool]:
-        col = self.columns[group]
-        if len(col) < n:
-            raise InvalidInput(f"present[{group}]: {len(col)} pages known, {n} keyed")
-        return [bool(x) for x in col[:n]]
+    @staticmethod
+    def _flags(col: Sequence[object]) -> list[bool]:
+        return [bool(x) for x in col]
 
 
 def picked(names: Sequence[bytes], pages: Sequence[int]) -> tuple[bytes, ...]:
